@@ -1,0 +1,120 @@
+"""The attention-backend interface shared by every registered backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Base class of attention backends (registered under ``linformer_lab.attention``).
+
+    Built as ``Cls(causal=..., query_dim=D, feature_map=..., **kwargs)``.
+
+    ``forward(q, k, v, key_lengths=None)``: q, k ``(B, H, N, D)``, v ``(B, H, N, M)`` ->
+    ``(B, H, N, M)``; keys at positions >= ``key_lengths[b]`` are ignored.
+
+    ``step(q_t, k_t, v_t, state=None)``: RNN mode (paper §3.4), one position at a time:
+    ``(B, H, D), (B, H, D), (B, H, M) -> ((B, H, M), state)``. ``state=None`` starts from the
+    empty prefix; every call attends over everything fed so far, so the outputs equal the
+    causal forward at the same positions.
+    """
+
+    #: Backends that use a feature map (linear attention) set this.
+    uses_feature_map: bool = False
+    #: Backends whose keys are the queries (Reformer's shared-QK) set this; the multi-head
+    #: module then has no key projection and passes ``k = q``.
+    shares_query_key: bool = False
+
+    def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None):
+        super().__init__()
+        if feature_map is not None and not self.uses_feature_map:
+            raise ValueError(
+                f"attention backend {type(self).__name__} does not use a feature map, but "
+                f"feature_map={_describe(feature_map)} was given. Feature maps apply to the "
+                f"linear backends ('linear', 'linear_cuda'); leave feature_map unset here."
+            )
+        self.causal = bool(causal)
+        self.query_dim = query_dim
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths=None) -> None:
+        """Raise a ValueError that states what was expected for any mismatch."""
+        name = type(self).__name__
+        for label, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: {label} must be a 4-d tensor (batch, heads, seq, dim), got {shape}")
+        if q.shape != k.shape:
+            raise ValueError(f"{name}: q and k must have the same shape (batch, heads, seq, dim); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if v.shape[:3] != k.shape[:3]:
+            raise ValueError(
+                f"{name}: v must be (batch, heads, seq, value_dim) with batch, heads, seq = {tuple(k.shape[:3])} "
+                f"like k; got {tuple(v.shape)}"
+            )
+        if self.query_dim is not None and q.shape[-1] != self.query_dim:
+            raise ValueError(f"{name}: built for query_dim={self.query_dim}, got q of shape {tuple(q.shape)}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"{name}: q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not q.is_floating_point():
+            raise ValueError(f"{name}: expected floating-point q, k, v; got {q.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"{name}: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+        if key_lengths is not None:
+            check_key_lengths(key_lengths, batch=q.shape[0], seq=q.shape[2], device=q.device, who=name)
+
+    def check_step_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        name = type(self).__name__
+        for label, t in (("q_t", q), ("k_t", k), ("v_t", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}.step: {label} must be a 3-d tensor (batch, heads, dim), got {shape}")
+        self.check_inputs(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, query_dim={self.query_dim}"
+
+
+def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, who: str) -> None:
+    if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or key_lengths.is_floating_point():
+        got = f"{key_lengths.dtype} tensor of shape {tuple(key_lengths.shape)}" if isinstance(key_lengths, torch.Tensor) else type(key_lengths).__name__
+        raise ValueError(f"{who}: key_lengths must be an integer tensor of shape ({batch},), got {got}")
+    if key_lengths.device != device:
+        raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
+    low, high = int(key_lengths.min()), int(key_lengths.max())
+    if low < 1 or high > seq:
+        raise ValueError(f"{who}: key_lengths must lie in [1, {seq}] (the sequence length); got values in [{low}, {high}]")
+
+
+def _describe(feature_map) -> str:
+    return repr(feature_map) if isinstance(feature_map, str) else type(feature_map).__name__
+
+
+class KVCache:
+    """Keys and values of the prefix, for backends whose state grows with the sequence
+    (stateful softmax, paper §C.1, and LSH's recompute baseline).
+
+    Storage doubles when full, so appending is amortised O(1) with no allocation on most
+    steps. ``keys (B, H, T, D)`` and ``values (B, H, T, M)`` views cover the ``T`` filled slots.
+    """
+
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
+        b, h, d = k_t.shape
+        self._k = k_t.new_empty(b, h, capacity, d)
+        self._v = v_t.new_empty(b, h, capacity, v_t.shape[-1])
+        self.length = 0
+
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
+        if self.length == self._k.shape[2]:
+            self._k = torch.cat([self._k, torch.empty_like(self._k)], dim=2)
+            self._v = torch.cat([self._v, torch.empty_like(self._v)], dim=2)
+        self._k[:, :, self.length] = k_t
+        self._v[:, :, self.length] = v_t
+        self.length += 1
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self.length]

@@ -1,0 +1,93 @@
+"""``linear``: linear attention (paper §3.2-3.4) in pure PyTorch, CPU and GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from linformer_lab.attention.base import Attention
+from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.ops import linear_attention as ops
+
+
+class LinearAttention(Attention):
+    """V' = phi(Q) (phi(K)^T V) / phi(Q) sum_j phi(K_j)  (eq. 5-6), causal as eq. 9-12.
+
+    Args:
+        causal: mask the future (eq. 8-9).
+        query_dim: D, the per-head query/key size (needed to build the feature map).
+        feature_map: a registered name (default ``"elu"``, eq. 7), a :class:`FeatureMap`
+            instance, or None for the default.
+        feature_map_kwargs: keyword arguments for a feature map given by name.
+        eps: added to the normaliser.
+        chunk_size: chunk length of the causal algorithm (default: chosen from C and M).
+
+    RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed
+    size whatever the sequence length.
+    """
+
+    uses_feature_map = True
+
+    def __init__(
+        self,
+        causal: bool = False,
+        query_dim: int | None = None,
+        feature_map: str | FeatureMap | None = None,
+        feature_map_kwargs: dict | None = None,
+        eps: float = 1e-6,
+        chunk_size: int | None = None,
+    ):
+        super().__init__(causal=causal, query_dim=query_dim, feature_map=feature_map)
+        self.feature_map = resolve_feature_map(feature_map, query_dim, feature_map_kwargs)
+        self.query_dim = self.feature_map.query_dim
+        self.eps = eps
+        self.chunk_size = chunk_size
+
+    def causal_dot_product(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Numerator of eq. 9; the CUDA backend overrides this one method."""
+        return ops.causal_dot_product(phi_q, phi_k, v, self.chunk_size)
+
+    def forward(self, q, k, v, key_lengths=None):
+        self.check_inputs(q, k, v, key_lengths)
+        phi_q = self.feature_map.forward_queries(q)
+        phi_k = self.feature_map.forward_keys(k)
+        if self.causal:
+            return ops.causal_linear_attention(
+                phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, dot_product=self.causal_dot_product
+            )
+        return ops.linear_attention(phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps)
+
+    def step(self, q_t, k_t, v_t, state=None):
+        self.check_step_inputs(q_t, k_t, v_t)
+        phi_q = self.feature_map.forward_queries(q_t)
+        phi_k = self.feature_map.forward_keys(k_t)
+        if state is None:
+            b, h, c = phi_k.shape
+            state_dtype = torch.float64 if v_t.dtype == torch.float64 else torch.float32
+            state = ops.new_linear_state(b, h, c, v_t.shape[-1], v_t.device, state_dtype)
+        out, state = ops.linear_attention_step(phi_q, phi_k, v_t, state, eps=self.eps)
+        return out.to(v_t.dtype), state
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, eps={self.eps}, chunk_size={self.chunk_size}"
+
+
+def resolve_feature_map(feature_map, query_dim: int | None, kwargs: dict | None) -> FeatureMap:
+    """Turn a name / instance / None into a FeatureMap, checking it fits ``query_dim``."""
+    from linformer_lab import build_feature_map  # the package API; imported late to avoid a cycle
+
+    if feature_map is None:
+        feature_map = "elu"
+    if isinstance(feature_map, str):
+        if query_dim is None:
+            raise ValueError(f"query_dim is required to build feature map {feature_map!r}")
+        return build_feature_map(feature_map, query_dim=query_dim, **(kwargs or {}))
+    if kwargs:
+        raise ValueError("feature_map_kwargs only apply when feature_map is given by name")
+    if not isinstance(feature_map, FeatureMap):
+        raise ValueError(
+            f"feature_map must be a registered name, a linformer_lab.feature_maps.FeatureMap instance or None; "
+            f"got {type(feature_map).__name__}"
+        )
+    if query_dim is not None and feature_map.query_dim != query_dim:
+        raise ValueError(f"feature map was built for query_dim={feature_map.query_dim} but query_dim={query_dim}")
+    return feature_map

@@ -1,0 +1,79 @@
+"""``lsh``: Reformer LSH attention (Kitaev et al. 2020), the paper's lsh-1/lsh-4 baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from linformer_lab.attention.base import Attention, KVCache
+from linformer_lab.ops.lsh import lsh_attention
+
+
+class LSHAttention(Attention):
+    """Shared-QK LSH attention; see :mod:`linformer_lab.ops.lsh` for the algorithm.
+
+    Args:
+        n_hashes: rounds of hashing (paper: 1 and 4; 8 in Fig. 1).
+        bucket_size: positions per attention chunk (paper: ~32, e.g. 29 for MNIST's 783).
+        n_buckets: hash buckets (paper: 64); must be even.
+        seed: seed of the random rotations. They are a buffer (saved in checkpoints) and
+            fixed between calls, so a model is a deterministic function; :meth:`redraw`
+            draws new ones.
+
+    Keys are the queries (shared-QK): ``k`` must be the same tensor as ``q`` (the
+    multi-head module passes ``k = q`` for this backend); a different ``k`` is an error
+    rather than silently ignored.
+
+    RNN mode keeps the prefix (a KV cache) and recomputes the attention over it at every
+    step, the paper's baseline for Reformer generation; the step output equals the forward
+    over the same prefix.
+    """
+
+    shares_query_key = True
+
+    def __init__(
+        self,
+        causal: bool = False,
+        query_dim: int | None = None,
+        feature_map=None,
+        n_hashes: int = 1,
+        bucket_size: int = 32,
+        n_buckets: int = 64,
+        seed: int = 0,
+    ):
+        super().__init__(causal=causal, query_dim=query_dim, feature_map=feature_map)
+        if query_dim is None:
+            raise ValueError("lsh attention needs query_dim to draw its hash rotations")
+        if n_hashes < 1 or bucket_size < 1:
+            raise ValueError(f"n_hashes and bucket_size must be >= 1, got {n_hashes}, {bucket_size}")
+        if n_buckets < 2 or n_buckets % 2:
+            raise ValueError(f"n_buckets must be an even number >= 2, got {n_buckets}")
+        self.n_hashes, self.bucket_size, self.n_buckets = n_hashes, bucket_size, n_buckets
+        self._generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("rotations", torch.empty(query_dim, n_hashes, n_buckets // 2))
+        self.redraw()
+
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        r = torch.randn(self.rotations.shape, generator=generator or self._generator)
+        with torch.no_grad():
+            self.rotations.copy_(r)
+
+    def forward(self, q, k, v, key_lengths=None):
+        self.check_inputs(q, k, v, key_lengths)
+        if k is not q and not torch.equal(k, q):
+            raise ValueError(
+                "lsh attention shares queries and keys (Reformer's shared-QK): pass k = q. "
+                "MultiHeadAttention does this automatically for backends with shares_query_key."
+            )
+        return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths)
+
+    def step(self, q_t, k_t, v_t, state: KVCache | None = None):
+        self.check_step_inputs(q_t, k_t, v_t)
+        if state is None:
+            state = KVCache(q_t, v_t)
+        state.append(q_t, v_t)
+        out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True)
+        return out[:, :, -1], state
+
+    def extra_repr(self) -> str:
+        return (f"causal={self.causal}, n_hashes={self.n_hashes}, bucket_size={self.bucket_size}, "
+                f"n_buckets={self.n_buckets}")

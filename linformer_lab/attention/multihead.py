@@ -1,0 +1,85 @@
+"""Multi-head attention with Q/K/V/output projections over any registered backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from linformer_lab.attention.base import Attention
+
+
+class MultiHeadAttention(nn.Module):
+    """``(B, N, d_model) -> (B, N, d_model)``; ``step``: ``(B, d_model) -> (B, d_model)``.
+
+    Args:
+        d_model: model width.
+        n_heads: heads; each gets ``d_model // n_heads`` query and value dims unless
+            ``query_dim`` / ``value_dim`` say otherwise.
+        attention: a registered backend name or a built :class:`Attention` module.
+        causal: passed to the backend when built by name.
+        feature_map: passed to the backend when built by name (linear backends only).
+        attention_kwargs: further backend arguments, e.g. ``{"n_hashes": 4}`` for lsh.
+
+    Queries, keys and values come from one fused projection (one matmul per call, which
+    matters for the one-token RNN step). For shared-QK backends (lsh) there is no key
+    projection: keys are the queries.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        attention: str | Attention = "linear",
+        causal: bool = False,
+        feature_map=None,
+        attention_kwargs: dict | None = None,
+        query_dim: int | None = None,
+        value_dim: int | None = None,
+    ):
+        super().__init__()
+        if d_model % n_heads and (query_dim is None or value_dim is None):
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; set query_dim and value_dim")
+        self.n_heads = n_heads
+        self.query_dim = query_dim or d_model // n_heads
+        self.value_dim = value_dim or d_model // n_heads
+        if isinstance(attention, str):
+            from linformer_lab import build_attention
+
+            attention = build_attention(
+                attention, causal=causal, query_dim=self.query_dim, feature_map=feature_map, **(attention_kwargs or {})
+            )
+        elif feature_map is not None or attention_kwargs:
+            raise ValueError("feature_map and attention_kwargs apply only when attention is given by name")
+        self.attention = attention
+        self.shares_query_key = attention.shares_query_key
+        hq, hv = n_heads * self.query_dim, n_heads * self.value_dim
+        self._split = [hq, hv] if self.shares_query_key else [hq, hq, hv]
+        self.qkv = nn.Linear(d_model, sum(self._split))
+        self.out = nn.Linear(hv, d_model)
+
+    def _project(self, x: torch.Tensor):
+        """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
+        parts = self.qkv(x).split(self._split, dim=-1)
+        if self.shares_query_key:
+            q, v = parts
+            k = q
+        else:
+            q, k, v = parts
+        lead = x.shape[:-1]
+        q = q.view(*lead, self.n_heads, self.query_dim)
+        k = q if self.shares_query_key else k.view(*lead, self.n_heads, self.query_dim)
+        return q, k, v.view(*lead, self.n_heads, self.value_dim)
+
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``."""
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))  # (B, H, N, dim)
+        if self.shares_query_key:
+            k = q
+        out = self.attention(q, k, v, key_lengths=key_lengths)  # (B, H, N, value_dim)
+        return self.out(out.transpose(1, 2).flatten(2))
+
+    def step(self, x_t: torch.Tensor, state=None):
+        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``."""
+        q, k, v = self._project(x_t)  # (B, H, dim)
+        out, state = self.attention.step(q, k, v, state)
+        return self.out(out.flatten(1)), state

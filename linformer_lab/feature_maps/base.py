@@ -1,0 +1,51 @@
+"""The feature-map interface: phi such that sim(q, k) = phi(q)^T phi(k) (paper eq. 4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FeatureMap(nn.Module):
+    """Base class of every feature map; subclasses are registered by entry point.
+
+    Built as ``Cls(query_dim=D, **kwargs)``; maps ``(..., D) -> (..., output_dim)``.
+    Queries and keys go through the same map by default; a map that can stabilise
+    queries differently (e.g. by a per-query constant that cancels in the attention ratio)
+    overrides :meth:`forward_queries`.
+    """
+
+    #: True for maps drawn at random (they implement :meth:`redraw`).
+    is_random: bool = False
+
+    def __init__(self, query_dim: int):
+        super().__init__()
+        if not isinstance(query_dim, int) or query_dim < 1:
+            raise ValueError(f"query_dim must be a positive int, got {query_dim!r}")
+        self.query_dim = query_dim
+
+    @property
+    def output_dim(self) -> int:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward_queries(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def forward_keys(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw new random features (no-op for deterministic maps)."""
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.query_dim:
+            raise ValueError(
+                f"{type(self).__name__} was built for query_dim={self.query_dim} but got input "
+                f"of shape {tuple(x.shape)} (last dim {x.shape[-1]})"
+            )
+
+    def extra_repr(self) -> str:
+        return f"query_dim={self.query_dim}, output_dim={self.output_dim}"

@@ -1,0 +1,28 @@
+"""phi(x) = elu(x) + 1, the paper's feature map (eq. 7)."""
+
+from __future__ import annotations
+
+import torch
+
+from linformer_lab.feature_maps.base import FeatureMap
+
+
+class EluFeatureMap(FeatureMap):
+    """``elu(x) + 1``, elementwise; ``output_dim == query_dim``.
+
+    Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, which is the same function
+    without the cancellation of ``(exp(x) - 1) + 1``: in bf16/fp16 that sum rounds to 0 for
+    x below about -9 (bf16), making phi zero and the attention normaliser 0/0.
+    """
+
+    def __init__(self, query_dim: int):
+        super().__init__(query_dim)
+
+    @property
+    def output_dim(self) -> int:
+        return self.query_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        # clamp keeps exp() of the unused branch finite so its (discarded) gradient is not NaN
+        return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))

@@ -1,0 +1,1 @@
+"""Models built from the attention plugins: the transformer stack and output heads."""

@@ -1,0 +1,99 @@
+"""The transformer of paper eq. 1, with a parallel path and a recurrent path (§3.4).
+
+Each layer is pre-norm: ``x = x + attention(norm(x)); x = x + feedforward(norm(x))``.
+``forward`` runs a whole sequence (training, evaluation); ``step`` runs one position with a
+per-layer state (generation). Both go through the same weights, and a test checks that
+they agree for every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from linformer_lab.attention.multihead import MultiHeadAttention
+
+
+class TransformerLayer(nn.Module):
+    """One layer: ``(B, N, d_model) -> (B, N, d_model)``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        attention: str = "linear",
+        causal: bool = True,
+        feature_map=None,
+        attention_kwargs: dict | None = None,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.norm_attention = nn.LayerNorm(d_model)
+        self.attention = MultiHeadAttention(
+            d_model, n_heads, attention=attention, causal=causal, feature_map=feature_map,
+            attention_kwargs=attention_kwargs,
+        )
+        self.norm_ff = nn.LayerNorm(d_model)
+        self.feedforward = nn.Sequential(
+            nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
+        )
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.norm_attention(x), key_lengths=key_lengths))
+        return x + self.dropout(self.feedforward(self.norm_ff(x)))
+
+    def step(self, x_t: torch.Tensor, state=None):
+        """``(B, d_model) -> ((B, d_model), state)``."""
+        attended, state = self.attention.step(self.norm_attention(x_t), state)
+        x_t = x_t + self.dropout(attended)
+        return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
+
+
+class Transformer(nn.Module):
+    """A stack of :class:`TransformerLayer` plus a final LayerNorm.
+
+    ``forward(x (B, N, d_model), key_lengths=None) -> (B, N, d_model)``;
+    ``step(x_t (B, d_model), state=None) -> ((B, d_model), state)`` where ``state`` is a
+    list with one backend state per layer (``None`` to start from the empty prefix).
+
+    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (backend name),
+    causal, feature_map, attention_kwargs, dropout.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        attention: str = "linear",
+        causal: bool = True,
+        feature_map=None,
+        attention_kwargs: dict | None = None,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            TransformerLayer(
+                d_model, n_heads, d_ff or 4 * d_model, attention=attention, causal=causal,
+                feature_map=feature_map, attention_kwargs=attention_kwargs, dropout=dropout,
+            )
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, key_lengths=key_lengths)
+        return self.norm(x)
+
+    def step(self, x_t: torch.Tensor, state: list | None = None):
+        if state is None:
+            state = [None] * len(self.layers)
+        new_state = []
+        for layer, layer_state in zip(self.layers, state):
+            x_t, layer_state = layer.step(x_t, layer_state)
+            new_state.append(layer_state)
+        return self.norm(x_t), new_state

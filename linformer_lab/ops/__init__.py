@@ -1,0 +1,1 @@
+"""Pure tensor functions (no module state) behind the attention backends."""
