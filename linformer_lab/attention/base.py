@@ -12,7 +12,9 @@ class Attention(nn.Module):
     Built as ``Cls(causal=..., query_dim=D, feature_map=..., **kwargs)``.
 
     ``forward(q, k, v, key_lengths=None)``: q, k ``(B, H, N, D)``, v ``(B, H, N, M)`` ->
-    ``(B, H, N, M)``; keys at positions >= ``key_lengths[b]`` are ignored.
+    ``(B, H, N, M)``; keys at positions >= ``key_lengths[b]`` are ignored. Outputs at query
+    positions >= ``key_lengths[b]`` are padding: softmax and linear still attend from them,
+    lsh returns zeros there; mask them out downstream.
 
     ``step(q_t, k_t, v_t, state=None)``: RNN mode (paper §3.4), one position at a time:
     ``(B, H, D), (B, H, D), (B, H, M) -> ((B, H, M), state)``. ``state=None`` starts from the
@@ -25,6 +27,10 @@ class Attention(nn.Module):
     #: Backends whose keys are the queries (Reformer's shared-QK) set this; the multi-head
     #: module then has no key projection and passes ``k = q``.
     shares_query_key: bool = False
+    #: False for backends whose output at position t depends on how *later* tokens are
+    #: arranged (lsh: chunk membership). Their ``step`` recomputes the attention over the
+    #: prefix, and a model stacking them must recompute all layers over the prefix too.
+    has_recurrent_form: bool = True
 
     def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None):
         super().__init__()

@@ -29,6 +29,7 @@ class LSHAttention(Attention):
     """
 
     shares_query_key = True
+    has_recurrent_form = False
 
     def __init__(
         self,

@@ -12,7 +12,9 @@ class EluFeatureMap(FeatureMap):
 
     Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, which is the same function
     without the cancellation of ``(exp(x) - 1) + 1``: in bf16/fp16 that sum rounds to 0 for
-    x below about -9 (bf16), making phi zero and the attention normaliser 0/0.
+    x below about -9 (bf16), making phi zero and the attention normaliser 0/0. In fp16 even
+    exp(x) underflows to 0 below about -17, so half-precision outputs are clamped at the
+    dtype's smallest normal number: phi stays > 0 there too.
     """
 
     def __init__(self, query_dim: int):
@@ -25,4 +27,7 @@ class EluFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         # clamp keeps exp() of the unused branch finite so its (discarded) gradient is not NaN
-        return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+        out = torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+        if x.dtype in (torch.float16, torch.bfloat16):
+            out = out.clamp_min(torch.finfo(x.dtype).tiny)
+        return out

@@ -17,7 +17,8 @@ class FavorFeatureMap(RandomFeatureMap):
     normaliser is positive. Queries subtract their own max exponent before exp: a per-query
     constant factor cancels between numerator and normaliser (eq. 5), so it changes nothing
     but keeps exp() from overflowing. Keys cannot do that (a per-key factor would not
-    cancel), so keys use the plain formula.
+    cancel), so keys use the plain formula, clamped at the dtype's smallest normal number
+    where exp() underflows, so features stay > 0 in floating point too.
     """
 
     @property
@@ -30,7 +31,9 @@ class FavorFeatureMap(RandomFeatureMap):
         if stabilise:
             exponent = exponent - exponent.amax(dim=-1, keepdim=True).detach()
         out = torch.exp(exponent) / math.sqrt(self.num_features)
-        return out if x.dtype == torch.float64 else out.to(x.dtype)
+        out = out if x.dtype == torch.float64 else out.to(x.dtype)
+        # exp() underflows to 0 for keys far from every w; keep features strictly positive
+        return out.clamp_min(torch.finfo(out.dtype).tiny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._features(x, stabilise=False)

@@ -25,10 +25,9 @@ class Poly2FeatureMap(FeatureMap):
     def __init__(self, query_dim: int):
         super().__init__(query_dim)
         rows, cols = torch.triu_indices(query_dim, query_dim)
-        weight = torch.where(rows == cols, 1.0, math.sqrt(2.0))
         self.register_buffer("_rows", rows, persistent=False)
         self.register_buffer("_cols", cols, persistent=False)
-        self.register_buffer("_pair_weight", weight, persistent=False)
+        self.register_buffer("_off_diagonal", rows != cols, persistent=False)
 
     @property
     def output_dim(self) -> int:
@@ -38,6 +37,8 @@ class Poly2FeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x = x * self.query_dim ** -0.25
-        pairs = x[..., self._rows] * x[..., self._cols] * self._pair_weight.to(x.dtype)
+        pairs = x[..., self._rows] * x[..., self._cols]
+        # a Python float keeps sqrt(2) at the input's precision (a float32 buffer would not)
+        pairs = torch.where(self._off_diagonal, pairs * math.sqrt(2.0), pairs)
         ones = torch.ones_like(x[..., :1])
         return torch.cat([ones, math.sqrt(2.0) * x, pairs], dim=-1)

@@ -22,7 +22,9 @@ def draw_gaussian_projection(
     blocks = []
     for start in range(0, num_features, dim):
         gaussian = torch.randn(dim, dim, generator=generator)
-        q, _ = torch.linalg.qr(gaussian)
+        q, r = torch.linalg.qr(gaussian)
+        # fix the signs so Q is Haar-distributed; raw QR output is biased towards R_ii > 0
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
         blocks.append(q.T[: min(dim, num_features - start)])
     rows = torch.cat(blocks)
     norms = torch.randn(num_features, dim, generator=generator).norm(dim=1, keepdim=True)

@@ -56,7 +56,9 @@ class Transformer(nn.Module):
 
     ``forward(x (B, N, d_model), key_lengths=None) -> (B, N, d_model)``;
     ``step(x_t (B, d_model), state=None) -> ((B, d_model), state)`` where ``state`` is a
-    list with one backend state per layer (``None`` to start from the empty prefix).
+    list with one backend state per layer (``None`` to start from the empty prefix). For
+    backends without a recurrent form (lsh) the state is the input prefix and every step
+    re-runs ``forward`` on it, so step outputs equal the forward over the same prefix.
 
     Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (backend name),
     causal, feature_map, attention_kwargs, dropout.
@@ -89,7 +91,17 @@ class Transformer(nn.Module):
             x = layer(x, key_lengths=key_lengths)
         return self.norm(x)
 
+    @property
+    def has_recurrent_form(self) -> bool:
+        return all(layer.attention.attention.has_recurrent_form for layer in self.layers)
+
     def step(self, x_t: torch.Tensor, state: list | None = None):
+        if not self.has_recurrent_form:
+            # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
+            # paper's generation baseline); the state is the prefix of inputs
+            state = state if state is not None else _PrefixCache()
+            state.append(x_t)
+            return self.forward(state.prefix)[:, -1], state
         if state is None:
             state = [None] * len(self.layers)
         new_state = []
@@ -97,3 +109,23 @@ class Transformer(nn.Module):
             x_t, layer_state = layer.step(x_t, layer_state)
             new_state.append(layer_state)
         return self.norm(x_t), new_state
+
+
+class _PrefixCache:
+    """Inputs seen so far, ``(B, T, d_model)``, with amortised O(1) appends."""
+
+    def __init__(self):
+        self._buffer = None
+        self.length = 0
+
+    def append(self, x_t: torch.Tensor) -> None:
+        if self._buffer is None:
+            self._buffer = x_t.new_empty(x_t.shape[0], 256, x_t.shape[1])
+        elif self.length == self._buffer.shape[1]:
+            self._buffer = torch.cat([self._buffer, torch.empty_like(self._buffer)], dim=1)
+        self._buffer[:, self.length] = x_t
+        self.length += 1
+
+    @property
+    def prefix(self) -> torch.Tensor:
+        return self._buffer[:, : self.length]

@@ -1,0 +1,109 @@
+"""Feature maps: each kernel phi(q)^T phi(k) against the kernel it claims to compute."""
+
+import math
+
+import pytest
+import torch
+
+import linformer_lab as ll
+from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.ops.reference import polynomial_similarity
+
+
+@pytest.mark.parametrize("name", ll.list_feature_maps())
+def test_every_feature_map_builds_with_declared_output_dim(name):
+    fm = ll.build_feature_map(name, query_dim=6)
+    assert isinstance(fm, FeatureMap)
+    x = torch.randn(2, 3, 5, 6)
+    out = fm(x)
+    assert out.shape == (2, 3, 5, fm.output_dim)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="query_dim=6"):
+        fm(torch.randn(2, 7))
+
+
+def test_feature_map_names_include_the_builtins():
+    assert {"elu", "poly2", "random_fourier", "favor"} <= set(ll.list_feature_maps())
+    assert ll.list_feature_maps() == sorted(ll.list_feature_maps())
+
+
+def test_elu_matches_definition_and_stays_positive_in_half_precision():
+    fm = ll.build_feature_map("elu", query_dim=4)
+    x = torch.linspace(-30, 30, 121, dtype=torch.float64).reshape(-1, 1).expand(-1, 4)
+    torch.testing.assert_close(fm(x), torch.nn.functional.elu(x) + 1)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.full((3, 4), -20.0, dtype=dtype)
+        out = fm(x)
+        assert out.dtype == dtype
+        assert torch.isfinite(out).all() and (out > 0).all(), f"{dtype}: {out}"
+    # the naive formula really does cancel to zero in bf16, which is why we avoid it
+    x = torch.full((3, 4), -20.0, dtype=torch.bfloat16)
+    assert (torch.nn.functional.elu(x) + 1 == 0).all()
+    x = torch.tensor([-20.0, -1.0, 0.5], requires_grad=True)
+    fm_scalar = ll.build_feature_map("elu", query_dim=3)
+    fm_scalar(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([math.exp(-20.0), math.exp(-1.0), 1.0]))
+
+
+def test_poly2_is_exactly_the_degree_two_polynomial_kernel():
+    d = 7
+    fm = ll.build_feature_map("poly2", query_dim=d)
+    assert fm.output_dim == 1 + d + d * (d + 1) // 2
+    q = torch.randn(3, 11, d, dtype=torch.float64)
+    k = torch.randn(3, 13, d, dtype=torch.float64)
+    kernel = fm(q) @ fm(k).transpose(-1, -2)
+    torch.testing.assert_close(kernel, polynomial_similarity(q, k), rtol=1e-12, atol=1e-12)
+
+
+def _softmax_kernel_error(name: str, num_features: int, seed: int = 0) -> float:
+    d = 8
+    fm = ll.build_feature_map(name, query_dim=d, num_features=num_features, seed=seed)
+    gen = torch.Generator().manual_seed(123)
+    # moderate norms: the estimators' variance grows like exp(|q + k|^2 / sqrt(D)), and with
+    # large inputs a single heavy-tailed draw can dominate any finite sample
+    q = 0.4 * torch.randn(64, d, generator=gen, dtype=torch.float64)
+    k = 0.4 * torch.randn(64, d, generator=gen, dtype=torch.float64)
+    exact = torch.exp(q @ k.T / math.sqrt(d))
+    estimate = fm(q) @ fm(k).T
+    return ((estimate - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("name", ["random_fourier", "favor"])
+def test_random_features_converge_to_the_softmax_kernel(name):
+    errors = [_softmax_kernel_error(name, m) for m in (16, 256, 8192)]
+    # Monte-Carlo error shrinks like 1/sqrt(m): 512x more features, ~22x smaller in theory
+    assert errors[2] < errors[0] / 4, errors
+    assert errors[2] < 0.05, errors
+    assert errors[0] > 0.05, errors  # and the check is not vacuous: few features are visibly off
+
+
+@pytest.mark.parametrize("name", ["random_fourier", "favor"])
+def test_random_features_are_seeded_buffers_that_redraw_on_demand(name):
+    a = ll.build_feature_map(name, query_dim=5, num_features=12, seed=3)
+    b = ll.build_feature_map(name, query_dim=5, num_features=12, seed=3)
+    c = ll.build_feature_map(name, query_dim=5, num_features=12, seed=4)
+    assert torch.equal(a.projection, b.projection)
+    assert not torch.equal(a.projection, c.projection)
+    assert "projection" in a.state_dict()  # a checkpoint reproduces the features
+    before = a.projection.clone()
+    a.redraw()
+    assert not torch.equal(before, a.projection)
+    restored = ll.build_feature_map(name, query_dim=5, num_features=12, seed=99)
+    restored.load_state_dict(b.state_dict())
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(restored(x), b(x))
+
+
+def test_orthogonal_draws_are_orthogonal_within_blocks():
+    fm = ll.build_feature_map("favor", query_dim=6, num_features=6, orthogonal=True)
+    w = fm.projection.double()
+    gram = w @ w.T
+    off_diagonal = gram - torch.diag(torch.diag(gram))
+    assert off_diagonal.abs().max() < 1e-4
+
+
+def test_favor_features_are_positive_even_for_large_inputs():
+    fm = ll.build_feature_map("favor", query_dim=16, num_features=64)
+    x = 4 * torch.randn(100, 16)
+    assert (fm(x) > 0).all()
+    assert (fm.forward_queries(x) > 0).all() and torch.isfinite(fm.forward_queries(x)).all()

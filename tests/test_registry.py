@@ -1,0 +1,142 @@
+"""Plugin discovery through real entry points: built-ins, a third-party package, errors."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import linformer_lab as ll
+from linformer_lab.registry import PluginError
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "third_party_feature_map"
+
+
+def test_builtins_are_registered_through_our_own_entry_points():
+    assert {"softmax", "linear", "linear_cuda", "lsh"} <= set(ll.list_attention())
+    assert {"elu", "poly2", "random_fourier", "favor"} <= set(ll.list_feature_maps())
+    dists = ll.registry.ATTENTION.distributions()
+    assert dists["linear"] == [f"linformer_lab=={ll.__version__}"]
+
+
+def test_unknown_name_lists_valid_choices_and_closest_match():
+    with pytest.raises(PluginError) as err:
+        ll.build_feature_map("favour", query_dim=4)
+    message = str(err.value)
+    assert "Unknown feature map 'favour'" in message and "Did you mean 'favor'?" in message
+    for name in ll.list_feature_maps():
+        assert name in message
+    with pytest.raises(PluginError, match="Valid choices: .*softmax"):
+        ll.build_attention("sofmax", query_dim=4)
+
+
+def _write_distribution(site: Path, dist: str, module: str, source: str, entry_points: str) -> None:
+    """A minimal installed distribution: the module plus a .dist-info like pip writes."""
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    (info / "RECORD").write_text("")
+
+
+def _run(site: Path, code: str) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter with `site` on the path: discovery through the standard
+    importlib.metadata machinery, no patching of our registry."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _install_example(site: Path) -> None:
+    """Install examples/third_party_feature_map the way an installer would: its package
+    directory plus a .dist-info carrying the entry points from its pyproject."""
+    import shutil
+    import tomllib
+
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
+    shutil.copytree(EXAMPLE / "linformer_lab_softplus", site / "linformer_lab_softplus")
+    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    lines = []
+    for group, entries in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in entries.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("")
+
+
+def test_third_party_feature_map_works_by_name(tmp_path):
+    _install_example(tmp_path)
+    result = _run(tmp_path, """
+        import torch, linformer_lab as ll
+        assert "softplus" in ll.list_feature_maps(), ll.list_feature_maps()
+        attn = ll.build_attention("linear", causal=True, query_dim=4, feature_map="softplus")
+        q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+        out = attn.double()(q, k, v)
+        phi = torch.nn.functional.softplus
+        w = (phi(q) @ phi(k).transpose(-1, -2)).tril()
+        torch.testing.assert_close(out, (w @ v) / (w.sum(-1, keepdim=True) + attn.eps))
+        print(ll.registry.FEATURE_MAPS.distributions()["softplus"])
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "linformer-lab-softplus==0.1.0" in result.stdout
+
+
+def test_two_distributions_registering_one_name_is_an_error_naming_both(tmp_path):
+    for dist in ("plugin_a", "plugin_b"):
+        _write_distribution(
+            tmp_path, dist, f"{dist}_mod",
+            "from linformer_lab.feature_maps.elu import EluFeatureMap as Map\n",
+            f"[linformer_lab.feature_maps]\nclash = {dist}_mod:Map\n",
+        )
+    result = _run(tmp_path, """
+        import linformer_lab as ll
+        try:
+            ll.build_feature_map("clash", query_dim=4)
+        except ll.PluginError as e:
+            print(e)
+        ll.build_feature_map("elu", query_dim=4)  # the rest keeps working
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "more than one distribution" in result.stdout
+    assert "plugin_a==0.1.0" in result.stdout and "plugin_b==0.1.0" in result.stdout
+
+
+def test_plugin_that_fails_to_import_is_named_and_others_still_work(tmp_path):
+    _write_distribution(
+        tmp_path, "broken_plugin", "broken_mod",
+        "raise ImportError('needs a package that is not installed')\n",
+        "[linformer_lab.attention]\nbroken = broken_mod:Backend\n",
+    )
+    result = _run(tmp_path, """
+        import linformer_lab as ll
+        assert "broken" in ll.list_attention()
+        try:
+            ll.build_attention("broken", query_dim=4)
+        except ll.PluginError as e:
+            print(e)
+        print(type(ll.build_attention("linear", query_dim=4)).__name__)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "'broken' from distribution broken_plugin==0.1.0 failed to import" in result.stdout
+    assert "needs a package that is not installed" in result.stdout
+    assert "LinearAttention" in result.stdout
+
+
+def test_registered_object_of_wrong_type_is_rejected(tmp_path):
+    _write_distribution(
+        tmp_path, "odd_plugin", "odd_mod", "def not_a_class():\n    pass\n",
+        "[linformer_lab.feature_maps]\nodd = odd_mod:not_a_class\n",
+    )
+    result = _run(tmp_path, """
+        import linformer_lab as ll
+        try:
+            ll.build_feature_map("odd", query_dim=4)
+        except ll.PluginError as e:
+            print(e)
+    """)
+    assert "not a linformer_lab.feature_maps.FeatureMap subclass" in result.stdout, result.stderr

@@ -1,0 +1,69 @@
+"""The parallel path (forward) and the recurrent path (step) of the model agree."""
+
+import pytest
+import torch
+
+import linformer_lab as ll
+from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.models.transformer import Transformer
+
+CPU_BACKENDS = [name for name in ll.list_attention() if name != "linear_cuda"]
+SETTINGS = [(b, None) for b in CPU_BACKENDS] + [("linear", fm) for fm in ll.list_feature_maps() if fm != "elu"]
+
+
+def _model(backend, feature_map, causal=True):
+    torch.manual_seed(0)
+    kwargs = {"bucket_size": 4, "n_buckets": 4, "n_hashes": 2} if backend == "lsh" else {}
+    if feature_map in ("favor", "random_fourier"):
+        kwargs["feature_map_kwargs"] = {"num_features": 32}
+    return Transformer(
+        n_layers=2, d_model=16, n_heads=2, attention=backend, causal=causal,
+        feature_map=feature_map, attention_kwargs=kwargs,
+    ).double().eval()
+
+
+@pytest.mark.parametrize("backend,feature_map", SETTINGS)
+def test_step_equals_forward(backend, feature_map):
+    model = _model(backend, feature_map)
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    state = None
+    stepped = []
+    with torch.no_grad():
+        for t in range(x.shape[1]):
+            y_t, state = model.step(x[:, t], state)
+            stepped.append(y_t)
+        stepped = torch.stack(stepped, 1)
+        if backend == "lsh":  # RNN mode = forward over the same prefix (see ops/lsh.py)
+            want = torch.stack([model(x[:, : t + 1])[:, t] for t in range(x.shape[1])], 1)
+        else:
+            want = model(x)
+    torch.testing.assert_close(stepped, want, rtol=1e-9, atol=1e-9)
+
+
+def test_shared_qk_backend_has_no_key_projection():
+    lsh = MultiHeadAttention(16, 2, attention="lsh", causal=True)
+    lin = MultiHeadAttention(16, 2, attention="linear", causal=True)
+    assert lsh.qkv.out_features == 2 * 16 and lin.qkv.out_features == 3 * 16
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_padding_does_not_change_valid_outputs(backend):
+    """Non-causal encoder: an utterance alone and padded in a batch give the same output."""
+    model = _model(backend, None, causal=False)
+    if backend == "lsh":
+        for layer in model.layers:
+            layer.attention.attention.bucket_size = 64  # one chunk: deterministic w.r.t. padding
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    padded = torch.cat([x, torch.randn(1, 6, 16, dtype=torch.float64)], 1)
+    batch = torch.cat([padded, torch.randn(1, 15, 16, dtype=torch.float64)])
+    with torch.no_grad():
+        alone = model(x)
+        together = model(batch, key_lengths=torch.tensor([9, 15]))
+    torch.testing.assert_close(together[:1, :9], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_flow_to_every_parameter():
+    model = _model("linear", None).float().train()
+    x = torch.randn(2, 10, 16)
+    model(x).square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
