@@ -1,0 +1,6 @@
+"""LightningDataModules. Copy task (paper §4.1.1) and image generation (§4.2); see docs/CONTRACTS.md."""
+
+from linformer_lab.data.copy import CopyDataModule
+from linformer_lab.data.images import CIFAR10DataModule, DataNotFoundError, MNISTDataModule
+
+__all__ = ["CopyDataModule", "MNISTDataModule", "CIFAR10DataModule", "DataNotFoundError"]

@@ -1,0 +1,219 @@
+"""Synthetic copy task of paper §4.1.1 (sequence duplication, as in Kitaev et al. 2020).
+
+A sample is ``L`` random symbols, a separator, then the same ``L`` symbols again, right-padded
+with 0 to a fixed width of ``2 * max_length + 1``:
+
+    tokens       = [s_1 .. s_L, SEP, s_1 .. s_L, 0 .. 0]
+    target_mask  = [0   .. 0,   0,   1   .. 1,   0 .. 0]
+
+Token ids: 0 = padding, 1..num_symbols = symbols, num_symbols + 1 = separator. ``target_mask``
+marks exactly the copied symbols: with causal masking the model predicts token ``t`` from
+tokens ``< t``, and only the copy is predictable (the prefix is random), so the loss is taken
+on those positions only. The first copied symbol (right after SEP) is a target too.
+
+Data is generated on the fly, one whole batch at a time (vectorised numpy, < 1 ms for 64 x 257).
+Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i)``:
+
+* the dataset is map-style and its keys are ``(split, epoch, i)`` tuples: ``dataset[key]``
+  seeds a fresh ``numpy`` generator from ``(seed, split, epoch, i)`` and builds the batch,
+  so nothing depends on worker processes, iteration order or earlier batches;
+* the training sampler yields the keys of one epoch; Lightning calls its ``set_epoch`` before
+  every epoch, so every epoch sees new sequences (the task has ~10^128 of them);
+* exact resume: Lightning, resuming from a mid-epoch checkpoint, restores its batch counter
+  but restarts the dataloader iterator from scratch, so a plain loader would replay the start
+  of the epoch. Our train loader is "stateful" (``state_dict``/``load_state_dict``, which
+  Lightning stores in the checkpoint under ``loops.fit_loop.state_dict.combined_loader``):
+  it records the epoch and how many batches the fit loop has *finished* in it (read from the
+  trainer's progress, not from the loader, whose count is ahead by Lightning's prefetching),
+  and on resume the sampler skips exactly those. Since a batch depends only on its key, the
+  resumed run then sees bit-identical data to an uninterrupted one (tested in
+  tests/test_data_copy.py).
+
+Validation/test batches use a fixed epoch (0): the same ``val_batches`` batches every time, so
+validation curves are comparable across epochs and runs with the same seed.
+
+Written for single-device training: under DDP Lightning wraps custom samplers in its own
+distributed wrapper, which this resume logic was neither designed nor tested for.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+PAD = 0
+TRAIN, VAL, TEST = 0, 1, 2  # split ids, part of every batch's seed so the splits never share a stream
+
+
+def make_copy_batch(
+    rng: np.random.Generator, batch_size: int, max_length: int, num_symbols: int, min_length: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draws one batch of copy-task sequences.
+
+    Lengths are uniform in [min_length, max_length], symbols uniform in 1..num_symbols.
+
+    Returns:
+        tokens: int64 (batch_size, 2 * max_length + 1), layout ``[s_1..s_L, SEP, s_1..s_L, 0...]``.
+        target_mask: bool (batch_size, 2 * max_length + 1), True exactly on the copied symbols.
+    """
+    lengths = rng.integers(min_length, max_length + 1, size=(batch_size, 1))  # (B, 1)
+    symbols = rng.integers(1, num_symbols + 1, size=(batch_size, max_length))  # (B, max_length)
+
+    pos = np.arange(2 * max_length + 1)[None, :]  # (1, N)
+    is_prefix = pos < lengths
+    is_sep = pos == lengths
+    is_copy = (pos > lengths) & (pos <= 2 * lengths)
+    # Position p of the prefix holds symbol p; position p of the copy holds symbol p - L - 1.
+    src = np.where(is_prefix, pos, pos - lengths - 1).clip(0, max_length - 1)
+    tokens = np.take_along_axis(symbols, src, axis=1)
+    tokens = np.where(is_prefix | is_copy, tokens, PAD)
+    tokens = np.where(is_sep, num_symbols + 1, tokens)
+    return torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(is_copy)
+
+
+class CopyBatches(Dataset):
+    """Map-style dataset of whole batches. ``dataset[(split, epoch, i)]`` -> (tokens, target_mask),
+    int64 / bool of shape (batch_size, 2 * max_length + 1), a pure function of (seed, split, epoch, i)."""
+
+    def __init__(self, seed: int, batch_size: int, max_length: int, num_symbols: int, min_length: int):
+        self.seed, self.batch_size = seed, batch_size
+        self.max_length, self.num_symbols, self.min_length = max_length, num_symbols, min_length
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        split, epoch, index = key
+        # SeedSequence hashes the whole tuple, so neighbouring keys give independent streams.
+        rng = np.random.default_rng([self.seed, split, epoch, index])
+        return make_copy_batch(rng, self.batch_size, self.max_length, self.num_symbols, self.min_length)
+
+
+class EpochSampler(Sampler):
+    """Yields the keys ``(TRAIN, epoch, i)``, i = 0..num_batches-1, of the current epoch.
+
+    ``set_epoch`` is called by Lightning before each epoch. ``resume(epoch, batches_done)`` makes
+    the iteration of that epoch start at batch ``batches_done`` (mid-epoch checkpoint resume).
+    (images.ShuffleSampler reuses the epoch/resume bookkeeping for shuffled sample indices.)
+    """
+
+    def __init__(self, num_batches: int):
+        self.num_batches = num_batches
+        self.epoch = 0
+        self.resume_epoch, self.resume_batch = -1, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        if batches_done >= self.num_batches:  # saved at the very end of an epoch: go on with the next
+            epoch, batches_done = epoch + 1, 0
+        self.resume_epoch, self.resume_batch = epoch, batches_done
+        # On resume Lightning creates the first iterator *before* calling set_epoch, and with
+        # num_workers > 0 that iterator pulls keys from us right away: set the epoch now.
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        # Always the full epoch, also when resuming: Lightning counts the batches it already did
+        # (its progress is restored) and expects len() to be the size of the whole epoch.
+        return self.num_batches
+
+    def start_batch(self) -> int:
+        """First batch of the current epoch: 0, or where a resumed epoch left off."""
+        return min(self.resume_batch, self.num_batches) if self.epoch == self.resume_epoch else 0
+
+    def __iter__(self):
+        for i in range(self.start_batch(), self.num_batches):
+            yield (TRAIN, self.epoch, i)
+
+
+class ResumableLoader(DataLoader):
+    """DataLoader over an ``EpochSampler`` that Lightning recognises as resumable.
+
+    Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before the
+    first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells how many
+    batches the fit loop has finished in the current epoch.
+    """
+
+    datamodule = None
+
+    def state_dict(self) -> dict:
+        trainer = self.datamodule.trainer if self.datamodule is not None else None
+        # `processed` counts the training steps finished in this epoch (the one being saved at
+        # on_train_batch_end included): after a restart the fit loop's next batch_idx is this
+        # number. The loader's own count would be ahead by Lightning's prefetching.
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+        return {"epoch": self.sampler.epoch, "batches_done": done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.resume(state["epoch"], state["batches_done"])
+
+
+class CopyDataModule(L.LightningDataModule):
+    """Copy task (paper §4.1.1). Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``, N = 2*max_length+1.
+
+    Args:
+        max_length: longest sequence to copy (paper: 128). The batch width is 2 * max_length + 1.
+        num_symbols: alphabet size (paper: 10); ids 1..num_symbols, separator num_symbols + 1.
+        batch_size: sequences per batch (paper: 64).
+        train_batches_per_epoch: length of a training "epoch" (data is infinite; this only sets
+            how often Lightning validates / ends an epoch).
+        val_batches: number of fixed validation batches (test uses ``test_batches`` of its own).
+        seed: non-negative int; all data is a function of it (with split, epoch, batch index).
+        min_length: shortest sequence to copy; lengths are uniform in [min_length, max_length].
+        test_batches: number of fixed test batches.
+        num_workers: DataLoader workers; generation is cheap, 0 is usually best.
+    """
+
+    def __init__(
+        self,
+        max_length: int = 128,
+        num_symbols: int = 10,
+        batch_size: int = 64,
+        train_batches_per_epoch: int = 1000,
+        val_batches: int = 20,
+        seed: int = 0,
+        min_length: int = 1,
+        test_batches: int = 20,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        if not 1 <= min_length <= max_length:
+            raise ValueError(f"need 1 <= min_length <= max_length, got {min_length=} {max_length=}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
+        self.save_hyperparameters()
+        self.max_length, self.num_symbols, self.min_length = max_length, num_symbols, min_length
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
+        self.train_batches_per_epoch, self.val_batches, self.test_batches = (
+            train_batches_per_epoch, val_batches, test_batches)
+        self.dataset = CopyBatches(seed, batch_size, max_length, num_symbols, min_length)
+
+    @property
+    def vocab_size(self) -> int:
+        """Padding + symbols + separator."""
+        return self.num_symbols + 2
+
+    @property
+    def sequence_length(self) -> int:
+        """Width N of every batch: prefix, separator and copy at the longest length."""
+        return 2 * self.max_length + 1
+
+    @property
+    def separator(self) -> int:
+        return self.num_symbols + 1
+
+    def _loader(self, sampler, cls=DataLoader) -> DataLoader:
+        # batch_size=None: the dataset already returns whole batches, the loader only fetches them.
+        return cls(self.dataset, sampler=sampler, batch_size=None, num_workers=self.num_workers,
+                   persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        loader = self._loader(EpochSampler(self.train_batches_per_epoch), cls=ResumableLoader)
+        loader.datamodule = self
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader([(VAL, 0, i) for i in range(self.val_batches)])
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader([(TEST, 0, i) for i in range(self.test_batches)])

