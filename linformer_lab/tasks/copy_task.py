@@ -1,0 +1,187 @@
+"""The copy task of paper §4.1.1 (sequence duplication) as a LightningModule.
+
+A causal transformer reads ``[s_1 .. s_L, SEP, s_1 .. s_L, 0 ..]`` and is trained to predict
+every token from the ones before it; only the copy is predictable, so the loss is the
+cross-entropy on the copied positions alone (``target_mask`` of the batch, docs/CONTRACTS.md).
+
+Model (paper: "a 4 layer transformer with 8 attention heads"; the width is not given, so we
+use the image experiments' 256 = 8 heads x 32 dims, feed-forward 4 x 256):
+
+    tokens (B, N) -> token embedding + learned position embedding (B, N, d_model)
+                  -> Transformer (causal, any registered attention) -> Linear -> logits (B, N, V)
+
+Optimisation as in the paper: RAdam, lr 1e-3, divided by 10 after 3000 updates (a step
+schedule stepped every optimizer update, not every epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linformer_lab.models.transformer import Transformer
+from linformer_lab.tasks.common import AttentionConfig
+
+
+class CopyTask(L.LightningModule):
+    """Causal transformer on the copy task.
+
+    Args:
+        attention: which attention every layer uses (``backend``, ``feature_map``, ``kwargs``).
+        vocab_size: number of token ids: padding 0, symbols, separator (CopyDataModule.vocab_size;
+            the CLI links it from the data module).
+        sequence_length: width N of the batches (CopyDataModule.sequence_length, linked by the CLI);
+            sizes the position embedding.
+        d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape.
+        lr: initial RAdam learning rate.
+        lr_decay_steps: optimizer updates after which the learning rate is multiplied by
+            ``lr_decay_factor`` (paper: 3000 and 0.1); None keeps it constant.
+        weight_decay: RAdam weight decay.
+
+    Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
+    logits (B, n, vocab_size)`` for any n <= sequence_length.
+    """
+
+    #: metric the CLI's "best" checkpoint follows, and in which direction
+    monitor = "val/loss"
+    monitor_mode = "min"
+    #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
+    #: (optimisation only; the CLI's checkpoint check compares all others)
+    training_hparams = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout")
+
+    def __init__(
+        self,
+        attention: AttentionConfig | None = None,
+        vocab_size: int = 12,
+        sequence_length: int = 257,
+        d_model: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 8,
+        d_ff: int | None = None,
+        dropout: float = 0.0,
+        lr: float = 1e-3,
+        lr_decay_steps: int | None = 3000,
+        lr_decay_factor: float = 0.1,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__()
+        if attention is None:
+            attention = AttentionConfig()
+        elif isinstance(attention, dict):  # e.g. hparams read back from a checkpoint
+            attention = AttentionConfig(**attention)
+        self.save_hyperparameters()
+        # Outside the CLI save_hyperparameters keeps the dataclass itself; store plain data so
+        # checkpoints load with torch.load(weights_only=True) and print readably.
+        if isinstance(self.hparams.get("attention"), AttentionConfig):
+            self.hparams["attention"] = dataclasses.asdict(attention)
+        self.attention_config = attention
+        self.sequence_length = sequence_length
+
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(sequence_length, d_model)
+        self.transformer = Transformer(
+            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, **attention.transformer_kwargs()
+        )
+        self.head = nn.Linear(d_model, vocab_size)
+        # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
+        # stream then starts at the scale of what the layers add to it.
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.position_embedding.weight, std=0.02)
+
+    # ------------------------------------------------------------------ model
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions: int64 of one shape S -> (*S, d_model)."""
+        return self.token_embedding(tokens) + self.position_embedding(positions)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i."""
+        n = tokens.shape[1]
+        if n > self.sequence_length:
+            raise ValueError(
+                f"CopyTask was built for sequences of at most sequence_length={self.sequence_length} "
+                f"tokens, got {n}; set model.sequence_length (the data module's sequence_length)"
+            )
+        positions = torch.arange(n, device=tokens.device)
+        return self.head(self.transformer(self.embed(tokens, positions)))
+
+    def copy_loss(self, tokens: torch.Tensor, target_mask: torch.Tensor):
+        """Teacher-forced next-token loss on the copied positions.
+
+        Returns ``(loss, correct, count)``: mean cross-entropy over the copy tokens, and how many
+        of the ``count`` copy tokens the greedy argmax predicts right.
+        """
+        # Predict token t+1 from tokens <= t: the model never needs the last column as input.
+        logits = self(tokens[:, :-1])  # (B, N-1, V)
+        targets, mask = tokens[:, 1:], target_mask[:, 1:]
+        picked_logits, picked_targets = logits[mask].float(), targets[mask]  # (T, V), (T,)
+        loss = F.cross_entropy(picked_logits, picked_targets)
+        correct = (picked_logits.argmax(-1) == picked_targets).sum()
+        return loss, correct, picked_targets.numel()
+
+    # ------------------------------------------------------------------ Lightning
+
+    def training_step(self, batch, batch_idx):
+        tokens, target_mask = batch
+        loss, _, _ = self.copy_loss(tokens, target_mask)
+        self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
+        return loss
+
+    def _evaluate(self, batch, stage: str):
+        tokens, target_mask = batch
+        loss, correct, count = self.copy_loss(tokens, target_mask)
+        # sync_dist: under DDP each rank sees half the batches; the logged value is the mean
+        # over ranks (equal batch counts per rank, so the mean over all batches).
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=tokens.shape[0])
+        self.log(f"{stage}/accuracy", correct / max(count, 1), sync_dist=True, batch_size=tokens.shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        return self._evaluate(batch, "test")
+
+    def predict_step(self, batch, batch_idx):
+        """Greedy copy through the recurrent path: ``{"tokens", "predicted", "target_mask",
+        "exact"}``, where ``predicted`` holds the model's own copy at the copy positions and
+        ``exact`` (B,) says whether a sequence was copied without a single error."""
+        tokens, target_mask = batch
+        predicted = self.generate_copy(tokens, target_mask)
+        errors = (predicted != tokens) & target_mask
+        return {"tokens": tokens, "predicted": predicted, "target_mask": target_mask,
+                "exact": ~errors.any(dim=1)}
+
+    @torch.no_grad()
+    def generate_copy(self, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+        """Autoregressive greedy decoding with ``Transformer.step`` (paper §3.4).
+
+        The model reads each sequence up to and including its separator; from there on it is fed
+        its own argmax predictions. Returns int64 (B, N): ``tokens`` with the copy positions
+        replaced by the generated symbols.
+        """
+        b, n = tokens.shape
+        out = tokens.clone()
+        state, x_t = None, tokens[:, 0]
+        for t in range(n - 1):
+            positions = torch.full((b,), t, device=tokens.device)
+            hidden, state = self.transformer.step(self.embed(x_t, positions), state)
+            guess = self.head(hidden).argmax(-1)  # prediction for position t + 1
+            # Copy positions get the model's guess; the prefix, separator and trailing padding
+            # are given (padding comes after the copy, so it cannot help the model).
+            out[:, t + 1] = torch.where(target_mask[:, t + 1], guess, tokens[:, t + 1])
+            x_t = out[:, t + 1]
+        return out
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.RAdam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.lr_decay_steps is None:
+            return optimizer
+        # interval "step": the paper's schedule counts gradient updates, not epochs.
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[hp.lr_decay_steps], gamma=hp.lr_decay_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

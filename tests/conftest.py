@@ -1,0 +1,92 @@
+"""Shared helpers for the CLI tests: a tiny copy-task configuration and ways to run ``cli.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_copy_args(root: Path, backend: str = "linear", *extra: str) -> list[str]:
+    """Arguments for a copy-task run small enough for CPU tests (about 10 ms a step).
+
+    Logs go to ``root`` through an explicit CSVLogger (``root/version_N/metrics.csv``), so the
+    tests read the same files whether or not tensorboard is installed.
+    """
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": ""}}
+    return [
+        "--config", "copy_linear.yaml",
+        f"--model.attention.backend={backend}",
+        "--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1",
+        "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3",
+        "--data.val_batches=2", "--data.test_batches=2",
+        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
+        "--trainer.deterministic=true", "--trainer.val_check_interval=null",
+        "--trainer.check_val_every_n_epoch=1", "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.logger={json.dumps(logger)}",
+        "--checkpoint.every_n_train_steps=null",
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def _restored_torch_flags():
+    # `trainer.deterministic` switches torch's global flags; don't leak them into other tests.
+    det, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+
+
+def run_cli(args: list[str], cwd: Path = REPO) -> tuple[int, str, str]:
+    """Run ``cli.main(args)`` in this process; returns (exit code, stdout, stderr)."""
+    from linformer_lab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with _restored_torch_flags(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings(record=True) as caught:
+            # keep every warning, as a fresh process would print it: Python's default filter
+            # shows a warning once per call site (an earlier test would swallow it), and
+            # pytest records warnings instead of printing them
+            warnings.simplefilter("always")
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(old)
+    warned = "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return code, out.getvalue(), err.getvalue() + warned
+
+
+def cli_subprocess(args: list[str], cwd: Path = REPO, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """Start ``python cli.py ARGS`` (the repo's cli.py) as a child process with piped output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "cli.py"), *args], cwd=cwd, env=full_env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    """Rows of ``log_dir/metrics.csv`` as dicts of floats (empty cells dropped)."""
+    import csv
+
+    with open(log_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]

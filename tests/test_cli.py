@@ -1,0 +1,284 @@
+"""The command line (linformer_lab/cli.py): configs, plugins, checkpoints, log dirs, precision."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import linformer_lab as ll
+from linformer_lab import cli
+from linformer_lab.registry import ATTENTION, FEATURE_MAPS
+
+from conftest import REPO, read_metrics, run_cli, tiny_copy_args
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+# ---------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_parses(config):
+    code, out, err = run_cli(["fit", "--config", str(config), "--print_config"])
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    assert printed["model"]["class_path"] and printed["trainer"] is not None
+
+
+def test_config_name_is_found_under_configs(tmp_path, monkeypatch):
+    # From the repo root "configs/NAME" is used, from anywhere else this checkout's configs/.
+    monkeypatch.chdir(REPO)
+    assert cli.resolve_config_args(["fit", "--config", "copy_lsh4.yaml"]) == ["fit", "--config", "configs/copy_lsh4.yaml"]
+    assert cli.resolve_config_args(["fit", "-c", "copy_lsh4"])[-1] == "configs/copy_lsh4.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert cli.resolve_config_args(["fit", "--config=copy_softmax.yaml"]) == ["fit", f"--config={REPO / 'configs' / 'copy_softmax.yaml'}"]
+    # A file in the working directory wins; inline YAML is left alone.
+    (tmp_path / "copy_softmax.yaml").write_text("seed_everything: 1\n")
+    assert cli.resolve_config_args(["--config", "copy_softmax.yaml"]) == ["--config", "copy_softmax.yaml"]
+    assert cli.resolve_config_args(["--config", "{trainer: {max_steps: 3}}"])[-1] == "{trainer: {max_steps: 3}}"
+
+
+def test_print_config_from_outside_the_repo(tmp_path):
+    code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--model.attention.backend", "softmax", "--print_config"], cwd=tmp_path)
+    assert code == 0, err
+    assert yaml.safe_load(out)["model"]["init_args"]["attention"]["backend"] == "softmax"
+
+
+def test_missing_config_is_a_clear_error(tmp_path):
+    code, _, err = run_cli(["fit", "--config", "copy_nothing.yaml"], cwd=tmp_path)
+    assert code == 2 and "copy_nothing.yaml" in err and "copy_linear.yaml" in err and "Traceback" not in err
+
+
+def test_unknown_backend_is_a_one_line_error(tmp_path):
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, "softmx"), "--trainer.fast_dev_run=1"])
+    assert code == 2 and "Did you mean 'softmax'" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- plugins
+
+
+def test_plugins_lists_every_name_with_its_distribution():
+    code, out, err = run_cli(["plugins"])
+    assert code == 0, err
+    for registry in (ATTENTION, FEATURE_MAPS):
+        assert registry.group in out
+        for name, dists in registry.distributions().items():
+            line = next(line for line in out.splitlines() if line.split()[:1] == [name])
+            assert all(d in line for d in dists)
+    code, out, _ = run_cli(["plugins", "--json", "--check"])
+    report = json.loads(out)
+    assert {p["name"] for p in report["attention"]["plugins"]} == set(ll.list_attention())
+    assert {p["name"] for p in report["feature_maps"]["plugins"]} == set(ll.list_feature_maps())
+    assert all(p["status"] == "ok" for p in report["feature_maps"]["plugins"])
+
+
+def _install_fake_feature_map(site: Path) -> None:
+    """A third-party distribution the way pip leaves it: a module plus a .dist-info with entry points."""
+    (site / "cube_features.py").write_text(textwrap.dedent("""
+        import torch
+        from linformer_lab.feature_maps import FeatureMap
+
+        class CubeFeatureMap(FeatureMap):
+            # phi(x) = 1 + relu(x)^3: positive, so a valid linear-attention kernel
+            @property
+            def output_dim(self):
+                return self.query_dim
+
+            def forward(self, x):
+                self._check_input(x)
+                return 1 + torch.relu(x) ** 3
+    """))
+    info = site / "cube_features-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cube-features\nVersion: 1.2\n")
+    (info / "entry_points.txt").write_text("[linformer_lab.feature_maps]\ncube = cube_features:CubeFeatureMap\n")
+
+
+@pytest.fixture
+def third_party_feature_map(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    _install_fake_feature_map(site)
+    monkeypatch.syspath_prepend(str(site))
+    FEATURE_MAPS.refresh()
+    yield "cube"
+    monkeypatch.undo()
+    FEATURE_MAPS.refresh()
+
+
+def test_third_party_feature_map_by_name_in_yaml(tmp_path, third_party_feature_map):
+    # The YAML names the plugin only by its registered name: no import line, no class_path.
+    config = tmp_path / "cube.yaml"
+    config.write_text(f"model:\n  init_args:\n    attention:\n      backend: linear\n      feature_map: {third_party_feature_map}\n")
+    code, out, err = run_cli(["plugins"])
+    assert "cube" in out and "cube-features==1.2" in out
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--config", str(config), "--trainer.fast_dev_run=1"])
+    assert code == 0, err
+    assert "cube_features" in sys.modules  # imported by the registry while building the model
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny linear-attention copy run of 3 steps: its root dir (checkpoints/last.ckpt, best-*.ckpt)."""
+    root = tmp_path_factory.mktemp("trained")
+    code, _, err = run_cli(["fit", *tiny_copy_args(root), "--trainer.max_steps=3"])
+    assert code == 0, err
+    return root
+
+
+def test_last_checkpoint_holds_the_final_step(tmp_path):
+    # 4 steps = one epoch of 3 batches and one more: no epoch end or step trigger at step 4
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=4", "--trainer.limit_val_batches=0"])
+    assert code == 0, err
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_default_checkpoints_and_best_resolution(trained):
+    files = sorted(p.name for p in (trained / "checkpoints").iterdir())
+    assert "last.ckpt" in files and any(f.startswith("best-") for f in files)
+    assert cli.resolve_checkpoint_path("last", str(trained / "checkpoints")) == str(trained / "checkpoints" / "last.ckpt")
+    assert Path(cli.resolve_checkpoint_path("best", str(trained / "checkpoints"))).name.startswith("best-")
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_evaluate_a_checkpoint(trained, tmp_path, subcommand):
+    code, _, err = run_cli([subcommand, *tiny_copy_args(trained), "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")])
+    assert code == 0, err
+    stage = "val" if subcommand == "validate" else "test"
+    newest = max((trained).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert any(f"{stage}/loss" in row for row in read_metrics(newest))
+
+
+def test_best_keyword_in_a_new_process(trained):
+    code, _, err = run_cli(["validate", *tiny_copy_args(trained), "--ckpt_path", "best"])
+    assert code == 0, err
+
+
+def test_predict_writes_predictions(trained):
+    code, out, err = run_cli(["predict", *tiny_copy_args(trained), "--ckpt_path", "last"])
+    assert code == 0, err
+    path = Path(out.split("predictions to ")[-1].strip())
+    predictions = torch.load(path, weights_only=False)
+    assert len(predictions) == 2  # test_batches=2, used as the predict split
+    first = predictions[0]
+    assert first["predicted"].shape == first["tokens"].shape and first["exact"].dtype == torch.bool
+    # Outside the copy positions the prediction is the input itself.
+    assert torch.equal(first["predicted"][~first["target_mask"]], first["tokens"][~first["target_mask"]])
+
+
+def _expect_checkpoint_error(args, *fragments):
+    code, _, err = run_cli(args)
+    assert code == cli.CHECKPOINT_ERROR_EXIT_CODE, err
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]  # the whole explanation is this one line
+    assert message.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_checkpoint_of_another_task(trained, tmp_path):
+    ckpt = torch.load(trained / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt["hyper_parameters"]["_class_path"] = "linformer_lab.tasks.image_generation.ImageGenerationTask"
+    torch.save(ckpt, tmp_path / "other_task.ckpt")
+    _expect_checkpoint_error(
+        ["validate", *tiny_copy_args(tmp_path), "--ckpt_path", str(tmp_path / "other_task.ckpt")],
+        "another task", "ImageGenerationTask", "CopyTask",
+    )
+
+
+def test_checkpoint_of_another_shape(trained, tmp_path):
+    _expect_checkpoint_error(
+        ["test", *tiny_copy_args(tmp_path), "--model.d_model=32", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")],
+        "d_model: checkpoint 16, configuration 32", "another shape",
+    )
+
+
+def test_checkpoint_of_another_attention_with_the_same_shapes(trained, tmp_path):
+    # softmax and linear have identical weights: only the hyper-parameters tell them apart.
+    _expect_checkpoint_error(
+        ["validate", *tiny_copy_args(tmp_path, "softmax"), "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")],
+        "attention.backend: checkpoint 'linear', configuration 'softmax'",
+    )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "not_lightning"])
+def test_unreadable_checkpoint(trained, tmp_path, damage):
+    path = tmp_path / f"{damage}.ckpt"
+    data = (trained / "checkpoints" / "last.ckpt").read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a checkpoint" * 100)
+    elif damage == "not_lightning":
+        torch.save({"weights": torch.zeros(3)}, path)
+    fragment = {"truncated": "cannot read", "garbage": "cannot read", "missing": "does not exist",
+                "not_lightning": "not a Lightning checkpoint"}[damage]
+    _expect_checkpoint_error(["validate", *tiny_copy_args(tmp_path), "--ckpt_path", str(path)], fragment)
+
+
+def test_training_hparams_may_differ(trained, tmp_path):
+    # Fine-tuning from a checkpoint with another learning rate is allowed.
+    code, _, err = run_cli(["validate", *tiny_copy_args(tmp_path), "--model.lr=0.5", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")])
+    assert code == 0, err
+
+
+# ---------------------------------------------------------------------- log dirs
+
+
+def test_rerun_into_the_same_log_dir(tmp_path):
+    for _ in range(2):
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1"])
+        assert code == 0, err
+    assert (tmp_path / "version_0" / "config.yaml").is_file() and (tmp_path / "version_1" / "config.yaml").is_file()
+    # A pinned logger version reuses one directory: the saved config is overwritten, no crash.
+    pinned = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
+                         "init_args": {"save_dir": str(tmp_path), "name": "", "version": "pinned"}})
+    for _ in range(2):
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1", f"--trainer.logger={pinned}"])
+        assert code == 0, err
+    assert (tmp_path / "pinned" / "config.yaml").is_file()
+
+
+def test_default_root_dir_follows_the_config_name(tmp_path):
+    args = [a for a in tiny_copy_args(tmp_path) if not a.startswith(("--trainer.default_root_dir", "--trainer.logger"))]
+    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=1", "--config", "{trainer: {default_root_dir: null}}"], cwd=tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "logs" / "copy_linear" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "logs" / "copy_linear" / "version_0" / "config.yaml").is_file()
+
+
+# ---------------------------------------------------------------------- precision
+
+
+def test_resolve_precision():
+    assert cli.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+    assert cli.resolve_precision(16, "cpu") == "bf16-mixed"
+    assert cli.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+    assert cli.resolve_precision("32-true", "auto") == "32-true"
+    assert cli.resolve_precision(None, "cpu") is None
+    if not torch.cuda.is_available():
+        assert cli.resolve_precision("16-mixed", "auto") == "bf16-mixed"
+
+
+@pytest.mark.parametrize("precision, backend", [("bf16-mixed", "softmax"), ("16-mixed", "lsh"), ("bf16-mixed", "linear")])
+def test_mixed_precision_on_cpu_trains_without_nan(tmp_path, precision, backend):
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, backend), "--trainer.max_steps=4", f"--trainer.precision={precision}"])
+    assert code == 0, err
+    if precision == "16-mixed":
+        assert "using 'bf16-mixed' instead" in err
+    saved = yaml.safe_load((tmp_path / "version_0" / "config.yaml").read_text())
+    assert saved["trainer"]["precision"] == "bf16-mixed"  # the config records what really ran
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "version_0") if "train/loss" in r]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    weights = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.isfinite(w).all() for w in weights.values())

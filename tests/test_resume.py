@@ -1,0 +1,103 @@
+"""Exact resume through the CLI: a run killed with SIGKILL right after a mid-epoch checkpoint and
+resumed with ``fit --ckpt_path last`` ends with the same weights as an uninterrupted run.
+
+Why the weights can be identical (not just close):
+* the copy data is a pure function of (seed, split, epoch, batch index), and the data module's
+  train loader is stateful: the checkpoint records how many batches of the current epoch are
+  done, and the resumed loader starts exactly there (a plain loader would replay the epoch);
+* the checkpoint holds the optimizer (RAdam moments and step) and the LR scheduler state, and
+  the fit loop's progress counters (epoch, batch, global step), so validation and the lr drop
+  happen at the same steps;
+* nothing else draws random numbers (dropout 0; the hash rotations and random features are
+  fixed buffers), and CPU kernels with the same thread count are deterministic.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from conftest import REPO, cli_subprocess, read_metrics, run_cli, tiny_copy_args
+
+TOTAL_STEPS = 8
+KILL_AT = 4  # a checkpoint every 4 steps; epochs are 3 batches long, so step 4 is mid-epoch
+
+
+class PauseAfterStep(Callback):
+    """Child-process helper: blocks at the start of the step after ``step``, i.e. once the
+    checkpoint written at ``step`` is on disk, so the parent can SIGKILL it exactly there."""
+
+    def __init__(self, step: int, seconds: float = 600.0):
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            time.sleep(self.seconds)
+
+
+def _load_when_complete(path: Path, timeout: float, proc) -> dict:
+    """Poll until ``path`` exists and loads (it may be mid-write), or fail on timeout / child exit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file():
+            try:
+                return torch.load(path, map_location="cpu", weights_only=False)
+            except Exception:
+                pass  # still being written
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"training process exited early with {proc.returncode}:\n{err[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no loadable {path} within {timeout} s")
+
+
+@pytest.mark.parametrize("backend", ["linear"])
+def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
+    common = ["--trainer.max_steps", str(TOTAL_STEPS), "--checkpoint.every_n_train_steps", str(KILL_AT)]
+
+    # 1. uninterrupted reference run
+    straight = tmp_path / "straight"
+    code, _, err = run_cli(["fit", *tiny_copy_args(straight, backend, *common)])
+    assert code == 0, err
+    reference = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert reference["global_step"] == TOTAL_STEPS
+
+    # 2. the same run in a child process, killed with SIGKILL right after the step-4 checkpoint
+    resumed = tmp_path / "resumed"
+    pause = f'[{{"class_path": "test_resume.PauseAfterStep", "init_args": {{"step": {KILL_AT}}}}}]'
+    proc = cli_subprocess(
+        ["fit", *tiny_copy_args(resumed, backend, *common, f"--trainer.callbacks={pause}")],
+        env={"PYTHONPATH": str(REPO / "tests")},
+    )
+    try:
+        ckpt = _load_when_complete(resumed / "checkpoints" / "last.ckpt", timeout=300, proc=proc)
+        assert ckpt["global_step"] == KILL_AT
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+    # 3. resume from last.ckpt (found through the stable <root>/checkpoints directory)
+    code, _, err = run_cli(["fit", *tiny_copy_args(resumed, backend, *common, "--ckpt_path", "last")])
+    assert code == 0, err
+    final = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert final["global_step"] == TOTAL_STEPS
+
+    for name, want in reference["state_dict"].items():
+        got = final["state_dict"][name]
+        assert torch.allclose(got, want, atol=1e-6, rtol=0), f"{name} differs by {(got - want).abs().max():.3g}"
+    # The losses of the steps after the kill agree too (same batches, same optimizer state).
+    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
+    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(resumed / "version_1") if "train/loss" in r}
+    assert sorted(resumed_rows) == list(range(KILL_AT, TOTAL_STEPS))
+    for step, loss in resumed_rows.items():
+        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
