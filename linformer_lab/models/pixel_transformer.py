@@ -1,0 +1,378 @@
+"""Autoregressive image model of paper §4.2: a causal transformer over the sub-pixels of an image.
+
+Sequence order
+--------------
+An image ``(C, H, W)`` is read as a sequence of ``N = H * W * C`` sub-pixels in raster order:
+rows top to bottom, then columns left to right, then the channels of each pixel (R, G, B for
+CIFAR-10). In other words the image is transposed to ``(H, W, C)`` and flattened, so the
+sequence index of sub-pixel ``(c, h, w)`` is ``(h * W + w) * C + c``. MNIST gives 784 elements,
+CIFAR-10 3072. With this order the first ``k * W * C`` elements are exactly the top ``k`` rows,
+which is what image completion conditions on.
+
+Inputs and outputs
+------------------
+Position ``i`` predicts sub-pixel ``i``. Its input is the *previous* sub-pixel's value (shift
+right), and position 0 gets a learned start vector instead, so the first sub-pixel is modelled
+too (from nothing) and all ``N`` dimensions enter bits/dim. Each input is
+
+    value_embedding[x_{i-1}]  (or the start vector at i = 0)
+    + pixel_position_embedding[i // C]  + channel_embedding[i % C]  (the latter only if C > 1)
+
+i.e. the position and channel embeddings describe the sub-pixel *being predicted*, which is
+what the query at that position needs to know. The output head is a discretized mixture of
+logistics over the 256 levels (:class:`DiscretizedMixtureOfLogistics`).
+
+Two paths through the same weights
+----------------------------------
+:meth:`PixelTransformer.forward` evaluates all positions in parallel (training, bits/dim);
+:meth:`PixelTransformer.generate` runs the transformer as an RNN (paper §3.4), one sub-pixel
+per :meth:`Transformer.step` call, with a per-layer state that is fixed-size ``(S, Z)`` for
+linear attention and a growing KV cache for softmax (and lsh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linformer_lab.attention.base import KVCache
+from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
+from linformer_lab.models.transformer import Transformer
+from linformer_lab.ops.step_linear import transposed_weights
+from linformer_lab.tasks.common import AttentionConfig
+
+__all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
+
+#: Number of intensity levels of an 8-bit image.
+NUM_LEVELS = 256
+
+
+def images_to_sequence(images: torch.Tensor) -> torch.Tensor:
+    """uint8 ``(B, C, H, W)`` -> int64 ``(B, H * W * C)`` in raster (H, W, C) order."""
+    return images.permute(0, 2, 3, 1).reshape(images.shape[0], -1).long()
+
+
+def sequence_to_images(sequence: torch.Tensor, image_shape: Sequence[int]) -> torch.Tensor:
+    """int ``(B, H * W * C)`` in (H, W, C) order -> uint8 ``(B, C, H, W)``; inverse of
+    :func:`images_to_sequence`."""
+    c, h, w = image_shape
+    return sequence.reshape(sequence.shape[0], h, w, c).permute(0, 3, 1, 2).to(torch.uint8).contiguous()
+
+
+def state_nbytes(state) -> int:
+    """Bytes held by a recurrent state as returned by :meth:`Transformer.step`.
+
+    Walks lists/tuples of tensors; a :class:`KVCache` counts its *filled* keys and values
+    and a prefix cache (an object with a ``prefix`` tensor, lsh) its filled prefix: what the
+    sequence so far occupies; spare capacity, which grows by doubling, is not counted. Used to show that the linear state is constant in size while the
+    softmax cache grows with every generated sub-pixel.
+    """
+    if state is None:
+        return 0
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, KVCache):
+        return state_nbytes(state.keys) + state_nbytes(state.values)
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(s) for s in state)
+    if isinstance(getattr(state, "prefix", None), torch.Tensor):  # a stack-level prefix cache (lsh)
+        return state_nbytes(state.prefix)
+    raise TypeError(f"state_nbytes: don't know the size of a {type(state).__name__}")
+
+
+@contextlib.contextmanager
+def _native_cpu_kernels(device: torch.device):
+    """Turn oneDNN (mkldnn) off while stepping on CPU.
+
+    With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
+    every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
+    small tensor inline. Measured on the 2-core development machine for a (1, 1024) GELU:
+    21 us (1 thread) and 1.7 ms (2 threads, load ~5) per call with oneDNN, 1.4-5 us without;
+    a tiny 1-layer model generated a 784-pixel image 10x faster without it on a busy machine.
+    In the paper-size model the stall is often hidden by the surrounding BLAS calls, but it
+    never helps here. Nothing else on the fp32 step path uses oneDNN (linear layers go to
+    BLAS), so results are identical. The flag is process-global; it is restored on exit.
+    """
+    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
+        yield
+        return
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+#: On CPU, :meth:`PixelTransformer.generate` runs recurrent steps of at most this many
+#: sequences with one intra-op thread (restored afterwards). Such a step is a few dozen
+#: operations on (B, d_model) rows; a thread-parallel region costs more than the work in it
+#: (measured with 2 threads on 2 cores: a (1, 256) x (256, 768) linear 135 us against 37 us
+#: with one thread, and milliseconds per region when other processes hold the cores).
+SINGLE_THREAD_MAX_BATCH = 16
+
+
+@contextlib.contextmanager
+def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurrent: bool):
+    """One intra-op thread while stepping a small batch on CPU (see
+    :data:`SINGLE_THREAD_MAX_BATCH`). Backends without a recurrent form (lsh) re-run the
+    whole prefix at every step, which is large enough to use every thread: left as set."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or not recurrent or batch_size > SINGLE_THREAD_MAX_BATCH or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _as_attention_config(attention) -> AttentionConfig:
+    """Accept an AttentionConfig, a backend name, a dict of its fields (e.g. from a
+    checkpoint's hparams) or None (the default, ``linear`` with ``elu``)."""
+    if attention is None:
+        return AttentionConfig()
+    if isinstance(attention, AttentionConfig):
+        return attention
+    if isinstance(attention, str):
+        return AttentionConfig(backend=attention)
+    if isinstance(attention, dict):
+        return AttentionConfig(**attention)
+    raise TypeError(
+        f"attention must be an AttentionConfig, a backend name, a dict of AttentionConfig fields or None; "
+        f"got {type(attention).__name__}"
+    )
+
+
+class PixelTransformer(nn.Module):
+    """Causal transformer + discretized mixture of logistics over the sub-pixels of images.
+
+    Args:
+        attention: the attention (:class:`AttentionConfig`, a backend name, or a dict of its
+            fields); default ``linear`` with the ``elu`` feature map.
+        n_layers, n_heads, d_model, d_ff: transformer size. Paper: MNIST 8 layers, CIFAR-10
+            16 layers, both 8 heads, d_model 256 (32 per head), d_ff 1024.
+        num_mixtures: logistic components of the output head (paper: 10).
+        image_shape: ``(C, H, W)``, e.g. ``(1, 28, 28)`` or ``(3, 32, 32)``.
+        dropout: dropout in the transformer layers.
+
+    Shapes: ``forward(images uint8 (B, C, H, W)) -> params (B, N, 3K)`` fp32, with
+    ``N = C * H * W`` in the order documented in this module.
+    """
+
+    def __init__(
+        self,
+        attention: AttentionConfig | str | dict | None = None,
+        n_layers: int = 8,
+        n_heads: int = 8,
+        d_model: int = 256,
+        d_ff: int = 1024,
+        num_mixtures: int = 10,
+        image_shape: Sequence[int] = (1, 28, 28),
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        image_shape = tuple(int(s) for s in image_shape)
+        if len(image_shape) != 3 or min(image_shape) < 1:
+            raise ValueError(f"image_shape must be (channels, height, width) with positive sizes, got {image_shape}")
+        self.attention_config = _as_attention_config(attention)
+        self.image_shape = image_shape
+        channels, height, width = image_shape
+        self.channels = channels
+        self.seq_len = channels * height * width
+        self.d_model = d_model
+
+        self.value_embedding = nn.Embedding(NUM_LEVELS, d_model)
+        self.start = nn.Parameter(torch.empty(d_model))
+        self.pixel_position_embedding = nn.Embedding(height * width, d_model)
+        # One channel gives a constant vector that the biases can absorb: leave it out.
+        self.channel_embedding = nn.Embedding(channels, d_model) if channels > 1 else None
+        self.transformer = Transformer(
+            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout,
+            **self.attention_config.transformer_kwargs(),
+        )
+        self.head = DiscretizedMixtureOfLogistics(d_model, num_mixtures=num_mixtures, num_bins=NUM_LEVELS)
+        self.reset_embeddings()
+
+    def reset_embeddings(self) -> None:
+        # Small embeddings (GPT-style 0.02) keep the residual stream from being dominated by
+        # the input at initialisation; nn.Embedding's default N(0, 1) is ~16x larger per vector.
+        for table in (self.value_embedding.weight, self.pixel_position_embedding.weight, self.start):
+            nn.init.normal_(table, std=0.02)
+        if self.channel_embedding is not None:
+            nn.init.normal_(self.channel_embedding.weight, std=0.02)
+
+    # ------------------------------------------------------------------ sequences
+
+    def to_sequence(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``(B, C, H, W)`` -> int64 ``(B, N)``, checking the shape."""
+        if images.dim() != 4 or tuple(images.shape[1:]) != self.image_shape:
+            raise ValueError(f"expected images of shape (B, {', '.join(map(str, self.image_shape))}), got {tuple(images.shape)}")
+        if images.is_floating_point():
+            raise TypeError(f"expected integer images with values 0..255 (uint8), got {images.dtype}")
+        return images_to_sequence(images)
+
+    def to_images(self, sequence: torch.Tensor) -> torch.Tensor:
+        """int ``(B, N)`` -> uint8 ``(B, C, H, W)``."""
+        return sequence_to_images(sequence, self.image_shape)
+
+    def position_table(self) -> torch.Tensor:
+        """``(N, d_model)``: pixel-position (+ channel) embedding of every sequence position."""
+        table = self.pixel_position_embedding.weight.repeat_interleave(self.channels, dim=0)  # row i -> pixel i // C
+        if self.channel_embedding is not None:
+            table = table + self.channel_embedding.weight.repeat(self.seq_len // self.channels, 1)  # row i -> channel i % C
+        return table
+
+    def embed(self, sequence: torch.Tensor) -> torch.Tensor:
+        """Inputs of the parallel path: int ``(B, L)`` values, ``L <= N`` -> ``(B, L, d_model)``.
+
+        Position ``i`` gets the value at ``i - 1`` (the start vector at 0), so the last value
+        of ``sequence`` is never read: it is only predicted.
+        """
+        b, length = sequence.shape
+        previous = self.value_embedding(sequence[:, : length - 1])  # (B, L-1, d)
+        start = self.start.to(previous.dtype).expand(b, 1, self.d_model)
+        return torch.cat([start, previous], dim=1) + self.position_table()[:length]
+
+    # ------------------------------------------------------------------ parallel path
+
+    def sequence_params(self, sequence: torch.Tensor) -> torch.Tensor:
+        """int ``(B, L)`` with ``L <= N`` -> params ``(B, L, 3K)`` for positions ``0..L-1``.
+
+        Equals :meth:`forward` on a truncated image for causal backends; used to compare
+        with the recurrent path prefix by prefix (lsh, whose outputs depend on later keys).
+        """
+        if sequence.shape[1] > self.seq_len:
+            raise ValueError(f"sequence of length {sequence.shape[1]} is longer than the image ({self.seq_len})")
+        return self.head(self.transformer(self.embed(sequence)))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``(B, C, H, W)`` -> mixture params ``(B, N, 3K)`` (fp32)."""
+        return self.sequence_params(self.to_sequence(images))
+
+    def nll(self, images: torch.Tensor) -> torch.Tensor:
+        """Negative log-likelihood per sub-pixel in nats: uint8 ``(B, C, H, W)`` -> ``(B, N)``."""
+        sequence = self.to_sequence(images)
+        return -self.head.log_prob(self.sequence_params(sequence), sequence)
+
+    def nll_bits_per_dim(self, images: torch.Tensor) -> torch.Tensor:
+        """Mean negative log2-likelihood per sub-pixel (a differentiable scalar)."""
+        return self.nll(images).mean() / math.log(2.0)
+
+    # ------------------------------------------------------------------ recurrent path
+
+    def step(
+        self, previous: torch.Tensor | None, position: int, state: list | None = None,
+        batch_size: int | None = None, position_table: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list]:
+        """One position in RNN mode: params for sub-pixel ``position`` given the value of
+        ``position - 1``.
+
+        Args:
+            previous: int64 ``(B,)``, the value at ``position - 1``; None at position 0
+                (the start vector is fed; then ``batch_size`` gives B).
+            position: the position being predicted, ``0 <= position < N``; call in order
+                0, 1, 2, ... with the returned state.
+            state: the per-layer state from the previous call (None at position 0).
+            position_table: :meth:`position_table` computed once by the caller (an
+                optimisation for loops; computed here if None).
+        Returns: ``(params (B, 3K) fp32, state)``.
+
+        :meth:`generate` is this in a loop, plus sampling, under ``torch.inference_mode()``
+        (in-place state updates) and with oneDNN off on CPU (see ``_native_cpu_kernels``).
+        """
+        if previous is None and batch_size is None:
+            raise ValueError("step at position 0 needs batch_size (there is no previous value to take it from)")
+        table = self.position_table() if position_table is None else position_table
+        hidden, state = self.transformer.step(self._step_input(previous, position, table, batch_size), state)
+        return self.head(hidden), state
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        batch_size: int,
+        temperature: float = 1.0,
+        prefix: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample images sub-pixel by sub-pixel through the recurrent path (paper §3.4).
+
+        Args:
+            batch_size: images to generate (must equal ``prefix.shape[0]`` if a prefix is given).
+            temperature: see :meth:`DiscretizedMixtureOfLogistics.sample`; 0 is deterministic.
+            prefix: the first ``P`` sub-pixels in sequence order, int ``(B, P)`` (e.g. the top
+                half of test images, ``images_to_sequence(x)[:, :P]``), or uint8 images
+                ``(B, C, H', W)`` holding the top ``H'`` rows. They are fed through ``step``
+                like generated values, and the rest is sampled.
+            generator: a ``torch.Generator`` on the model's device, for reproducible samples.
+        Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
+
+        The model is put in eval mode for the call (dropout off) and restored afterwards.
+        Memory per image is the per-layer state: constant for ``linear``, O(position) for
+        softmax's KV cache. The prefix costs the same per position as sampling minus the
+        output head; a parallel forward could not set the state of every backend. On CPU,
+        recurrent steps of a batch of at most :data:`SINGLE_THREAD_MAX_BATCH` run with one
+        intra-op thread (the process setting is restored afterwards), and the transformer's
+        linear layers read a transposed copy of their weights made for the call
+        (:func:`~linformer_lab.ops.step_linear.transposed_weights`; one more copy of those
+        weights in memory while generating).
+        """
+        device = self.start.device
+        prefix = self._check_prefix(prefix, batch_size, device)
+        known = 0 if prefix is None else prefix.shape[1]
+        values = torch.empty(batch_size, self.seq_len, dtype=torch.long, device=device)
+        if known:
+            values[:, :known] = prefix
+        was_training = self.training
+        self.eval()
+        try:
+            recurrent = self.transformer.has_recurrent_form
+            on_cpu = device.type == "cpu"
+            with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent), \
+                    transposed_weights(self.transformer, enabled=on_cpu and recurrent):
+                table = self.position_table()  # computed once: the embeddings are fixed while sampling
+                step, head = self.transformer.step, self.head
+                state = None
+                x_t = self._step_input(None, 0, table, batch_size)
+                for position in range(self.seq_len):
+                    hidden, state = step(x_t, state)
+                    if position >= known:  # a prefix position only sets the state: no output head
+                        values[:, position] = head.sample(head(hidden), temperature=temperature, generator=generator)
+                    if position + 1 < self.seq_len:
+                        x_t = self._step_input(values[:, position], position + 1, table, batch_size)
+        finally:
+            self.train(was_training)
+        return self.to_images(values)
+
+    def _step_input(self, previous: torch.Tensor | None, position: int, table: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The input vector of ``position``: ``(B, d_model)``."""
+        if previous is None:
+            return (self.start + table[0]).expand(batch_size, self.d_model)
+        return F.embedding(previous, self.value_embedding.weight) + table[position]
+
+    def _check_prefix(self, prefix, batch_size: int, device) -> torch.Tensor | None:
+        """Normalise ``prefix`` to int64 ``(B, P)`` on ``device`` (None if empty)."""
+        if prefix is None:
+            return None
+        if prefix.dim() == 4:  # top rows of images
+            c, h, w = self.image_shape
+            if prefix.shape[1] != c or prefix.shape[3] != w or prefix.shape[2] > h:
+                raise ValueError(f"an image prefix must be (B, {c}, rows <= {h}, {w}), got {tuple(prefix.shape)}")
+            prefix = images_to_sequence(prefix)
+        if prefix.dim() != 2 or prefix.is_floating_point():
+            raise ValueError(f"prefix must be an integer (B, P) sequence or uint8 (B, C, rows, W) images, got "
+                             f"{prefix.dtype} {tuple(prefix.shape)}")
+        if prefix.shape[0] != batch_size:
+            raise ValueError(f"prefix has {prefix.shape[0]} rows but batch_size={batch_size}")
+        if prefix.shape[1] > self.seq_len:
+            raise ValueError(f"prefix of length {prefix.shape[1]} is longer than the image ({self.seq_len})")
+        if prefix.shape[1] == 0:
+            return None
+        if int(prefix.min()) < 0 or int(prefix.max()) >= NUM_LEVELS:
+            raise ValueError(f"prefix values must lie in [0, {NUM_LEVELS - 1}], got [{int(prefix.min())}, {int(prefix.max())}]")
+        return prefix.to(device=device, dtype=torch.long)

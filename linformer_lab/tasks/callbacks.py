@@ -1,0 +1,179 @@
+"""Image grids of samples and completions during training (paper Fig. 3/4), and the PNG helpers
+that :mod:`linformer_lab.tasks.image_generation` also uses for ``predict``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from PIL import Image
+
+__all__ = ["ImageSampleCallback", "occlude_bottom", "image_grid", "save_png", "completion_triptychs"]
+
+#: Fill value of the occluded (unknown) part of an image: mid grey, so the occluded region is
+#: visible on MNIST's black background as well as on colour images.
+OCCLUDED_VALUE = 128
+
+
+def top_half_rows(image_shape: Sequence[int]) -> int:
+    """Rows given to a completion: the top half (rounded down) of an image of shape (C, H, W)."""
+    return int(image_shape[1]) // 2
+
+
+def occlude_bottom(images: torch.Tensor, rows: int) -> torch.Tensor:
+    """uint8 ``(B, C, H, W)`` -> a copy with every row from ``rows`` down set to grey."""
+    occluded = images.clone()
+    occluded[:, :, rows:] = OCCLUDED_VALUE
+    return occluded
+
+
+def completion_triptychs(originals: torch.Tensor, completions: torch.Tensor, rows: int) -> torch.Tensor:
+    """Interleave ``occluded | completion | original`` per image, the layout of the paper's
+    Fig. 3/4 (a)-(c): uint8 ``(B, C, H, W)`` x2 -> ``(3B, C, H, W)``; use 3 columns in a grid."""
+    originals = originals.to(completions.device)
+    return torch.stack([occlude_bottom(originals, rows), completions, originals], dim=1).flatten(0, 1)
+
+
+def image_grid(images: torch.Tensor, ncols: int, padding: int = 2, pad_value: int = 255) -> torch.Tensor:
+    """uint8 ``(B, C, H, W)`` -> one uint8 ``(C, rows * (H + p) + p, ncols * (W + p) + p)`` image,
+    filled row by row; white padding separates the tiles."""
+    b, c, h, w = images.shape
+    ncols = max(1, min(ncols, b))
+    nrows = -(-b // ncols)
+    grid = torch.full((c, nrows * (h + padding) + padding, ncols * (w + padding) + padding), pad_value, dtype=torch.uint8)
+    for i, image in enumerate(images.cpu()):
+        top = padding + (i // ncols) * (h + padding)
+        left = padding + (i % ncols) * (w + padding)
+        grid[:, top : top + h, left : left + w] = image
+    return grid
+
+
+def save_png(image: torch.Tensor, path: str, scale: int = 1) -> None:
+    """Write a uint8 ``(C, H, W)`` image (C = 1 or 3) to ``path``; ``scale`` enlarges small
+    images with nearest-neighbour so pixels stay crisp."""
+    array = image.detach().cpu().permute(1, 2, 0).numpy()
+    picture = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array, mode="L" if array.shape[2] == 1 else "RGB")
+    if scale > 1:
+        picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    picture.save(path)
+
+
+def log_dir_of(trainer: L.Trainer) -> str:
+    """Where run artefacts go: the logger's directory (next to metrics.csv for the CSVLogger,
+    the event files for TensorBoard), else the trainer's default root dir."""
+    return trainer.log_dir or trainer.default_root_dir
+
+
+class ImageSampleCallback(L.Callback):
+    """After validation, write unconditional samples and completions as PNG grids.
+
+    Args:
+        num_samples: images of each kind (unconditional samples; completions).
+        every_n_epochs: only after every n-th validation epoch (generation is sequential:
+            N model steps per batch of images, slow for long sequences and lsh).
+        temperature: sampling temperature (see ``DiscretizedMixtureOfLogistics.sample``).
+        split: where the images to complete come from: ``"test"`` (the datamodule's test
+            split, like the paper's figures) or ``"val"``; either way the first
+            ``num_samples`` images, the same every epoch so progress is comparable. Without
+            a datamodule the first validation batch is used.
+        scale: enlargement factor of the written PNGs (28x28 digits are tiny).
+        seed: seeds the sampling so successive epochs use the same noise.
+
+    Files: ``<log_dir>/images/epoch=EEEE-samples.png`` and ``...-completions.png``, the
+    latter with rows ``occluded | completion | original``. With a TensorBoard logger the
+    grids are also added with ``add_image`` under ``samples`` / ``completions``.
+    Runs on global rank 0 only, outside the sanity check, and expects the LightningModule to
+    have ``model.generate`` (a :class:`PixelTransformer`).
+    """
+
+    def __init__(self, num_samples: int = 8, every_n_epochs: int = 1, temperature: float = 1.0,
+                 split: str = "test", scale: int = 4, seed: int = 0):
+        super().__init__()
+        if num_samples < 1 or every_n_epochs < 1:
+            raise ValueError(f"num_samples and every_n_epochs must be >= 1, got {num_samples}, {every_n_epochs}")
+        if split not in ("test", "val"):
+            raise ValueError(f"split must be 'test' or 'val', got {split!r}")
+        self.num_samples, self.every_n_epochs, self.temperature = num_samples, every_n_epochs, temperature
+        self.split, self.scale, self.seed = split, scale, seed
+        self._references: torch.Tensor | None = None
+        self._fallback: torch.Tensor | None = None
+        self.written: list[str] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        # Keep the first validation images in case there is no datamodule to ask for test images.
+        if self._fallback is None and batch_idx == 0 and dataloader_idx == 0:
+            images = batch[0] if isinstance(batch, (list, tuple)) else batch
+            self._fallback = images[: self.num_samples].detach().cpu()
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        self.write(trainer, pl_module)
+
+    def reference_images(self, trainer) -> torch.Tensor | None:
+        """The first ``num_samples`` images of the chosen split, uint8 ``(B, C, H, W)``."""
+        if self._references is None:
+            datamodule = trainer.datamodule
+            loader_hook = getattr(datamodule, f"{self.split}_dataloader", None) if datamodule is not None else None
+            collected, count = [], 0
+            if loader_hook is not None:
+                try:
+                    loader = loader_hook()
+                except Exception as err:  # e.g. a datamodule without that split
+                    rank_zero_warn(f"ImageSampleCallback: no {self.split} images to complete ({type(err).__name__}: {err}); "
+                                   f"using the first validation batch instead")
+                    loader = []
+                for batch in loader:
+                    images = batch[0] if isinstance(batch, (list, tuple)) else batch
+                    collected.append(images[: self.num_samples - count])
+                    count += len(collected[-1])
+                    if count >= self.num_samples:
+                        break
+            if collected:
+                self._references = torch.cat(collected).cpu()
+            else:
+                return self._fallback
+        return self._references
+
+    def write(self, trainer, pl_module) -> list[str]:
+        """Generate and write both grids now; returns the written paths."""
+        model = pl_module.model
+        device = pl_module.device
+        generator = torch.Generator(device=device).manual_seed(self.seed)
+        out_dir = os.path.join(log_dir_of(trainer), "images")
+        tag = f"epoch={trainer.current_epoch:04d}"
+        paths = []
+
+        samples = model.generate(self.num_samples, temperature=self.temperature, generator=generator)
+        grids = {"samples": image_grid(samples, ncols=min(8, self.num_samples))}
+
+        originals = self.reference_images(trainer)
+        if originals is not None and len(originals):
+            rows = top_half_rows(model.image_shape)
+            originals = originals.to(device)
+            completions = model.generate(len(originals), temperature=self.temperature,
+                                         prefix=originals[:, :, :rows], generator=generator)
+            grids["completions"] = image_grid(completion_triptychs(originals, completions, rows), ncols=3)
+
+        for name, grid in grids.items():
+            path = os.path.join(out_dir, f"{tag}-{name}.png")
+            save_png(grid, path, scale=self.scale)
+            paths.append(path)
+            for logger in trainer.loggers:
+                experiment = getattr(logger, "experiment", None) if _is_tensorboard(logger) else None
+                if experiment is not None and hasattr(experiment, "add_image"):
+                    experiment.add_image(name, grid, global_step=trainer.global_step, dataformats="CHW")
+        self.written.extend(paths)
+        return paths
+
+
+def _is_tensorboard(logger) -> bool:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return isinstance(logger, TensorBoardLogger)

@@ -1,0 +1,270 @@
+"""Pixel-by-pixel image generation (paper §4.2) as a LightningModule.
+
+Training/evaluation: bits/dim of the :class:`PixelTransformer` over all ``N = C H W``
+sub-pixels, logged as ``train/bits_per_dim`` (per step), ``train/bits_per_dim_epoch``,
+``val/bits_per_dim`` and ``test/bits_per_dim`` (epoch-level :class:`BitsPerDim` metrics,
+summed across processes, so correct under DDP).
+
+Prediction (``trainer.predict``), i.e. generation from a checkpoint:
+
+* Each predict batch of images ``(images, labels)`` (or bare images) is *completed*: the top
+  half is given (``prefix``), the bottom half generated. Which images: whatever dataloader
+  predict runs on. The image datamodules' test split is the intended source:
+  ``trainer.predict(task, dataloaders=datamodule.test_dataloader(), ckpt_path=...)`` (or a
+  datamodule with a ``predict_dataloader``); ``limit_predict_batches`` sets how many.
+* ``predict_num_samples`` unconditional samples are generated alongside, batch by batch
+  (as many per batch as the batch has images, the remainder on the last batch).
+* Under DDP every process writes its own share of completions and its own
+  ``predict_num_samples`` samples, into ``output_dir/rankN``.
+* With no dataloader and no datamodule, the task's own :meth:`predict_dataloader` yields
+  index batches of size ``predict_batch_size`` and only unconditional samples are made.
+
+Files under ``output_dir`` (default ``<log_dir>/predictions``): ``samples/sample_XXXXX.png``,
+``completions/completion_XXXXX.png`` (``occluded | completion | original`` side by side),
+``samples_grid.png``, ``completions_grid.png`` (the first 64) and ``throughput.json`` with
+images/second and seconds/image of each kind (also printed, and sent to the loggers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from linformer_lab.models.mixture_of_logistics import BitsPerDim
+from linformer_lab.models.pixel_transformer import PixelTransformer
+from linformer_lab.tasks.callbacks import (
+    completion_triptychs,
+    image_grid,
+    log_dir_of,
+    save_png,
+    top_half_rows,
+)
+from linformer_lab.tasks.common import AttentionConfig
+
+__all__ = ["ImageGenerationTask"]
+
+# Grids written at the end of predict hold at most this many images of each kind.
+_GRID_LIMIT = 64
+
+
+class ImageGenerationTask(L.LightningModule):
+    """Autoregressive image model trained by maximum likelihood (bits/dim).
+
+    Args:
+        attention: which attention (see :class:`AttentionConfig`; YAML:
+            ``attention: {backend: lsh, kwargs: {n_hashes: 4, bucket_size: 29}}``).
+        image_shape: ``(C, H, W)`` of the data: MNIST ``[1, 28, 28]``, CIFAR-10 ``[3, 32, 32]``.
+        n_layers, n_heads, d_model, d_ff, num_mixtures, dropout: :class:`PixelTransformer`.
+        lr: RAdam learning rate (paper: 1e-4).
+        weight_decay: RAdam weight decay (paper: none).
+        temperature: sampling temperature for predict.
+        predict_num_samples: unconditional samples made by a predict run (0: completions only).
+        predict_batch_size: batch size of the unconditional-only predict run (no dataloader).
+        output_dir: predict's output folder (default ``<log_dir>/predictions``).
+        png_scale: enlargement of the PNGs predict writes.
+
+    ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``training_hparams``
+    which arguments a checkpoint may have had different.
+    """
+
+    monitor = "val/bits_per_dim"
+    monitor_mode = "min"
+    #: Arguments that may differ between a checkpoint and the configuration that loads it
+    #: (the CLI's checkpoint check compares all the others): training and generation settings.
+    training_hparams = ("lr", "weight_decay", "dropout", "temperature", "predict_num_samples",
+                        "predict_batch_size", "output_dir", "png_scale")
+
+    def __init__(
+        self,
+        attention: AttentionConfig | None = None,
+        image_shape: Sequence[int] = (1, 28, 28),
+        n_layers: int = 8,
+        n_heads: int = 8,
+        d_model: int = 256,
+        d_ff: int = 1024,
+        num_mixtures: int = 10,
+        dropout: float = 0.0,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        temperature: float = 1.0,
+        predict_num_samples: int = 16,
+        predict_batch_size: int = 16,
+        output_dir: str | None = None,
+        png_scale: int = 4,
+    ):
+        super().__init__()
+        config = AttentionConfig(**attention) if isinstance(attention, dict) else attention
+        # save_hyperparameters() records the arguments' current values: make them plain data
+        # first, so checkpoints load with torch.load(weights_only=True) (PyTorch's default,
+        # which refuses arbitrary classes) and hparams.yaml stays readable. A dict is accepted
+        # back above, which is what load_from_checkpoint passes.
+        attention = dataclasses.asdict(config) if config is not None else None
+        image_shape = [int(s) for s in image_shape]
+        self.save_hyperparameters()
+        self.model = PixelTransformer(
+            attention=config, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
+            num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
+        )
+        self.train_bpd = BitsPerDim()
+        self.val_bpd = BitsPerDim()
+        self.test_bpd = BitsPerDim()
+        self._predict_state: dict | None = None
+
+    # ------------------------------------------------------------------ training
+
+    def setup(self, stage: str) -> None:
+        # Catch a config whose model and data disagree before the first batch, with both named.
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_shape = getattr(datamodule, "image_shape", None)
+        if data_shape is not None and tuple(data_shape) != self.model.image_shape:
+            raise ValueError(
+                f"model.image_shape={list(self.model.image_shape)} but the data module "
+                f"{type(datamodule).__name__} yields images of shape {list(data_shape)}; set model.image_shape to match"
+            )
+
+    @staticmethod
+    def _images(batch) -> torch.Tensor:
+        """Batches are ``(images, labels)`` (docs/CONTRACTS.md) or bare images."""
+        return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+    def _nll(self, batch) -> torch.Tensor:
+        return self.model.nll(self._images(batch))  # (B, N) nats
+
+    def training_step(self, batch, batch_idx):
+        nll = self._nll(batch)
+        loss = nll.mean() / math.log(2.0)  # bits/dim
+        self.train_bpd.update(nll)
+        batch_size = nll.shape[0]
+        self.log("train/bits_per_dim", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+        self.log("train/bits_per_dim_epoch", self.train_bpd, on_step=False, on_epoch=True, batch_size=batch_size)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        nll = self._nll(batch)
+        self.val_bpd.update(nll)
+        self.log("val/bits_per_dim", self.val_bpd, on_epoch=True, prog_bar=True, batch_size=nll.shape[0])
+
+    def test_step(self, batch, batch_idx):
+        nll = self._nll(batch)
+        self.test_bpd.update(nll)
+        self.log("test/bits_per_dim", self.test_bpd, on_epoch=True, batch_size=nll.shape[0])
+
+    def configure_optimizers(self):
+        return torch.optim.RAdam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    # ------------------------------------------------------------------ prediction
+
+    def predict_dataloader(self):
+        """Used only when predict is given no dataloader and no datamodule: index batches,
+        one unconditional sample per index."""
+        return DataLoader(range(self.hparams.predict_num_samples), batch_size=self.hparams.predict_batch_size)
+
+    def output_dir(self) -> str:
+        directory = self.hparams.output_dir or os.path.join(log_dir_of(self.trainer), "predictions")
+        if self.trainer.world_size > 1:  # one folder per process: file indices restart on each
+            directory = os.path.join(directory, f"rank{self.trainer.global_rank}")
+        return directory
+
+    def on_predict_epoch_start(self) -> None:
+        self._predict_state = {
+            "dir": self.output_dir(),
+            "samples": [], "completions": [],  # uint8 images (samples) / triptychs, for the grids
+            "count": {"samples": 0, "completions": 0},
+            "seconds": {"samples": 0.0, "completions": 0.0},
+        }
+
+    def _timed_generate(self, kind: str, batch_size: int, **kwargs) -> torch.Tensor:
+        if self.device.type == "cuda":  # time the work, not the launch
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        images = self.model.generate(batch_size, temperature=self.hparams.temperature, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._predict_state["seconds"][kind] += time.perf_counter() - start
+        return images
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0) -> dict[str, torch.Tensor]:
+        """Returns ``{"samples": uint8 (S, C, H, W)}`` and, for image batches,
+        ``"completions"``: uint8 ``(B, C, H, W)``, while writing PNGs (see the module doc)."""
+        if self._predict_state is None:
+            self.on_predict_epoch_start()
+        state, out = self._predict_state, {}
+        images = self._images(batch)
+        is_index_batch = images.dim() == 1  # from predict_dataloader: unconditional only
+        batch_size = len(images)
+
+        wanted = self.hparams.predict_num_samples - state["count"]["samples"]
+        if not is_index_batch and self._is_last_predict_batch(batch_idx, dataloader_idx):
+            n_samples = wanted  # the remainder, in batches of this size
+        else:
+            n_samples = min(batch_size, wanted)
+        samples = [self._timed_generate("samples", min(batch_size, n_samples - done))
+                   for done in range(0, max(n_samples, 0), batch_size)]
+        if samples:
+            out["samples"] = torch.cat(samples)
+            self._write("samples", out["samples"])
+
+        if not is_index_batch:
+            rows = top_half_rows(self.model.image_shape)
+            out["completions"] = self._timed_generate("completions", batch_size, prefix=images[:, :, :rows])
+            self._write("completions", completion_triptychs(images, out["completions"], rows), rows=rows)
+        return out
+
+    def _is_last_predict_batch(self, batch_idx: int, dataloader_idx: int) -> bool:
+        total = self.trainer.num_predict_batches[dataloader_idx]
+        return math.isfinite(total) and batch_idx == int(total) - 1
+
+    def _write(self, kind: str, images: torch.Tensor, rows: int | None = None) -> None:
+        """Write one PNG per image (per completion triptych for ``completions``)."""
+        state = self._predict_state
+        images = images.cpu()
+        folder = os.path.join(state["dir"], kind)
+        if kind == "completions":
+            triptychs = images.view(-1, 3, *images.shape[1:])
+            for triptych in triptychs:
+                save_png(image_grid(triptych, ncols=3), os.path.join(folder, f"completion_{state['count'][kind]:05d}.png"),
+                         scale=self.hparams.png_scale)
+                state["count"][kind] += 1
+        else:
+            for image in images:
+                save_png(image, os.path.join(folder, f"sample_{state['count'][kind]:05d}.png"), scale=self.hparams.png_scale)
+                state["count"][kind] += 1
+        kept = sum(len(x) for x in state[kind])
+        limit = _GRID_LIMIT * (3 if kind == "completions" else 1)
+        if kept < limit:
+            state[kind].append(images[: limit - kept])
+
+    def on_predict_epoch_end(self) -> None:
+        state = self._predict_state
+        if state is None:
+            return
+        for kind, ncols in (("samples", 8), ("completions", 6)):
+            if state[kind]:
+                save_png(image_grid(torch.cat(state[kind]), ncols=ncols), os.path.join(state["dir"], f"{kind}_grid.png"),
+                         scale=self.hparams.png_scale)
+        report = {"device": str(self.device), "temperature": self.hparams.temperature, "sequence_length": self.model.seq_len}
+        for kind in ("samples", "completions"):
+            n, seconds = state["count"][kind], state["seconds"][kind]
+            if n:
+                report[kind] = {"images": n, "seconds": seconds, "images_per_second": n / seconds,
+                                "seconds_per_image": seconds / n}
+                self.print(f"predict: {n} {kind} in {seconds:.2f} s: {n / seconds:.3f} images/s, "
+                           f"{seconds / n:.3f} s/image -> {state['dir']}")
+        os.makedirs(state["dir"], exist_ok=True)
+        with open(os.path.join(state["dir"], "throughput.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        metrics = {f"predict/{kind}_images_per_second": report[kind]["images_per_second"]
+                   for kind in ("samples", "completions") if kind in report}
+        for logger in self.trainer.loggers:
+            if metrics:
+                logger.log_metrics(metrics, step=self.trainer.global_step)
+                logger.save()
+        self._predict_state = None
