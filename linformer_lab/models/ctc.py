@@ -1,0 +1,330 @@
+"""CTC acoustic modelling (paper §4.3): the transformer acoustic model, decoding and PER.
+
+Everything that turns frames into phoneme posteriors and posteriors into phoneme strings:
+
+* :class:`TransformerCTC` -- frames ``(B, T, 40)`` -> input projection (optionally a 2x
+  subsampling convolution) -> positions -> non-causal :class:`~linformer_lab.models.transformer.Transformer`
+  over any registered attention backend -> linear -> ``log_softmax`` over phonemes + blank.
+  (The Bi-LSTM baseline with the same interface is :class:`linformer_lab.models.bilstm.BiLSTMCTC`.)
+* :func:`greedy_decode` -- best path: argmax per frame, collapse repeats, drop blanks.
+* :func:`prefix_beam_search` -- CTC prefix beam search (no language model), optional.
+* :func:`edit_distance` and :class:`PhonemeErrorRate` -- Levenshtein distance over phoneme ids
+  and its corpus-level ratio ``sum(edits) / sum(reference lengths)``, as a torchmetrics
+  Metric whose two sums reduce across processes with ``dist_reduce_fx="sum"``.
+
+Blank is id 0 throughout (``linformer_lab.data.phonemes.BLANK_ID``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from linformer_lab.models.transformer import Transformer
+
+BLANK = 0
+
+# ================================================================================================
+# Acoustic model
+# ================================================================================================
+
+
+def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The fixed sinusoidal encodings of Vaswani et al.: ``(length, dim)``.
+
+    Computed on the fly rather than stored: utterances have no fixed maximum length (the
+    paper's WSJ goes to 2,400 frames, our long-utterance benchmark further).
+    """
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    half = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+    angle = position * torch.exp(-math.log(10000.0) * half / dim)  # (length, ceil(dim/2))
+    out = torch.zeros(length, dim, device=device, dtype=torch.float32)
+    out[:, 0::2] = torch.sin(angle)
+    out[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return out.to(dtype)
+
+
+def length_mask(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """``lengths (B,)`` -> bool ``(B, max_length)``, True at real (non-padding) frames."""
+    return torch.arange(max_length, device=lengths.device) < lengths[:, None]
+
+
+def subsampled_lengths(lengths: torch.Tensor, factor: int) -> torch.Tensor:
+    """Output frames of a stride-``factor`` convolution with kernel ``factor + 1`` and
+    padding ``factor // 2`` (for factor 2: ``ceil(T / 2)``); identity for factor 1."""
+    if factor == 1:
+        return lengths
+    return (lengths + 2 * (factor // 2) - (factor + 1)) // factor + 1
+
+
+class TransformerCTC(nn.Module):
+    """Non-causal transformer acoustic model with a CTC output layer.
+
+    ``forward(features (B, T, F), lengths (B,)) -> (log_probs (B, T', C) float32, out_lengths (B,))``
+    with ``T' = T`` (or ``ceil(T / 2)`` with ``subsample=2``) and ``C = num_phonemes``
+    (blank = 0). Frames at positions ``>= out_lengths[b]`` are padding: their values are
+    unspecified, but they never influence the real frames (attention masks the padded keys,
+    every other layer acts per frame and the subsampling convolution sees zeros beyond the
+    end, as it would for the utterance alone).
+
+    Args:
+        num_phonemes: output classes including the blank.
+        feature_dim: input features per frame (40 log-mel energies).
+        d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
+            (paper: 9 layers, 6 heads of 32 dims = 192, feed-forward 768).
+        attention_kwargs: what :meth:`AttentionConfig.transformer_kwargs` returns (backend
+            name, feature map, backend arguments).
+        positions: ``"sinusoidal"`` (fixed, any length) or ``"learned"`` (an embedding of
+            ``max_positions`` rows; longer inputs are an error).
+        subsample: 1 (the paper: one transformer position per 10 ms frame) or 2 (a stride-2
+            convolution first halves the sequence, ~4x cheaper softmax attention).
+    """
+
+    def __init__(
+        self,
+        num_phonemes: int,
+        feature_dim: int = 40,
+        d_model: int = 192,
+        n_layers: int = 9,
+        n_heads: int = 6,
+        d_ff: int | None = None,
+        dropout: float = 0.0,
+        attention_kwargs: dict | None = None,
+        positions: str = "sinusoidal",
+        max_positions: int = 4096,
+        subsample: int = 1,
+    ):
+        super().__init__()
+        if positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {positions!r}")
+        if subsample not in (1, 2):
+            raise ValueError(f"subsample must be 1 or 2, got {subsample}")
+        self.subsample = subsample
+        self.positions = positions
+        self.d_model = d_model
+        if subsample == 1:
+            self.input_projection = nn.Linear(feature_dim, d_model)
+        else:
+            # kernel 3, stride 2: every input frame is seen, neighbouring outputs overlap by one
+            self.input_projection = nn.Conv1d(feature_dim, d_model, kernel_size=3, stride=2, padding=1)
+        if positions == "learned":
+            self.position_embedding = nn.Embedding(max_positions, d_model)
+            nn.init.normal_(self.position_embedding.weight, std=0.02)
+        self.input_dropout = nn.Dropout(dropout)
+        self.transformer = Transformer(
+            n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, **(attention_kwargs or {})
+        )
+        self.head = nn.Linear(d_model, num_phonemes)
+
+    def embed(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F), (B,) -> (B, T', d_model), (B,)``: projection plus positions."""
+        if self.subsample == 1:
+            x = self.input_projection(features)
+        else:
+            # Zero the padding first: the convolution's window at the last real frame reaches
+            # one frame past the end, which must read 0 -- what zero padding gives the
+            # utterance alone -- whatever the data loader padded with.
+            features = features * length_mask(lengths, features.shape[1])[..., None].to(features.dtype)
+            x = self.input_projection(features.transpose(1, 2)).transpose(1, 2)
+        lengths = subsampled_lengths(lengths, self.subsample)
+        n = x.shape[1]
+        if self.positions == "sinusoidal":
+            x = x + sinusoidal_positions(n, self.d_model, device=x.device, dtype=x.dtype)
+        else:
+            if n > self.position_embedding.num_embeddings:
+                raise ValueError(
+                    f"utterance of {n} positions exceeds max_positions={self.position_embedding.num_embeddings} "
+                    f"of the learned position embedding; raise max_positions or use positions='sinusoidal'"
+                )
+            x = x + self.position_embedding.weight[:n]
+        return self.input_dropout(x), lengths
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, out_lengths = self.embed(features, lengths)
+        x = self.transformer(x, key_lengths=out_lengths)
+        # log_softmax in fp32: under bf16 autocast the logits are bf16, whose 8-bit mantissa
+        # would quantise the log-probabilities CTC sums over thousands of paths.
+        return torch.log_softmax(self.head(x).float(), dim=-1), out_lengths
+
+
+# ================================================================================================
+# Decoding
+# ================================================================================================
+
+
+def collapse(path: Sequence[int], blank: int = BLANK) -> list[int]:
+    """CTC's many-to-one map on one frame-level path: merge repeats, then drop blanks.
+
+    ``[a, a, blank, a, b, b, blank] -> [a, a, b]`` (the blank separates the two a's).
+    """
+    out: list[int] = []
+    prev = None
+    for token in path:
+        if token != prev and token != blank:
+            out.append(int(token))
+        prev = token
+    return out
+
+
+def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor | None = None, blank: int = BLANK) -> list[list[int]]:
+    """Best-path decoding of a batch.
+
+    Args:
+        log_probs: ``(B, T, C)`` frame scores (log-probabilities or logits: only the argmax matters).
+        lengths: ``(B,)`` real frames per utterance (None = all ``T``).
+    Returns:
+        one list of label ids per utterance.
+    """
+    best = log_probs.argmax(dim=-1)  # (B, T)
+    b, t = best.shape
+    # Vectorised collapse: keep a frame if it is not blank, differs from the previous frame and
+    # lies inside the utterance; then split per utterance on the CPU.
+    keep = best != blank
+    keep[:, 1:] &= best[:, 1:] != best[:, :-1]
+    if lengths is not None:
+        keep &= length_mask(lengths.to(best.device), t)
+    best, keep = best.cpu(), keep.cpu()
+    return [best[i][keep[i]].tolist() for i in range(b)]
+
+
+def _logaddexp(a: float, b: float) -> float:
+    if a == -math.inf:
+        return b
+    if b == -math.inf:
+        return a
+    m = max(a, b)
+    return m + math.log1p(math.exp(-abs(a - b)))
+
+
+def prefix_beam_search(
+    log_probs: torch.Tensor,
+    beam_width: int = 8,
+    blank: int = BLANK,
+    token_prune: int | None = None,
+) -> list[int]:
+    """CTC prefix beam search for one utterance (no language model).
+
+    Tracks, for every surviving label prefix, the log-probability of all paths that produce it
+    and end in a blank (``p_b``) or in its last label (``p_nb``); the split is what lets
+    ``a blank a`` extend a prefix to ``a a`` while ``a a`` stays ``a``. With ``beam_width=1`` it
+    is close to, but not always identical with, greedy decoding (it sums paths rather than
+    following the single best one).
+
+    Args:
+        log_probs: ``(T, C)`` log-probabilities of one utterance (padding already removed).
+        beam_width: prefixes kept after every frame.
+        token_prune: labels considered per frame, the most likely ones (default ``beam_width``);
+            the blank is always considered.
+    Returns:
+        the most probable label sequence.
+    """
+    lp = log_probs.detach().float().cpu().numpy()
+    t_max, c = lp.shape
+    k = min(c, token_prune or beam_width)
+    # prefix (tuple) -> (log p ending in blank, log p ending in its last label)
+    beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, -math.inf)}
+    for t in range(t_max):
+        frame = lp[t]
+        candidates = np.argpartition(-frame, k - 1)[:k] if k < c else np.arange(c)
+        candidates = [int(x) for x in candidates if x != blank]
+        next_beams: dict[tuple[int, ...], list[float]] = {}
+
+        def add(prefix, pb=-math.inf, pnb=-math.inf):
+            entry = next_beams.setdefault(prefix, [-math.inf, -math.inf])
+            entry[0] = _logaddexp(entry[0], pb)
+            entry[1] = _logaddexp(entry[1], pnb)
+
+        for prefix, (pb, pnb) in beams.items():
+            total = _logaddexp(pb, pnb)
+            add(prefix, pb=total + float(frame[blank]))  # a blank keeps the prefix
+            if prefix:  # repeating the last label without a blank between keeps it too
+                add(prefix, pnb=pnb + float(frame[prefix[-1]]))
+            for token in candidates:
+                p = float(frame[token])
+                if prefix and token == prefix[-1]:
+                    # a repeated label only extends the prefix after a blank
+                    add(prefix + (token,), pnb=pb + p)
+                else:
+                    add(prefix + (token,), pnb=total + p)
+        ranked = sorted(next_beams.items(), key=lambda kv: _logaddexp(*kv[1]), reverse=True)
+        beams = {prefix: (v[0], v[1]) for prefix, v in ranked[:beam_width]}
+    best = max(beams.items(), key=lambda kv: _logaddexp(*kv[1]))[0]
+    return list(best)
+
+
+def beam_decode(log_probs: torch.Tensor, lengths: torch.Tensor, beam_width: int = 8, blank: int = BLANK) -> list[list[int]]:
+    """:func:`prefix_beam_search` on every utterance of ``(B, T, C)`` log-probs with lengths ``(B,)``."""
+    return [
+        prefix_beam_search(log_probs[i, : int(lengths[i])], beam_width=beam_width, blank=blank)
+        for i in range(log_probs.shape[0])
+    ]
+
+
+# ================================================================================================
+# Phoneme error rate
+# ================================================================================================
+
+
+def edit_distance(reference: Sequence[int], hypothesis: Sequence[int]) -> int:
+    """Levenshtein distance (substitutions + insertions + deletions, each costing 1).
+
+    One numpy row per reference token: with ``cand[j]`` the best cost reaching column ``j`` by a
+    substitution/match or a deletion, an insertion chain gives
+    ``row[j] = min_{k <= j} cand[k] + (j - k) = j + cummin(cand - arange)[j]``, so each row is a
+    handful of vector operations instead of a Python loop over the hypothesis.
+    """
+    hyp = np.asarray(hypothesis, dtype=np.int64)
+    n = len(hyp)
+    if len(reference) == 0:
+        return n
+    if n == 0:
+        return len(reference)
+    steps = np.arange(n + 1)
+    row = steps.copy()  # distance from the empty reference prefix: j insertions
+    for i, token in enumerate(reference, start=1):
+        cand = np.empty(n + 1, dtype=np.int64)
+        cand[0] = i  # i deletions
+        cand[1:] = np.minimum(row[:-1] + (hyp != token), row[1:] + 1)  # match/substitute, delete
+        row = steps + np.minimum.accumulate(cand - steps)
+    return int(row[-1])
+
+
+class PhonemeErrorRate(Metric):
+    """Corpus-level PER: ``sum of edit distances / sum of reference lengths``.
+
+    Summing numerator and denominator (rather than averaging per-utterance rates) weights
+    every phoneme equally, the standard definition; both states are sums, so under DDP the
+    ranks' shares combine exactly.
+
+    ``update(predictions, references)``: two equal-length sequences of label-id sequences
+    (lists or 1-d tensors). ``compute()`` -> scalar tensor (0 when no reference phonemes were seen).
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("errors", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> None:
+        if len(predictions) != len(references):
+            raise ValueError(f"got {len(predictions)} predictions for {len(references)} references")
+        errors = total = 0
+        for hyp, ref in zip(predictions, references):
+            hyp = hyp.tolist() if isinstance(hyp, torch.Tensor) else hyp
+            ref = ref.tolist() if isinstance(ref, torch.Tensor) else ref
+            errors += edit_distance(ref, hyp)
+            total += len(ref)
+        self.errors += errors
+        self.total += total
+
+    def compute(self) -> torch.Tensor:
+        return (self.errors.double() / self.total.clamp_min(1).double()).float()

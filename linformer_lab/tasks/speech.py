@@ -1,0 +1,255 @@
+"""CTC phoneme recognition (paper §4.3, Table 3) as a LightningModule.
+
+Per utterance::
+
+    features (T, 40) -> acoustic model -> log-probs (T', C)      C = num_phonemes, blank = 0
+        transformer: input projection + positions -> non-causal Transformer (any attention
+                     backend) -> linear           (linformer_lab.models.ctc.TransformerCTC)
+        bilstm:      3 x bidirectional LSTM(320) -> linear  (linformer_lab.models.bilstm.BiLSTMCTC)
+    training:   CTC loss (blank 0, per-phoneme mean over the batch, fp32)
+    evaluation: greedy (best-path) decoding -> phoneme error rate (PER)
+
+Optimisation as in the paper: the transformers use RAdam at 1e-4, the Bi-LSTM Adam at 1e-3,
+and in both the learning rate is halved whenever the validation PER stops improving
+(``ReduceLROnPlateau`` on ``val/per``, stepped after every validation epoch).
+
+Batches follow docs/CONTRACTS.md: dicts with ``features float (B, T, 40)``,
+``feature_lengths (B,)``, ``targets int64 (B, S)`` (0-padded) and ``target_lengths (B,)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from linformer_lab.data.phonemes import NUM_PHONEMES
+from linformer_lab.models.bilstm import BiLSTMCTC
+from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
+from linformer_lab.tasks.common import AttentionConfig
+
+class SpeechRecognitionTask(L.LightningModule):
+    """CTC phoneme recogniser with a transformer (any attention backend) or a Bi-LSTM encoder.
+
+    Args:
+        encoder: ``"transformer"`` or ``"bilstm"``.
+        attention: the transformer's attention (``backend``, ``feature_map``, ``kwargs``);
+            None = linear attention with the elu feature map. Must stay None for ``bilstm``.
+        num_phonemes: output classes including the CTC blank (id 0), i.e. the data module's
+            ``num_phonemes``. The default is the project's inventory
+            (``linformer_lab.data.phonemes.NUM_PHONEMES``), which every SpeechDataModule corpus
+            uses, so configs leave it unset; the CLI may also link
+            ``data.num_phonemes -> model.init_args.num_phonemes``.
+        feature_dim: features per frame (the data module's ``feature_dim``, 40).
+        d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
+            (paper: 9 layers x 6 heads x 32 dims, d_model 192).
+        positions: ``"sinusoidal"`` or ``"learned"`` position encodings (transformer).
+        max_positions: rows of the learned position table.
+        subsample: 1 (paper: one position per frame) or 2 (stride-2 convolution first).
+        lstm_hidden, lstm_layers: Bi-LSTM shape (paper: 320 per direction, 3 layers);
+            ``dropout`` also applies between LSTM layers.
+        lstm_packed: run the Bi-LSTM on packed sequences (True), on padded batches (False,
+            same result, far faster on CPU) or packed on CUDA only (None); see BiLSTMCTC.
+        optimizer: ``"radam"`` or ``"adam"``; None = the paper's choice for the encoder
+            (transformer: RAdam, bilstm: Adam).
+        lr: initial learning rate; None = the paper's (transformer 1e-4, bilstm 1e-3).
+        weight_decay: optimizer weight decay.
+        lr_factor, lr_patience, min_lr: ``ReduceLROnPlateau`` on ``val/per`` (paper: halve).
+        beam_width: decoding for ``test``/``predict``: 1 = greedy (also what validation always
+            uses: it is cheap), > 1 = CTC prefix beam search with that many prefixes.
+
+    ``forward(features (B, T, 40), lengths (B,)) -> (log_probs (B, T', C), out_lengths (B,))``.
+    Logged: ``train/loss``, ``train/epoch_time_s`` (wall time of the training epoch, data
+    loading included), ``val/loss``, ``val/per``, ``test/loss``, ``test/per``, ``lr``.
+    """
+
+    #: metric the CLI's "best" checkpoint follows, and in which direction
+    monitor = "val/per"
+    monitor_mode = "min"
+    #: hyper-parameters that may differ between a checkpoint and the configuration using it
+    #: (fine-tuning, evaluation with another decoder); the CLI's checkpoint check skips them.
+    #: lstm_packed only picks how the same LSTMs run.
+    training_hparams = (
+        "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
+        "lstm_packed",
+    )
+
+    def __init__(
+        self,
+        encoder: str = "transformer",
+        attention: AttentionConfig | None = None,
+        num_phonemes: int = NUM_PHONEMES,
+        feature_dim: int = 40,
+        d_model: int = 192,
+        n_layers: int = 9,
+        n_heads: int = 6,
+        d_ff: int | None = None,
+        dropout: float = 0.1,
+        positions: str = "sinusoidal",
+        max_positions: int = 4096,
+        subsample: int = 1,
+        lstm_hidden: int = 320,
+        lstm_layers: int = 3,
+        lstm_packed: bool | None = None,
+        optimizer: str | None = None,
+        lr: float | None = None,
+        weight_decay: float = 0.0,
+        lr_factor: float = 0.5,
+        lr_patience: int = 1,
+        min_lr: float = 1e-6,
+        beam_width: int = 1,
+    ):
+        super().__init__()
+        if encoder not in ("transformer", "bilstm"):
+            raise ValueError(f"encoder must be 'transformer' or 'bilstm', got {encoder!r}")
+        if isinstance(attention, dict):  # hparams read back from a checkpoint
+            attention = AttentionConfig(**attention)
+        if encoder == "bilstm" and attention is not None:
+            raise ValueError("encoder='bilstm' has no attention; remove the attention setting")
+        if encoder == "transformer" and attention is None:
+            attention = AttentionConfig()
+        if optimizer is None:
+            optimizer = "radam" if encoder == "transformer" else "adam"
+        if optimizer not in ("radam", "adam"):
+            raise ValueError(f"optimizer must be 'radam' or 'adam', got {optimizer!r}")
+        if lr is None:
+            lr = 1e-4 if encoder == "transformer" else 1e-3
+        self.save_hyperparameters()
+        # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
+        # resolved optimizer/lr so a checkpoint records what actually ran.
+        self.hparams["attention"] = dataclasses.asdict(attention) if attention is not None else None
+        self.hparams["optimizer"], self.hparams["lr"] = optimizer, lr
+        self.attention_config = attention
+
+        if encoder == "transformer":
+            self.model = TransformerCTC(
+                num_phonemes, feature_dim, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+                dropout=dropout, attention_kwargs=attention.transformer_kwargs(), positions=positions,
+                max_positions=max_positions, subsample=subsample,
+            )
+        else:
+            self.model = BiLSTMCTC(
+                num_phonemes, feature_dim, hidden_size=lstm_hidden, n_layers=lstm_layers, dropout=dropout,
+                packed=lstm_packed,
+            )
+        self.val_per = PhonemeErrorRate()
+        self.test_per = PhonemeErrorRate()
+        self._epoch_start: float | None = None
+        self._validation_start: float | None = None
+        self._validation_seconds = 0.0
+
+    # ------------------------------------------------------------------ model
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(features, lengths)
+
+    def ctc_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(loss, log_probs (B, T', C), out_lengths (B,))``; loss is CTC per target
+        phoneme, averaged over the batch."""
+        log_probs, out_lengths = self(batch["features"], batch["feature_lengths"])
+        # CTC's forward-backward sums over exponentially many paths: always in fp32, also under
+        # bf16/fp16 autocast (where F.ctc_loss would otherwise see whatever dtype autocast picks).
+        with torch.autocast(device_type=log_probs.device.type, enabled=False):
+            loss = F.ctc_loss(
+                log_probs.float().transpose(0, 1),  # (T', B, C), the layout ctc_loss expects
+                batch["targets"],
+                out_lengths,
+                batch["target_lengths"],
+                blank=0,
+                reduction="mean",
+                # An utterance with more phonemes (plus required blanks between repeats) than
+                # frames has no valid path: infinite loss. Zero it instead of poisoning the batch.
+                zero_infinity=True,
+            )
+        return loss, log_probs, out_lengths
+
+    @staticmethod
+    def references(batch: dict) -> list[list[int]]:
+        """The target phoneme ids of every utterance, padding removed."""
+        targets, lengths = batch["targets"].cpu(), batch["target_lengths"].cpu()
+        return [targets[i, : int(lengths[i])].tolist() for i in range(targets.shape[0])]
+
+    def decode(self, log_probs: torch.Tensor, lengths: torch.Tensor, beam_width: int = 1) -> list[list[int]]:
+        """Phoneme ids per utterance: greedy for ``beam_width <= 1``, else prefix beam search."""
+        if beam_width <= 1:
+            return greedy_decode(log_probs, lengths)
+        return beam_decode(log_probs, lengths, beam_width=beam_width)
+
+    # ------------------------------------------------------------------ Lightning
+
+    def training_step(self, batch, batch_idx):
+        loss, _, _ = self.ctc_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["features"].shape[0])
+        return loss
+
+    def _evaluate(self, batch, stage: str, metric: PhonemeErrorRate, beam_width: int):
+        loss, log_probs, out_lengths = self.ctc_loss(batch)
+        batch_size = batch["features"].shape[0]
+        metric.update(self.decode(log_probs, out_lengths, beam_width), self.references(batch))
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
+        # Logging the Metric object: Lightning calls compute() (summed errors / summed
+        # reference lengths over the whole epoch and all ranks) at epoch end and resets it.
+        self.log(f"{stage}/per", metric, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch_size)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self._evaluate(batch, "val", self.val_per, beam_width=1)
+
+    def test_step(self, batch, batch_idx):
+        return self._evaluate(batch, "test", self.test_per, beam_width=self.hparams.beam_width)
+
+    def predict_step(self, batch, batch_idx):
+        """``{"predictions", "references"}``: phoneme-id lists per utterance."""
+        log_probs, out_lengths = self(batch["features"], batch["feature_lengths"])
+        return {
+            "predictions": self.decode(log_probs, out_lengths, self.hparams.beam_width),
+            "references": self.references(batch),
+        }
+
+    # Table 3's "time per epoch": wall time of the training batches (data loading included).
+    # Measured in the task, not a callback, so every run reports it. Lightning runs the
+    # end-of-epoch validation *inside* the training epoch (before on_train_epoch_end), so the
+    # validation time is tracked and subtracted: the logged number is training alone.
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_start = time.perf_counter()
+        self._validation_seconds = 0.0
+
+    def on_validation_epoch_start(self) -> None:
+        self._validation_start = time.perf_counter()
+
+    def on_validation_epoch_end(self) -> None:
+        # the sanity check runs before any training epoch: nothing to subtract from then
+        if self._epoch_start is not None and self._validation_start is not None:
+            self._validation_seconds += time.perf_counter() - self._validation_start
+        self._validation_start = None
+
+    def on_train_epoch_end(self) -> None:
+        if self._epoch_start is None:
+            return
+        elapsed = time.perf_counter() - self._epoch_start - self._validation_seconds
+        self.log("train/epoch_time_s", elapsed, on_step=False, on_epoch=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=False, on_epoch=True)
+        self._epoch_start = None
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer_cls = torch.optim.RAdam if hp.optimizer == "radam" else torch.optim.Adam
+        optimizer = optimizer_cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=hp.lr_factor, patience=hp.lr_patience, min_lr=hp.min_lr
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "monitor": "val/per",
+                "interval": "epoch",
+                "frequency": 1,
+                # runs without validation (limit_val_batches=0) warn instead of failing
+                "strict": False,
+            },
+        }
