@@ -284,3 +284,22 @@ def test_linear_cuda_on_cpu_names_the_cpu_backend():
     q = torch.randn(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="'linear' backend"):
         attn(q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_linear_under_autocast_trains_with_fp32_state(causal):
+    """bf16-mixed: projections run in bf16, the attention accumulates in fp32, gradients flow."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 48)
+    attn = ll.build_attention("linear", causal=causal, query_dim=16)
+    x = torch.randn(2, 3, 64, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = proj(x).split(16, dim=-1)
+        assert q.dtype == torch.bfloat16
+        out = attn(q, k, v)
+    out.float().square().mean().backward()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.isfinite(proj.weight.grad).all() and proj.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        ref = _reference(attn.double(), *(t.detach().double() for t in (q, k, v)), causal)
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
