@@ -110,6 +110,12 @@ class KVCache:
         self.length = 0
 
     def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
+        if k_t.shape[:2] != self._k.shape[:2] or k_t.shape[-1] != self._k.shape[-1] or v_t.shape[-1] != self._v.shape[-1]:
+            raise ValueError(
+                f"KVCache: k_t {tuple(k_t.shape)} / v_t {tuple(v_t.shape)} do not fit the cache of keys "
+                f"{tuple(self.keys.shape)} and values {tuple(self.values.shape)} (batch, heads, dims must match "
+                f"the sequence's first step)"
+            )
         if self.length == self._k.shape[2]:
             self._k = torch.cat([self._k, torch.empty_like(self._k)], dim=2)
             self._v = torch.cat([self._v, torch.empty_like(self._v)], dim=2)

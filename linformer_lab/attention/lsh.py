@@ -68,8 +68,8 @@ class LSHAttention(Attention):
         return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths)
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        self.check_step_inputs(q_t, k_t, v_t)
-        if state is None:
+        if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
+            self.check_step_inputs(q_t, k_t, v_t)
             state = KVCache(q_t, v_t)
         state.append(q_t, v_t)
         out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from linformer_lab.attention.base import Attention
+from linformer_lab.ops.step_linear import step_linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -56,19 +57,13 @@ class MultiHeadAttention(nn.Module):
         self._split = [hq, hv] if self.shares_query_key else [hq, hq, hv]
         self.qkv = nn.Linear(d_model, sum(self._split))
         self.out = nn.Linear(hv, d_model)
+        # With equal query and value sizes the fused projection is (..., parts, heads, dim):
+        # ``step`` splits it with one view + unbind instead of split + three views.
+        self._step_parts = (len(self._split), n_heads, self.query_dim) if self.query_dim == self.value_dim else None
 
     def _project(self, x: torch.Tensor):
         """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
-        parts = self.qkv(x).split(self._split, dim=-1)
-        if self.shares_query_key:
-            q, v = parts
-            k = q
-        else:
-            q, k, v = parts
-        lead = x.shape[:-1]
-        q = q.view(*lead, self.n_heads, self.query_dim)
-        k = q if self.shares_query_key else k.view(*lead, self.n_heads, self.query_dim)
-        return q, k, v.view(*lead, self.n_heads, self.value_dim)
+        return self._split_projection(self.qkv(x))
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``."""
@@ -79,7 +74,29 @@ class MultiHeadAttention(nn.Module):
         return self.out(out.transpose(1, 2).flatten(2))
 
     def step(self, x_t: torch.Tensor, state=None):
-        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``."""
-        q, k, v = self._project(x_t)  # (B, H, dim)
+        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``.
+
+        Same weights and result as :meth:`forward` at one position, with as few tensor
+        operations as possible (generation runs this once per position and layer): the
+        projections go through :func:`~linformer_lab.ops.step_linear.step_linear` (module
+        hooks on ``qkv`` / ``out`` do not run here) and q, k, v come out of the fused
+        projection as views.
+        """
+        qkv = step_linear(x_t, self.qkv)
+        if self._step_parts is None:
+            q, k, v = self._split_projection(qkv)
+        elif self.shares_query_key:
+            q, v = qkv.view(qkv.shape[:-1] + self._step_parts).unbind(-3)  # (B, H, dim) each
+            k = q
+        else:
+            q, k, v = qkv.view(qkv.shape[:-1] + self._step_parts).unbind(-3)
         out, state = self.attention.step(q, k, v, state)
-        return self.out(out.flatten(1)), state
+        return step_linear(out.flatten(1), self.out), state
+
+    def _split_projection(self, qkv: torch.Tensor):
+        """The fused projection ``(..., sum(split))`` -> q, k, v each ``(..., heads, dim)``."""
+        parts = qkv.split(self._split, dim=-1)
+        lead = qkv.shape[:-1]
+        q = parts[0].view(*lead, self.n_heads, self.query_dim)
+        k = q if self.shares_query_key else parts[1].view(*lead, self.n_heads, self.query_dim)
+        return q, k, parts[-1].view(*lead, self.n_heads, self.value_dim)

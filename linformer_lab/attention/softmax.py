@@ -30,8 +30,8 @@ class SoftmaxAttention(Attention):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout)
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        self.check_step_inputs(q_t, k_t, v_t)
-        if state is None:
+        if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
+            self.check_step_inputs(q_t, k_t, v_t)
             state = KVCache(k_t, v_t)
         state.append(k_t, v_t)
         out = F.scaled_dot_product_attention(q_t.unsqueeze(2), state.keys, state.values)

@@ -9,9 +9,11 @@ they agree for every backend.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.ops.step_linear import step_linear
 
 
 class TransformerLayer(nn.Module):
@@ -39,16 +41,39 @@ class TransformerLayer(nn.Module):
             nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
         )
         self.dropout = nn.Dropout(dropout)
+        # The feed-forward's modules for the functional eval-mode step (a plain tuple: not
+        # registered twice). Dropout is the identity in eval mode and is left out there.
+        self._ff_step = (self.feedforward[0], self.feedforward[1], self.feedforward[3])
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.norm_attention(x), key_lengths=key_lengths))
         return x + self.dropout(self.feedforward(self.norm_ff(x)))
 
     def step(self, x_t: torch.Tensor, state=None):
-        """``(B, d_model) -> ((B, d_model), state)``."""
-        attended, state = self.attention.step(self.norm_attention(x_t), state)
-        x_t = x_t + self.dropout(attended)
-        return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
+        """``(B, d_model) -> ((B, d_model), state)``.
+
+        In eval mode (generation) the layer norms and the feed-forward are called
+        functionally (``torch.layer_norm`` directly: ``F.layer_norm`` also reads a backend
+        flag property on every call), without the module-call machinery and the identity
+        dropouts: the step runs once per position and layer on one row per sequence, where
+        that overhead is a large part of the time. Same weights and arithmetic as
+        :meth:`forward`; module hooks on the sub-modules do not run in that path. Training
+        mode calls the modules.
+        """
+        if self.training:
+            attended, state = self.attention.step(self.norm_attention(x_t), state)
+            x_t = x_t + self.dropout(attended)
+            return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
+        norm = self.norm_attention
+        attended, state = self.attention.step(
+            torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), state
+        )
+        x_t = x_t + attended
+        norm = self.norm_ff
+        up, activation, down = self._ff_step
+        hidden = step_linear(torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), up)
+        hidden = step_linear(F.gelu(hidden, approximate=activation.approximate), down)
+        return x_t + hidden, state
 
 
 class Transformer(nn.Module):
@@ -96,7 +121,10 @@ class Transformer(nn.Module):
         return all(layer.attention.attention.has_recurrent_form for layer in self.layers)
 
     def step(self, x_t: torch.Tensor, state: list | None = None):
-        if not self.has_recurrent_form:
+        # whether the stack has a recurrent form is decided on a sequence's first step; the
+        # kind of state says it afterwards (saves walking the layers at every step)
+        recurrent = self.has_recurrent_form if state is None else not isinstance(state, _PrefixCache)
+        if not recurrent:
             # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
             # paper's generation baseline); the state is the prefix of inputs
             state = state if state is not None else _PrefixCache()
@@ -108,7 +136,8 @@ class Transformer(nn.Module):
         for layer, layer_state in zip(self.layers, state):
             x_t, layer_state = layer.step(x_t, layer_state)
             new_state.append(layer_state)
-        return self.norm(x_t), new_state
+        norm = self.norm
+        return torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), new_state
 
 
 class _PrefixCache:

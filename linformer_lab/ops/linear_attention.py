@@ -30,9 +30,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """Chunk length: at least min(C, M) so chunk states stay O(N max(C, M)), at least 64 so
-    matmuls are large enough to be efficient, at most 256 so intra-chunk work stays small."""
-    return max(64, min(256, min(feature_dim, value_dim)))
+    """Chunk length: at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so
+    matmuls are not tiny, at most 256 so intra-chunk work stays small. Measured on 2 CPU cores
+    (benchmarks/results/causal_linear_cpu.md): C = M = 32 is fastest at 32, C = M = 64 at 64."""
+    return max(32, min(256, min(feature_dim, value_dim)))
 
 
 def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -262,7 +263,11 @@ def linear_attention_step(
         denominator = (phi_q * z).sum(-1, keepdim=True) + eps
         return numerator / denominator, state
     if joint.is_cuda:
-        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
+        if torch.is_autocast_enabled("cuda"):  # keep the product with the fp32 state in fp32
+            with torch.autocast("cuda", enabled=False):
+                both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+        else:
+            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
     else:
         # on CPU a broadcast product + sum: a (B*H)-batched matmul of (1, C) x (C, M + 1)
         # enters the BLAS thread pool, which costs more than the arithmetic at these sizes
