@@ -1,0 +1,239 @@
+"""Small helpers shared by the benchmarks: timing, peak-RSS measurement, child processes,
+machine description and table output. Standard library only at import time; torch is
+imported lazily so a driver process can stay small (its RSS would otherwise leak into the
+children's ``ru_maxrss`` through fork + exec)."""
+
+from __future__ import annotations
+
+import csv
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+MIB = 1024 * 1024
+
+
+# ---------------------------------------------------------------- memory (this process)
+def current_rss() -> int:
+    """Resident set size now, in bytes (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def max_rss() -> int:
+    """``getrusage(RUSAGE_SELF).ru_maxrss`` in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process's RSS (``echo 5 > clear_refs``,
+    Linux >= 4.0), so that ``ru_maxrss`` afterwards is the peak of what follows only.
+    Returns False where the kernel does not allow it (the peak then also covers setup)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_parts() -> dict[str, int]:
+    """``RssAnon``, ``RssFile``, ``RssShmem`` of this process in bytes (``/proc/self/status``)."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                key, value = line.split(":")
+                parts[key] = int(value.split()[0]) * 1024
+    return parts
+
+
+def peak_rss_increase(fn: Callable[[], Any]) -> dict:
+    """Run ``fn()`` once and return how far the RSS peak rose above the RSS just before it.
+
+    ``peak_increase_raw`` = ``ru_maxrss`` after the call (the high-water mark reset just
+    before, where allowed) minus the RSS just before. That also counts code pages of the
+    shared libraries first touched during the call, which on this machine come in 2 MB
+    file huge pages shared with other processes and vary by +-20 MB from run to run;
+    ``peak_increase`` removes them: the growth of file-backed (and shmem) RSS over the call
+    is subtracted, which leaves the anonymous memory (tensors, allocator, stacks)."""
+    import gc
+
+    gc.collect()
+    was_reset = reset_peak_rss()
+    before = rss_parts()
+    rss_before, maxrss_before = current_rss(), max_rss()
+    fn()
+    maxrss_after = max_rss()
+    after = rss_parts()
+    file_growth = max(0, after.get("RssFile", 0) + after.get("RssShmem", 0) - before.get("RssFile", 0) - before.get("RssShmem", 0))
+    raw = max(0, maxrss_after - rss_before)
+    return {
+        "rss_before": rss_before,
+        "maxrss_before": maxrss_before,
+        "maxrss_after": maxrss_after,
+        "file_rss_growth": file_growth,
+        "peak_increase_raw": raw,
+        "peak_increase": max(0, raw - file_growth),
+        "hwm_reset": was_reset,
+    }
+
+
+# ---------------------------------------------------------------- timing
+def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> float:
+    """Wall time of one call in seconds (``sync`` e.g. ``torch.cuda.synchronize``)."""
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
+                        budget_s: float | None = None, sync=None) -> dict[str, dict]:
+    """Time several callables in rounds A, B, C, A, B, C, ... so that a change of machine
+    load hits all of them alike; returns per name the median, min and all samples (s).
+    ``budget_s`` stops early (after at least 3 rounds) when the rounds so far took longer."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    for r in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(timed(fn, sync))
+        if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {name: {"median": statistics.median(s), "min": min(s), "samples": s} for name, s in samples.items()}
+
+
+# ---------------------------------------------------------------- child processes
+def _child_entry(queue, target, kwargs):
+    try:
+        queue.put(("ok", target(**kwargs)))
+    except BaseException as exc:  # report, never hang the parent
+        kind = "oom" if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc) else "error"
+        queue.put((kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+
+
+#: Environment of memory-measuring children. glibc's malloc by default raises its mmap
+#: threshold (up to 32 MB) each time a large block is freed and then keeps freed memory in
+#: its heaps; the RSS peak of the same fwd+bwd then varies by +-20 % from run to run (seen
+#: here). A fixed threshold sends every block >= 128 KiB to mmap/munmap, so RSS follows the
+#: live tensors and the peak is reproducible to < 1 %.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def run_in_child(target: Callable[..., dict], kwargs: dict, timeout_s: float, env: dict | None = None) -> tuple[str, Any]:
+    """Run ``target(**kwargs)`` in a fresh spawned interpreter (its own RSS peak) and return
+    ``(status, result)``: ``("ok", dict)``, ``("oom" | "error", message)``, ``("timeout", None)``
+    or ``("crashed", exitcode)`` (e.g. killed by the kernel's OOM killer). ``target`` must be
+    importable (a module-level function). ``env``: extra environment variables of the child."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_entry, args=(queue, target, kwargs), daemon=True)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        status, payload = queue.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: too slow, or died without a word
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            return "timeout", None
+        proc.join()
+        return "crashed", proc.exitcode
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+    return status, payload
+
+
+def limit_data_segment(cap_bytes: int | None) -> None:
+    """Make allocations beyond ``cap_bytes`` more than now fail with an error rather than
+    swap or summon the OOM killer (RLIMIT_DATA covers private anonymous mmaps on Linux >= 4.7)."""
+    if not cap_bytes:
+        return
+    with open("/proc/self/status") as f:
+        data_now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    limit = data_now + cap_bytes
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+# ---------------------------------------------------------------- machine description
+def machine_info() -> dict:
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = int(f.readline().split()[1]) / 1024**2
+    except OSError:
+        mem_gib = float("nan")
+    return {
+        "cpu": model,
+        "logical_cpus": os.cpu_count(),
+        "mem_gib": round(mem_gib, 1),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg": tuple(round(x, 2) for x in os.getloadavg()),
+    }
+
+
+def torch_info() -> dict:
+    """Versions and threads of the torch that a child process sees."""
+    import torch
+
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+    if info["cuda"]:
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ---------------------------------------------------------------- output
+def write_csv(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    """A number for a table, or an em dash for a configuration that was not run."""
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def load_line() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
