@@ -16,7 +16,7 @@ configuration; on GPU, ``torch.cuda.max_memory_allocated`` minus the memory allo
 the call. Time: median over interleaved rounds (method A, B, C, A, B, C, ...) in one child
 per N, after one warm-up call.
 
-    uv run python benchmarks/scaling.py            # full CPU run (~10 min on 2 cores)
+    uv run python benchmarks/scaling.py            # full CPU run (~15-18 min on 2 loaded cores)
     uv run python benchmarks/scaling.py --quick    # smoke run (< 1 min)
 
 Writes ``benchmarks/results/scaling_<device>.{csv,md,png}``.
