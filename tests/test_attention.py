@@ -150,12 +150,40 @@ def test_linear_state_has_fixed_size():
     assert all(t.dtype == torch.float32 for t in state)
 
 
-def test_causal_dot_product_gradcheck():
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_causal_dot_product_gradcheck(layout):
+    """Chunk 4 <= max(C, M) keeps the forward's masked scores for backward; 11 and 64 recompute
+    them. "transposed" feeds (B, N, H, X).transpose(1, 2) views, as multi-head attention does."""
     gen = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(1, 2, 11, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    v = torch.randn(1, 2, 11, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def make(x):
+        if layout == "transposed":
+            return torch.randn(1, 11, 2, x, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        return torch.randn(1, 2, 11, x, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    q, k, v = make(3), make(3), make(4)
     for chunk in (4, 11, 64):
         assert torch.autograd.gradcheck(lambda a, b, c: CausalDotProduct.apply(a, b, c, chunk), (q, k, v))
+
+
+@pytest.mark.parametrize("chunk", [4, 8], ids=["scores-kept", "scores-recomputed"])
+@pytest.mark.parametrize("min_rows", [1, 2], ids=["row-per-block", "partial-last-block"])
+def test_causal_dot_product_row_blocks(monkeypatch, min_rows, chunk):
+    """B H rows are processed in blocks; blocks of one row, and of two rows over three rows
+    (a partial last block), must give the same values and gradients as the reference."""
+    from linformer_lab.ops import linear_attention as la
+
+    monkeypatch.setattr(la, "_BLOCK_BYTES", 1)
+    monkeypatch.setattr(la, "_MIN_BLOCK_ROWS", min_rows)
+    q, k, v = (t.requires_grad_() for t in _inputs(b=1, h=3, n=37, d=4, m=5))
+    out = causal_dot_product(q, k, v, chunk)
+    ref = reference.causal_dot_product_reference(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 4), (5, 4), (64, 16), (100, 32), (129, None)])

@@ -36,41 +36,70 @@ def default_chunk_size(feature_dim: int, value_dim: int) -> int:
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
-def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``(B, H, N, X) -> (B, H, N/L, L, X)``, zero-padding N up to a multiple of L. Zero keys
-    and values add nothing to any state; outputs of zero queries are cut off afterwards."""
+def _chunked(x: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, H, N, X) -> (B H, N/L, L, X)``, contiguous, in ``dtype``, zero-padding N up to a
+    multiple of L. Zero keys and values add nothing to any state; outputs of zero queries are
+    cut off afterwards."""
     b, h, n, d = x.shape
     pad = (-n) % chunk
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    return x.reshape(b, h, (n + pad) // chunk, chunk, d)
+    return x.to(dtype).reshape(b * h, (n + pad) // chunk, chunk, d).contiguous()
 
 
-def _exclusive_cumsum(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """Along dim 2 (chunks): the sum of the entries strictly before each chunk (or strictly
-    after, with ``reverse``). ``(B, H, n, C, M) -> (B, H, n, C, M)``.
+def _unchunked(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``(B H, N/L, L, X) -> (B, H, N, X)`` in ``like``'s dtype, the padding cut off."""
+    b, h, n, _ = like.shape
+    return x.view(b, h, -1, x.shape[-1])[:, :, :n].to(like.dtype)
 
-    A loop over chunks (not time steps) with one fused add each: measured 2.5x faster on
-    CPU than ``torch.cumsum`` along a non-innermost dim followed by a shift.
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows of a ``(B H, n, R, X)`` tensor as the ``(rows n, R, X)`` batch of ``bmm``: a view,
+    so ``bmm(..., out=)`` writes straight into the full tensor."""
+    return x[rows].flatten(0, 1)
+
+
+#: Bytes of each per-block temporary. Measured on 2 CPU cores (B=4, H=8, N=4096, C=M=64):
+#: 8 MiB blocks were ~20% faster than whole-tensor temporaries and than 2 or 16 MiB blocks.
+_BLOCK_BYTES = 8 << 20
+#: The chunk scans are one small op per chunk and per block; at least this many rows per block
+#: keeps their count (and Python overhead) low when rows are long.
+_MIN_BLOCK_ROWS = 8
+
+
+def _row_blocks(total_rows: int, bytes_per_row: int) -> list[slice]:
+    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // max(1, bytes_per_row))
+    return [slice(r, min(total_rows, r + rows)) for r in range(0, total_rows, rows)]
+
+
+def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """In place along dim 1 (chunks): each entry becomes the sum of the entries strictly
+    before it (or strictly after, with ``reverse``). ``(rows, n, C, M)``, returns ``x``.
+
+    A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache:
+    measured 15x faster per block than ``torch.cumsum`` along a non-innermost dim, and in
+    place because a fresh output costs page faults on first touch.
     """
-    out = torch.empty_like(x)
-    n = x.shape[2]
-    order = range(n - 1, -1, -1) if reverse else range(n)
-    previous = None
+    running = torch.zeros_like(x[:, 0])
+    spare = torch.empty_like(running)
+    order = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
     for i in order:
-        if previous is None:
-            out[:, :, i].zero_()
-        else:
-            torch.add(out[:, :, previous], x[:, :, previous], out=out[:, :, i])
-        previous = i
-    return out
+        torch.add(running, x[:, i], out=spare)  # sum up to and including i
+        x[:, i].copy_(running)  # sum strictly before i
+        running, spare = spare, running
+    return x
 
 
 class CausalDotProduct(torch.autograd.Function):
     """Numerator of eq. 9 with the constant-memory backward of eq. 13-15.
 
-    Saved for backward: the inputs and the (N / L, C, M) chunk-boundary states, never the
-    per-step states.
+    Works on ``(B H, n, L, X)`` chunked views, in blocks of rows: every temporary is one
+    block's worth (~8 MiB), so it stays in cache and is recycled by the allocator instead
+    of being a fresh input-sized allocation (whose page faults cost as much as a matmul).
+
+    Saved for backward: the inputs, the (N / L, C, M) chunk-boundary states and, when the
+    chunk is no longer than max(C, M), the masked intra-chunk scores q_i . k_j (N L numbers,
+    at most the size of an input). The per-step states (N C M numbers) are never formed.
     """
 
     @staticmethod
@@ -83,18 +112,34 @@ class CausalDotProduct(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, chunk_size):
         chunk = chunk_size or default_chunk_size(q.shape[-1], v.shape[-1])
-        ctx.chunk = chunk
-        n = q.shape[-2]
         compute = _compute_dtype(q.dtype)
-        qc, kc, vc = (_chunked(t.to(compute), chunk) for t in (q, k, v))
-        mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-        # S before each chunk (eq. 10 at chunk boundaries): (B, H, n, C, M). Kept for the
+        qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
+        rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
+        # S before each chunk (eq. 10 at chunk boundaries): (B H, n, C, M). Kept for the
         # backward pass: it is (N / L) C M <= N max(C, M) numbers and saves recomputing it.
-        prefix = _exclusive_cumsum(kc.transpose(-1, -2) @ vc)
-        out = qc @ prefix
-        out += (qc @ kc.transpose(-1, -2)).masked_fill_(~mask, 0) @ vc
-        ctx.save_for_backward(q, k, v, prefix)
-        return out.flatten(2, 3)[:, :, :n].to(q.dtype)
+        prefix = qc.new_empty(rows, n_chunks, c, m)
+        # [i, j] = q_i . k_j for j <= i inside each chunk. grad V needs exactly these scores
+        # again; keeping them costs N L numbers and saves a third of the backward's
+        # intra-chunk matmuls. Past max(C, M) they would outgrow the inputs: recomputed.
+        keep_scores = chunk <= max(c, m)
+        scores = qc.new_empty(rows, n_chunks, chunk, chunk) if keep_scores else None
+        out = qc.new_empty(rows, n_chunks, chunk, m)
+        row_bytes = n_chunks * max(chunk * chunk, c * m) * qc.element_size()
+        for block in _row_blocks(rows, row_bytes):
+            q3, k3, v3 = (_rows(t, block) for t in (qc, kc, vc))
+            prefix3 = _rows(prefix, block)
+            torch.bmm(k3.transpose(1, 2), v3, out=prefix3)
+            _exclusive_scan_(prefix[block])
+            if keep_scores:
+                scores3 = torch.bmm(q3, k3.transpose(1, 2), out=_rows(scores, block))
+            else:
+                scores3 = torch.bmm(q3, k3.transpose(1, 2))
+            scores3.tril_()
+            # intra-chunk term, then the state term accumulated by BLAS (beta = 1) in place
+            torch.bmm(scores3, v3, out=_rows(out, block)).baddbmm_(q3, prefix3)
+        ctx.chunk = chunk
+        ctx.save_for_backward(q, k, v, prefix, *((scores,) if keep_scores else ()))
+        return _unchunked(out, q)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -103,28 +148,25 @@ class CausalDotProduct(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out):
-        q, k, v, prefix = ctx.saved_tensors
-        chunk, n = ctx.chunk, q.shape[-2]
-        compute = _compute_dtype(q.dtype)
-        qc, kc, vc, gc = (_chunked(t.to(compute), chunk) for t in (q, k, v, grad_out))
-        mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-        # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
-        gv_scores = (gc @ vc.transpose(-1, -2)).masked_fill_(~mask, 0)  # [i, j] = g_i . v_j, j <= i
-        grad_q = gc @ prefix.transpose(-1, -2)
-        grad_q += gv_scores @ kc
-        # eq. 14-15 with R = sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
-        suffix = _exclusive_cumsum(qc.transpose(-1, -2) @ gc, reverse=True)  # (B, H, n, C, M)
-        grad_k = vc @ suffix.transpose(-1, -2)
-        grad_k += gv_scores.transpose(-1, -2) @ qc
-        grad_v = kc @ suffix
-        del suffix
-        qk_scores = (qc @ kc.transpose(-1, -2)).masked_fill_(~mask, 0)  # [j, i] = q_j . k_i, i <= j
-        grad_v += qk_scores.transpose(-1, -2) @ gc
-
-        def finish(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            return g.flatten(2, 3)[:, :, :n].to(like.dtype)
-
-        return finish(grad_q, q), finish(grad_k, k), finish(grad_v, v), None
+        q, k, v, prefix, *kept = ctx.saved_tensors
+        chunk, compute = ctx.chunk, prefix.dtype
+        qc, kc, vc, gc = (_chunked(t, chunk, compute) for t in (q, k, v, grad_out))
+        rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
+        grad_q, grad_k, grad_v = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
+        row_bytes = n_chunks * max(chunk * chunk, c * m) * qc.element_size()
+        for block in _row_blocks(rows, row_bytes):
+            q3, k3, v3, g3 = (_rows(t, block) for t in (qc, kc, vc, gc))
+            # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
+            gv_scores = torch.bmm(g3, v3.transpose(1, 2)).tril_()  # [i, j] = g_i . v_j, j <= i
+            torch.bmm(gv_scores, k3, out=_rows(grad_q, block)).baddbmm_(g3, _rows(prefix, block).transpose(1, 2))
+            # eq. 14-15 with R = sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
+            suffix = torch.bmm(q3.transpose(1, 2), g3)
+            _exclusive_scan_(suffix.view(-1, n_chunks, c, m), reverse=True)
+            torch.bmm(gv_scores.transpose(1, 2), q3, out=_rows(grad_k, block)).baddbmm_(v3, suffix.transpose(1, 2))
+            del gv_scores
+            qk_scores = _rows(kept[0], block) if kept else torch.bmm(q3, k3.transpose(1, 2)).tril_()
+            torch.bmm(qk_scores.transpose(1, 2), g3, out=_rows(grad_v, block)).baddbmm_(k3, suffix)
+        return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
