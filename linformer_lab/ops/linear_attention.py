@@ -98,9 +98,10 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
 class CausalDotProduct(torch.autograd.Function):
     """Numerator of eq. 9 with the constant-memory backward of eq. 13-15.
 
-    Works on ``(B H, n, L, X)`` chunked views, in blocks of rows: every temporary is one
-    block's worth (~8 MiB), so it stays in cache and is recycled by the allocator instead
+    Works on ``(B H, n, L, X)`` chunked views, on CPU in blocks of rows: every temporary is
+    one block's worth (~8 MiB), so it stays in cache and is recycled by the allocator instead
     of being a fresh input-sized allocation (whose page faults cost as much as a matmul).
+    Outputs, saved states and saved scores are written in place (``bmm(out=)``, ``baddbmm_``).
 
     Saved for backward: the inputs, the (N / L, C, M) chunk-boundary states and, when the
     chunk is no longer than max(C, M), the masked intra-chunk scores q_i . k_j (N L numbers,
