@@ -46,7 +46,7 @@ MNIST images that ``linear`` generates at once (``--max-batch``; paper: 10,000 o
     uv run python benchmarks/generation.py --quick         # smoke run (~1-2 min)
     uv run python benchmarks/generation.py --device cuda   # GPU: CUDA events, max linear batch
 
-Writes ``benchmarks/results/generation_<device>[_quick].{csv,md}``.
+Writes ``benchmarks/results/generation_<device>[_quick].{csv,md,png}``; ``--replot CSV`` only redraws the PNG.
 """
 
 from __future__ import annotations
@@ -537,6 +537,41 @@ def markdown(rows, extra, args, header_lines) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(rows: list[dict], path: str, device: str) -> bool:
+    """Seconds per image at batch 1, ours beside the paper's (its CPU or GPU column), one
+    panel per dataset, log scale. Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (uv sync --group dev)")
+        return False
+    datasets = [d for d in DATASETS if any(r["dataset"] == d and int(r["batch"]) == 1 for r in rows)]
+    if not datasets:
+        return False
+    paper_key = "gpu_s" if device == "cuda" else "cpu_s"
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 3.6), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        ours = {r["method"]: float(r["seconds_per_image"]) for r in rows if r["dataset"] == dataset and int(r["batch"]) == 1}
+        methods = [m for m in METHODS if m in ours]
+        y = range(len(methods))
+        ax.barh([i + 0.2 for i in y], [ours[m] for m in methods], height=0.4, label=f"ours ({device})")
+        ax.barh([i - 0.2 for i in y], [PAPER[dataset][paper_key][m] for m in methods], height=0.4,
+                label=f"paper ({'GPU' if device == 'cuda' else 'CPU'})", alpha=0.6)
+        ax.set_yticks(list(y), methods)
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds per image, batch 1 (log)")
+        ax.set_title(DATASETS[dataset]["title"])
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -556,7 +591,16 @@ def main(argv=None):
                    help="GPU: batch sizes tried for linear's largest MNIST batch")
     p.add_argument("--quick", action="store_true", help="smoke run: MNIST, batch 1 and 8, 1 repeat, 3 positions")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an earlier run from its CSV, then exit")
     args = p.parse_args(argv)
+    if args.replot:
+        import csv
+
+        with open(args.replot) as f:
+            rows = list(csv.DictReader(f))
+        png = os.path.splitext(args.replot)[0] + ".png"
+        print(png if plot(rows, png, rows[0]["device"] if rows else args.device) else "no plot")
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     gpu = args.device == "cuda"
@@ -593,6 +637,8 @@ def main(argv=None):
         "(per-row load averages in the CSV)",
     ]
     common.write_csv(os.path.join(args.out, f"generation_{tag}.csv"), rows)
+    if plot(rows, os.path.join(args.out, f"generation_{tag}.png"), args.device):
+        header.append(f"\n![seconds per image](generation_{tag}.png)")
     md = markdown(rows, extra, args, header)
     with open(os.path.join(args.out, f"generation_{tag}.md"), "w") as f:
         f.write(md)
