@@ -186,6 +186,19 @@ def test_causal_dot_product_row_blocks(monkeypatch, min_rows, chunk):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk", [4, 8], ids=["scores-kept", "scores-recomputed"])
+def test_causal_dot_product_backward_twice_with_retain_graph(chunk):
+    """The backward pass must not modify what the forward saved (chunk states, scores):
+    a second backward through the retained graph gives the same gradients."""
+    q, k, v = (t.requires_grad_() for t in _inputs(b=1, h=2, n=21, d=4, m=5))
+    out = causal_dot_product(q, k, v, chunk)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("n,chunk", [(1, 4), (5, 4), (64, 16), (100, 32), (129, None)])
 def test_causal_dot_product_any_length_and_chunk(n, chunk):
     q, k, v = _inputs(b=1, h=2, n=n, d=4, m=3)
