@@ -82,7 +82,7 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     before it (or strictly after, with ``reverse``). ``(rows, n, C, M)``, returns ``x``.
 
     A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache:
-    measured 15x faster per block than ``torch.cumsum`` along a non-innermost dim, and in
+    measured 16x faster per block than ``torch.cumsum`` along a non-innermost dim, and in
     place because a fresh output costs page faults on first touch.
     """
     running = torch.zeros_like(x[:, 0])
