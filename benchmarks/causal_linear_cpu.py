@@ -363,15 +363,11 @@ def main(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=8.0)
     p.add_argument("--parts", default="scaling,h2h")
     p.add_argument("--quick", action="store_true", help="smoke run: N up to 2^11, 3 repeats, short head-to-head")
-    p.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=None,
-                   help="OMP_WAIT_POLICY of the measuring processes (default: unset, libgomp's spin-then-sleep). "
-                        "PASSIVE keeps waiting OpenMP threads from spinning, which on a loaded machine otherwise "
-                        "stalls every parallel op by a scheduler time slice")
+    common.add_omp_wait_policy_argument(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
-    if args.omp_wait_policy:
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # inherited by the spawned children
+    common.apply_omp_wait_policy(args.omp_wait_policy)
     if args.quick:
         args.max_log2n, args.repeats, args.h2h_repeats, args.time_budget = min(args.max_log2n, 11), 3, 3, 5.0
     args.lengths = [2**i for i in range(args.min_log2n, args.max_log2n + 1)]

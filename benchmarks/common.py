@@ -237,3 +237,31 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+
+
+def add_omp_wait_policy_argument(parser) -> None:
+    """``--omp-wait-policy`` for scripts whose timings run in this process or its children."""
+    parser.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=None,
+                        help="OMP_WAIT_POLICY of the measuring processes (default: unset, libgomp's spin-then-sleep). "
+                             "PASSIVE keeps waiting OpenMP threads from spinning, which on a loaded machine otherwise "
+                             "stalls every parallel op by a scheduler time slice")
+
+
+def apply_omp_wait_policy(policy: str | None) -> None:
+    """Set OMP_WAIT_POLICY before torch is first imported here; spawned children inherit it."""
+    if policy:
+        os.environ["OMP_WAIT_POLICY"] = policy
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (after saying so) when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (uv sync --group dev)")
+        return None
+    return plt

@@ -540,13 +540,8 @@ def markdown(rows, extra, args, header_lines) -> str:
 def plot(rows: list[dict], path: str, device: str) -> bool:
     """Seconds per image at batch 1, ours beside the paper's (its CPU or GPU column), one
     panel per dataset, log scale. Returns False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (uv sync --group dev)")
+    plt = common.pyplot()
+    if plt is None:
         return False
     datasets = [d for d in DATASETS if any(r["dataset"] == d and int(r["batch"]) == 1 for r in rows)]
     if not datasets:

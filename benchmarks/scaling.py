@@ -194,13 +194,8 @@ def run(args):
 
 
 def plot(path, rows, methods, lengths, title):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (uv sync --group dev)")
+    plt = common.pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((axes[0], "time_ms_per_sample", "time per sample (ms)"),
@@ -259,15 +254,11 @@ def main(argv=None):
     p.add_argument("--mem-cap-gb", type=float, default=8.0)
     p.add_argument("--non-causal", dest="causal", action="store_false")
     p.add_argument("--quick", action="store_true", help="smoke run: N = 2^9..2^11, tokens 2^11, 2 repeats")
-    p.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=None,
-                   help="OMP_WAIT_POLICY of the measuring processes (default: unset, libgomp's spin-then-sleep). "
-                        "PASSIVE keeps waiting OpenMP threads from spinning, which on a loaded machine otherwise "
-                        "stalls every parallel op by a scheduler time slice")
+    common.add_omp_wait_policy_argument(p)
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
-    if args.omp_wait_policy:
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # inherited by the spawned children
+    common.apply_omp_wait_policy(args.omp_wait_policy)
     if args.device is None:
         status, info = common.run_in_child(common.torch_info, {}, 120)
         args.device = "cuda" if status == "ok" and info["cuda"] else "cpu"
