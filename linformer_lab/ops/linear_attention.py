@@ -67,13 +67,16 @@ _BLOCK_BYTES = 8 << 20
 _MIN_BLOCK_ROWS = 8
 
 
-def _row_blocks(total_rows: int, bytes_per_row: int, device: torch.device) -> list[slice]:
-    """Row ranges of the blocks. On CPU, blocks of ~:data:`_BLOCK_BYTES` of temporaries. On
-    GPUs the caching allocator already recycles memory and more rows per launch is better,
-    so all rows form one block."""
-    if device.type != "cpu":
+def _row_blocks(qc: torch.Tensor, value_dim: int) -> list[slice]:
+    """Row ranges of the blocks for chunked queries ``qc (B H, n, L, C)``. On CPU, blocks of
+    ~:data:`_BLOCK_BYTES` of temporaries (the largest per row: n (L, L) scores or n (C, M)
+    states). On GPUs the caching allocator already recycles memory and more rows per launch
+    is better, so all rows form one block."""
+    total_rows, n_chunks, chunk, c = qc.shape
+    if qc.device.type != "cpu":
         return [slice(0, total_rows)]
-    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // max(1, bytes_per_row))
+    bytes_per_row = n_chunks * max(chunk * chunk, c * value_dim) * qc.element_size()
+    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // bytes_per_row)
     return [slice(r, min(total_rows, r + rows)) for r in range(0, total_rows, rows)]
 
 
@@ -130,8 +133,7 @@ class CausalDotProduct(torch.autograd.Function):
         keep_scores = chunk <= max(c, m)
         scores = qc.new_empty(rows, n_chunks, chunk, chunk) if keep_scores else None
         out = qc.new_empty(rows, n_chunks, chunk, m)
-        row_bytes = n_chunks * max(chunk * chunk, c * m) * qc.element_size()
-        for block in _row_blocks(rows, row_bytes, qc.device):
+        for block in _row_blocks(qc, m):
             q3, k3, v3 = (_rows(t, block) for t in (qc, kc, vc))
             prefix3 = _rows(prefix, block)
             torch.bmm(k3.transpose(1, 2), v3, out=prefix3)
@@ -157,10 +159,9 @@ class CausalDotProduct(torch.autograd.Function):
         q, k, v, prefix, *kept = ctx.saved_tensors
         chunk, compute = ctx.chunk, prefix.dtype
         qc, kc, vc, gc = (_chunked(t, chunk, compute) for t in (q, k, v, grad_out))
-        rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
+        n_chunks, c, m = qc.shape[1], qc.shape[-1], vc.shape[-1]
         grad_q, grad_k, grad_v = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
-        row_bytes = n_chunks * max(chunk * chunk, c * m) * qc.element_size()
-        for block in _row_blocks(rows, row_bytes, qc.device):
+        for block in _row_blocks(qc, m):
             q3, k3, v3, g3 = (_rows(t, block) for t in (qc, kc, vc, gc))
             # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
             gv_scores = torch.bmm(g3, v3.transpose(1, 2)).tril_()  # [i, j] = g_i . v_j, j <= i
