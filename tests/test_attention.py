@@ -199,6 +199,16 @@ def test_causal_dot_product_backward_twice_with_retain_graph(chunk):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_causal_linear_attention_of_an_empty_sequence():
+    """N = 0 gives an empty output and empty gradients, as softmax does, not an index error."""
+    attn = ll.build_attention("linear", causal=True, query_dim=4)
+    q, k, v = (torch.randn(2, 3, 0, 4, requires_grad=True) for _ in range(3))
+    out = attn(q, k, v)
+    assert out.shape == (2, 3, 0, 4)
+    out.sum().backward()
+    assert q.grad.shape == k.grad.shape == v.grad.shape == (2, 3, 0, 4)
+
+
 @pytest.mark.parametrize("n,chunk", [(1, 4), (5, 4), (64, 16), (100, 32), (129, None)])
 def test_causal_dot_product_any_length_and_chunk(n, chunk):
     q, k, v = _inputs(b=1, h=2, n=n, d=4, m=3)

@@ -76,7 +76,7 @@ def _row_blocks(qc: torch.Tensor, value_dim: int) -> list[slice]:
     if qc.device.type != "cpu":
         return [slice(0, total_rows)]
     bytes_per_row = n_chunks * max(chunk * chunk, c * value_dim) * qc.element_size()
-    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // bytes_per_row)
+    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // max(1, bytes_per_row))  # N = 0 gives 0 bytes
     return [slice(r, min(total_rows, r + rows)) for r in range(0, total_rows, rows)]
 
 
@@ -88,6 +88,8 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     measured 16x faster per block than ``torch.cumsum`` along a non-innermost dim, and in
     place because a fresh output costs page faults on first touch.
     """
+    if x.shape[1] == 0:  # an empty sequence has no chunks
+        return x
     running = torch.zeros_like(x[:, 0])
     spare = torch.empty_like(running)
     order = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
