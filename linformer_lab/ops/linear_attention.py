@@ -170,7 +170,7 @@ class CausalDotProduct(torch.autograd.Function):
             torch.bmm(gv_scores, k3, out=_rows(grad_q, block)).baddbmm_(g3, _rows(prefix, block).transpose(1, 2))
             # eq. 14-15 with R = sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
             suffix = torch.bmm(q3.transpose(1, 2), g3)
-            _exclusive_scan_(suffix.view(-1, n_chunks, c, m), reverse=True)
+            _exclusive_scan_(suffix.view(block.stop - block.start, n_chunks, c, m), reverse=True)
             torch.bmm(gv_scores.transpose(1, 2), q3, out=_rows(grad_k, block)).baddbmm_(v3, suffix.transpose(1, 2))
             del gv_scores
             qk_scores = _rows(kept[0], block) if kept else torch.bmm(q3, k3.transpose(1, 2)).tril_()
