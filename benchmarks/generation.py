@@ -302,9 +302,9 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
     """Seconds per image (median of ``repeats``) for only the weight products that every
     step of the recurrent methods makes: the four linear layers of each transformer layer,
     through the same kernels and weight layout as ``generate`` (``step_linear`` inside
-    ``transposed_weights`` on CPU), once per sub-pixel. At batch 1 they read every weight
+    ``step_weights`` on CPU), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.ops.step_linear import step_linear, transposed_weights
+    from linformer_lab.ops.step_linear import step_linear, step_weights
 
     device = model.start.device
     x = torch.randn(batch, model.d_model, device=device)
@@ -317,7 +317,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
             for qkv, out, up, down in linears:
                 step_linear(x, qkv), step_linear(x, out), step_linear(x, up), step_linear(h, down)
 
-    with transposed_weights(model.transformer, enabled=device.type == "cpu"):
+    with step_weights(model.transformer):
         image()
         samples = [timer(image) for _ in range(repeats)]
     return statistics.median(samples) / batch

@@ -134,7 +134,7 @@ def test_generate_restores_threads_and_leaves_no_weight_copies():
     threads = torch.get_num_threads()
     model.generate(1)
     assert torch.get_num_threads() == threads
-    assert not any("_step_weight_t" in m.__dict__ for m in model.modules())
+    assert not any("_step_weight" in m.__dict__ for m in model.modules())
 
 
 def test_generate_result_does_not_depend_on_the_fast_path():

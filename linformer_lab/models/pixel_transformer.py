@@ -43,7 +43,8 @@ from torch import nn
 from linformer_lab.attention.base import KVCache
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops.step_linear import transposed_weights
+from linformer_lab.ops.step_linear import check_step_weight_format
+from linformer_lab.ops.step_linear import step_weights as weight_copies_for_steps
 from linformer_lab.tasks.common import AttentionConfig
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
@@ -299,6 +300,7 @@ class PixelTransformer(nn.Module):
         temperature: float = 1.0,
         prefix: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        step_weights: str = "model",
     ) -> torch.Tensor:
         """Sample images sub-pixel by sub-pixel through the recurrent path (paper §3.4).
 
@@ -310,6 +312,11 @@ class PixelTransformer(nn.Module):
                 ``(B, C, H', W)`` holding the top ``H'`` rows. They are fed through ``step``
                 like generated values, and the rest is sampled.
             generator: a ``torch.Generator`` on the model's device, for reproducible samples.
+            step_weights: the copy of the transformer's linear weights that the steps read
+                (:mod:`linformer_lab.ops.step_linear`): ``"model"`` (default) the model's own
+                values; ``"bfloat16"`` or ``"int8"`` (weight-only, per-output-channel scales)
+                a lossy copy with 1/2 or 1/4 of the bytes, for small-batch latency, where
+                every step reads every weight. Recurrent backends only.
         Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
 
         The model is put in eval mode for the call (dropout off) and restored afterwards.
@@ -317,12 +324,20 @@ class PixelTransformer(nn.Module):
         softmax's KV cache. The prefix costs the same per position as sampling minus the
         output head; a parallel forward could not set the state of every backend. On CPU,
         recurrent steps of a batch of at most :data:`SINGLE_THREAD_MAX_BATCH` run with one
-        intra-op thread (the process setting is restored afterwards), and the transformer's
-        linear layers read a transposed copy of their weights made for the call
-        (:func:`~linformer_lab.ops.step_linear.transposed_weights`; one more copy of those
-        weights in memory while generating).
+        intra-op thread (the process setting is restored afterwards), and with
+        ``step_weights="model"`` the transformer's linear layers read a transposed copy of
+        their weights made for the call (:func:`~linformer_lab.ops.step_linear.step_weights`;
+        one more copy of those weights in memory while generating, as with the other formats).
         """
         device = self.start.device
+        check_step_weight_format(step_weights)
+        recurrent = self.transformer.has_recurrent_form
+        if step_weights != "model" and not recurrent:
+            raise ValueError(
+                f"step_weights={step_weights!r} applies to the recurrent step, but attention backend "
+                f"{self.attention_config.backend!r} has no recurrent form (each step re-runs the parallel "
+                f"forward over the prefix); use step_weights='model'"
+            )
         prefix = self._check_prefix(prefix, batch_size, device)
         known = 0 if prefix is None else prefix.shape[1]
         values = torch.empty(batch_size, self.seq_len, dtype=torch.long, device=device)
@@ -331,10 +346,8 @@ class PixelTransformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            recurrent = self.transformer.has_recurrent_form
-            on_cpu = device.type == "cpu"
             with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent), \
-                    transposed_weights(self.transformer, enabled=on_cpu and recurrent):
+                    weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
                 table = self.position_table()  # computed once: the embeddings are fixed while sampling
                 step, head = self.transformer.step, self.head
                 state = None

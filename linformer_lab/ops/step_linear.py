@@ -1,18 +1,36 @@
-"""Linear layers of the one-position RNN step (paper §3.4), in the weight layout that is
-fastest for a few rows on CPU.
+"""Linear layers of the one-position RNN step (paper §3.4): the weight copy the step reads.
 
-A generation step multiplies a handful of rows by every weight matrix of the model, so on
-CPU it streams all the weights from memory once per position (25 MB per step for the
-8-layer MNIST model at fp32) and the time is set by how fast the matrix-vector product
-reads them. ``F.linear(x, W, b)`` computes ``x W^T`` from the ``(out, in)`` parameter; the
-BLAS reads that layout markedly slower at one row than ``x @ W^T`` with ``W^T`` stored
-``(in, out)`` contiguous (measured 1.8 ms against 1.3 ms per step for the MNIST model's
-linears, one thread, AMD EPYC).
+A generation step multiplies a handful of rows by every weight matrix of the model, so at
+small batch sizes it streams all the weights from memory once per position (25 MB per step
+for the 8-layer MNIST model at fp32, 50 MB for the 16-layer CIFAR-10 model) and the time is
+set by how fast the matrix-vector products read them, not by arithmetic.
 
-:func:`transposed_weights` stores such a copy next to every ``nn.Linear`` of a module for
-the duration of a ``with`` block (a loop of steps over fixed weights, e.g.
-``PixelTransformer.generate``), and :func:`step_linear` uses it when present. The result is
-the same product, summed in another order (differences at the level of float rounding).
+:func:`step_weights` gives every ``nn.Linear`` of a module, for the duration of a ``with``
+block (a loop of steps over fixed weights, e.g. ``PixelTransformer.generate``), a copy of
+its weight in a format chosen for that, and :func:`step_linear` uses the copy when there is
+one. The formats (:data:`STEP_WEIGHT_FORMATS`):
+
+``"model"``
+    The model's own weights, dtype and values; the product is the same up to summation
+    order. On CPU the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the
+    ``(out, in)`` parameter markedly slower at one row than ``x @ W^T`` with ``W^T``
+    contiguous (measured 1.8 ms against 1.3 ms per step for the MNIST model's linears, one
+    thread, AMD EPYC). Elsewhere no copy is made.
+``"bfloat16"``
+    A bfloat16 copy; the layer's input is rounded to bfloat16, the product accumulated in
+    fp32 and rounded to bfloat16 by the BLAS, the bias added in the model's dtype. Half the
+    bytes per step.
+``"int8"``
+    Weight-only int8: each output row ``w_i`` stored as ``round(w_i / s_i)`` in int8 with
+    one bfloat16 scale ``s_i >= max|w_i| / 127`` (symmetric, per output channel, so every
+    weight is within ``s_i / 2`` of its original); the input is rounded to bfloat16 and
+    ``torch._weight_int8pack_mm`` dequantizes on the fly (bfloat16 output, the bias added in
+    the model's dtype). A quarter of the bytes per step.
+
+The reduced formats change the numbers the step computes (a lossy copy), so they are opt-in;
+how much they cost in bits/dim is measured in ``benchmarks/step_weights_quality.py``. The
+activations between layers, the attention state and the output head stay in the model's
+dtype.
 """
 
 from __future__ import annotations
@@ -23,33 +41,145 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Attribute of an ``nn.Linear`` that holds its transposed weight inside :func:`transposed_weights`.
-_ATTRIBUTE = "_step_weight_t"
+__all__ = ["STEP_WEIGHT_FORMATS", "check_step_weight_format", "quantize_int8", "step_linear", "step_weights"]
+
+#: The weight formats :func:`step_weights` can make (see the module docstring).
+STEP_WEIGHT_FORMATS = ("model", "bfloat16", "int8")
+
+#: ``torch._weight_int8pack_mm`` is only correct for input sizes that are multiples of this.
+_INT8_KERNEL_K_MULTIPLE = 16
+
+#: Attribute of an ``nn.Linear`` that holds its step weight inside :func:`step_weights`.
+_ATTRIBUTE = "_step_weight"
 
 
 def step_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(x)`` for ``x (B, in)``, through the transposed copy of the weight while
-    :func:`transposed_weights` holds one (no module-call machinery: hooks do not run)."""
-    weight_t = linear.__dict__.get(_ATTRIBUTE)
-    if weight_t is None:
+    """``linear(x)`` for ``x (B, in)``, through the weight copy that :func:`step_weights`
+    holds, if any (no module-call machinery: hooks do not run). Returns ``x``'s dtype."""
+    copy = linear.__dict__.get(_ATTRIBUTE)
+    if copy is None:
         return F.linear(x, linear.weight, linear.bias)
-    if linear.bias is None:
-        return x @ weight_t
-    return torch.addmm(linear.bias, x, weight_t)
+    return copy(x)
+
+
+def check_step_weight_format(format: str) -> str:
+    if format not in STEP_WEIGHT_FORMATS:
+        raise ValueError(f"unknown step weight format {format!r}; valid choices: {', '.join(STEP_WEIGHT_FORMATS)}")
+    return format
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(out, in)`` -> ``(q int8 (out, in), scale bf16 (out,))``
+    with ``|q * scale - weight| <= scale / 2`` elementwise.
+
+    The scale is rounded *up* to bfloat16 (the kernel takes bf16 scales), so
+    ``max|w_i| / scale_i <= 127`` and no weight is clipped; a zero row gets scale 1.
+    """
+    weight = weight.detach().float()
+    wanted = weight.abs().amax(dim=1) / 127
+    scale = wanted.to(torch.bfloat16)
+    low = scale.float() < wanted
+    scale[low] = torch.nextafter(scale[low], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    scale[wanted == 0] = 1
+    q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class _Transposed:
+    """Format ``"model"`` on CPU: ``x @ W^T (+ b)`` with ``W^T`` stored ``(in, out)``."""
+
+    __slots__ = ("weight_t", "bias")
+    format = "model"
+
+    def __init__(self, linear: nn.Linear):
+        self.weight_t = linear.weight.detach().t().contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+class _Bfloat16:
+    """Format ``"bfloat16"``: ``bf16(x) @ bf16(W)^T`` in fp32 accumulation, plus the bias."""
+
+    __slots__ = ("weight", "bias")
+    format = "bfloat16"
+
+    def __init__(self, linear: nn.Linear):
+        self.weight = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        product = F.linear(x.to(torch.bfloat16), self.weight)
+        # one op for "back to x's dtype, plus bias": type promotion of (bias, bf16 product)
+        return product.to(x.dtype) if self.bias is None else torch.add(self.bias, product)
+
+
+class _Int8:
+    """Format ``"int8"``: weight-only int8 with per-output-channel bf16 scales.
+
+    ``torch._weight_int8pack_mm`` (a private ATen kernel) gave wrong outputs or crashed the
+    process for input sizes that are not a multiple of :data:`_INT8_KERNEL_K_MULTIPLE` (a grid
+    of shapes on torch 2.11, CPU), and it is only used and tested here on CPU. Other layers
+    (and other devices) multiply by the dequantized weights ``q * s`` held in fp32: the same
+    values and the same bf16 output, up to summation order, without the saving in bytes.
+    """
+
+    __slots__ = ("weight", "scale", "bias", "dequantized")
+    format = "int8"
+
+    def __init__(self, linear: nn.Linear):
+        self.weight, self.scale = quantize_int8(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        use_kernel = linear.weight.device.type == "cpu" and linear.in_features % _INT8_KERNEL_K_MULTIPLE == 0
+        self.dequantized = None if use_kernel else (self.weight.float() * self.scale.float()[:, None])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dequantized is None:
+            product = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale)
+        else:  # rounded to bf16 like the kernel's output
+            product = F.linear(x.to(torch.bfloat16).float(), self.dequantized).to(torch.bfloat16)
+        return product.to(x.dtype) if self.bias is None else torch.add(self.bias, product)
+
+
+def _make_copy(linear: nn.Linear, format: str):
+    if format == "int8":
+        return _Int8(linear)
+    if format == "bfloat16":
+        return _Bfloat16(linear)
+    return _Transposed(linear) if linear.weight.device.type == "cpu" else None
 
 
 @contextlib.contextmanager
-def transposed_weights(module: nn.Module, enabled: bool = True):
-    """Give every ``nn.Linear`` in ``module`` a contiguous ``(in, out)`` copy of its weight
-    for the block (memory: one more copy of the linear weights), removed on exit. The
-    weights must not change inside the block (the copies would be stale); re-entering for a
-    module that already holds copies keeps them."""
+def step_weights(module: nn.Module, format: str = "model", enabled: bool = True):
+    """Give every ``nn.Linear`` in ``module`` a weight copy in ``format`` (one of
+    :data:`STEP_WEIGHT_FORMATS`) that :func:`step_linear` reads, for the block; removed on
+    exit. Memory: one more copy of the linear weights, in that format.
+
+    The weights must not change inside the block (the copies would be stale). Nesting: an
+    inner block for a module that already holds copies keeps the outer ones (and their
+    format); it is an error to ask for another format there.
+    """
+    check_step_weight_format(format)
     added = []
     if enabled:
         with torch.no_grad():
             for linear in module.modules():
-                if isinstance(linear, nn.Linear) and _ATTRIBUTE not in linear.__dict__:
-                    linear.__dict__[_ATTRIBUTE] = linear.weight.detach().t().contiguous()
+                if not isinstance(linear, nn.Linear):
+                    continue
+                held = linear.__dict__.get(_ATTRIBUTE)
+                if held is not None:
+                    if held.format != format:
+                        raise RuntimeError(
+                            f"step_weights: a {type(linear).__name__} already holds a {held.format!r} step weight; "
+                            f"cannot also use {format!r} inside that block"
+                        )
+                    continue
+                copy = _make_copy(linear, format)
+                if copy is not None:
+                    linear.__dict__[_ATTRIBUTE] = copy
                     added.append(linear)
     try:
         yield
