@@ -65,6 +65,7 @@ import common  # noqa: E402
 
 from linformer_lab.models.pixel_transformer import PixelTransformer, state_nbytes  # noqa: E402
 from linformer_lab.models.transformer import _PrefixCache  # noqa: E402  (lsh's step state, to time one step)
+from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS  # noqa: E402
 from linformer_lab.tasks.common import AttentionConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -237,22 +238,23 @@ def spread_positions(n: int, count: int) -> list[int]:
 
 # ---------------------------------------------------------------- measurements
 def measure_recurrent(models: dict, batch: int, repeats: int, timer: Timer, bar) -> dict:
-    """Whole-image ``generate`` calls of the recurrent methods, interleaved; per method the
-    median seconds, all samples, load averages and the state sizes of the warm-up call."""
+    """Whole-image ``generate`` calls of the recurrent methods, interleaved; ``models`` maps
+    ``(method, step weight format)`` to a model. Per key the median seconds, all samples, load
+    averages and the state sizes of the warm-up call."""
     out = {}
-    for method, model in models.items():
-        bar.set_postfix_str(f"{method} B={batch} warm-up")
+    for (method, fmt), model in models.items():
+        bar.set_postfix_str(f"{method} [{fmt}] B={batch} warm-up")
         with StateRecorder(model) as rec:
-            model.generate(batch, generator=_generator(model, 0))
-        out[method] = dict(samples=[], loads=[], state_first=rec.first_bytes, state_last=rec.last_bytes,
-                           alloc_first=rec.first_alloc, alloc_last=rec.last_alloc)
+            model.generate(batch, generator=_generator(model, 0), step_weights=fmt)
+        out[method, fmt] = dict(samples=[], loads=[], state_first=rec.first_bytes, state_last=rec.last_bytes,
+                                alloc_first=rec.first_alloc, alloc_last=rec.last_alloc)
         bar.update()
     for r in range(repeats):
-        for method, model in models.items():
-            bar.set_postfix_str(f"{method} B={batch} repeat {r + 1}/{repeats}")
-            seconds = timer(lambda: model.generate(batch, generator=_generator(model, r + 1)))
-            out[method]["samples"].append(seconds)
-            out[method]["loads"].append(os.getloadavg()[0])
+        for (method, fmt), model in models.items():
+            bar.set_postfix_str(f"{method} [{fmt}] B={batch} repeat {r + 1}/{repeats}")
+            seconds = timer(lambda: model.generate(batch, generator=_generator(model, r + 1), step_weights=fmt))
+            out[method, fmt]["samples"].append(seconds)
+            out[method, fmt]["loads"].append(os.getloadavg()[0])
             bar.update()
     for res in out.values():
         res["seconds"] = statistics.median(res["samples"])
@@ -298,11 +300,11 @@ def measure_recompute(method: str, model: PixelTransformer, batch: int, position
 
 
 @torch.inference_mode()
-def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer) -> float:
+def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer, fmt: str = "model") -> float:
     """Seconds per image (median of ``repeats``) for only the weight products that every
     step of the recurrent methods makes: the four linear layers of each transformer layer,
-    through the same kernels and weight layout as ``generate`` (``step_linear`` inside
-    ``step_weights`` on CPU), once per sub-pixel. At batch 1 they read every weight
+    through the same kernels and weight copy as ``generate`` (``step_linear`` inside
+    ``step_weights(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
     from linformer_lab.ops.step_linear import step_linear, step_weights
 
@@ -317,7 +319,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
             for qkv, out, up, down in linears:
                 step_linear(x, qkv), step_linear(x, out), step_linear(x, up), step_linear(h, down)
 
-    with step_weights(model.transformer):
+    with step_weights(model.transformer, fmt):
         image()
         samples = [timer(image) for _ in range(repeats)]
     return statistics.median(samples) / batch
@@ -355,35 +357,41 @@ def run(args) -> tuple[list[dict], dict]:
     extra: dict = {}
     plan = []  # (dataset, batch, kind)
     for dataset in args.datasets:
-        for batch in sorted({1, args.batch[dataset]}):
+        for batch in sorted({1} if args.latency_only else {1, args.batch[dataset]}):
             plan.append((dataset, batch))
     n_recompute = len([m for m in args.methods if m not in RECURRENT])
     n_recurrent = len([m for m in args.methods if m in RECURRENT])
-    total = sum(n_recurrent * (1 + (args.repeats if b == 1 else args.repeats_batch)) + n_recompute * (len(spread_positions(
+    formats = lambda batch: args.step_weights if batch == 1 else ["model"]  # noqa: E731
+    total = sum(n_recurrent * len(formats(b)) * (1 + (args.repeats if b == 1 else args.repeats_batch))
+                + (len(args.step_weights) if b == 1 and n_recurrent else 0) + n_recompute * (len(spread_positions(
         DATASETS[d]["image_shape"][0] * DATASETS[d]["image_shape"][1] * DATASETS[d]["image_shape"][2],
         args.positions)) + 1) for d, b in plan) + (1 if device == "cuda" else 0)
     bar = _progress(total)
     for dataset, batch in plan:
-        recurrent = {m: build_model(m, dataset, device) for m in args.methods if m in RECURRENT}
+        built = {m: build_model(m, dataset, device) for m in args.methods if m in RECURRENT}
+        recurrent = {(m, fmt): model for m, model in built.items() for fmt in formats(batch)}
         load_before = os.getloadavg()[0]
         repeats = args.repeats if batch == 1 else args.repeats_batch
         results = measure_recurrent(recurrent, batch, repeats, timer, bar) if recurrent else {}
-        for m in recurrent:
-            results[m]["source"] = "measured"
-        if "linear" in recurrent and batch == 1:
-            bar.set_postfix_str("linear layers alone (floor)")
-            extra.setdefault("floor", {})[dataset] = matvec_floor(recurrent["linear"], 1, args.repeats, timer)
-        del recurrent
+        for key in recurrent:
+            results[key]["source"] = "measured"
+        if "linear" in built and batch == 1:
+            for fmt in formats(batch):
+                bar.set_postfix_str(f"linear layers alone [{fmt}] (floor)")
+                extra.setdefault("floor", {}).setdefault(dataset, {})[fmt] = matvec_floor(
+                    built["linear"], 1, args.repeats, timer, fmt)
+                bar.update()
+        del recurrent, built
         for method in [m for m in args.methods if m not in RECURRENT]:
             model = build_model("softmax" if method == "softmax" else method, dataset, device)
             positions = spread_positions(model.seq_len, args.positions)
-            results[method] = measure_recompute(method, model, batch, positions,
-                                                args.step_repeats if batch == 1 else args.step_repeats_batch,
-                                                args.full_budget, timer, bar)
-        for method in args.methods:
-            r = results[method]
+            results[method, "model"] = measure_recompute(method, model, batch, positions,
+                                                         args.step_repeats if batch == 1 else args.step_repeats_batch,
+                                                         args.full_budget, timer, bar)
+        for (method, fmt), r in sorted(results.items(), key=lambda kv: (METHODS.index(kv[0][0]), kv[0][1] != "model")):
             rows.append(dict(
-                dataset=dataset, method=method, batch=batch, device=device, threads=torch.get_num_threads(),
+                dataset=dataset, method=method, step_weights=fmt, batch=batch, device=device,
+                threads=torch.get_num_threads(),
                 source=r["source"], seconds=r["seconds"], images_per_s=batch / r["seconds"],
                 seconds_per_image=r["seconds"] / batch,
                 repeats=len(r.get("samples", [])) or None,
@@ -421,8 +429,11 @@ def _progress(total: int):
 
 
 # ---------------------------------------------------------------- tables
-def _row(rows, dataset, method, batch):
-    return next((r for r in rows if r["dataset"] == dataset and r["method"] == method and r["batch"] == batch), None)
+def _row(rows, dataset, method, batch, fmt="model"):
+    """The row of one measurement (CSV rows from --replot hold strings, and older CSVs have
+    no step_weights column: their rows are all "model")."""
+    return next((r for r in rows if r["dataset"] == dataset and r["method"] == method and int(r["batch"]) == batch
+                 and (r.get("step_weights") or "model") == fmt), None)
 
 
 def _num(x: float) -> str:
@@ -480,11 +491,36 @@ def latency_table(rows, dataset, methods, device) -> list[str]:
     return [common.markdown_table(header, body)]
 
 
+def formats_table(rows, datasets, formats) -> list[str]:
+    """Batch-1 seconds per image of the recurrent methods in every step weight format, with
+    the ratios the targets are stated in (all within this run)."""
+    header = ["Dataset", "Method", "step weights", "s / image", "× faster than with model weights",
+              "speed-up over softmax (recompute)", "stateful-softmax / linear (same weights)", "paper s (CPU)", "ours vs paper"]
+    body = []
+    for dataset in datasets:
+        base = _row(rows, dataset, "softmax", 1)
+        for method in RECURRENT:
+            for fmt in formats:
+                r, exact = _row(rows, dataset, method, 1, fmt), _row(rows, dataset, method, 1)
+                if r is None:
+                    continue
+                ours = float(r["seconds_per_image"])
+                soft, lin = _row(rows, dataset, "stateful-softmax", 1, fmt), _row(rows, dataset, "linear", 1, fmt)
+                paper = PAPER[dataset]["cpu_s"][method]
+                body.append([
+                    DATASETS[dataset]["title"], method, fmt, _num(ours),
+                    _ratio(float(exact["seconds_per_image"]) / ours) if exact else "—",
+                    _ratio(float(base["seconds_per_image"]) / ours) if base else "—",
+                    _ratio(float(soft["seconds_per_image"]) / float(lin["seconds_per_image"])) if soft and lin else "—",
+                    _num(paper), f"{paper / ours:.1f}× faster" if ours < paper else f"{ours / paper:.1f}× slower"])
+    return [common.markdown_table(header, body)]
+
+
 def memory_lines(rows, datasets) -> list[str]:
     header = ["Dataset", "Method", "Batch", "state bytes / image, first pixel", "last pixel", "constant?"]
     body = []
     for r in rows:
-        if r["dataset"] in datasets and r.get("state_bytes_first") is not None:
+        if r["dataset"] in datasets and r.get("state_bytes_first") not in (None, "") and (r.get("step_weights") or "model") == "model":
             first, last = r["state_bytes_first"] / r["batch"], r["state_bytes_last"] / r["batch"]
             body.append([DATASETS[r["dataset"]]["title"], r["method"], r["batch"], f"{first:,.0f}", f"{last:,.0f}",
                          "yes" if first == last else f"no ({last / first:,.0f}× larger)"])
@@ -495,7 +531,7 @@ def markdown(rows, extra, args, header_lines) -> str:
     methods = [m for m in METHODS if m in args.methods]
     out = header_lines[:]
     for dataset in args.datasets:
-        spec, batch = DATASETS[dataset], args.batch[dataset]
+        spec, batch = DATASETS[dataset], 1 if args.latency_only else args.batch[dataset]
         t_main = "Table 1" if dataset == "mnist" else "Table 2"
         out += ["", f"## {spec['title']}: throughput at batch {batch} ({t_main} / Table 4 layout)", ""]
         out += throughput_table(rows, dataset, batch, methods)
@@ -504,18 +540,27 @@ def markdown(rows, extra, args, header_lines) -> str:
             out += throughput_table(rows, dataset, 1, methods)
         out += ["", f"## {spec['title']}: seconds per image at batch 1 (Table 5 layout)", ""]
         out += latency_table(rows, dataset, methods, args.device)
+    if len(args.step_weights) > 1:
+        out += ["", "## Step weight formats at batch 1 (`generate(step_weights=...)`)", "",
+                "`model`: the model's fp32 weights (exact); `bfloat16`: a bf16 copy; `int8`: weight-only int8 with "
+                "per-output-channel scales (see linformer_lab/ops/step_linear.py). The lossy formats change the "
+                "samples slightly; their cost in bits/dim is in step_weights_quality_*.md. softmax (recompute) "
+                "always uses the model's weights.", ""]
+        out += formats_table(rows, args.datasets, args.step_weights)
     if extra.get("floor"):
         out += ["", "## Where the time of linear goes at batch 1", ""]
         body = []
-        for dataset, floor in extra["floor"].items():
-            lin = _row(rows, dataset, "linear", 1)
-            body.append([DATASETS[dataset]["title"], _num(lin["seconds_per_image"]), _num(floor),
-                         f"{100 * floor / lin['seconds_per_image']:.0f}%"])
+        for dataset, floors in extra["floor"].items():
+            for fmt, floor in floors.items():
+                lin = _row(rows, dataset, "linear", 1, fmt)
+                body.append([DATASETS[dataset]["title"], fmt, _num(lin["seconds_per_image"]), _num(floor),
+                             f"{100 * floor / lin['seconds_per_image']:.0f}%"])
         out.append(common.markdown_table(
-            ["Dataset", "linear, s / image", "its linear layers alone, s / image", "share"], body))
+            ["Dataset", "step weights", "linear, s / image", "its linear layers alone, s / image", "share"], body))
         out += ["", "The linear layers alone: the 4 weight products of every layer, once per sub-pixel, with the same "
-                "kernels and weight layout as generate(). At batch 1 a step reads every weight once (MNIST 25 MB, "
-                "CIFAR-10 50 MB in fp32), so this is a memory-bandwidth floor that no change to the attention can remove."]
+                "kernels and weight copy as generate(). At batch 1 a step reads every weight once (MNIST 25 MB, "
+                "CIFAR-10 50 MB in fp32; half in bfloat16, a quarter in int8), so this is a memory-bandwidth floor "
+                "that no change to the attention can remove."]
     out += ["", "## Memory per image during generation (state after the first and the last sub-pixel)", ""]
     out += memory_lines(rows, args.datasets)
     if extra.get("max_batch"):
@@ -537,6 +582,11 @@ def markdown(rows, extra, args, header_lines) -> str:
     return "\n".join(out) + "\n"
 
 
+def _label(row) -> str:
+    fmt = row.get("step_weights") or "model"
+    return row["method"] if fmt == "model" else f"{row['method']} [{fmt}]"
+
+
 def plot(rows: list[dict], path: str, device: str) -> bool:
     """Seconds per image at batch 1, ours beside the paper's (its CPU or GPU column), one
     panel per dataset, log scale. Returns False when matplotlib is missing."""
@@ -549,11 +599,11 @@ def plot(rows: list[dict], path: str, device: str) -> bool:
     paper_key = "gpu_s" if device == "cuda" else "cpu_s"
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 3.6), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
-        ours = {r["method"]: float(r["seconds_per_image"]) for r in rows if r["dataset"] == dataset and int(r["batch"]) == 1}
-        methods = [m for m in METHODS if m in ours]
+        ours = {_label(r): float(r["seconds_per_image"]) for r in rows if r["dataset"] == dataset and int(r["batch"]) == 1}
+        methods = [m for m in METHODS if m in ours] + [m for m in ours if m not in METHODS]
         y = range(len(methods))
         ax.barh([i + 0.2 for i in y], [ours[m] for m in methods], height=0.4, label=f"ours ({device})")
-        ax.barh([i - 0.2 for i in y], [PAPER[dataset][paper_key][m] for m in methods], height=0.4,
+        ax.barh([i - 0.2 for i in y], [PAPER[dataset][paper_key][m.split(" ")[0]] for m in methods], height=0.4,
                 label=f"paper ({'GPU' if device == 'cuda' else 'CPU'})", alpha=0.6)
         ax.set_yticks(list(y), methods)
         ax.set_xscale("log")
@@ -584,6 +634,11 @@ def main(argv=None):
                    help="s; run a recompute method over a whole image when its fit predicts at most this")
     p.add_argument("--max-batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 10000, 16384, 32768, 65536],
                    help="GPU: batch sizes tried for linear's largest MNIST batch")
+    p.add_argument("--step-weights", nargs="+", default=["model"], choices=list(STEP_WEIGHT_FORMATS),
+                   help="weight copies the recurrent methods' steps read (generate(step_weights=...)); formats other "
+                        "than model are timed at batch 1 only (they are a latency measure)")
+    p.add_argument("--latency-only", action="store_true", help="batch 1 only (no throughput batch)")
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--quick", action="store_true", help="smoke run: MNIST, batch 1 and 8, 1 repeat, 3 positions")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an earlier run from its CSV, then exit")
@@ -614,16 +669,18 @@ def main(argv=None):
     wall = time.perf_counter() - t0
     mach = common.machine_info()
     device_name = torch.cuda.get_device_name() if gpu else mach["cpu"]
-    tag = args.device + ("_quick" if args.quick else "")
+    tag = args.device + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     header = [
         f"# Image generation throughput and latency ({args.device}; paper Tables 1, 2, 4, 5)", "",
         f"- device: {device_name}; {mach['logical_cpus']} logical CPUs, {mach['mem_gib']} GiB; torch {torch.__version__}; "
         + (f"{torch.get_num_threads()} intra-op thread(s)" if not gpu else "CUDA events"),
         "- models: random weights (speed does not depend on training; bits/dim \"—\"); d_model 256, 8 heads, d_ff 1024, "
         "10 logistics; MNIST 8 layers / 784 sub-pixels, CIFAR-10 16 layers / 3072; fp32; temperature 1",
-        f"- throughput batch: MNIST {args.batch['mnist']}, CIFAR-10 {args.batch['cifar10']} (the same for every method; "
-        + ("chosen, not the largest that fits: on CPU memory is no limit at these sizes" if not gpu else "see the max-batch table for linear")
-        + "); latency: batch 1",
+        ("- batch 1 only (--latency-only)" if args.latency_only else
+         f"- throughput batch: MNIST {args.batch['mnist']}, CIFAR-10 {args.batch['cifar10']} (the same for every method; "
+         + ("chosen, not the largest that fits: on CPU memory is no limit at these sizes" if not gpu else "see the max-batch table for linear")
+         + "); latency: batch 1"),
+        f"- step weights of the recurrent methods: {', '.join(args.step_weights)}",
         f"- linear / stateful-softmax: median of {args.repeats} (batch 1) / {args.repeats_batch} (throughput batch) whole-image "
         f"generate() calls, interleaved, after a warm-up call; softmax / lsh: {args.positions} timed steps (median of "
         f"{args.step_repeats} at batch 1, {args.step_repeats_batch} at the throughput batch) fitted as a + b t + c t^2 and summed "

@@ -121,6 +121,24 @@ def test_predict_without_data_makes_unconditional_samples(tmp_path):
     assert len(list((tmp_path / "out" / "samples").glob("*.png"))) == 3
 
 
+def test_predict_with_an_int8_step_weight_copy(tmp_path):
+    """``step_weights`` reaches generate() (the predict run records it): greedy samples are
+    what generate(step_weights="int8", temperature=0) draws."""
+    task = _task(predict_num_samples=2, predict_batch_size=2, output_dir=str(tmp_path / "out"), step_weights="int8",
+                 temperature=0.0)
+    (output,) = _trainer(tmp_path, logger=False).predict(task)
+    report = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert report["step_weights"] == "int8"
+    assert torch.equal(output["samples"], task.model.generate(2, temperature=0.0, step_weights="int8"))
+
+
+def test_step_weights_are_checked_when_the_task_is_built():
+    with pytest.raises(ValueError, match="valid choices: model, bfloat16, int8"):
+        _task(step_weights="int4")
+    with pytest.raises(ValueError, match="'lsh' has none"):
+        _task(backend="lsh", step_weights="bfloat16")
+
+
 def test_real_mnist_fit_with_limits(tmp_path):
     """The real MNIST data module (offline copy) with a tiny model: 784-long sequences."""
     from linformer_lab.data.images import MNISTDataModule

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
+from linformer_lab.ops.step_linear import check_step_weight_format
 from linformer_lab.tasks.callbacks import (
     completion_triptychs,
     image_grid,
@@ -66,6 +67,9 @@ class ImageGenerationTask(L.LightningModule):
         lr: RAdam learning rate (paper: 1e-4).
         weight_decay: RAdam weight decay (paper: none).
         temperature: sampling temperature for predict.
+        step_weights: the weight copy predict's generation reads (``"model"``, ``"bfloat16"``,
+            ``"int8"``; see :meth:`PixelTransformer.generate`): the lossy ones trade a little
+            accuracy for small-batch CPU latency.
         predict_num_samples: unconditional samples made by a predict run (0: completions only).
         predict_batch_size: batch size of the unconditional-only predict run (no dataloader).
         output_dir: predict's output folder (default ``<log_dir>/predictions``).
@@ -79,7 +83,7 @@ class ImageGenerationTask(L.LightningModule):
     monitor_mode = "min"
     #: Arguments that may differ between a checkpoint and the configuration that loads it
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
-    training_hparams = ("lr", "weight_decay", "dropout", "temperature", "predict_num_samples",
+    training_hparams = ("lr", "weight_decay", "dropout", "temperature", "step_weights", "predict_num_samples",
                         "predict_batch_size", "output_dir", "png_scale")
 
     def __init__(
@@ -95,12 +99,14 @@ class ImageGenerationTask(L.LightningModule):
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         temperature: float = 1.0,
+        step_weights: str = "model",
         predict_num_samples: int = 16,
         predict_batch_size: int = 16,
         output_dir: str | None = None,
         png_scale: int = 4,
     ):
         super().__init__()
+        check_step_weight_format(step_weights)
         config = AttentionConfig(**attention) if isinstance(attention, dict) else attention
         # save_hyperparameters() records the arguments' current values: make them plain data
         # first, so checkpoints load with torch.load(weights_only=True) (PyTorch's default,
@@ -113,6 +119,9 @@ class ImageGenerationTask(L.LightningModule):
             attention=config, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
             num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
         )
+        if step_weights != "model" and not self.model.transformer.has_recurrent_form:
+            raise ValueError(f"step_weights={step_weights!r} needs a backend with a recurrent step; "
+                             f"{config.backend!r} has none (use step_weights='model')")
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
         self.test_bpd = BitsPerDim()
@@ -185,7 +194,8 @@ class ImageGenerationTask(L.LightningModule):
         if self.device.type == "cuda":  # time the work, not the launch
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        images = self.model.generate(batch_size, temperature=self.hparams.temperature, **kwargs)
+        images = self.model.generate(batch_size, temperature=self.hparams.temperature,
+                                     step_weights=self.hparams.step_weights, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._predict_state["seconds"][kind] += time.perf_counter() - start
@@ -250,7 +260,8 @@ class ImageGenerationTask(L.LightningModule):
             if state[kind]:
                 save_png(image_grid(torch.cat(state[kind]), ncols=ncols), os.path.join(state["dir"], f"{kind}_grid.png"),
                          scale=self.hparams.png_scale)
-        report = {"device": str(self.device), "temperature": self.hparams.temperature, "sequence_length": self.model.seq_len}
+        report = {"device": str(self.device), "temperature": self.hparams.temperature,
+                  "step_weights": self.hparams.step_weights, "sequence_length": self.model.seq_len}
         for kind in ("samples", "completions"):
             n, seconds = state["count"][kind], state["seconds"][kind]
             if n:
