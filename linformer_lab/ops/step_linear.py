@@ -79,7 +79,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wanted = weight.abs().amax(dim=1) / 127
     scale = wanted.to(torch.bfloat16)
     low = scale.float() < wanted
-    scale[low] = torch.nextafter(scale[low], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    scale[low] = torch.nextafter(scale[low], torch.full_like(scale[low], float("inf")))
     scale[wanted == 0] = 1
     q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale
