@@ -118,12 +118,16 @@ def _model(backend="linear") -> PixelTransformer:
     return PixelTransformer(backend, image_shape=(1, 4, 4), **TINY).eval()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["linear", "softmax"])
 @pytest.mark.parametrize("format", ["bfloat16", "int8"])
-def test_generate_runs_the_library_step_with_the_copy(backend, format):
+def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     """generate(step_weights=F) draws what a hand-written loop of ``model.step`` draws inside
     ``step_weights(model.transformer, F)`` (greedy: a pure function of the params)."""
-    model = _model(backend)
+    model = _model(backend).to(device)
     images = model.generate(2, temperature=0.0, step_weights=format)
     assert images.dtype == torch.uint8 and images.shape == (2, 1, 4, 4)
     values, previous, state = [], None, None
@@ -132,7 +136,7 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format):
             params, state = model.step(previous, t, state, batch_size=2)
             previous = model.head.sample(params, temperature=0.0)
             values.append(previous)
-    assert torch.equal(images_to_sequence(images), torch.stack(values, 1))
+    assert torch.equal(images_to_sequence(images), torch.stack(values, 1).to(images.device))
     assert not any("_step_weight" in m.__dict__ for m in model.modules())
 
 
