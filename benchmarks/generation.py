@@ -363,7 +363,10 @@ def run(args) -> tuple[list[dict], dict]:
             plan.append((dataset, batch))
     n_recompute = len([m for m in args.methods if m not in RECURRENT])
     n_recurrent = len([m for m in args.methods if m in RECURRENT])
-    formats = lambda batch: args.step_weights if batch == 1 else ["model"]  # noqa: E731
+
+    def formats(batch: int) -> list[str]:  # lossy step weights are a latency measure: batch 1 only
+        return args.step_weights if batch == 1 else ["model"]
+
     total = sum(n_recurrent * len(formats(b)) * (1 + (args.repeats if b == 1 else args.repeats_batch))
                 + (len(args.step_weights) if b == 1 and n_recurrent else 0) + n_recompute * (len(spread_positions(
         DATASETS[d]["image_shape"][0] * DATASETS[d]["image_shape"][1] * DATASETS[d]["image_shape"][2],

@@ -55,8 +55,7 @@ def load_model(args) -> tuple[PixelTransformer, str]:
     from linformer_lab.tasks.image_generation import ImageGenerationTask
 
     task = ImageGenerationTask.load_from_checkpoint(args.ckpt, map_location="cpu")
-    step = torch.load(args.ckpt, map_location="cpu", weights_only=False).get("global_step")
-    return task.model.eval(), f"checkpoint {os.path.basename(args.ckpt)} (global step {step})"
+    return task.model.eval(), f"checkpoint {args.ckpt}"
 
 
 def main(argv=None):

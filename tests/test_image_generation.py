@@ -135,7 +135,7 @@ def test_predict_with_an_int8_step_weight_copy(tmp_path):
 def test_step_weights_are_checked_when_the_task_is_built():
     with pytest.raises(ValueError, match="valid choices: model, bfloat16, int8"):
         _task(step_weights="int4")
-    with pytest.raises(ValueError, match="'lsh' has none"):
+    with pytest.raises(ValueError, match="'lsh' has no recurrent form"):
         _task(backend="lsh", step_weights="bfloat16")
 
 

@@ -128,7 +128,19 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     """generate(step_weights=F) draws what a hand-written loop of ``model.step`` draws inside
     ``step_weights(model.transformer, F)`` (greedy: a pure function of the params)."""
     model = _model(backend).to(device)
-    images = model.generate(2, temperature=0.0, step_weights=format)
+    step, formats_seen = model.transformer.step, set()
+
+    def recording_step(x_t, state=None):  # which copy every linear layer holds during generate()
+        formats_seen.update(m.__dict__["_step_weight"].format for m in model.transformer.modules()
+                            if isinstance(m, nn.Linear))
+        return step(x_t, state)
+
+    model.transformer.step = recording_step
+    try:
+        images = model.generate(2, temperature=0.0, step_weights=format)
+    finally:
+        del model.transformer.step
+    assert formats_seen == {format}
     assert images.dtype == torch.uint8 and images.shape == (2, 1, 4, 4)
     values, previous, state = [], None, None
     with torch.inference_mode(), step_weights(model.transformer, format):

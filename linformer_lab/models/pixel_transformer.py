@@ -330,14 +330,8 @@ class PixelTransformer(nn.Module):
         one more copy of those weights in memory while generating, as with the other formats).
         """
         device = self.start.device
-        check_step_weight_format(step_weights)
+        self.check_step_weights(step_weights)
         recurrent = self.transformer.has_recurrent_form
-        if step_weights != "model" and not recurrent:
-            raise ValueError(
-                f"step_weights={step_weights!r} applies to the recurrent step, but attention backend "
-                f"{self.attention_config.backend!r} has no recurrent form (each step re-runs the parallel "
-                f"forward over the prefix); use step_weights='model'"
-            )
         prefix = self._check_prefix(prefix, batch_size, device)
         known = 0 if prefix is None else prefix.shape[1]
         values = torch.empty(batch_size, self.seq_len, dtype=torch.long, device=device)
@@ -361,6 +355,17 @@ class PixelTransformer(nn.Module):
         finally:
             self.train(was_training)
         return self.to_images(values)
+
+    def check_step_weights(self, step_weights: str) -> None:
+        """Raise a ValueError unless ``step_weights`` is a known format this model can use: a
+        lossy copy needs a backend with a recurrent step."""
+        check_step_weight_format(step_weights)
+        if step_weights != "model" and not self.transformer.has_recurrent_form:
+            raise ValueError(
+                f"step_weights={step_weights!r} applies to the recurrent step, but attention backend "
+                f"{self.attention_config.backend!r} has no recurrent form (each step re-runs the parallel "
+                f"forward over the prefix); use step_weights='model'"
+            )
 
     def _step_input(self, previous: torch.Tensor | None, position: int, table: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The input vector of ``position``: ``(B, d_model)``."""

@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader
 
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
-from linformer_lab.ops.step_linear import check_step_weight_format
 from linformer_lab.tasks.callbacks import (
     completion_triptychs,
     image_grid,
@@ -106,7 +105,6 @@ class ImageGenerationTask(L.LightningModule):
         png_scale: int = 4,
     ):
         super().__init__()
-        check_step_weight_format(step_weights)
         config = AttentionConfig(**attention) if isinstance(attention, dict) else attention
         # save_hyperparameters() records the arguments' current values: make them plain data
         # first, so checkpoints load with torch.load(weights_only=True) (PyTorch's default,
@@ -119,9 +117,7 @@ class ImageGenerationTask(L.LightningModule):
             attention=config, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
             num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
         )
-        if step_weights != "model" and not self.model.transformer.has_recurrent_form:
-            raise ValueError(f"step_weights={step_weights!r} needs a backend with a recurrent step; "
-                             f"{config.backend!r} has none (use step_weights='model')")
+        self.model.check_step_weights(step_weights)  # a bad config fails here, not at predict time
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
         self.test_bpd = BitsPerDim()
