@@ -13,46 +13,16 @@ Public API::
 
 from __future__ import annotations
 
+from linformer_lab.attention.config import AttentionConfig, build_attention, list_attention
+from linformer_lab.feature_maps import build_feature_map, list_feature_maps
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
 __version__ = "0.1.0"
 
-
-def list_feature_maps() -> list[str]:
-    """Sorted names of every installed feature map (entry-point group ``linformer_lab.feature_maps``)."""
-    return FEATURE_MAPS.names()
-
-
-def list_attention() -> list[str]:
-    """Sorted names of every installed attention backend (group ``linformer_lab.attention``)."""
-    return ATTENTION.names()
-
-
-def build_feature_map(name: str, query_dim: int, **kwargs):
-    """Build the feature map registered as ``name``: an nn.Module ``(..., D) -> (..., output_dim)``."""
-    from linformer_lab.feature_maps import FeatureMap
-
-    cls = FEATURE_MAPS.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
-        raise PluginError(f"feature map {name!r} is registered as {cls!r}, which is not a linformer_lab.feature_maps.FeatureMap subclass")
-    return cls(query_dim=query_dim, **kwargs)
-
-
-def build_attention(name: str, causal: bool = False, query_dim: int | None = None, feature_map=None, **kwargs):
-    """Build the attention backend registered as ``name`` (see :class:`linformer_lab.attention.Attention`).
-
-    ``feature_map``: a registered name, a FeatureMap instance or None (the backend's default,
-    ``elu`` for linear backends); an error for backends that take none (softmax, lsh).
-    """
-    from linformer_lab.attention.base import Attention
-
-    cls = ATTENTION.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, Attention)):
-        raise PluginError(f"attention backend {name!r} is registered as {cls!r}, which is not a linformer_lab.attention.Attention subclass")
-    return cls(causal=causal, query_dim=query_dim, feature_map=feature_map, **kwargs)
-
-
 __all__ = [
+    "ATTENTION",
+    "AttentionConfig",
+    "FEATURE_MAPS",
     "PluginError",
     "build_attention",
     "build_feature_map",

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import linformer_lab as ll
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.models.transformer import Transformer
 
@@ -14,12 +15,9 @@ SETTINGS = [(b, None) for b in CPU_BACKENDS] + [("linear", fm) for fm in ll.list
 def _model(backend, feature_map, causal=True):
     torch.manual_seed(0)
     kwargs = {"bucket_size": 4, "n_buckets": 4, "n_hashes": 2} if backend == "lsh" else {}
-    if feature_map in ("favor", "random_fourier"):
-        kwargs["feature_map_kwargs"] = {"num_features": 32}
-    return Transformer(
-        n_layers=2, d_model=16, n_heads=2, attention=backend, causal=causal,
-        feature_map=feature_map, attention_kwargs=kwargs,
-    ).double().eval()
+    fm_kwargs = {"num_features": 32} if feature_map in ("favor", "random_fourier") else {}
+    attention = AttentionConfig(backend, feature_map=feature_map, feature_map_kwargs=fm_kwargs, kwargs=kwargs)
+    return Transformer(n_layers=2, d_model=16, n_heads=2, attention=attention, causal=causal).double().eval()
 
 
 @pytest.mark.parametrize("backend,feature_map", SETTINGS)

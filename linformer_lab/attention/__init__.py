@@ -1,6 +1,8 @@
 """Attention backends (nn.Modules over :mod:`linformer_lab.ops`), registered by entry point
-under ``linformer_lab.attention``, and the multi-head module that works with any of them."""
+under ``linformer_lab.attention``, the config that names one, and the multi-head module that
+works with any of them."""
 
 from linformer_lab.attention.base import Attention, KVCache
+from linformer_lab.attention.config import AttentionConfig, build_attention, list_attention
 
-__all__ = ["Attention", "KVCache"]
+__all__ = ["Attention", "AttentionConfig", "KVCache", "build_attention", "list_attention"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.attention.base import Attention
-from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import linear_attention as ops
 
 
@@ -85,8 +85,6 @@ class LinearAttention(Attention):
 
 def resolve_feature_map(feature_map, query_dim: int | None, kwargs: dict | None) -> FeatureMap:
     """Turn a name / instance / None into a FeatureMap, checking it fits ``query_dim``."""
-    from linformer_lab import build_feature_map  # the package API; imported late to avoid a cycle
-
     if feature_map is None:
         feature_map = "elu"
     if isinstance(feature_map, str):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from linformer_lab.attention.base import Attention
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.ops.step_linear import step_linear
 
 
@@ -16,10 +17,9 @@ class MultiHeadAttention(nn.Module):
         d_model: model width.
         n_heads: heads; each gets ``d_model // n_heads`` query and value dims unless
             ``query_dim`` / ``value_dim`` say otherwise.
-        attention: a registered backend name or a built :class:`Attention` module.
-        causal: passed to the backend when built by name.
-        feature_map: passed to the backend when built by name (linear backends only).
-        attention_kwargs: further backend arguments, e.g. ``{"n_hashes": 4}`` for lsh.
+        attention: what :meth:`AttentionConfig.coerce` takes (a config, a backend name, a
+            dict of the config's fields, None for ``linear``), or a built :class:`Attention`.
+        causal: passed to the backend when it is built here.
 
     Queries, keys and values come from one fused projection (one matmul per call, which
     matters for the one-token RNN step). For shared-QK backends (lsh) there is no key
@@ -30,10 +30,8 @@ class MultiHeadAttention(nn.Module):
         self,
         d_model: int,
         n_heads: int,
-        attention: str | Attention = "linear",
+        attention: AttentionConfig | str | dict | Attention | None = None,
         causal: bool = False,
-        feature_map=None,
-        attention_kwargs: dict | None = None,
         query_dim: int | None = None,
         value_dim: int | None = None,
     ):
@@ -43,14 +41,8 @@ class MultiHeadAttention(nn.Module):
         self.n_heads = n_heads
         self.query_dim = query_dim or d_model // n_heads
         self.value_dim = value_dim or d_model // n_heads
-        if isinstance(attention, str):
-            from linformer_lab import build_attention
-
-            attention = build_attention(
-                attention, causal=causal, query_dim=self.query_dim, feature_map=feature_map, **(attention_kwargs or {})
-            )
-        elif feature_map is not None or attention_kwargs:
-            raise ValueError("feature_map and attention_kwargs apply only when attention is given by name")
+        if not isinstance(attention, Attention):
+            attention = AttentionConfig.coerce(attention).build(causal=causal, query_dim=self.query_dim)
         self.attention = attention
         self.shares_query_key = attention.shares_query_key
         hq, hv = n_heads * self.query_dim, n_heads * self.value_dim

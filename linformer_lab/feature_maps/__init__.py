@@ -1,9 +1,28 @@
 """Feature maps phi for linear attention, sim(q, k) = phi(q)^T phi(k).
 
 Each lives in its own module and is registered by entry point (group
-``linformer_lab.feature_maps``); import them through :func:`linformer_lab.build_feature_map`.
+``linformer_lab.feature_maps``); build them by name with :func:`build_feature_map`.
 """
 
-from linformer_lab.feature_maps.base import FeatureMap
+from __future__ import annotations
 
-__all__ = ["FeatureMap"]
+from linformer_lab.feature_maps.base import FeatureMap
+from linformer_lab.registry import FEATURE_MAPS, PluginError
+
+
+def list_feature_maps() -> list[str]:
+    """Sorted names of every installed feature map (entry-point group ``linformer_lab.feature_maps``)."""
+    return FEATURE_MAPS.names()
+
+
+def build_feature_map(name: str, query_dim: int, **kwargs) -> FeatureMap:
+    """Build the feature map registered as ``name``: an nn.Module ``(..., D) -> (..., output_dim)``."""
+    cls = FEATURE_MAPS.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+        raise PluginError(
+            f"feature map {name!r} is registered as {cls!r}, which is not a linformer_lab.feature_maps.FeatureMap subclass"
+        )
+    return cls(query_dim=query_dim, **kwargs)
+
+
+__all__ = ["FeatureMap", "build_feature_map", "list_feature_maps"]

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer
 
 BLANK = 0
@@ -77,8 +78,8 @@ class TransformerCTC(nn.Module):
         feature_dim: input features per frame (40 log-mel energies).
         d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
             (paper: 9 layers, 6 heads of 32 dims = 192, feed-forward 768).
-        attention_kwargs: what :meth:`AttentionConfig.transformer_kwargs` returns (backend
-            name, feature map, backend arguments).
+        attention: anything :meth:`AttentionConfig.coerce` takes (a config, a backend name,
+            a dict of its fields, None for ``linear``).
         positions: ``"sinusoidal"`` (fixed, any length) or ``"learned"`` (an embedding of
             ``max_positions`` rows; longer inputs are an error).
         subsample: 1 (the paper: one transformer position per 10 ms frame) or 2 (a stride-2
@@ -94,7 +95,7 @@ class TransformerCTC(nn.Module):
         n_heads: int = 6,
         d_ff: int | None = None,
         dropout: float = 0.0,
-        attention_kwargs: dict | None = None,
+        attention: AttentionConfig | str | dict | None = None,
         positions: str = "sinusoidal",
         max_positions: int = 4096,
         subsample: int = 1,
@@ -117,7 +118,7 @@ class TransformerCTC(nn.Module):
             nn.init.normal_(self.position_embedding.weight, std=0.02)
         self.input_dropout = nn.Dropout(dropout)
         self.transformer = Transformer(
-            n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, **(attention_kwargs or {})
+            n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, attention=attention
         )
         self.head = nn.Linear(d_model, num_phonemes)
 

@@ -45,7 +45,7 @@ from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogist
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.step_linear import check_step_weight_format
 from linformer_lab.ops.step_linear import step_weights as weight_copies_for_steps
-from linformer_lab.tasks.common import AttentionConfig
+from linformer_lab.attention.config import AttentionConfig
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
 
@@ -133,23 +133,6 @@ def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurr
         torch.set_num_threads(threads)
 
 
-def _as_attention_config(attention) -> AttentionConfig:
-    """Accept an AttentionConfig, a backend name, a dict of its fields (e.g. from a
-    checkpoint's hparams) or None (the default, ``linear`` with ``elu``)."""
-    if attention is None:
-        return AttentionConfig()
-    if isinstance(attention, AttentionConfig):
-        return attention
-    if isinstance(attention, str):
-        return AttentionConfig(backend=attention)
-    if isinstance(attention, dict):
-        return AttentionConfig(**attention)
-    raise TypeError(
-        f"attention must be an AttentionConfig, a backend name, a dict of AttentionConfig fields or None; "
-        f"got {type(attention).__name__}"
-    )
-
-
 class PixelTransformer(nn.Module):
     """Causal transformer + discretized mixture of logistics over the sub-pixels of images.
 
@@ -181,7 +164,7 @@ class PixelTransformer(nn.Module):
         image_shape = tuple(int(s) for s in image_shape)
         if len(image_shape) != 3 or min(image_shape) < 1:
             raise ValueError(f"image_shape must be (channels, height, width) with positive sizes, got {image_shape}")
-        self.attention_config = _as_attention_config(attention)
+        self.attention_config = AttentionConfig.coerce(attention)
         self.image_shape = image_shape
         channels, height, width = image_shape
         self.channels = channels
@@ -195,7 +178,7 @@ class PixelTransformer(nn.Module):
         self.channel_embedding = nn.Embedding(channels, d_model) if channels > 1 else None
         self.transformer = Transformer(
             n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout,
-            **self.attention_config.transformer_kwargs(),
+            attention=self.attention_config,
         )
         self.head = DiscretizedMixtureOfLogistics(d_model, num_mixtures=num_mixtures, num_bins=NUM_LEVELS)
         self.reset_embeddings()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.step_linear import step_linear
 
@@ -24,18 +25,13 @@ class TransformerLayer(nn.Module):
         d_model: int,
         n_heads: int,
         d_ff: int,
-        attention: str = "linear",
+        attention: AttentionConfig | str | dict | None = None,
         causal: bool = True,
-        feature_map=None,
-        attention_kwargs: dict | None = None,
         dropout: float = 0.0,
     ):
         super().__init__()
         self.norm_attention = nn.LayerNorm(d_model)
-        self.attention = MultiHeadAttention(
-            d_model, n_heads, attention=attention, causal=causal, feature_map=feature_map,
-            attention_kwargs=attention_kwargs,
-        )
+        self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
         self.norm_ff = nn.LayerNorm(d_model)
         self.feedforward = nn.Sequential(
             nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
@@ -85,8 +81,9 @@ class Transformer(nn.Module):
     backends without a recurrent form (lsh) the state is the input prefix and every step
     re-runs ``forward`` on it, so step outputs equal the forward over the same prefix.
 
-    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (backend name),
-    causal, feature_map, attention_kwargs, dropout.
+    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (anything
+    :meth:`AttentionConfig.coerce` takes: a config, a backend name, a dict, None for
+    ``linear``), causal, dropout.
     """
 
     def __init__(
@@ -95,18 +92,14 @@ class Transformer(nn.Module):
         d_model: int,
         n_heads: int,
         d_ff: int | None = None,
-        attention: str = "linear",
+        attention: AttentionConfig | str | dict | None = None,
         causal: bool = True,
-        feature_map=None,
-        attention_kwargs: dict | None = None,
         dropout: float = 0.0,
     ):
         super().__init__()
+        attention = AttentionConfig.coerce(attention)
         self.layers = nn.ModuleList(
-            TransformerLayer(
-                d_model, n_heads, d_ff or 4 * d_model, attention=attention, causal=causal,
-                feature_map=feature_map, attention_kwargs=attention_kwargs, dropout=dropout,
-            )
+            TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, attention=attention, causal=causal, dropout=dropout)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)

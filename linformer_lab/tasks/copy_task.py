@@ -84,7 +84,7 @@ class CopyTask(L.LightningModule):
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(sequence_length, d_model)
         self.transformer = Transformer(
-            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, **attention.transformer_kwargs()
+            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, attention=attention
         )
         self.head = nn.Linear(d_model, vocab_size)
         # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual

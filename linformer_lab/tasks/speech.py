@@ -127,7 +127,7 @@ class SpeechRecognitionTask(L.LightningModule):
         if encoder == "transformer":
             self.model = TransformerCTC(
                 num_phonemes, feature_dim, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
-                dropout=dropout, attention_kwargs=attention.transformer_kwargs(), positions=positions,
+                dropout=dropout, attention=attention, positions=positions,
                 max_positions=max_positions, subsample=subsample,
             )
         else:
