@@ -306,7 +306,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
     ``step_weights(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.models.pixel_transformer import _native_cpu_kernels
+    from linformer_lab.models.pixel_transformer import generation_kernels
     from linformer_lab.ops.step_linear import step_linear, step_weights
 
     device = model.start.device
@@ -320,8 +320,8 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
             for qkv, out, up, down in linears:
                 step_linear(x, qkv), step_linear(x, out), step_linear(x, up), step_linear(h, down)
 
-    # oneDNN off on CPU, as generate() has it (its bf16 product is twice as slow at one row)
-    with step_weights(model.transformer, fmt), _native_cpu_kernels(device):
+    # the kernels generate() steps under (oneDNN off on CPU, one thread for small batches)
+    with step_weights(model.transformer, fmt), generation_kernels(device, batch):
         image()
         samples = [timer(image) for _ in range(repeats)]
     return statistics.median(samples) / batch

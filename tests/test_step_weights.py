@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
+from linformer_lab.models.pixel_transformer import PixelTransformer, generation_kernels, images_to_sequence
 from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS, quantize_int8, step_linear, step_weights
 
 TINY = dict(n_layers=2, n_heads=2, d_model=32, d_ff=64, num_mixtures=3)
@@ -143,7 +143,9 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     assert formats_seen == {format}
     assert images.dtype == torch.uint8 and images.shape == (2, 1, 4, 4)
     values, previous, state = [], None, None
-    with torch.inference_mode(), step_weights(model.transformer, format):
+    # the same kernels as generate(): oneDNN's bf16 matmuls round differently from the native ones
+    with torch.inference_mode(), generation_kernels(torch.device(device), batch_size=2), \
+            step_weights(model.transformer, format):
         for t in range(model.seq_len):
             params, state = model.step(previous, t, state, batch_size=2)
             previous = model.head.sample(params, temperature=0.0)

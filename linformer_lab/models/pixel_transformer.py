@@ -87,6 +87,20 @@ def state_nbytes(state) -> int:
 
 
 @contextlib.contextmanager
+def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
+    """The kernel settings :meth:`PixelTransformer.generate` steps under: oneDNN off on CPU
+    (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
+    (:func:`_single_thread_for_small_steps`). Process-global settings, restored on exit.
+
+    Code that steps the model by hand and must draw what ``generate`` draws runs under this
+    too: a bf16 step copy goes through oneDNN's bf16 matmul when oneDNN is on (on CPUs with
+    bf16 instructions), which rounds differently from the native kernel.
+    """
+    with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent):
+        yield
+
+
+@contextlib.contextmanager
 def _native_cpu_kernels(device: torch.device):
     """Turn oneDNN (mkldnn) off while stepping on CPU.
 
@@ -323,7 +337,7 @@ class PixelTransformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent), \
+            with generation_kernels(device, batch_size, recurrent), \
                     weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
                 table = self.position_table()  # computed once: the embeddings are fixed while sampling
                 step, head = self.transformer.step, self.head
