@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -48,6 +49,14 @@ REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DATA_TO_MODEL_LINKS = ("vocab_size", "sequence_length", "num_phonemes")
 
 CHECKPOINT_ERROR_EXIT_CODE = 2
+
+#: Trainer arguments typed ``int | float`` that Lightning reads as a count when given an int and
+#: as a fraction when given a float: ``limit_val_batches=1`` is one batch, ``1.0`` all of them.
+#: jsonargparse (as pinned) hands every one of them over as a float, so the CLI restores the int
+#: that the command line or the YAML wrote (:func:`integer_trainer_arguments`).
+COUNT_OR_FRACTION = (
+    "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval",
+)
 
 
 @dataclass
@@ -86,6 +95,8 @@ class LinformerCLI(LightningCLI):
     """
 
     def __init__(self, args=None, run: bool = True, **kwargs):
+        # what the user wrote, to tell an integer 1 from 1.0 after parsing (COUNT_OR_FRACTION)
+        self._raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         kwargs.setdefault("seed_everything_default", 0)
         # Every run logs into its own version_N directory, so the saved config never collides;
         # overwrite=True covers runs that pin the logger version or disable the logger (then
@@ -149,6 +160,10 @@ class LinformerCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         config = self._get(self.config_init, "trainer")
+        # here, not before instantiation: building the classes casts these back to float
+        for name, value in integer_trainer_arguments(self._raw_args, self.subcommand).items():
+            if isinstance(config.get(name), float) and config.get(name) == value:
+                config[name] = value
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         settings: CheckpointSettings = self._get(self.config_init, "checkpoint")
@@ -224,6 +239,53 @@ def _none_strings_to_none(node) -> None:
             node[key] = None
         elif hasattr(value, "items"):
             _none_strings_to_none(value)
+
+
+def integer_trainer_arguments(argv: list[str], subcommand: str | None) -> dict[str, int]:
+    """The :data:`COUNT_OR_FRACTION` trainer arguments whose last setting in ``argv`` is written
+    as an integer: a ``--trainer.NAME VALUE`` / ``--trainer.NAME=VALUE`` flag, or ``trainer: NAME:``
+    in a ``--config`` file or inline YAML, read in command-line order (later settings win)."""
+    written: dict[str, object] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            i += 1
+        elif (arg in ("-c", "--config") or arg.startswith("--trainer.")) and i + 1 < len(argv):
+            key, value = arg, argv[i + 1]
+            i += 2
+        else:
+            i += 1
+            continue
+        if key in ("-c", "--config"):
+            written.update(_trainer_settings_in_config(value, subcommand))
+        elif key.startswith("--trainer.") and key[len("--trainer."):] in COUNT_OR_FRACTION:
+            written[key[len("--trainer."):]] = value
+    integers = {}
+    for name, value in written.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            integers[name] = value
+        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            integers[name] = int(value)
+    return integers
+
+
+def _trainer_settings_in_config(source: str, subcommand: str | None) -> dict:
+    """``trainer:`` entries of :data:`COUNT_OR_FRACTION` in a config file path or inline YAML."""
+    try:
+        text = Path(source).read_text() if Path(source).is_file() else source
+        config = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}  # not ours to report: the parser names a bad config
+    if not isinstance(config, dict):
+        return {}
+    if subcommand and isinstance(config.get(subcommand), dict):  # a config given before the subcommand
+        config = config[subcommand]
+    trainer = config.get("trainer")
+    return {k: v for k, v in trainer.items() if k in COUNT_OR_FRACTION} if isinstance(trainer, dict) else {}
 
 
 def _root_cause(err: BaseException) -> BaseException:

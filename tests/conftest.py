@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import warnings
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import lightning as L
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,3 +91,23 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
     with open(log_dir / "metrics.csv") as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+
+class BatchCounter(L.Callback):
+    """Callback (``--trainer.callbacks+=conftest.BatchCounter``) that writes how many train and
+    validation batches ran to the JSON file ``path`` when the run ends."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.counts = {"train": 0, "validate": 0}
+
+    def on_train_batch_end(self, *args, **kwargs):
+        self.counts["train"] += 1
+
+    def on_validation_batch_end(self, trainer, *args, **kwargs):
+        if not trainer.sanity_checking:
+            self.counts["validate"] += 1
+
+    def teardown(self, trainer, pl_module, stage):
+        Path(self.path).write_text(json.dumps(self.counts))

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import REPO, read_metrics, run_cli, tiny_copy_args
 
 import linformer_lab as ll
 from linformer_lab import cli
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS
-
-from conftest import REPO, read_metrics, run_cli, tiny_copy_args
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -282,3 +281,52 @@ def test_mixed_precision_on_cpu_trains_without_nan(tmp_path, precision, backend)
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     weights = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# ---------------------------------------------------------------------- integer or fraction
+
+
+@pytest.mark.parametrize("written,batches", [
+    (["--trainer.limit_val_batches", "1"], 1),       # one batch, not 100 %
+    (["--trainer.limit_val_batches=1"], 1),
+    (["--trainer.limit_val_batches", "0.5"], 2),     # half of the 4
+    (["--trainer.limit_val_batches", "1.0"], 4),     # all of them
+    (["--config", "{trainer: {limit_val_batches: 1}}"], 1),
+    (["--config", "{trainer: {limit_val_batches: 1.0}}"], 4),
+    (["--config", "{trainer: {limit_val_batches: 1}}", "--trainer.limit_val_batches", "0.25"], 1),  # later wins: 4 * 0.25
+])
+def test_limit_val_batches_integer_or_fraction_through_the_cli(tmp_path, written, batches):
+    """An integer on the command line or in YAML stays an int (a count of batches); a float is a
+    fraction. Upstream parsing turns every one into a float (Lightning issue 21259)."""
+    counts = tmp_path / "counts.json"
+    callback = json.dumps({"class_path": "conftest.BatchCounter", "init_args": {"path": str(counts)}})
+    code, _, err = run_cli([
+        "validate", *tiny_copy_args(tmp_path, "linear", "--data.val_batches=4"),
+        f"--trainer.callbacks+={callback}", *written,
+    ])
+    assert code == 0, err
+    assert json.loads(counts.read_text())["validate"] == batches
+
+
+def test_every_count_or_fraction_argument_keeps_its_integer(tmp_path):
+    """All five ``int | float`` trainer arguments, as the Trainer receives them."""
+    args = [*tiny_copy_args(tmp_path), "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches=1",
+            "--trainer.limit_test_batches", "3", "--trainer.limit_predict_batches", "0.5",
+            "--config", "{trainer: {val_check_interval: 2}}"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        built = cli.LinformerCLI(args=cli.resolve_config_args(args), run=False)
+    trainer = built.trainer
+    assert (trainer.limit_train_batches, type(trainer.limit_train_batches)) == (2, int)
+    assert (trainer.limit_val_batches, type(trainer.limit_val_batches)) == (1, int)
+    assert (trainer.limit_test_batches, type(trainer.limit_test_batches)) == (3, int)
+    assert (trainer.limit_predict_batches, type(trainer.limit_predict_batches)) == (0.5, float)
+    assert (trainer.val_check_interval, type(trainer.val_check_interval)) == (2, int)
+
+
+def test_integer_trainer_arguments_reads_flags_and_configs_in_order(tmp_path):
+    config = tmp_path / "limits.yaml"
+    config.write_text("trainer:\n  limit_train_batches: 5\n  val_check_interval: 0.25\n")
+    argv = ["fit", "--config", str(config), "--trainer.limit_val_batches", "2", "--trainer.limit_train_batches=0.1"]
+    assert cli.integer_trainer_arguments(argv, "fit") == {"limit_val_batches": 2}
+    assert cli.integer_trainer_arguments(["--config", str(config)], None) == {"limit_train_batches": 5}
