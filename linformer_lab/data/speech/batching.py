@@ -1,0 +1,175 @@
+"""Batches of utterances: padding collate and length-bucketed batch sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+def collate_speech(items: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """Pad a list of items ``{"features": (T_i, 40) float, "targets": (S_i,) int64}``.
+
+    Returns the CONTRACTS.md speech batch: ``features (B, T, 40)`` zero-padded,
+    ``feature_lengths (B,)``, ``targets (B, S)`` padded with 0 (= blank), ``target_lengths (B,)``.
+    """
+    feats = [it["features"] for it in items]
+    targs = [it["targets"] for it in items]
+    feature_lengths = torch.tensor([f.shape[0] for f in feats], dtype=torch.int64)
+    target_lengths = torch.tensor([t.shape[0] for t in targs], dtype=torch.int64)
+    features = torch.zeros(len(items), int(feature_lengths.max()), feats[0].shape[1], dtype=torch.float32)
+    targets = torch.zeros(len(items), max(int(target_lengths.max()), 1), dtype=torch.int64)
+    for i, (f, t) in enumerate(zip(feats, targs)):
+        features[i, : f.shape[0]] = f
+        targets[i, : t.shape[0]] = t
+    return {
+        "features": features,
+        "feature_lengths": feature_lengths,
+        "targets": targets,
+        "target_lengths": target_lengths,
+    }
+
+
+def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
+    """Fraction of padded frames: ``1 - sum(lengths) / sum(len(batch) * max length in batch)``."""
+    lengths = np.asarray(lengths)
+    real = padded = 0
+    for b in batches:
+        lb = lengths[np.asarray(b)]
+        real += int(lb.sum())
+        padded += int(lb.max()) * len(b)
+    return 1.0 - real / max(padded, 1)
+
+
+class LengthBucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar length, so padding stays small, with seeded per-epoch shuffling.
+
+    Training (``shuffle=True``): each epoch permutes all indices with ``(seed, epoch)``, cuts the
+    permutation into pools of about ``pool_batches`` batches, sorts each pool by length, cuts it
+    into batches and finally shuffles the order of all batches. Large pools give batches of
+    near-equal lengths; pooling (rather than one global sort) keeps batch composition random
+    across epochs. Evaluation (``shuffle=False``): one global sort, deterministic.
+
+    Args:
+        lengths: length of every item (frames), the padded dimension.
+        batch_size: items per batch (the last batch of a pool may be smaller). With
+            ``max_frames_per_batch`` it becomes an upper bound (``None`` = no bound).
+        max_frames_per_batch: bound on ``items x longest item`` (the padded size) of a batch;
+            an item longer than the bound forms a batch on its own.
+        shuffle: see above. ``seed`` and the epoch choose the order; the epoch starts at 0 and
+            advances after every full iteration, or is set with :meth:`set_epoch`.
+        pool_batches: pool size in batches.
+        drop_last: drop batches smaller than ``batch_size`` (fixed-size mode only).
+        num_replicas, rank: distributed training: every replica gets the same number of batches
+            (the list is padded by repeating batches) and takes ``batches[rank::num_replicas]``.
+
+    Every index appears exactly once per epoch (single replica, ``drop_last=False``).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int | None = 16,
+        max_frames_per_batch: int | None = None,
+        shuffle: bool = True,
+        pool_batches: int = 50,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if batch_size is None and max_frames_per_batch is None:
+            raise ValueError("give batch_size, max_frames_per_batch or both")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if isinstance(lengths, Sampler):
+            # What Lightning passes when it tries to inject a DistributedSampler under DDP.
+            raise TypeError(
+                "LengthBucketBatchSampler needs the per-item lengths, not a sampler; for multi-process "
+                "training use Trainer(use_distributed_sampler=False) -- SpeechDataModule shards the "
+                "batches across ranks itself (num_replicas/rank)"
+            )
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size = batch_size
+        self.max_frames = max_frames_per_batch
+        self.shuffle = shuffle
+        self.pool_batches = pool_batches
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration yields."""
+        self.epoch = int(epoch)
+
+    def _split(self, idx: np.ndarray) -> list[list[int]]:
+        # `idx` is sorted by length (descending): consecutive items have similar lengths.
+        if self.max_frames is None:
+            bs = self.batch_size
+            return [idx[i : i + bs].tolist() for i in range(0, len(idx), bs)]
+        batches, cur, longest = [], [], 0
+        for i in idx.tolist():
+            new_longest = max(longest, int(self.lengths[i]))
+            full = self.batch_size is not None and len(cur) >= self.batch_size
+            if cur and (full or new_longest * (len(cur) + 1) > self.max_frames):
+                batches.append(cur)
+                cur, new_longest = [], int(self.lengths[i])
+            cur.append(i)
+            longest = new_longest
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _pool_size(self) -> int:
+        if self.max_frames is None:
+            per_batch = self.batch_size
+        else:
+            mean = max(float(self.lengths.mean()) if len(self.lengths) else 1.0, 1.0)
+            per_batch = max(1, int(self.max_frames // mean))
+            if self.batch_size is not None:
+                per_batch = min(per_batch, self.batch_size)
+        return max(1, per_batch * self.pool_batches)
+
+    def batches(self) -> list[list[int]]:
+        """This epoch's batches for this replica (what iteration yields)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        n = len(self.lengths)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            order = rng.permutation(n)
+            pools = [order[i : i + self._pool_size()] for i in range(0, n, self._pool_size())]
+        else:
+            rng = None
+            pools = [np.arange(n)]
+        batches: list[list[int]] = []
+        for pool in pools:
+            # Stable sort on the negated length: longest first, ties keep the (random) pool order.
+            ordered = pool[np.argsort(-self.lengths[pool], kind="stable")]
+            batches.extend(self._split(ordered))
+        if self.drop_last and self.max_frames is None:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        if rng is not None:
+            perm = rng.permutation(len(batches))
+            batches = [batches[i] for i in perm]
+        if self.num_replicas > 1 and batches:
+            per_replica = -(-len(batches) // self.num_replicas)
+            batches = (batches * self.num_replicas)[: per_replica * self.num_replicas]
+            batches = batches[self.rank :: self.num_replicas]
+        self._cache = (self.epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.batches()
+        # Lightning calls set_epoch only on a DataLoader's *sampler*, never on its batch sampler,
+        # so the sampler advances its epoch itself after each pass (set_epoch still overrides).
+        self.epoch += 1
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches())

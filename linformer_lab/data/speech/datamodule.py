@@ -1,0 +1,154 @@
+"""The LightningDataModule over either corpus."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+from linformer_lab.data.phonemes import NUM_PHONEMES
+from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech
+from linformer_lab.data.speech.features import FEATURE_DIM
+from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
+from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SPLITS, SyntheticSpeechCorpus, ensure_feature_cache
+
+
+class SpeechDataModule(L.LightningDataModule):
+    """Speech batches for CTC phoneme recognition (format in the module docstring).
+
+    Args:
+        corpus: ``"synthetic"`` (eSpeak corpus, generated on first use) or ``"librispeech"``.
+        root: cache root of the synthetic corpus (default ``~/.cache/linformer_lab/speech``) or
+            the directory containing ``LibriSpeech/`` (default ``~/.cache/linformer_lab/librispeech``).
+        hours: synthetic corpus size (all splits together).
+        seed: corpus seed and batch-order seed.
+        batch_size: utterances per batch (upper bound when ``max_frames_per_batch`` is set).
+        max_frames_per_batch: bound on padded frames per batch (``batch x longest``); ``None`` =
+            fixed-size batches.
+        num_workers: DataLoader worker processes.
+        noise_snr_db: white noise at this SNR on every split of the synthetic corpus (``None`` = clean).
+        librispeech_train, librispeech_val, librispeech_test: LibriSpeech subsets per split.
+        bucket_pool_batches: pool size (in batches) of the length-bucketing sampler.
+        pin_memory: DataLoader ``pin_memory``.
+        progress: show progress bars while generating/caching.
+
+    Multi-process (DDP) training: use ``Trainer(use_distributed_sampler=False)``; the training
+    loader shards its length-bucketed batches across ranks itself (each rank gets the same
+    number of batches). Validation/test loaders are not sharded (every rank sees all data).
+    """
+
+    feature_dim = FEATURE_DIM
+
+    def __init__(
+        self,
+        corpus: str = "synthetic",
+        root: str | None = None,
+        hours: float = 3.0,
+        seed: int = 0,
+        batch_size: int = 16,
+        max_frames_per_batch: int | None = None,
+        num_workers: int = 0,
+        noise_snr_db: float | None = None,
+        librispeech_train: Sequence[str] = ("train-clean-100",),
+        librispeech_val: Sequence[str] = ("dev-clean",),
+        librispeech_test: Sequence[str] = ("test-clean",),
+        bucket_pool_batches: int = 50,
+        pin_memory: bool = False,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if corpus not in ("synthetic", "librispeech"):
+            raise ValueError(f"corpus must be 'synthetic' or 'librispeech', got {corpus!r}")
+        self.save_hyperparameters()
+        self.corpus = corpus
+        self.root = root
+        self.hours = hours
+        self.seed = seed
+        self.batch_size = batch_size
+        self.max_frames_per_batch = max_frames_per_batch
+        self.num_workers = num_workers
+        self.noise_snr_db = noise_snr_db
+        self.librispeech_subsets = {
+            "train": tuple(librispeech_train),
+            "val": tuple(librispeech_val),
+            "test": tuple(librispeech_test),
+        }
+        self.bucket_pool_batches = bucket_pool_batches
+        self.pin_memory = pin_memory
+        self.progress = progress
+        self.datasets: dict[str, Dataset] = {}
+
+    @property
+    def num_phonemes(self) -> int:
+        """Output classes of the CTC model: phonemes + blank (id 0)."""
+        return NUM_PHONEMES
+
+    def _synthetic(self) -> SyntheticSpeechCorpus:
+        return SyntheticSpeechCorpus(root=self.root, hours=self.hours, seed=self.seed, progress=self.progress)
+
+    def _librispeech_root(self) -> Path:
+        return Path(self.root).expanduser() if self.root is not None else (DEFAULT_CACHE / "librispeech").expanduser()
+
+    def prepare_data(self) -> None:
+        # Runs on one process per node: the place for the one-time synthesis / feature caching.
+        if self.corpus == "synthetic":
+            corpus = self._synthetic()
+            ensure_feature_cache(corpus.path, self.noise_snr_db, progress=self.progress)  # all splits
+        else:
+            for subsets in self.librispeech_subsets.values():
+                for subset in subsets:
+                    d = self._librispeech_root() / "LibriSpeech" / subset
+                    if not d.is_dir():
+                        raise LibriSpeechNotFoundError(
+                            f"LibriSpeech subset {subset!r} not found: {d} does not exist. "
+                            f"Expected layout: {LIBRISPEECH_LAYOUT}."
+                        )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        if self.corpus == "synthetic":
+            corpus = self._synthetic()
+            for split in SPLITS:
+                self.datasets[split] = corpus.dataset(split, noise_snr_db=self.noise_snr_db)
+        else:
+            for split, subsets in self.librispeech_subsets.items():
+                self.datasets[split] = LibriSpeechCorpus(self._librispeech_root(), subsets)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        if not self.datasets:
+            self.setup()
+        ds = self.datasets[split]
+        replicas, rank = 1, 0
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and shuffle:
+            replicas, rank = trainer.world_size, trainer.global_rank
+        sampler = LengthBucketBatchSampler(
+            ds.lengths,
+            batch_size=self.batch_size,
+            max_frames_per_batch=self.max_frames_per_batch,
+            shuffle=shuffle,
+            pool_batches=self.bucket_pool_batches,
+            seed=self.seed,
+            num_replicas=replicas,
+            rank=rank,
+        )
+        return DataLoader(
+            ds,
+            batch_sampler=sampler,
+            collate_fn=collate_speech,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

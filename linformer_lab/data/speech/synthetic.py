@@ -1,0 +1,433 @@
+"""The synthetic eSpeak NG corpus: generated once per configuration into a cache, reused after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchaudio
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from linformer_lab.data import espeak
+from linformer_lab.data.phonemes import PHONEMES, phonemes_to_ids
+from linformer_lab.data.speech.cache import commit_directory, remove_stale_temporaries, temporary_name
+from linformer_lab.data.speech.features import (
+    FEATURE_DIM,
+    HOP_LENGTH,
+    SAMPLE_RATE,
+    add_noise,
+    feature_extractor,
+    normalize_features,
+    stable_seed,
+)
+from linformer_lab.data.speech.grammar import SentenceGenerator
+
+DEFAULT_CACHE = Path("~/.cache/linformer_lab")
+
+
+
+SPLITS = ("train", "val", "test")
+_META = "meta.json"
+
+
+class SyntheticSpeechDataset(Dataset):
+    """One split of a :class:`SyntheticSpeechCorpus`.
+
+    Items are dicts ``{"features": float32 (T, 40) normalised log-mel, "targets": int64 (S,)}``.
+    ``lengths`` (frames per item) drives :class:`LengthBucketBatchSampler`. Audio and feature
+    arrays are memory-mapped lazily and left out of pickles, so DataLoader workers (fork or
+    spawn) map their own instead of receiving copies.
+
+    Args:
+        path: corpus directory.
+        split: ``"train"``, ``"val"`` or ``"test"``.
+        noise_snr_db: add white noise at this SNR (deterministic per utterance), ``None`` = clean.
+        cache_features: read features from the per-noise-setting feature cache (built on first
+            use) instead of computing them from the audio for every item.
+        progress: show a progress bar while building the feature cache.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        split: str,
+        noise_snr_db: float | None = None,
+        cache_features: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.path = Path(path)
+        self.split = split
+        self.noise_snr_db = noise_snr_db
+        self.cache_features = cache_features
+        with open(self.path / _META) as f:
+            self.meta = json.load(f)
+        index = np.load(self.path / f"{split}.index.npz")
+        self.offsets = index["offsets"]  # (U+1,) sample offsets into the audio file
+        self.target_offsets = index["target_offsets"]  # (U+1,)
+        self.targets = index["targets"].astype(np.int64)  # concatenated phoneme ids
+        self.speaker_ids = index["speaker_ids"]  # (U,)
+        self.num_samples = np.diff(self.offsets)
+        self.lengths = self.num_samples // HOP_LENGTH + 1  # frames, see num_frames()
+        self._audio = None
+        self._feats = None
+        self._frame_offsets = None
+        if cache_features:
+            self.feature_dir = ensure_feature_cache(self.path, noise_snr_db, progress=progress)
+            self._frame_offsets = np.load(self.feature_dir / f"{split}.frame_offsets.npy")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_audio"] = None  # memmaps are reopened in the receiving process
+        state["_feats"] = None
+        return state
+
+    def __len__(self) -> int:
+        return len(self.num_samples)
+
+    @property
+    def seconds(self) -> float:
+        """Total audio duration of the split in seconds."""
+        return float(self.num_samples.sum()) / SAMPLE_RATE
+
+    def audio(self, i: int) -> np.ndarray:
+        """Clean audio of item ``i``: ``np.int16 (samples,)`` at 16 kHz (a memory-mapped view)."""
+        if self._audio is None:
+            self._audio = np.memmap(self.path / f"{self.split}.audio.int16", dtype="<i2", mode="r")
+        return self._audio[self.offsets[i] : self.offsets[i + 1]]
+
+    def waveform(self, i: int) -> torch.Tensor:
+        """Float waveform ``(samples,)`` in [-1, 1) of item ``i``, with the configured noise."""
+        wav = torch.from_numpy(np.array(self.audio(i), dtype=np.float32)) / 32768.0
+        if self.noise_snr_db is not None:
+            gen = torch.Generator().manual_seed(stable_seed("noise", self.meta["seed"], self.split, i))
+            wav = add_noise(wav, self.noise_snr_db, gen)
+        return wav
+
+    def log_mel(self, i: int) -> torch.Tensor:
+        """Un-normalised log-mel features ``(frames, 40)`` float32 of item ``i``."""
+        if self._frame_offsets is not None:
+            if self._feats is None:
+                self._feats = np.load(self.feature_dir / f"{self.split}.feats.npy", mmap_mode="r")
+            a, b = self._frame_offsets[i], self._frame_offsets[i + 1]
+            return torch.from_numpy(np.asarray(self._feats[a:b], dtype=np.float32))
+        with torch.no_grad():
+            return feature_extractor()(self.waveform(i))
+
+    def target_ids(self, i: int) -> torch.Tensor:
+        """Phoneme ids ``int64 (S,)`` of item ``i`` (1..NUM_PHONEMES-1)."""
+        return torch.from_numpy(self.targets[self.target_offsets[i] : self.target_offsets[i + 1]])
+
+    def text(self, i: int) -> dict:
+        """``{"text", "ipa", "speaker_id"}`` of item ``i``."""
+        if not hasattr(self, "_texts"):
+            with open(self.path / f"{self.split}.text.json") as f:
+                self._texts = json.load(f)
+        return {**self._texts[i], "speaker_id": int(self.speaker_ids[i])}
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": normalize_features(self.log_mel(i)), "targets": self.target_ids(i)}
+
+
+def feature_key(noise_snr_db: float | None) -> str:
+    noise = "clean" if noise_snr_db is None else f"snr{float(noise_snr_db):g}"
+    return f"logmel{FEATURE_DIM}-v1-{noise}"
+
+
+def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: bool = True) -> Path:
+    """Build ``corpus/features/<key>/`` (fp16 log-mel of every split) once, atomically."""
+    final = corpus / "features" / feature_key(noise_snr_db)
+    if (final / "done").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final.parent, final.name)
+    tmp = final.parent / temporary_name(final.name)
+    tmp.mkdir()
+    # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded 2-core
+    # machine two OpenMP threads were measured up to 20x slower (spin-waiting on each other).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for split in SPLITS:
+            ds = SyntheticSpeechDataset(corpus, split, noise_snr_db=noise_snr_db, cache_features=False)
+            frame_offsets = np.zeros(len(ds) + 1, dtype=np.int64)
+            frame_offsets[1:] = np.cumsum(ds.lengths)
+            feats = np.lib.format.open_memmap(
+                tmp / f"{split}.feats.npy", mode="w+", dtype=np.float16, shape=(int(frame_offsets[-1]), FEATURE_DIM)
+            )
+            bar = tqdm(range(len(ds)), desc=f"log-mel features {split} ({final.name})", disable=not progress, leave=False)
+            for i in bar:
+                feats[frame_offsets[i] : frame_offsets[i + 1]] = ds.log_mel(i).numpy().astype(np.float16)
+            feats.flush()
+            del feats
+            np.save(tmp / f"{split}.frame_offsets.npy", frame_offsets)
+        (tmp / "done").write_text("complete\n")
+        commit_directory(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return final
+
+
+class SyntheticSpeechCorpus:
+    """eSpeak-synthesised English speech with phoneme targets, cached on disk.
+
+    The corpus for a configuration (seed, hours, split fractions, speaker settings, eSpeak
+    version, grammar and phoneme inventory) lives in ``<root>/synthetic-s<seed>-<hours>h-<hash>``
+    and is generated on first use like a download: a tqdm bar, a temporary directory renamed
+    into place only when complete (an interrupted run leaves no directory that could be taken
+    for a complete corpus; its leftovers are removed by the next run once the writing process is
+    gone), and reuse on every later construction (``generated`` tells which happened).
+
+    Generation: distinct sentences from :class:`SentenceGenerator` (test, then val, then train,
+    never shared between splits), each spoken by a speaker of its split (a voice variant with
+    seeded pitch/rate/intonation range, :func:`espeak.make_speakers`). The voice variants
+    themselves are partitioned between splits, so test speakers -- and their timbres -- never
+    occur in training. Audio is synthesised at 22.05 kHz in a pristine eSpeak state (bit-exact
+    for a seed), resampled to 16 kHz with torchaudio's windowed-sinc resampler and stored as
+    int16. Each split is filled until its share of ``hours`` is reached (at least one utterance).
+
+    Files: ``meta.json`` (configuration, speakers, per-split statistics),
+    ``<split>.audio.int16`` (raw little-endian samples of all utterances), ``<split>.index.npz``
+    (``offsets``, ``speaker_ids``, ``targets``, ``target_offsets``), ``<split>.text.json``
+    (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
+
+    Measured on the 2-core CPU machine (shared, load average 7-10): the default 3 h corpus
+    (2601 utterances of 4.1 s on average, 13.3 s at most; 2088/260/253 per split) took 103 s,
+    i.e. 105x real time with two synthesis helpers. Disk: 115.5 MB per hour of audio, plus
+    28.9 MB per hour for each feature cache (144 MB per hour in all).
+
+    Args:
+        root: cache root (default ``~/.cache/linformer_lab/speech``).
+        hours: total audio over all splits, in hours.
+        seed: seed of sentences, speakers, eSpeak noise and additive noise.
+        split_fractions: shares of ``hours`` for train/val/test.
+        speakers_per_variant: speakers (prosody settings) per voice variant.
+        variant_fractions: shares of the voice variants for train/val/test.
+        num_workers: parallel synthesis helpers (default: CPU count, at most 4).
+        progress: show progress bars.
+    """
+
+    FORMAT_VERSION = 1
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        hours: float = 3.0,
+        seed: int = 0,
+        split_fractions: Sequence[float] = (0.8, 0.1, 0.1),
+        speakers_per_variant: int = 2,
+        variant_fractions: Sequence[float] = (0.8, 0.1, 0.1),
+        num_workers: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        if hours <= 0:
+            raise ValueError("hours must be positive")
+        if len(split_fractions) != 3 or len(variant_fractions) != 3:
+            raise ValueError("split_fractions and variant_fractions need 3 values (train, val, test)")
+        self.root = Path(root if root is not None else DEFAULT_CACHE / "speech").expanduser()
+        self.hours = float(hours)
+        self.seed = int(seed)
+        self.split_fractions = tuple(float(x) for x in split_fractions)
+        self.variant_fractions = tuple(float(x) for x in variant_fractions)
+        self.speakers_per_variant = int(speakers_per_variant)
+        self.num_workers = num_workers or min(4, os.cpu_count() or 1)
+        self.progress = progress
+        self.config = {
+            "format_version": self.FORMAT_VERSION,
+            "grammar_version": SentenceGenerator.GRAMMAR_VERSION,
+            "seed": self.seed,
+            "hours": self.hours,
+            "split_fractions": list(self.split_fractions),
+            "variant_fractions": list(self.variant_fractions),
+            "speakers_per_variant": self.speakers_per_variant,
+            "sample_rate": SAMPLE_RATE,
+            "espeak_version": espeak.version(),
+            "variants": espeak.list_variants(),
+            "phonemes": list(PHONEMES),
+        }
+        digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:10]
+        self.name = f"synthetic-s{self.seed}-{self.hours:g}h-{digest}"
+        self.path = self.root / self.name
+        self.generated = False
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.is_complete(self.path):
+            if self.path.exists():
+                # Published but damaged (files deleted by hand, disk trouble): rebuild it.
+                warnings.warn(f"speech corpus at {self.path} is incomplete; regenerating it", stacklevel=2)
+                shutil.rmtree(self.path)
+            remove_stale_temporaries(self.root, self.name)
+            self._generate()
+            self.generated = True
+        with open(self.path / _META) as f:
+            self.meta = json.load(f)
+
+    # --- cache state -------------------------------------------------------------------------------
+    @staticmethod
+    def is_complete(path: Path) -> bool:
+        """Whether ``path`` holds a fully written corpus (meta says complete, all files sized)."""
+        try:
+            with open(path / _META) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return False
+        if not meta.get("complete"):
+            return False
+        for split in SPLITS:
+            info = meta["splits"].get(split, {})
+            audio = path / f"{split}.audio.int16"
+            if not audio.exists() or audio.stat().st_size != 2 * int(info.get("samples", -1)):
+                return False
+            if not (path / f"{split}.index.npz").exists() or not (path / f"{split}.text.json").exists():
+                return False
+        return True
+
+    # --- generation ----------------------------------------------------------------------------------
+    def _speakers(self) -> dict[str, list[espeak.Speaker]]:
+        variants = list(self.config["variants"])
+        random.Random(f"variants:{self.seed}").shuffle(variants)
+        n = len(variants)
+        n_val = max(1, round(n * self.variant_fractions[1]))
+        n_test = max(1, round(n * self.variant_fractions[2]))
+        parts = {"test": variants[:n_test], "val": variants[n_test : n_test + n_val], "train": variants[n_test + n_val :]}
+        speakers, next_id = {}, 0
+        for split in SPLITS:
+            speakers[split] = espeak.make_speakers(
+                sorted(parts[split]), seed=self.seed, per_variant=self.speakers_per_variant, first_id=next_id
+            )
+            next_id += len(speakers[split])
+        return speakers
+
+    def _generate(self) -> None:
+        tmp = self.root / temporary_name(self.name)
+        tmp.mkdir()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # parallelism comes from the worker threads (see ensure_feature_cache)
+        try:
+            t0 = time.perf_counter()
+            speakers = self._speakers()
+            targets_s = {s: self.hours * 3600.0 * f for s, f in zip(SPLITS, self.split_fractions)}
+            total = sum(targets_s.values())
+            sentences = SentenceGenerator(self.seed)
+            resampler = torchaudio.transforms.Resample(espeak.SAMPLE_RATE, SAMPLE_RATE)
+            stats = {}
+            bar = tqdm(
+                total=round(total),
+                unit="s",
+                desc=f"Synthesizing {self.hours:g} h of speech into {self.path}",
+                disable=not self.progress,
+            )
+            with bar, ThreadPoolExecutor(self.num_workers) as pool:
+                # Test first, then val, then train: one sentence stream, so no sentence repeats
+                # across splits, and the held-out sets do not depend on the training size.
+                for split in ("test", "val", "train"):
+                    stats[split] = self._generate_split(
+                        tmp, split, speakers[split], sentences, targets_s[split], resampler, pool, bar
+                    )
+            meta = {
+                **self.config,
+                "name": self.name,
+                "splits": {s: stats[s] for s in SPLITS},
+                "speakers": {s: [sp.to_dict() for sp in speakers[s]] for s in SPLITS},
+                "generation_seconds": round(time.perf_counter() - t0, 2),
+                "complete": True,
+            }
+            with open(tmp / _META, "w") as f:
+                json.dump(meta, f, indent=1)
+            commit_directory(tmp, self.path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads(threads)
+
+    def _generate_split(self, tmp, split, speakers, sentences, target_seconds, resampler, pool, bar) -> dict:
+        rng = random.Random(f"assign:{self.seed}:{split}")
+        window = 4 * self.num_workers
+        offsets, speaker_ids, targets, target_offsets, texts = [0], [], [], [0], []
+        seconds = 0.0
+
+        def job(i: int, text: str, speaker: espeak.Speaker) -> tuple[np.ndarray, str]:
+            audio22 = speaker.synthesize(text, seed=stable_seed("espeak", self.seed, split, i) & 0x7FFFFFFF)
+            x = torch.from_numpy(audio22.astype(np.float32))
+            y = resampler(x).round_().clamp_(-32768, 32767).to(torch.int16).numpy()
+            return y, espeak.phonemize(text)
+
+        with open(tmp / f"{split}.audio.int16", "wb") as audio_file:
+            pending: list = []
+            i = 0
+            # Submit in a sliding window and consume strictly in order: the split ends at the
+            # same utterance whatever the number of workers, so the corpus is deterministic.
+            while True:
+                while len(pending) < window:
+                    text = next(sentences)
+                    speaker = speakers[rng.randrange(len(speakers))]
+                    pending.append((text, speaker, pool.submit(job, i + len(pending), text, speaker)))
+                text, speaker, fut = pending.pop(0)
+                audio, ipa = fut.result()
+                audio.astype("<i2").tofile(audio_file)
+                offsets.append(offsets[-1] + len(audio))
+                ids = phonemes_to_ids(ipa)
+                targets.extend(ids)
+                target_offsets.append(len(targets))
+                speaker_ids.append(speaker.speaker_id)
+                texts.append({"text": text, "ipa": ipa})
+                dur = len(audio) / SAMPLE_RATE
+                seconds += dur
+                bar.update(min(dur, max(0.0, target_seconds - (seconds - dur))))
+                i += 1
+                if seconds >= target_seconds:
+                    break
+            # Sentences drawn for the look-ahead window but not used go back to the stream, so
+            # the next split starts at the same sentence whatever the window (worker count) was.
+            sentences.give_back([text for text, _, _ in pending])
+            for *_, fut in pending:
+                fut.cancel()
+            for *_, fut in pending:
+                if not fut.cancelled():
+                    fut.exception()  # wait for running jobs before the file is closed
+        np.savez(
+            tmp / f"{split}.index.npz",
+            offsets=np.asarray(offsets, dtype=np.int64),
+            speaker_ids=np.asarray(speaker_ids, dtype=np.int32),
+            targets=np.asarray(targets, dtype=np.int16),
+            target_offsets=np.asarray(target_offsets, dtype=np.int64),
+        )
+        with open(tmp / f"{split}.text.json", "w") as f:
+            json.dump(texts, f, ensure_ascii=False)
+        return {
+            "utterances": len(texts),
+            "samples": int(offsets[-1]),
+            "seconds": round(seconds, 3),
+            "phonemes": len(targets),
+            "speakers": sorted({int(s) for s in speaker_ids}),
+        }
+
+    # --- access ----------------------------------------------------------------------------------------
+    def dataset(self, split: str, noise_snr_db: float | None = None, cache_features: bool = True) -> SyntheticSpeechDataset:
+        """The :class:`SyntheticSpeechDataset` of ``split`` (``"train"``, ``"val"``, ``"test"``)."""
+        return SyntheticSpeechDataset(
+            self.path, split, noise_snr_db=noise_snr_db, cache_features=cache_features, progress=self.progress
+        )
+
+    def speakers(self, split: str) -> list[espeak.Speaker]:
+        """Speakers reserved for ``split`` (not all need to occur in a small corpus)."""
+        return [espeak.Speaker(**d) for d in self.meta["speakers"][split]]
+
+    def size_on_disk(self) -> int:
+        """Bytes used by the corpus directory (audio, index, text, feature caches)."""
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
