@@ -63,10 +63,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from linformer_lab.attention.config import AttentionConfig  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer, state_nbytes  # noqa: E402
 from linformer_lab.models.transformer import _PrefixCache  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS  # noqa: E402
-from linformer_lab.tasks.common import AttentionConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ["softmax", "stateful-softmax", "lsh-1", "lsh-4", "linear"]

@@ -53,7 +53,7 @@ ORDER = ["linear", "softmax", "bilstm", "lsh4"]
 
 def model_kwargs(name: str, args) -> dict:
     """SpeechRecognitionTask arguments of each model at benchmark scale."""
-    from linformer_lab.tasks.common import AttentionConfig
+    from linformer_lab.attention.config import AttentionConfig
 
     transformer = dict(
         encoder="transformer", d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 32,

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+from linformer_lab.tasks.base import task_settings
 
 #: configs/ of the source checkout (cli.py lives at its root); searched after ./configs.
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -314,11 +315,11 @@ def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.Lightnin
             enable_version_counter=False,
         )
     ]
-    monitor = getattr(model, "monitor", None)
+    monitor, monitor_mode, _ = task_settings(model)
     if monitor and settings.save_top_k != 0:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=settings.dirpath, monitor=monitor, mode=getattr(model, "monitor_mode", "min"),
+                dirpath=settings.dirpath, monitor=monitor, mode=monitor_mode,
                 save_top_k=settings.save_top_k,
                 # the metric names hold '/', which would make sub-directories in a file name
                 filename="best-epoch={epoch}-step={step}", auto_insert_metric_name=False,
@@ -464,7 +465,7 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
 
     problems = []
     ours = _flatten(dict(model.hparams))
-    allowed = set(getattr(model, "training_hparams", ()))
+    allowed = set(task_settings(model)[2])
     for key, saved in sorted(_flatten(hparams).items()):
         if key in ours and key.split(".")[0] not in allowed and not _same(saved, ours[key]):
             problems.append(f"{key}: checkpoint {saved!r}, configuration {ours[key]!r}")

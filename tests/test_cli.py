@@ -330,3 +330,17 @@ def test_integer_trainer_arguments_reads_flags_and_configs_in_order(tmp_path):
     argv = ["fit", "--config", str(config), "--trainer.limit_val_batches", "2", "--trainer.limit_train_batches=0.1"]
     assert cli.integer_trainer_arguments(argv, "fit") == {"limit_val_batches": 2}
     assert cli.integer_trainer_arguments(["--config", str(config)], None) == {"limit_train_batches": 5}
+
+
+def test_task_settings_come_from_the_declared_base():
+    """The CLI reads monitor / mode / training_hparams from :class:`Task`; any other
+    LightningModule gets the documented defaults."""
+    import lightning as L
+
+    from linformer_lab.tasks.base import Task, task_settings
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    task = CopyTask(d_model=8, n_heads=2, n_layers=1)
+    assert task_settings(task) == ("val/loss", "min", CopyTask.training_hparams)
+    assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, ())
+    assert task.hparams["attention"] == {"backend": "linear", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}

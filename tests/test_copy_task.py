@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_cli, tiny_copy_args
 
 import linformer_lab as ll
 from linformer_lab.data.copy import CopyDataModule
 from linformer_lab.tasks.copy_task import CopyTask
-
-from conftest import run_cli, tiny_copy_args
 
 
 def tiny_task(backend="linear", **kwargs) -> CopyTask:

@@ -14,9 +14,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.tasks import callbacks as callbacks_module
 from linformer_lab.tasks.callbacks import ImageSampleCallback
-from linformer_lab.tasks.common import AttentionConfig
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import linformer_lab as ll
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.pixel_transformer import (
     PixelTransformer,
     images_to_sequence,
@@ -16,7 +17,6 @@ from linformer_lab.models.pixel_transformer import (
     state_nbytes,
 )
 from linformer_lab.registry import ATTENTION
-from linformer_lab.tasks.common import AttentionConfig
 
 IMAGE = (1, 4, 4)  # 16 positions: long enough for 4 lsh chunks, short enough to be fast
 TINY = dict(n_layers=2, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)

@@ -54,6 +54,7 @@ def _install_example(site: Path) -> None:
     """Install examples/third_party_feature_map the way an installer would: its package
     directory plus a .dist-info carrying the entry points from its pyproject."""
     import shutil
+
     import tomllib
 
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from conftest import REPO, cli_subprocess, read_metrics, run_cli, tiny_copy_args
+from lightning.pytorch.callbacks import Callback
 
 TOTAL_STEPS = 8
 KILL_AT = 4  # a checkpoint every 4 steps; epochs are 3 batches long, so step 4 is mid-epoch

@@ -12,13 +12,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import REPO, read_metrics, run_cli
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.models.bilstm import BiLSTMCTC
-from linformer_lab.tasks.common import AttentionConfig
 from linformer_lab.tasks.speech import SpeechRecognitionTask
-
-from conftest import REPO, read_metrics, run_cli
 
 TINY_HOURS = 0.01
 TINY = dict(d_model=24, n_layers=2, n_heads=2, dropout=0.0)

@@ -16,18 +16,16 @@ schedule stepped every optimizer update, not every epoch).
 
 from __future__ import annotations
 
-import dataclasses
-
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.tasks.common import AttentionConfig
+from linformer_lab.tasks.base import Task
 
 
-class CopyTask(L.LightningModule):
+class CopyTask(Task):
     """Causal transformer on the copy task.
 
     Args:
@@ -69,16 +67,8 @@ class CopyTask(L.LightningModule):
         weight_decay: float = 0.0,
     ):
         super().__init__()
-        if attention is None:
-            attention = AttentionConfig()
-        elif isinstance(attention, dict):  # e.g. hparams read back from a checkpoint
-            attention = AttentionConfig(**attention)
         self.save_hyperparameters()
-        # Outside the CLI save_hyperparameters keeps the dataclass itself; store plain data so
-        # checkpoints load with torch.load(weights_only=True) and print readably.
-        if isinstance(self.hparams.get("attention"), AttentionConfig):
-            self.hparams["attention"] = dataclasses.asdict(attention)
-        self.attention_config = attention
+        attention = self.attention_config = self.coerce_attention(attention)
         self.sequence_length = sequence_length
 
         self.token_embedding = nn.Embedding(vocab_size, d_model)

@@ -27,19 +27,19 @@ images/second and seconds/image of each kind (also printed, and sent to the logg
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Sequence
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
+from linformer_lab.tasks.base import Task
 from linformer_lab.tasks.callbacks import (
     completion_triptychs,
     image_grid,
@@ -47,7 +47,6 @@ from linformer_lab.tasks.callbacks import (
     save_png,
     top_half_rows,
 )
-from linformer_lab.tasks.common import AttentionConfig
 
 __all__ = ["ImageGenerationTask"]
 
@@ -55,7 +54,7 @@ __all__ = ["ImageGenerationTask"]
 _GRID_LIMIT = 64
 
 
-class ImageGenerationTask(L.LightningModule):
+class ImageGenerationTask(Task):
     """Autoregressive image model trained by maximum likelihood (bits/dim).
 
     Args:
@@ -105,14 +104,9 @@ class ImageGenerationTask(L.LightningModule):
         png_scale: int = 4,
     ):
         super().__init__()
-        config = AttentionConfig(**attention) if isinstance(attention, dict) else attention
-        # save_hyperparameters() records the arguments' current values: make them plain data
-        # first, so checkpoints load with torch.load(weights_only=True) (PyTorch's default,
-        # which refuses arbitrary classes) and hparams.yaml stays readable. A dict is accepted
-        # back above, which is what load_from_checkpoint passes.
-        attention = dataclasses.asdict(config) if config is not None else None
         image_shape = [int(s) for s in image_shape]
         self.save_hyperparameters()
+        config = self.coerce_attention(attention)
         self.model = PixelTransformer(
             attention=config, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
             num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,

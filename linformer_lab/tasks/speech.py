@@ -19,19 +19,19 @@ Batches follow docs/CONTRACTS.md: dicts with ``features float (B, T, 40)``,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.models.bilstm import BiLSTMCTC
 from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
-from linformer_lab.tasks.common import AttentionConfig
+from linformer_lab.tasks.base import Task
 
-class SpeechRecognitionTask(L.LightningModule):
+
+class SpeechRecognitionTask(Task):
     """CTC phoneme recogniser with a transformer (any attention backend) or a Bi-LSTM encoder.
 
     Args:
@@ -105,12 +105,8 @@ class SpeechRecognitionTask(L.LightningModule):
         super().__init__()
         if encoder not in ("transformer", "bilstm"):
             raise ValueError(f"encoder must be 'transformer' or 'bilstm', got {encoder!r}")
-        if isinstance(attention, dict):  # hparams read back from a checkpoint
-            attention = AttentionConfig(**attention)
         if encoder == "bilstm" and attention is not None:
             raise ValueError("encoder='bilstm' has no attention; remove the attention setting")
-        if encoder == "transformer" and attention is None:
-            attention = AttentionConfig()
         if optimizer is None:
             optimizer = "radam" if encoder == "transformer" else "adam"
         if optimizer not in ("radam", "adam"):
@@ -120,7 +116,8 @@ class SpeechRecognitionTask(L.LightningModule):
         self.save_hyperparameters()
         # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
         # resolved optimizer/lr so a checkpoint records what actually ran.
-        self.hparams["attention"] = dataclasses.asdict(attention) if attention is not None else None
+        if encoder == "transformer":
+            attention = self.coerce_attention(attention)
         self.hparams["optimizer"], self.hparams["lr"] = optimizer, lr
         self.attention_config = attention
 

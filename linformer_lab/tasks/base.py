@@ -1,0 +1,49 @@
+"""What every task gives the command line: :class:`Task`.
+
+A task is a LightningModule; the CLI (``linformer_lab/cli.py``) reads three class attributes
+from it to set up checkpointing and to check a ``--ckpt_path`` against the configuration.
+A LightningModule that is not a :class:`Task` still runs under the CLI with the defaults
+written here (no best-checkpoint tracking, every hyper-parameter compared).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+from linformer_lab.attention.config import AttentionConfig
+
+
+class Task(L.LightningModule):
+    """Base class of the project's LightningModules.
+
+    Class attributes read by the CLI:
+
+    * ``monitor``: the logged metric the best checkpoint is chosen by (``val/loss``); None keeps
+      only ``last.ckpt``.
+    * ``monitor_mode``: ``"min"`` or ``"max"`` for ``monitor``.
+    * ``training_hparams``: hyper-parameters that may differ between a checkpoint and the
+      configuration that loads it (optimisation and decoding settings); every other one must
+      match, or the CLI refuses the checkpoint with the differences named.
+    """
+
+    monitor: str | None = None
+    monitor_mode: str = "min"
+    training_hparams: tuple[str, ...] = ()
+
+    def coerce_attention(self, attention: AttentionConfig | str | dict | None) -> AttentionConfig:
+        """Coerce the ``attention`` argument and store it in ``hparams`` as plain data.
+
+        Call after ``save_hyperparameters()``: the checkpoint then holds a dict (it loads with
+        ``torch.load(weights_only=True)``, PyTorch's default, which refuses arbitrary classes, and
+        hparams.yaml stays readable), and ``load_from_checkpoint`` hands that dict back here.
+        """
+        config = AttentionConfig.coerce(attention)
+        self.hparams["attention"] = config.to_hparams()
+        return config
+
+
+def task_settings(model: L.LightningModule) -> tuple[str | None, str, tuple[str, ...]]:
+    """``(monitor, monitor_mode, training_hparams)`` of any LightningModule: a :class:`Task`'s
+    declared values, or the defaults above for other modules."""
+    cls = model if isinstance(model, Task) else Task
+    return cls.monitor, cls.monitor_mode, tuple(cls.training_hparams)
