@@ -4,19 +4,22 @@ Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI) and ``p
 See docs/cli.md for the user's view; this module is the wiring:
 
 * :func:`main` handles ``plugins`` itself (LightningCLI takes no extra subcommands), finds
-  ``--config NAME.yaml`` under ``configs/`` when it is not in the working directory, discovers
-  the entry-point plugins and runs :class:`LinformerCLI`.
+  ``--config NAME.yaml`` under ``configs/`` when it is not in the working directory
+  (:mod:`linformer_lab.cli_args`), discovers the entry-point plugins and runs :class:`LinformerCLI`.
 * :class:`LinformerCLI` is a LightningCLI in subclass mode for model and data (any
   LightningModule / LightningDataModule, chosen by ``class_path``), which adds:
   - data -> model links (``vocab_size``, ``sequence_length``) read from the instantiated data module;
   - per-experiment directories: ``trainer.default_root_dir`` defaults to ``logs/<config name>``,
     checkpoints go to ``<root>/checkpoints`` (stable, so ``--ckpt_path last`` finds the previous
     run's) and metrics + the saved config to a new ``<root>/version_N`` per run;
-  - default checkpointing (:class:`CheckpointSettings`, ``--checkpoint.*``): ``last.ckpt`` and
-    the best checkpoint by the task's ``monitor`` / ``monitor_mode``;
+  - default checkpointing (:class:`~linformer_lab.checkpoints.CheckpointSettings`,
+    ``--checkpoint.*``): ``last.ckpt`` and the best checkpoint by the task's ``monitor`` /
+    ``monitor_mode`` (:class:`~linformer_lab.tasks.base.Task`);
+  - integers stay integers for the ``int | float`` trainer arguments (``limit_val_batches 1`` is
+    one batch, not 100 %; :data:`~linformer_lab.cli_args.COUNT_OR_FRACTION`);
   - precision fallback (fp16 AMP has no CPU kernels: ``16-mixed`` -> ``bf16-mixed`` on CPU);
-  - a checkpoint check before any ``--ckpt_path`` is used: unreadable, other-task or
-    other-shape checkpoints stop with one clear paragraph and exit code 2.
+  - a checkpoint check before any ``--ckpt_path`` is used (:mod:`linformer_lab.checkpoints`):
+    unreadable, other-task or other-shape checkpoints stop with one clear paragraph and exit code 2.
 """
 
 from __future__ import annotations
@@ -26,65 +29,31 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from linformer_lab.checkpoints import (
+    CHECKPOINT_ERROR_EXIT_CODE,
+    CheckpointMismatchError,
+    CheckpointSettings,
+    check_checkpoint,
+    default_checkpoint_callbacks,
+    resolve_checkpoint_path,
+)
+from linformer_lab.cli_args import integer_trainer_arguments, resolve_config_args
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
-from linformer_lab.tasks.base import task_settings
-
-#: configs/ of the source checkout (cli.py lives at its root); searched after ./configs.
-REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 #: Data-module attributes copied into the model argument of the same name when both exist
 #: (jsonargparse skips a link whose source attribute or target argument is missing, so one list
 #: serves every task). Add a name here to link a new one.
 DATA_TO_MODEL_LINKS = ("vocab_size", "sequence_length", "num_phonemes")
-
-CHECKPOINT_ERROR_EXIT_CODE = 2
-
-#: Trainer arguments typed ``int | float`` that Lightning reads as a count when given an int and
-#: as a fraction when given a float: ``limit_val_batches=1`` is one batch, ``1.0`` all of them.
-#: jsonargparse (as pinned) hands every one of them over as a float, so the CLI restores the int
-#: that the command line or the YAML wrote (:func:`integer_trainer_arguments`).
-COUNT_OR_FRACTION = (
-    "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval",
-)
-
-
-@dataclass
-class CheckpointSettings:
-    """The CLI's default checkpointing, set with ``--checkpoint.NAME value`` or a ``checkpoint:`` block.
-
-    Two ``ModelCheckpoint`` callbacks write to ``dirpath``: ``last.ckpt`` (always overwritten,
-    what ``--ckpt_path last`` resumes from) and ``best-epoch=E-step=S.ckpt``, the best ``save_top_k``
-    by the task's ``monitor`` attribute (e.g. ``val/loss``), saved after validation.
-
-    Attributes:
-        enabled: False adds no checkpoint callbacks (so does a ModelCheckpoint listed in
-            ``trainer.callbacks``, or ``trainer.enable_checkpointing: false``).
-        dirpath: where checkpoints go; None = ``<trainer.default_root_dir>/checkpoints``.
-        every_n_train_steps: also write ``last.ckpt`` every n optimizer steps (mid-epoch resume
-            points); None = after every validation / epoch end.
-        save_top_k: how many best checkpoints to keep (0 = none).
-    """
-
-    enabled: bool = True
-    dirpath: str | None = None
-    every_n_train_steps: int | None = None
-    save_top_k: int = 1
-
-
-class CheckpointMismatchError(Exception):
-    """A ``--ckpt_path`` cannot be used with the configured model (message says why)."""
 
 
 class LinformerCLI(LightningCLI):
@@ -242,90 +211,10 @@ def _none_strings_to_none(node) -> None:
             _none_strings_to_none(value)
 
 
-def integer_trainer_arguments(argv: list[str], subcommand: str | None) -> dict[str, int]:
-    """The :data:`COUNT_OR_FRACTION` trainer arguments whose last setting in ``argv`` is written
-    as an integer: a ``--trainer.NAME VALUE`` / ``--trainer.NAME=VALUE`` flag, or ``trainer: NAME:``
-    in a ``--config`` file or inline YAML, read in command-line order (later settings win)."""
-    written: dict[str, object] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "=" in arg:
-            key, value = arg.split("=", 1)
-            i += 1
-        elif (arg in ("-c", "--config") or arg.startswith("--trainer.")) and i + 1 < len(argv):
-            key, value = arg, argv[i + 1]
-            i += 2
-        else:
-            i += 1
-            continue
-        if key in ("-c", "--config"):
-            written.update(_trainer_settings_in_config(value, subcommand))
-        elif key.startswith("--trainer.") and key[len("--trainer."):] in COUNT_OR_FRACTION:
-            written[key[len("--trainer."):]] = value
-    integers = {}
-    for name, value in written.items():
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            integers[name] = value
-        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            integers[name] = int(value)
-    return integers
-
-
-def _trainer_settings_in_config(source: str, subcommand: str | None) -> dict:
-    """``trainer:`` entries of :data:`COUNT_OR_FRACTION` in a config file path or inline YAML."""
-    try:
-        text = Path(source).read_text() if Path(source).is_file() else source
-        config = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError):
-        return {}  # not ours to report: the parser names a bad config
-    if not isinstance(config, dict):
-        return {}
-    if subcommand and isinstance(config.get(subcommand), dict):  # a config given before the subcommand
-        config = config[subcommand]
-    trainer = config.get("trainer")
-    return {k: v for k, v in trainer.items() if k in COUNT_OR_FRACTION} if isinstance(trainer, dict) else {}
-
-
 def _root_cause(err: BaseException) -> BaseException:
     while err.__cause__ is not None:
         err = err.__cause__
     return err
-
-
-class LastCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` for ``last.ckpt`` that also saves when training ends between two of its
-    triggers (``max_steps`` mid-epoch, ``max_time``), so last.ckpt always holds the final weights."""
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.fast_dev_run or self._last_global_step_saved == trainer.global_step:
-            return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule) -> list[ModelCheckpoint]:
-    """``last.ckpt`` (every_n_train_steps or per validation, and at the end) and the best by ``model.monitor``."""
-    callbacks = [
-        LastCheckpoint(
-            dirpath=settings.dirpath, save_top_k=0, save_last=True,
-            every_n_train_steps=settings.every_n_train_steps,
-            # one well-known last.ckpt, overwritten by a fresh run, rather than last-v1, last-v2 ...
-            enable_version_counter=False,
-        )
-    ]
-    monitor, monitor_mode, _ = task_settings(model)
-    if monitor and settings.save_top_k != 0:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=settings.dirpath, monitor=monitor, mode=monitor_mode,
-                save_top_k=settings.save_top_k,
-                # the metric names hold '/', which would make sub-directories in a file name
-                filename="best-epoch={epoch}-step={step}", auto_insert_metric_name=False,
-            )
-        )
-    return callbacks
 
 
 def default_logger(save_dir: str):
@@ -371,150 +260,6 @@ def resolve_precision(precision, accelerator):
     return precision
 
 
-# ---------------------------------------------------------------------- checkpoint check
-
-
-def resolve_checkpoint_path(ckpt_path: str, checkpoint_dir: str | None) -> str | None:
-    """A ``--ckpt_path`` value -> the file it names, or None when there is none to check.
-
-    ``last``: the newest ``last*.ckpt`` in the checkpoint directory (what Lightning picks too).
-    ``best``: the best checkpoint recorded in ``last.ckpt``'s ModelCheckpoint state.
-    Other keywords (``hpc``, ``registry``) are left to Lightning.
-    """
-    if ckpt_path in ("last", "best"):
-        folder = Path(checkpoint_dir) if checkpoint_dir else None
-        lasts = sorted(folder.glob("last*.ckpt"), key=os.path.getmtime) if folder and folder.is_dir() else []
-        if not lasts:
-            if ckpt_path == "best":
-                raise_and_exit(f'--ckpt_path best: no checkpoint found in {checkpoint_dir}; train first (fit) or pass a file')
-            return None
-        if ckpt_path == "last":
-            return str(lasts[-1])
-        best = _best_from_last(str(lasts[-1]))
-        if best is None:
-            raise_and_exit(f"--ckpt_path best: {lasts[-1]} records no best checkpoint (is there a monitored metric?)")
-        return best
-    if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
-        return None
-    return str(ckpt_path)
-
-
-def _best_from_last(last_path: str) -> str | None:
-    try:
-        ckpt = torch.load(last_path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:
-        return None
-    for key, state in (ckpt.get("callbacks") or {}).items():
-        if key.startswith("ModelCheckpoint") and state.get("best_model_path") and Path(state["best_model_path"]).is_file():
-            return state["best_model_path"]
-    return None
-
-
-def raise_and_exit(message: str):
-    sys.stderr.write(f"error: {message}\n")
-    sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
-
-
-def load_checkpoint_header(path: str) -> dict:
-    """``torch.load`` a checkpoint on CPU (memory-mapped when possible, so the weights are not read)."""
-    if not Path(path).is_file():
-        raise CheckpointMismatchError(f"checkpoint {path} does not exist.")
-    try:
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError as mmap_err:  # files in torch's legacy (non-zip) format cannot be mapped
-            if "mmap" not in str(mmap_err):
-                raise
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointMismatchError(
-            f"cannot read checkpoint {path}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}. "
-            f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
-            f"use another checkpoint from the same directory."
-        ) from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise CheckpointMismatchError(
-            f"{path} is not a Lightning checkpoint: it holds a {type(ckpt).__name__}"
-            f"{' without a state_dict' if isinstance(ckpt, dict) else ''}."
-        )
-    return ckpt
-
-
-def check_checkpoint(path: str, model: L.LightningModule) -> None:
-    """Raise :class:`CheckpointMismatchError` unless the checkpoint at ``path`` fits ``model``.
-
-    Checked, in order: the file loads; it was written for the same task class (the
-    ``_class_path`` LightningCLI stores in the hyper-parameters); the architecture
-    hyper-parameters agree (all but the task's ``training_hparams``, e.g. the learning rate,
-    which may differ when fine-tuning); the state_dict has the model's keys and shapes.
-    """
-    ckpt = load_checkpoint_header(path)
-    hparams = dict(ckpt.get("hyper_parameters") or {})
-    want_class = f"{type(model).__module__}.{type(model).__qualname__}"
-    saved_class = hparams.pop("_class_path", None)
-    hparams.pop("_instantiator", None)
-    hint = (
-        " Evaluate with the configuration the checkpoint was trained with: the run's saved config is "
-        "<trainer.default_root_dir>/version_N/config.yaml (pass it with --config)."
-    )
-    if saved_class is not None and saved_class != want_class:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} belongs to another task: it was written by {saved_class}, but the configuration "
-            f"builds {want_class}." + hint
-        )
-
-    problems = []
-    ours = _flatten(dict(model.hparams))
-    allowed = set(task_settings(model)[2])
-    for key, saved in sorted(_flatten(hparams).items()):
-        if key in ours and key.split(".")[0] not in allowed and not _same(saved, ours[key]):
-            problems.append(f"{key}: checkpoint {saved!r}, configuration {ours[key]!r}")
-
-    state = ckpt["state_dict"]
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(v.shape)
-    ]
-    if missing:
-        problems.append(f"{len(missing)} weights missing from the checkpoint (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} weights the model does not have (e.g. {', '.join(unexpected[:3])})")
-    if shapes:
-        problems.append(f"{len(shapes)} weights of another shape (e.g. {'; '.join(shapes[:3])})")
-    if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit the configured {type(model).__name__}: " + "; ".join(problems[:8])
-            + ("; ..." if len(problems) > 8 else "") + "." + hint
-        )
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if hasattr(v, "__dataclass_fields__"):
-            v = {f: getattr(v, f) for f in v.__dataclass_fields__}
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a in (None, {}) and b in (None, {}):
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
 # ---------------------------------------------------------------------- plugins subcommand
 
 
@@ -555,42 +300,6 @@ def plugins_command(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------- entry point
-
-
-def find_config(value: str) -> str:
-    """``--config`` value -> a path: as given if it exists, else ``configs/VALUE`` (also without
-    the ``.yaml``) in the working directory, then in this checkout. Inline YAML passes through."""
-    if "\n" in value or value.lstrip().startswith("{") or Path(value).exists():
-        return value
-    names = [value] if value.endswith((".yaml", ".yml", ".json")) else [value, f"{value}.yaml"]
-    for folder in (Path("configs"), REPO_CONFIG_DIR):
-        for name in names:
-            if (folder / name).is_file():
-                return str(folder / name)
-    if value.endswith((".yaml", ".yml", ".json")):
-        known = sorted(p.name for p in REPO_CONFIG_DIR.glob("*.yaml")) if REPO_CONFIG_DIR.is_dir() else []
-        sys.stderr.write(
-            f"error: config file {value!r} not found (looked in ., ./configs and {REPO_CONFIG_DIR}). "
-            f"Known configs: {', '.join(known) or '(none)'}\n"
-        )
-        sys.exit(2)
-    return value
-
-
-def resolve_config_args(argv: list[str]) -> list[str]:
-    """Rewrite every ``--config X`` / ``-c X`` / ``--config=X`` with :func:`find_config`."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-c", "--config") and i + 1 < len(argv):
-            out += [arg, find_config(argv[i + 1])]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            arg = "--config=" + find_config(arg[len("--config="):])
-        out.append(arg)
-        i += 1
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
