@@ -1,72 +1,20 @@
-"""A small ctypes wrapper over libespeak-ng (shipped by the ``espeakng-loader`` wheel).
+"""The ctypes binding of libespeak-ng and the helper-process side of pristine synthesis.
 
-It offers the two things the speech data layer needs:
-
-* :func:`synthesize` -- text to a mono ``np.int16`` waveform at :data:`SAMPLE_RATE` (22 050 Hz),
-* :func:`phonemize` -- text to an IPA phoneme string (``espeak_TextToPhonemes``),
-
-plus a deterministic list of synthetic *speakers* (:class:`Speaker`, :func:`make_speakers`)
-built from the voice variants shipped in ``espeak-ng-data/voices/!v``.
-
-Concurrency
------------
-libespeak-ng keeps *global* state (current voice, parameters, one synth callback), so every
-in-process call into it is serialised by a module-level re-entrant lock: concurrent threads are
-safe, but do not run the library in parallel. Parallelism comes from processes, each with its own
-copy of the library state. The library is initialised lazily on first use, so a DataLoader
-worker started with ``spawn``/``forkserver`` initialises its own; one started with ``fork``
-inherits the parent's initialised state, which is safe because in synchronous mode eSpeak starts
-no threads (a fork hook re-creates the locks, so a lock held by another parent thread at fork
-time cannot deadlock the child). Each process also starts its own synthesis helpers (below):
-one per thread synthesising concurrently, up to the CPU count, so threads *do* synthesise in
-parallel through :func:`synthesize` with ``isolated=True`` (the default).
-
-Determinism
------------
-eSpeak's synthesiser carries hidden state from one utterance to the next (pitch-flutter phase,
-gain control), so two identical in-process calls do not give bit-identical samples. By default
-:func:`synthesize` therefore runs every request in a freshly forked copy of a helper process
-whose eSpeak was initialised but never used ("pristine"), and re-seeds eSpeak's random
-generator: the samples depend only on the arguments, never on call order or history. Text to
-phoneme conversion has no such state and runs in-process.
-
-Cost (3.3 s of audio per call, 2-core machine): ~7 ms in-process against ~15 ms isolated when
-the machine is quiet; under heavy load from other processes the isolated path (three processes
-hand the request on) slowed to 30-40 ms while in-process took 6-16 ms. The default 3 h corpus
-still synthesises at ~100x real time with two helpers.
+Self-contained on purpose (standard library and numpy only): the synthesis helper process
+loads this one file by path (see :mod:`linformer_lab.data.espeak`), not the package.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import pickle
-import random
 import signal
 import struct
-import subprocess
-import sys
 import threading
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
-__all__ = [
-    "DEFAULT_LANGUAGE",
-    "EspeakError",
-    "SAMPLE_RATE",
-    "Speaker",
-    "data_path",
-    "initialize",
-    "list_variants",
-    "make_speakers",
-    "phonemize",
-    "shutdown",
-    "synthesize",
-    "version",
-]
 
 #: Output sample rate of eSpeak NG (Hz); :func:`initialize` checks the library agrees.
 SAMPLE_RATE = 22050
@@ -108,9 +56,8 @@ def _renew_lock_after_fork() -> None:
     # A lock held by some other thread of the parent at fork time would stay locked forever in
     # the child (that thread does not exist there); the state it protects is consistent because
     # no library call can be half-way through in the single child thread.
-    global _lock, _pool_lock
+    global _lock
     _lock = threading.RLock()
-    _pool_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -216,7 +163,7 @@ def _set_param(lib: ctypes.CDLL, param: int, value: int, name: str) -> None:
         raise EspeakError(f"espeak_SetParameter({name}={value}) failed")
 
 
-def _synthesize_in_process(
+def synthesize_in_process(
     text: str, voice: str, rate: int, pitch: int, pitch_range: int, word_gap: int, volume: int, seed: int
 ) -> np.ndarray:
     lib = initialize()
@@ -243,41 +190,6 @@ def _synthesize_in_process(
     return audio
 
 
-def synthesize(
-    text: str,
-    voice: str = DEFAULT_LANGUAGE,
-    rate: int = 175,
-    pitch: int = 50,
-    pitch_range: int = 50,
-    word_gap: int = 0,
-    volume: int = 100,
-    seed: int = 0,
-    isolated: bool = True,
-) -> np.ndarray:
-    """Synthesise ``text`` and return the waveform.
-
-    Args:
-        text: UTF-8 text (plain, not SSML).
-        voice: eSpeak voice name, a language optionally with a variant: ``"en-us+f3"``.
-        rate: speaking rate in words per minute (eSpeak accepts 80..450).
-        pitch: base pitch 0..100, relative to the variant's own pitch band.
-        pitch_range: intonation range 0..100 (0 = monotone).
-        word_gap: extra pause between words, in units of 10 ms.
-        volume: amplitude 0..200.
-        seed: seed of eSpeak's internal random generator (breath noise).
-        isolated: synthesise from a pristine library state (see the module docstring), so the
-            samples depend only on the arguments. ``False`` synthesises in this process, in
-            about half the time, but bit-exact output then depends on the call history.
-
-    Returns:
-        ``np.int16`` array of shape ``(num_samples,)`` at :data:`SAMPLE_RATE` Hz.
-    """
-    args = (text, voice, int(rate), int(pitch), int(pitch_range), int(word_gap), int(volume), int(seed))
-    if isolated and hasattr(os, "fork"):
-        return _synthesize_isolated(args)
-    return _synthesize_in_process(*args)
-
-
 # --- pristine-state synthesis -----------------------------------------------------------------
 #
 # libespeak-ng keeps synthesis state in C statics that no API resets: the phase of the pitch
@@ -298,7 +210,7 @@ def synthesize(
 _FRAME_HEADER = struct.Struct("<Q")  # length prefix of each pickled message on the pipes
 
 
-def _write_frame(fd: int, obj) -> None:
+def write_frame(fd: int, obj) -> None:
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_FRAME_HEADER.pack(len(payload)) + payload)
     while view:
@@ -316,7 +228,7 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _read_frame(fd: int):
+def read_frame(fd: int):
     header = _read_exact(fd, _FRAME_HEADER.size)
     if header is None:
         return None
@@ -339,13 +251,13 @@ def _fork_synthesis_child(close_in_child: tuple[int, ...]) -> tuple[int, int, in
             os.close(ans_r)
             for fd in close_in_child:
                 os.close(fd)  # the helper's client pipes are not the child's business
-            request = _read_frame(req_r)
+            request = read_frame(req_r)
             if request is not None:
                 try:
-                    answer = ("ok", _synthesize_in_process(*request).tobytes())
+                    answer = ("ok", synthesize_in_process(*request).tobytes())
                 except BaseException as exc:  # noqa: BLE001 - reported to the client
                     answer = ("error", f"{type(exc).__name__}: {exc}")
-                _write_frame(ans_w, answer)
+                write_frame(ans_w, answer)
         finally:
             os._exit(0)
     os.close(req_r)
@@ -366,153 +278,26 @@ def _serve(in_fd: int = 0, out_fd: int = 1) -> None:
         _set_voice(lib, DEFAULT_LANGUAGE)
     child = _fork_synthesis_child((in_fd, out_fd))
     while True:
-        request = _read_frame(in_fd)
+        request = read_frame(in_fd)
         pid, req_w, ans_r = child
         if request is None:
             os.close(req_w)  # EOF: the waiting child exits without synthesising
             os.close(ans_r)
             os.waitpid(pid, 0)
             return
-        _write_frame(req_w, request)
+        write_frame(req_w, request)
         os.close(req_w)
-        answer = _read_frame(ans_r)
+        answer = read_frame(ans_r)
         os.close(ans_r)
         if answer is None:
             _, status = os.waitpid(pid, 0)
             answer = ("error", f"synthesis child died (wait status {status})")
             pid = None
-        _write_frame(out_fd, answer)
+        write_frame(out_fd, answer)
         # Reap and pre-fork the next child after answering, while the client is busy.
         if pid is not None:
             os.waitpid(pid, 0)
         child = _fork_synthesis_child((in_fd, out_fd))
-
-
-class _PristineClient:
-    """One helper process and the two pipes to it; used by one thread at a time."""
-
-    def __init__(self) -> None:
-        boot = (
-            "import importlib.util, sys\n"
-            "spec = importlib.util.spec_from_file_location('_linformer_lab_espeak_helper', sys.argv[1])\n"
-            "mod = importlib.util.module_from_spec(spec)\n"
-            "sys.modules[spec.name] = mod\n"  # dataclasses look their module up while executing it
-            "spec.loader.exec_module(mod)\n"
-            "mod._serve(0, 1)\n"
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", boot, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-        )
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def synthesize(self, args: tuple) -> np.ndarray:
-        try:
-            _write_frame(self.proc.stdin.fileno(), args)
-            answer = _read_frame(self.proc.stdout.fileno())
-        except OSError as exc:
-            answer = ("error", f"lost the eSpeak helper process: {exc}")
-        if answer is None:
-            answer = ("error", f"eSpeak helper process exited (code {self.proc.poll()})")
-        status, payload = answer
-        if status != "ok":
-            raise EspeakError(payload)
-        return np.frombuffer(payload, dtype=np.int16).copy()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # EOF ends the helper's loop
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        else:
-            self.proc.stdin.close()
-        self.proc.stdout.close()
-
-
-class _HelperPool:
-    """Helpers of this process: one per concurrently synthesising thread, up to ``max_helpers``."""
-
-    def __init__(self, max_helpers: int) -> None:
-        self.pid = os.getpid()
-        self.max_helpers = max(1, max_helpers)
-        self.idle: list[_PristineClient] = []
-        self.count = 0
-        self.cond = threading.Condition()
-
-    def acquire(self) -> _PristineClient:
-        with self.cond:
-            while True:
-                while self.idle:
-                    client = self.idle.pop()
-                    if client.alive():
-                        return client
-                    client.close()
-                    self.count -= 1
-                if self.count < self.max_helpers:
-                    self.count += 1
-                    break
-                self.cond.wait()
-        try:
-            return _PristineClient()  # started outside the lock: takes ~0.3 s
-        except BaseException:
-            with self.cond:
-                self.count -= 1
-                self.cond.notify()
-            raise
-
-    def release(self, client: _PristineClient) -> None:
-        with self.cond:
-            self.idle.append(client)
-            self.cond.notify()
-
-    def close(self) -> None:
-        with self.cond:
-            for client in self.idle:
-                client.close()
-            self.count -= len(self.idle)
-            self.idle.clear()
-
-
-_pool: _HelperPool | None = None
-_pool_lock = threading.Lock()
-
-
-def _synthesize_isolated(args: tuple) -> np.ndarray:
-    global _pool
-    with _pool_lock:
-        # A pool inherited through fork belongs to the parent (its pipes are shared with it),
-        # so a forked process (e.g. a DataLoader worker) starts helpers of its own.
-        if _pool is None or _pool.pid != os.getpid():
-            _pool = _HelperPool(os.cpu_count() or 1)
-        pool = _pool
-    client = pool.acquire()
-    try:
-        result = client.synthesize(args)
-    except BaseException:
-        client.close()  # a helper in an unknown state is not reused
-        with pool.cond:
-            pool.count -= 1
-            pool.cond.notify()
-        raise
-    pool.release(client)
-    return result
-
-
-def shutdown() -> None:
-    """Stop this process's idle synthesis helpers (restarted on demand; also run at exit)."""
-    with _pool_lock:
-        if _pool is not None and _pool.pid == os.getpid():
-            _pool.close()
-
-
-atexit.register(shutdown)
 
 
 def phonemize(text: str, voice: str = DEFAULT_LANGUAGE, separator: str | None = None) -> str:
@@ -557,87 +342,3 @@ def list_variants() -> list[str]:
     """
     vdir = data_path() / "voices" / "!v"
     return sorted(p.name for p in vdir.iterdir() if p.is_file() and not any(c.isspace() for c in p.name))
-
-
-@dataclass(frozen=True)
-class Speaker:
-    """A synthetic speaker: an eSpeak voice variant with fixed prosody settings.
-
-    Attributes:
-        speaker_id: index in the speaker list.
-        variant: voice variant file name in ``voices/!v`` (timbre: formants, pitch band, breath).
-        pitch: eSpeak pitch 0..100.
-        rate: words per minute.
-        pitch_range: eSpeak intonation range 0..100.
-        language: base language voice.
-    """
-
-    speaker_id: int
-    variant: str
-    pitch: int
-    rate: int
-    pitch_range: int = 50
-    language: str = DEFAULT_LANGUAGE
-
-    @property
-    def voice(self) -> str:
-        """eSpeak voice name ``<language>+<variant>``."""
-        return f"{self.language}+{self.variant}"
-
-    def synthesize(self, text: str, seed: int = 0, isolated: bool = True) -> np.ndarray:
-        """:func:`synthesize` with this speaker's voice and prosody; ``np.int16 (samples,)`` at 22 050 Hz."""
-        return synthesize(
-            text,
-            voice=self.voice,
-            rate=self.rate,
-            pitch=self.pitch,
-            pitch_range=self.pitch_range,
-            seed=seed,
-            isolated=isolated,
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def make_speakers(
-    variants: list[str] | None = None,
-    seed: int = 0,
-    per_variant: int = 1,
-    pitch: tuple[int, int] = (30, 70),
-    rate: tuple[int, int] = (140, 210),
-    pitch_range: tuple[int, int] = (30, 80),
-    language: str = DEFAULT_LANGUAGE,
-    first_id: int = 0,
-) -> list[Speaker]:
-    """Deterministic speaker list: ``per_variant`` speakers per variant with seeded prosody.
-
-    Args:
-        variants: variant names (default: all of :func:`list_variants`). The order given is the
-            order of the returned speakers, so sort it for reproducibility.
-        seed: seed for drawing pitch / rate / range uniformly from the (inclusive) ranges.
-        per_variant: speakers generated per variant (different prosody, same timbre).
-        pitch, rate, pitch_range: inclusive integer ranges (eSpeak units, rate in words/min).
-        language: base language voice.
-        first_id: ``speaker_id`` of the first speaker (ids are consecutive).
-
-    Returns:
-        ``len(variants) * per_variant`` :class:`Speaker` objects.
-    """
-    if variants is None:
-        variants = list_variants()
-    rng = random.Random(f"speakers:{seed}")  # string seeds hash deterministically (sha512)
-    speakers = []
-    for variant in variants:
-        for _ in range(per_variant):
-            speakers.append(
-                Speaker(
-                    speaker_id=first_id + len(speakers),
-                    variant=variant,
-                    pitch=rng.randint(*pitch),
-                    rate=rng.randint(*rate),
-                    pitch_range=rng.randint(*pitch_range),
-                    language=language,
-                )
-            )
-    return speakers

@@ -1,0 +1,336 @@
+"""A small ctypes wrapper over libespeak-ng (shipped by the ``espeakng-loader`` wheel).
+
+It offers the two things the speech data layer needs:
+
+* :func:`synthesize` -- text to a mono ``np.int16`` waveform at :data:`SAMPLE_RATE` (22 050 Hz),
+* :func:`phonemize` -- text to an IPA phoneme string (``espeak_TextToPhonemes``),
+
+plus a deterministic list of synthetic *speakers* (:class:`Speaker`, :func:`make_speakers`)
+built from the voice variants shipped in ``espeak-ng-data/voices/!v``.
+
+Concurrency
+-----------
+libespeak-ng keeps *global* state (current voice, parameters, one synth callback), so every
+in-process call into it is serialised by a module-level re-entrant lock: concurrent threads are
+safe, but do not run the library in parallel. Parallelism comes from processes, each with its own
+copy of the library state. The library is initialised lazily on first use, so a DataLoader
+worker started with ``spawn``/``forkserver`` initialises its own; one started with ``fork``
+inherits the parent's initialised state, which is safe because in synchronous mode eSpeak starts
+no threads (a fork hook re-creates the locks, so a lock held by another parent thread at fork
+time cannot deadlock the child). Each process also starts its own synthesis helpers (below):
+one per thread synthesising concurrently, up to the CPU count, so threads *do* synthesise in
+parallel through :func:`synthesize` with ``isolated=True`` (the default).
+
+Determinism
+-----------
+eSpeak's synthesiser carries hidden state from one utterance to the next (pitch-flutter phase,
+gain control), so two identical in-process calls do not give bit-identical samples. By default
+:func:`synthesize` therefore runs every request in a freshly forked copy of a helper process
+whose eSpeak was initialised but never used ("pristine"), and re-seeds eSpeak's random
+generator: the samples depend only on the arguments, never on call order or history. Text to
+phoneme conversion has no such state and runs in-process.
+
+The isolated path costs about twice the in-process one per call and still synthesises the
+default corpus far faster than real time (benchmarks/README.md, "Measurements behind library
+defaults"). The ctypes binding and the helper's side live in :mod:`.library`, which the helper
+process loads on its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from linformer_lab.data.espeak import library
+from linformer_lab.data.espeak.library import (
+    DEFAULT_LANGUAGE,
+    SAMPLE_RATE,
+    EspeakError,
+    data_path,
+    initialize,
+    list_variants,
+    phonemize,
+    read_frame,
+    synthesize_in_process,
+    version,
+    write_frame,
+)
+
+__all__ = [
+    "DEFAULT_LANGUAGE",
+    "EspeakError",
+    "SAMPLE_RATE",
+    "Speaker",
+    "data_path",
+    "initialize",
+    "list_variants",
+    "make_speakers",
+    "phonemize",
+    "shutdown",
+    "synthesize",
+    "version",
+]
+
+
+def _renew_pool_lock_after_fork() -> None:
+    # as library._renew_lock_after_fork: a lock held by another parent thread would never be released
+    global _pool_lock
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_pool_lock_after_fork)
+
+
+def synthesize(
+    text: str,
+    voice: str = DEFAULT_LANGUAGE,
+    rate: int = 175,
+    pitch: int = 50,
+    pitch_range: int = 50,
+    word_gap: int = 0,
+    volume: int = 100,
+    seed: int = 0,
+    isolated: bool = True,
+) -> np.ndarray:
+    """Synthesise ``text`` and return the waveform.
+
+    Args:
+        text: UTF-8 text (plain, not SSML).
+        voice: eSpeak voice name, a language optionally with a variant: ``"en-us+f3"``.
+        rate: speaking rate in words per minute (eSpeak accepts 80..450).
+        pitch: base pitch 0..100, relative to the variant's own pitch band.
+        pitch_range: intonation range 0..100 (0 = monotone).
+        word_gap: extra pause between words, in units of 10 ms.
+        volume: amplitude 0..200.
+        seed: seed of eSpeak's internal random generator (breath noise).
+        isolated: synthesise from a pristine library state (see the module docstring), so the
+            samples depend only on the arguments. ``False`` synthesises in this process, in
+            about half the time, but bit-exact output then depends on the call history.
+
+    Returns:
+        ``np.int16`` array of shape ``(num_samples,)`` at :data:`SAMPLE_RATE` Hz.
+    """
+    args = (text, voice, int(rate), int(pitch), int(pitch_range), int(word_gap), int(volume), int(seed))
+    if isolated and hasattr(os, "fork"):
+        return _synthesize_isolated(args)
+    return synthesize_in_process(*args)
+
+
+
+class _PristineClient:
+    """One helper process and the two pipes to it; used by one thread at a time."""
+
+    def __init__(self) -> None:
+        boot = (
+            "import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('_linformer_lab_espeak_helper', sys.argv[1])\n"
+            "mod = importlib.util.module_from_spec(spec)\n"
+            "sys.modules[spec.name] = mod\n"  # dataclasses look their module up while executing it
+            "spec.loader.exec_module(mod)\n"
+            "mod._serve(0, 1)\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", boot, os.path.abspath(library.__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def synthesize(self, args: tuple) -> np.ndarray:
+        try:
+            write_frame(self.proc.stdin.fileno(), args)
+            answer = read_frame(self.proc.stdout.fileno())
+        except OSError as exc:
+            answer = ("error", f"lost the eSpeak helper process: {exc}")
+        if answer is None:
+            answer = ("error", f"eSpeak helper process exited (code {self.proc.poll()})")
+        status, payload = answer
+        if status != "ok":
+            raise EspeakError(payload)
+        return np.frombuffer(payload, dtype=np.int16).copy()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # EOF ends the helper's loop
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        else:
+            self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+class _HelperPool:
+    """Helpers of this process: one per concurrently synthesising thread, up to ``max_helpers``."""
+
+    def __init__(self, max_helpers: int) -> None:
+        self.pid = os.getpid()
+        self.max_helpers = max(1, max_helpers)
+        self.idle: list[_PristineClient] = []
+        self.count = 0
+        self.cond = threading.Condition()
+
+    def acquire(self) -> _PristineClient:
+        with self.cond:
+            while True:
+                while self.idle:
+                    client = self.idle.pop()
+                    if client.alive():
+                        return client
+                    client.close()
+                    self.count -= 1
+                if self.count < self.max_helpers:
+                    self.count += 1
+                    break
+                self.cond.wait()
+        try:
+            return _PristineClient()  # started outside the lock: takes ~0.3 s
+        except BaseException:
+            with self.cond:
+                self.count -= 1
+                self.cond.notify()
+            raise
+
+    def release(self, client: _PristineClient) -> None:
+        with self.cond:
+            self.idle.append(client)
+            self.cond.notify()
+
+    def close(self) -> None:
+        with self.cond:
+            for client in self.idle:
+                client.close()
+            self.count -= len(self.idle)
+            self.idle.clear()
+
+
+_pool: _HelperPool | None = None
+_pool_lock = threading.Lock()
+
+
+def _synthesize_isolated(args: tuple) -> np.ndarray:
+    global _pool
+    with _pool_lock:
+        # A pool inherited through fork belongs to the parent (its pipes are shared with it),
+        # so a forked process (e.g. a DataLoader worker) starts helpers of its own.
+        if _pool is None or _pool.pid != os.getpid():
+            _pool = _HelperPool(os.cpu_count() or 1)
+        pool = _pool
+    client = pool.acquire()
+    try:
+        result = client.synthesize(args)
+    except BaseException:
+        client.close()  # a helper in an unknown state is not reused
+        with pool.cond:
+            pool.count -= 1
+            pool.cond.notify()
+        raise
+    pool.release(client)
+    return result
+
+
+def shutdown() -> None:
+    """Stop this process's idle synthesis helpers (restarted on demand; also run at exit)."""
+    with _pool_lock:
+        if _pool is not None and _pool.pid == os.getpid():
+            _pool.close()
+
+
+atexit.register(shutdown)
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """A synthetic speaker: an eSpeak voice variant with fixed prosody settings.
+
+    Attributes:
+        speaker_id: index in the speaker list.
+        variant: voice variant file name in ``voices/!v`` (timbre: formants, pitch band, breath).
+        pitch: eSpeak pitch 0..100.
+        rate: words per minute.
+        pitch_range: eSpeak intonation range 0..100.
+        language: base language voice.
+    """
+
+    speaker_id: int
+    variant: str
+    pitch: int
+    rate: int
+    pitch_range: int = 50
+    language: str = DEFAULT_LANGUAGE
+
+    @property
+    def voice(self) -> str:
+        """eSpeak voice name ``<language>+<variant>``."""
+        return f"{self.language}+{self.variant}"
+
+    def synthesize(self, text: str, seed: int = 0, isolated: bool = True) -> np.ndarray:
+        """:func:`synthesize` with this speaker's voice and prosody; ``np.int16 (samples,)`` at 22 050 Hz."""
+        return synthesize(
+            text,
+            voice=self.voice,
+            rate=self.rate,
+            pitch=self.pitch,
+            pitch_range=self.pitch_range,
+            seed=seed,
+            isolated=isolated,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_speakers(
+    variants: list[str] | None = None,
+    seed: int = 0,
+    per_variant: int = 1,
+    pitch: tuple[int, int] = (30, 70),
+    rate: tuple[int, int] = (140, 210),
+    pitch_range: tuple[int, int] = (30, 80),
+    language: str = DEFAULT_LANGUAGE,
+    first_id: int = 0,
+) -> list[Speaker]:
+    """Deterministic speaker list: ``per_variant`` speakers per variant with seeded prosody.
+
+    Args:
+        variants: variant names (default: all of :func:`list_variants`). The order given is the
+            order of the returned speakers, so sort it for reproducibility.
+        seed: seed for drawing pitch / rate / range uniformly from the (inclusive) ranges.
+        per_variant: speakers generated per variant (different prosody, same timbre).
+        pitch, rate, pitch_range: inclusive integer ranges (eSpeak units, rate in words/min).
+        language: base language voice.
+        first_id: ``speaker_id`` of the first speaker (ids are consecutive).
+
+    Returns:
+        ``len(variants) * per_variant`` :class:`Speaker` objects.
+    """
+    if variants is None:
+        variants = list_variants()
+    rng = random.Random(f"speakers:{seed}")  # string seeds hash deterministically (sha512)
+    speakers = []
+    for variant in variants:
+        for _ in range(per_variant):
+            speakers.append(
+                Speaker(
+                    speaker_id=first_id + len(speakers),
+                    variant=variant,
+                    pitch=rng.randint(*pitch),
+                    rate=rng.randint(*rate),
+                    pitch_range=rng.randint(*pitch_range),
+                    language=language,
+                )
+            )
+    return speakers
