@@ -168,7 +168,7 @@ _BUILD_CHECK = textwrap.dedent(
 def test_extension_compiles_with_nvcc():
     """Builds the real extension (binding + kernels) for sm_80 with the installed nvcc and torch,
     loads it, and checks that the operators are registered and reject CPU tensors clearly."""
-    if lcuda._cuda_home() is None:
+    if lcuda.find_cuda_home() is None:
         pytest.skip("no CUDA toolkit (nvcc + headers) on this machine")
     build_dir = CACHE / "cuda_build_test"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -190,7 +190,7 @@ def test_extension_compiles_with_nvcc():
 def _cuda_header_dir() -> Path | None:
     """The CUDA toolkit's include folder (cuda_fp16.h, cuda_bf16.h and what they include; the
     partial header sets inside Python wheels lack some of it)."""
-    home = lcuda._cuda_home()
+    home = lcuda.find_cuda_home()
     include = Path(home) / "include" if home else None
     needed = ("cuda_fp16.h", "cuda_bf16.h", "vector_types.h", "vector_functions.h", "crt/host_defines.h")
     if include is not None and all((include / h).is_file() for h in needed):

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}")
-    print(f"CUDA toolkit: {cuda._cuda_home() or 'not found'}")
+    print(f"CUDA toolkit: {cuda.find_cuda_home() or 'not found'}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
