@@ -115,7 +115,7 @@ def test_mnist_torchvision_round_trip(tmp_path):
     assert {k: len(v) for k, v in dm.splits.items()} == {"train": 60, "val": 10, "test": 20}
 
     train_images, train_labels = files["train"]
-    for split, loader, lo, hi in [("train", dm.train_dataloader(), 0, 60), ("val", dm.val_dataloader(), 60, 70)]:
+    for split, lo, hi in [("train", 0, 60), ("val", 60, 70)]:
         images, labels = dm.splits[split].tensors  # file order: first 60 train, last 10 val
         assert images.dtype == torch.uint8 and labels.dtype == torch.int64 and images.shape == (hi - lo, 1, 28, 28)
         assert np.array_equal(images[:, 0].numpy(), train_images[lo:hi])
