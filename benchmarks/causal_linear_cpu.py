@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -162,8 +161,9 @@ def child_head_to_head(shape, threads, repeats, chunks, budget_s):
 
     out["default_chunk"] = default_chunk_size(d, m)
     try:
-        import fast_transformers  # noqa: F401
         from importlib.metadata import version
+
+        import fast_transformers  # noqa: F401
 
         out["fast_transformers"] = version("pytorch-fast-transformers")
     except Exception:

@@ -13,7 +13,8 @@ import resource
 import statistics
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MIB = 1024 * 1024
 

@@ -541,7 +541,7 @@ def markdown(rows, extra, args, header_lines) -> str:
         out += ["", f"## {spec['title']}: throughput at batch {batch} ({t_main} / Table 4 layout)", ""]
         out += throughput_table(rows, dataset, batch, methods)
         if batch != 1:
-            out += ["", f"Same at batch 1 (images/s = 1 / seconds per image):", ""]
+            out += ["", "Same at batch 1 (images/s = 1 / seconds per image):", ""]
             out += throughput_table(rows, dataset, 1, methods)
         out += ["", f"## {spec['title']}: seconds per image at batch 1 (Table 5 layout)", ""]
         out += latency_table(rows, dataset, methods, args.device)

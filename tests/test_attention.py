@@ -1,7 +1,6 @@
 """Every backend x every applicable feature map against float64 O(N^2) references:
 values, gradients, key_lengths, RNN mode, half precision, errors."""
 
-import math
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.models.pixel_transformer import PixelTransformer, generation_kernels, images_to_sequence

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from linformer_lab.attention.linear import LinearAttention
 
 

@@ -29,7 +29,6 @@ of all bins sum to one for any parameters.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +236,7 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         self,
         params: Tensor,
         temperature: float = 1.0,
-        generator: Optional[torch.Generator] = None,
+        generator: torch.Generator | None = None,
     ) -> Tensor:
         """Draw one integer value per position.
 

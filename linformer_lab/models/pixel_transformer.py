@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.base import KVCache
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.step_linear import check_step_weight_format
 from linformer_lab.ops.step_linear import step_weights as weight_copies_for_steps
-from linformer_lab.attention.config import AttentionConfig
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
 

@@ -8,7 +8,7 @@ Call them with float64 tensors to get an independent reference for the fast path
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
