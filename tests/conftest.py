@@ -17,6 +17,22 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def assert_close(name: str, reference: torch.Tensor, got: torch.Tensor, rtol: float = 1e-9, atol: float = 1e-9) -> None:
+    """``got`` equals ``reference`` within tolerance; on failure the message names the component
+    under test (``name``, e.g. ``"linear/poly2 causal: grad q"``) and the largest error and where."""
+    if got.shape != reference.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != reference {tuple(reference.shape)}")
+    error = (got.double() - reference.double()).abs()
+    allowed = atol + rtol * reference.double().abs()
+    if not bool((error <= allowed).all()) or not bool(torch.isfinite(got).all() == torch.isfinite(reference).all()):
+        worst = int((error - allowed).flatten().argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
+        raise AssertionError(
+            f"{name}: max |error| {error.max().item():.3g} (allowed {atol:g} + {rtol:g}|ref|), worst at {index}: "
+            f"got {got[index].item():.6g}, reference {reference[index].item():.6g}"
+        )
+
+
 def tiny_copy_args(root: Path, backend: str = "linear", *extra: str) -> list[str]:
     """Arguments for a copy-task run small enough for CPU tests (about 10 ms a step).
 

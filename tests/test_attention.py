@@ -4,10 +4,11 @@ values, gradients, key_lengths, RNN mode, half precision, errors."""
 
 import pytest
 import torch
+from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.ops import reference
-from linformer_lab.ops.linear_attention import CausalDotProduct, causal_dot_product
+from linformer_lab.ops.linear_attention import CausalDotProduct, causal_dot_product, naive
 
 CPU_BACKENDS = [name for name in ll.list_attention() if name != "linear_cuda"]
 FEATURE_MAPS = ll.list_feature_maps()
@@ -49,26 +50,13 @@ def _reference(attn, q, k, v, causal, key_lengths=None):
     if attn.shares_query_key:
         return reference.lsh_exact_reference(q, v, causal, key_lengths)
     if not attn.uses_feature_map:
-        sim = reference.softmax_similarity(q, k)
-    else:
-        fm = attn.feature_map
-        if type(fm).__name__ == "Poly2FeatureMap":
-            sim = reference.polynomial_similarity(q, k)  # the kernel itself, not its features
-        elif type(fm).__name__ == "EluFeatureMap":
-            sim = reference.kernel_similarity(torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1)
-        else:
-            sim = reference.kernel_similarity(fm.forward_queries(q), fm.forward_keys(k))
-    out = reference.attention_from_similarity(sim, v, causal=causal, key_lengths=key_lengths)
-    if attn.uses_feature_map:
-        # the backends add eps to the normaliser; fold the same eps into the reference
-        weights = sim
-        n = q.shape[-2]
-        if causal:
-            weights = weights * torch.ones(n, n, dtype=q.dtype).tril()
-        if key_lengths is not None:
-            weights = weights * (torch.arange(n) < key_lengths[:, None])[:, None, None, :]
-        out = (weights @ v) / (weights.sum(-1, keepdim=True) + attn.eps)
-    return out
+        return naive.attention_from_similarity(reference.softmax_similarity(q, k), v, causal, key_lengths)
+    fm = attn.feature_map
+    sim = fm.exact_kernel(q, k)  # the kernel's closed form where the map has one, not its features
+    if sim is None:
+        sim = naive.kernel_similarity(fm.forward_queries(q), fm.forward_keys(k))
+    # the backends add eps to the normaliser; so does the reference
+    return naive.attention_from_similarity(sim, v, causal, key_lengths, eps=attn.eps)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -84,12 +72,13 @@ def test_values_and_gradients_match_float64_reference(backend, feature_map, caus
         qq, kk, vv = leaves
     out = attn(qq, kk, vv)
     ref = _reference(attn, qq, kk, vv, causal)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    name = f"{backend}/{feature_map} {'causal' if causal else 'full'}"
+    assert_close(name, ref, out)
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, grad_out)
     want = torch.autograd.grad(ref, leaves, grad_out)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-8)
+    for label, g, w in zip(("q", "v") if attn.shares_query_key else ("q", "k", "v"), got, want):
+        assert_close(f"{name}: grad {label}", w, g, rtol=1e-8, atol=1e-8)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -104,7 +93,7 @@ def test_key_lengths_are_honoured(backend, feature_map, causal):
         # lsh defines outputs at padded query positions as zeros (documented); others attend
         assert (out[1, :, 9:] == 0).all()
         out, ref = out[:, :, :9], ref[:, :, :9]
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert_close(f"{backend}/{feature_map} key_lengths", ref, out)
     # changing what sits beyond the length changes nothing at valid query positions
     v2 = v.clone()
     v2[1, :, 9:] = 1e3
@@ -170,13 +159,13 @@ def test_causal_dot_product_gradcheck(layout):
 def test_causal_dot_product_row_blocks(monkeypatch, min_rows, chunk):
     """B H rows are processed in blocks; blocks of one row, and of two rows over three rows
     (a partial last block), must give the same values and gradients as the reference."""
-    from linformer_lab.ops import linear_attention as la
+    from linformer_lab.ops.linear_attention import chunk as la
 
     monkeypatch.setattr(la, "_BLOCK_BYTES", 1)
     monkeypatch.setattr(la, "_MIN_BLOCK_ROWS", min_rows)
     q, k, v = (t.requires_grad_() for t in _inputs(b=1, h=3, n=37, d=4, m=5))
     out = causal_dot_product(q, k, v, chunk)
-    ref = reference.causal_dot_product_reference(q, k, v)
+    ref = naive.causal_dot_product_naive(q, k, v)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -212,7 +201,7 @@ def test_causal_linear_attention_of_an_empty_sequence():
 def test_causal_dot_product_any_length_and_chunk(n, chunk):
     q, k, v = _inputs(b=1, h=2, n=n, d=4, m=3)
     torch.testing.assert_close(
-        causal_dot_product(q, k, v, chunk), reference.causal_dot_product_reference(q, k, v), rtol=1e-10, atol=1e-10
+        causal_dot_product(q, k, v, chunk), naive.causal_dot_product_naive(q, k, v), rtol=1e-10, atol=1e-10
     )
 
 
@@ -353,3 +342,19 @@ def test_linear_under_autocast_trains_with_fp32_state(causal):
     with torch.no_grad():
         ref = _reference(attn.double(), *(t.detach().double() for t in (q, k, v)), causal)
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+def test_the_two_naive_forms_agree(feature_map):
+    """Eq. 8-9 (similarity matrix) and eq. 10-12 (the loop over t) are one function."""
+    fm = ll.build_feature_map(feature_map, query_dim=6).double()
+    q, k, v = _inputs(n=11)
+    phi_q, phi_k = fm.forward_queries(q), fm.forward_keys(k)
+    similarity_form = naive.attention_from_similarity(naive.kernel_similarity(phi_q, phi_k), v, causal=True, eps=1e-6)
+    assert_close(f"{feature_map}: loop vs similarity", similarity_form,
+                 naive.causal_linear_attention_loop(phi_q, phi_k, v, eps=1e-6), rtol=1e-11, atol=1e-11)
+
+
+def test_assert_close_names_the_component():
+    with pytest.raises(AssertionError, match=r"linear/elu: grad k: max \|error\| 0.5"):
+        assert_close("linear/elu: grad k", torch.zeros(3), torch.tensor([0.0, 0.5, 0.0]))

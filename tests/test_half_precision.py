@@ -19,8 +19,9 @@ import torch
 import yaml
 
 import linformer_lab as ll
+from linformer_lab.ops.linear_attention.naive import attention_from_similarity, kernel_similarity
 from linformer_lab.ops.lsh import lsh_attention, lsh_attention_naive
-from linformer_lab.ops.reference import attention_from_similarity, kernel_similarity, softmax_similarity
+from linformer_lab.ops.reference import softmax_similarity
 
 HALF = [torch.bfloat16, torch.float16]
 # Output tolerance per dtype: a few units of the dtype's rounding (2^-8 bf16, 2^-11 fp16) on

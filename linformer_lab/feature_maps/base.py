@@ -15,9 +15,6 @@ class FeatureMap(nn.Module):
     overrides :meth:`forward_queries`.
     """
 
-    #: True for maps drawn at random (they implement :meth:`redraw`).
-    is_random: bool = False
-
     def __init__(self, query_dim: int):
         super().__init__()
         if not isinstance(query_dim, int) or query_dim < 1:
@@ -36,6 +33,13 @@ class FeatureMap(nn.Module):
 
     def forward_keys(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
+
+    def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        """The similarity ``phi(q)^T phi(k)`` for all pairs, ``(..., N, D), (..., L, D) -> (..., N, L)``,
+        computed from its closed form rather than through the features; None where the map has
+        no closed form of its own (random features only approximate a kernel). Tests use it as
+        the independent reference of the map."""
+        return None
 
     def redraw(self, generator: torch.Generator | None = None) -> None:
         """Draw new random features (no-op for deterministic maps)."""

@@ -7,6 +7,7 @@ import math
 import torch
 
 from linformer_lab.feature_maps.base import FeatureMap
+from linformer_lab.ops.reference import polynomial_similarity
 
 
 class Poly2FeatureMap(FeatureMap):
@@ -42,3 +43,7 @@ class Poly2FeatureMap(FeatureMap):
         pairs = torch.where(self._off_diagonal, pairs * math.sqrt(2.0), pairs)
         ones = torch.ones_like(x[..., :1])
         return torch.cat([ones, math.sqrt(2.0) * x, pairs], dim=-1)
+
+    def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The kernel itself, ``(1 + q^T k / sqrt(D))^2``, without the packed features."""
+        return polynomial_similarity(q, k)

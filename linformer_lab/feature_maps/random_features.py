@@ -39,8 +39,6 @@ class RandomFeatureMap(FeatureMap):
     draws anew (from ``generator`` if given, else from a generator advanced from ``seed``).
     """
 
-    is_random = True
-
     def __init__(self, query_dim: int, num_features: int = 256, orthogonal: bool = True, seed: int = 0):
         super().__init__(query_dim)
         if num_features < 1:

@@ -1,4 +1,5 @@
-"""The paper's equations written plainly, O(N^2), for tests and for reading.
+"""Softmax and LSH attention written plainly, O(N^2), for tests and for reading (the linear
+attention forms live beside their fast paths, in :mod:`linformer_lab.ops.linear_attention.naive`).
 
 Nothing here is fast or memory-efficient on purpose: every function builds the full
 ``(N, N)`` similarity matrix of eq. 3/4 (masked for eq. 8/9) and normalises it row by row.
@@ -8,11 +9,8 @@ Call them with float64 tensors to get an independent reference for the fast path
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
-
-Similarity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def softmax_similarity(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -24,45 +22,9 @@ def softmax_similarity(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - scores.amax(dim=-1, keepdim=True))
 
 
-def kernel_similarity(phi_q: torch.Tensor, phi_k: torch.Tensor) -> torch.Tensor:
-    """phi(q)^T phi(k) for all pairs (eq. 4); inputs already feature-mapped."""
-    return phi_q @ phi_k.transpose(-1, -2)
-
-
 def polynomial_similarity(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """(1 + q^T k / sqrt(D))^2, the degree-2 polynomial kernel, written directly."""
     return (1 + q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])) ** 2
-
-
-def attention_from_similarity(
-    similarity: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = False,
-    key_lengths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Eq. 3 (non-causal) / eq. 8 (causal): V'_i = sum_j sim_ij V_j / sum_j sim_ij.
-
-    Args:
-        similarity: ``(B, H, N, L)`` non-negative weights sim(Q_i, K_j).
-        v: ``(B, H, L, M)``.
-        key_lengths: ``(B,)``; keys at positions >= length get weight 0.
-    Returns: ``(B, H, N, M)``.
-    """
-    n, l = similarity.shape[-2:]
-    weights = similarity
-    if causal:
-        weights = weights * torch.ones(n, l, dtype=torch.bool, device=v.device).tril()
-    if key_lengths is not None:
-        valid = torch.arange(l, device=v.device) < key_lengths[:, None]  # (B, L)
-        weights = weights * valid[:, None, None, :]
-    return (weights @ v) / weights.sum(-1, keepdim=True)
-
-
-def causal_dot_product_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Numerator of eq. 9: out_i = sum_{j <= i} (q_i^T k_j) v_j. ``(B,H,N,C),(B,H,N,C),(B,H,N,M)``."""
-    n = q.shape[-2]
-    scores = (q @ k.transpose(-1, -2)) * torch.ones(n, n, dtype=q.dtype, device=q.device).tril()
-    return scores @ v
 
 
 def lsh_exact_reference(

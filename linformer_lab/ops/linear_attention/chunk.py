@@ -1,4 +1,4 @@
-"""Linear attention (paper §3.2-3.4) as pure functions on feature-mapped tensors.
+"""The causal numerator of linear attention (eq. 9), chunked, with the eq. 13-15 backward.
 
 Shapes follow ``scaled_dot_product_attention``: ``phi_q, phi_k (B, H, N, C)`` (C = the
 feature map's output dim), ``v (B, H, N, M)``.
@@ -24,7 +24,7 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are accumulated in fp32 (states and normaliser); fp32/fp64 as is."""
     return torch.float32 if dtype in _HALF else dtype
 
@@ -123,7 +123,7 @@ class CausalDotProduct(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, chunk_size):
         chunk = chunk_size or default_chunk_size(q.shape[-1], v.shape[-1])
-        compute = _compute_dtype(q.dtype)
+        compute = compute_dtype(q.dtype)
         qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
         rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
         # S before each chunk (eq. 10 at chunk boundaries): (B H, n, C, M). Kept for the
@@ -181,161 +181,3 @@ class CausalDotProduct(torch.autograd.Function):
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """out_i = sum_{j <= i} (q_i . k_j) v_j: ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``."""
     return CausalDotProduct.apply(q, k, v, chunk_size)
-
-
-def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None):
-    """Zero keys and values at positions >= key_lengths so they add nothing to any sum."""
-    if key_lengths is None:
-        return phi_k, v
-    valid = torch.arange(phi_k.shape[-2], device=phi_k.device) < key_lengths[:, None]  # (B, N)
-    valid = valid[:, None, :, None]
-    return phi_k * valid, v * valid
-
-
-def linear_attention(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    key_lengths: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Non-causal linear attention by associativity (eq. 5-6): phi(Q) (phi(K)^T V) / phi(Q) z.
-
-    Args: phi_q ``(B, H, N, C)``, phi_k ``(B, H, L, C)``, v ``(B, H, L, M)``, key_lengths ``(B,)``.
-    Returns ``(B, H, N, M)``. Cost O(N C M); the ``(C, M)`` key-value summary and the
-    normaliser are accumulated in fp32 for half inputs.
-    """
-    compute, out_dtype = _compute_dtype(phi_q.dtype), v.dtype
-    with torch.autocast(phi_q.device.type, enabled=False):  # keep the fp32 accumulation under autocast
-        phi_k, v = _mask_keys(phi_k, v, key_lengths)
-        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-        kv = phi_k.transpose(-1, -2) @ v  # (B, H, C, M)
-        z = phi_k.sum(dim=-2)  # (B, H, C)
-        denominator = (phi_q @ z.unsqueeze(-1)) + eps  # (B, H, N, 1)
-        return ((phi_q @ kv) / denominator).to(out_dtype)
-
-
-def causal_linear_attention(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    key_lengths: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    dot_product=causal_dot_product,
-) -> torch.Tensor:
-    """Causal linear attention (eq. 9-12): V'_i = phi(Q_i)^T S_i / phi(Q_i)^T Z_i.
-
-    Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
-    ``dot_product`` computes the numerator (the pure-PyTorch :func:`causal_dot_product` or
-    the CUDA kernel's). Returns ``(B, H, N, M)`` in v's dtype.
-
-    The normaliser Z_i = sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory, in fp32.
-    """
-    if not (phi_q.dtype == phi_k.dtype == v.dtype):
-        # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
-        phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
-    phi_k, v = _mask_keys(phi_k, v, key_lengths)
-    numerator = dot_product(phi_q, phi_k, v)
-    compute = _compute_dtype(phi_q.dtype)
-    with torch.autocast(phi_q.device.type, enabled=False):
-        z = phi_k.to(compute).cumsum(dim=-2)  # (B, H, N, C)
-        denominator = (phi_q.to(compute) * z).sum(dim=-1, keepdim=True) + eps
-        return (numerator.to(compute) / denominator).to(v.dtype)
-
-
-class LinearState(tuple):
-    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
-    :func:`new_linear_state`: a plain 2-tuple to every reader, whose two members are views of
-    one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the last column).
-
-    With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
-    of eq. 20 together. The bytes are those of S and Z alone.
-    """
-
-    joint: torch.Tensor
-
-    def __new__(cls, joint: torch.Tensor):
-        m = joint.shape[-1] - 1
-        self = super().__new__(cls, (joint[..., :m], joint[..., m]))
-        self.joint = joint
-        return self
-
-
-def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, device, dtype=torch.float32):
-    """Empty RNN state (eq. 16-17): S ``(B, H, C, M)`` = 0, Z ``(B, H, C)`` = 0, returned as
-    a :class:`LinearState` (a tuple ``(S, Z)``; both live in one zeroed buffer)."""
-    return LinearState(torch.zeros(batch, heads, feature_dim, value_dim + 1, device=device, dtype=dtype))
-
-
-def linear_attention_step(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    state: tuple[torch.Tensor, torch.Tensor],
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One RNN step (eq. 18-20).
-
-    Args: phi_q, phi_k ``(B, H, C)``, v ``(B, H, M)``, state ``(S (B, H, C, M), Z (B, H, C))``
-    in fp32 (fp64 for fp64 inputs), e.g. from :func:`new_linear_state`. Returns
-    ``(out (B, H, M), state)`` with ``out`` in the state's dtype.
-
-    Without autograd the state is updated in place: no allocation per step beyond the output,
-    which is what makes generation fast. With autograd enabled a new state is returned so
-    gradients can flow through time.
-
-    The step runs once per position and layer with tiny tensors, so its cost is the number of
-    tensor operations, not arithmetic: in place it is two element-wise updates (S += phi(k)
-    v^T as a broadcast ``addcmul_``, which needs no BLAS call, and Z += phi(k)), one product
-    with ``[S | Z]`` for numerator and normaliser together (when ``state`` is a
-    :class:`LinearState`) and one division.
-    """
-    s, z = state
-    if phi_k.shape != z.shape or v.shape[-1] != s.shape[-1]:
-        raise ValueError(
-            f"linear_attention_step: phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} do not fit the state "
-            f"S {tuple(s.shape)}, Z {tuple(z.shape)} (batch, heads, feature dim, value dim must match the "
-            f"sequence's first step)"
-        )
-    compute = s.dtype
-    if phi_q.dtype != compute or phi_k.dtype != compute or v.dtype != compute:
-        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-    if torch.is_grad_enabled() and (phi_q.requires_grad or phi_k.requires_grad or v.requires_grad or s.requires_grad):
-        s = s + phi_k.unsqueeze(-1) * v.unsqueeze(-2)
-        z = z + phi_k
-        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
-        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-        return numerator / denominator, (s, z)
-    s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T, in place
-    z.add_(phi_k)
-    joint = getattr(state, "joint", None)
-    if joint is None:  # a state built elsewhere: S and Z are separate tensors
-        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
-        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-        return numerator / denominator, state
-    if joint.is_cuda:
-        if torch.is_autocast_enabled("cuda"):  # keep the product with the fp32 state in fp32
-            with torch.autocast("cuda", enabled=False):
-                both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
-        else:
-            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
-    else:
-        # on CPU a broadcast product + sum: a (B*H)-batched matmul of (1, C) x (C, M + 1)
-        # enters the BLAS thread pool, which costs more than the arithmetic at these sizes
-        both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
-    m = s.shape[-1]
-    # eps as a cached 0-d tensor: a Python float would be converted to a tensor at every call
-    return both[..., :m] / both[..., m:].add_(_scalar(eps, both)), state
-
-
-_SCALARS: dict = {}
-
-
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d tensor holding ``value`` with ``like``'s dtype and device, made once and cached."""
-    key = (value, like.dtype, like.device)
-    scalar = _SCALARS.get(key)
-    if scalar is None:
-        with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
-            scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return scalar

@@ -1,0 +1,103 @@
+"""RNN mode of linear attention (paper §3.4, eq. 16-20): a fixed-size state, one position per call."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LinearState(tuple):
+    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
+    :func:`new_linear_state`: a plain 2-tuple to every reader, whose two members are views of
+    one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the last column).
+
+    With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
+    of eq. 20 together. The bytes are those of S and Z alone.
+    """
+
+    joint: torch.Tensor
+
+    def __new__(cls, joint: torch.Tensor):
+        m = joint.shape[-1] - 1
+        self = super().__new__(cls, (joint[..., :m], joint[..., m]))
+        self.joint = joint
+        return self
+
+
+def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, device, dtype=torch.float32):
+    """Empty RNN state (eq. 16-17): S ``(B, H, C, M)`` = 0, Z ``(B, H, C)`` = 0, returned as
+    a :class:`LinearState` (a tuple ``(S, Z)``; both live in one zeroed buffer)."""
+    return LinearState(torch.zeros(batch, heads, feature_dim, value_dim + 1, device=device, dtype=dtype))
+
+
+def linear_attention_step(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One RNN step (eq. 18-20).
+
+    Args: phi_q, phi_k ``(B, H, C)``, v ``(B, H, M)``, state ``(S (B, H, C, M), Z (B, H, C))``
+    in fp32 (fp64 for fp64 inputs), e.g. from :func:`new_linear_state`. Returns
+    ``(out (B, H, M), state)`` with ``out`` in the state's dtype.
+
+    Without autograd the state is updated in place: no allocation per step beyond the output,
+    which is what makes generation fast. With autograd enabled a new state is returned so
+    gradients can flow through time.
+
+    The step runs once per position and layer with tiny tensors, so its cost is the number of
+    tensor operations, not arithmetic: in place it is two element-wise updates (S += phi(k)
+    v^T as a broadcast ``addcmul_``, which needs no BLAS call, and Z += phi(k)), one product
+    with ``[S | Z]`` for numerator and normaliser together (when ``state`` is a
+    :class:`LinearState`) and one division.
+    """
+    s, z = state
+    if phi_k.shape != z.shape or v.shape[-1] != s.shape[-1]:
+        raise ValueError(
+            f"linear_attention_step: phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} do not fit the state "
+            f"S {tuple(s.shape)}, Z {tuple(z.shape)} (batch, heads, feature dim, value dim must match the "
+            f"sequence's first step)"
+        )
+    compute = s.dtype
+    if phi_q.dtype != compute or phi_k.dtype != compute or v.dtype != compute:
+        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+    if torch.is_grad_enabled() and (phi_q.requires_grad or phi_k.requires_grad or v.requires_grad or s.requires_grad):
+        s = s + phi_k.unsqueeze(-1) * v.unsqueeze(-2)
+        z = z + phi_k
+        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
+        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
+        return numerator / denominator, (s, z)
+    s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T, in place
+    z.add_(phi_k)
+    joint = getattr(state, "joint", None)
+    if joint is None:  # a state built elsewhere: S and Z are separate tensors
+        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
+        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
+        return numerator / denominator, state
+    if joint.is_cuda:
+        if torch.is_autocast_enabled("cuda"):  # keep the product with the fp32 state in fp32
+            with torch.autocast("cuda", enabled=False):
+                both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+        else:
+            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
+    else:
+        # on CPU a broadcast product + sum: a (B*H)-batched matmul of (1, C) x (C, M + 1)
+        # enters the BLAS thread pool, which costs more than the arithmetic at these sizes
+        both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
+    m = s.shape[-1]
+    # eps as a cached 0-d tensor: a Python float would be converted to a tensor at every call
+    return both[..., :m] / both[..., m:].add_(_scalar(eps, both)), state
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor holding ``value`` with ``like``'s dtype and device, made once and cached."""
+    key = (value, like.dtype, like.device)
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+            scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return scalar
