@@ -64,9 +64,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
-from linformer_lab.models.pixel_transformer import PixelTransformer, state_nbytes  # noqa: E402
-from linformer_lab.models.transformer import _PrefixCache  # noqa: E402  (lsh's step state, to time one step)
-from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS  # noqa: E402
+from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
+from linformer_lab.ops.fast_step import state_nbytes  # noqa: E402
+from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
+from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ["softmax", "stateful-softmax", "lsh-1", "lsh-4", "linear"]
@@ -148,7 +149,7 @@ def lsh_step_at(model: PixelTransformer, batch_size: int, t: int):
     states = []
 
     def prepare():
-        state = _PrefixCache()
+        state = SequenceBuffer(x_t, dim=1)
         for i in range(t):
             state.append(earlier[:, i])
         states.append(state)
@@ -213,9 +214,7 @@ class StateRecorder:
 
 
 def _state_bytes(state) -> int:
-    if isinstance(state, _PrefixCache):  # lsh: the prefix of inputs
-        return state_nbytes(state.prefix)
-    return state_nbytes(state)
+    return state_nbytes(state)  # lsh's state is its prefix of inputs, a SequenceBuffer
 
 
 def fit_total(positions: list[int], seconds: list[float], n: int) -> tuple[float, list[float]]:
@@ -306,8 +305,8 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
     ``step_weights(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.models.pixel_transformer import generation_kernels
-    from linformer_lab.ops.step_linear import step_linear, step_weights
+    from linformer_lab.ops.fast_step import generation_kernels
+    from linformer_lab.ops.fast_step import step_linear, step_weights
 
     device = model.start.device
     x = torch.randn(batch, model.d_model, device=device)

@@ -28,7 +28,7 @@ import common  # noqa: E402
 
 from linformer_lab.data.images import MNISTDataModule  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
-from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS, step_weights  # noqa: E402
+from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, step_weights  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -16,7 +16,8 @@ import torch
 
 import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence, state_nbytes
+from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
+from linformer_lab.ops.fast_step import state_nbytes
 from linformer_lab.ops.linear_attention import LinearState
 
 TINY = dict(n_layers=2, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)

@@ -1,4 +1,4 @@
-"""The weight copies that the RNN-mode step reads (linformer_lab.ops.step_linear) and
+"""The weight copies that the RNN-mode step reads (linformer_lab.ops.fast_step) and
 ``PixelTransformer.generate(step_weights=...)``.
 
 Each format is checked against an independent float64 product of the values it is meant to
@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from linformer_lab.models.pixel_transformer import PixelTransformer, generation_kernels, images_to_sequence
-from linformer_lab.ops.step_linear import STEP_WEIGHT_FORMATS, quantize_int8, step_linear, step_weights
+from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
+from linformer_lab.ops.fast_step import generation_kernels
+from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, quantize_int8, step_linear, step_weights
 
 TINY = dict(n_layers=2, n_heads=2, d_model=32, d_ff=64, num_mixtures=3)
 

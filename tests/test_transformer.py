@@ -65,3 +65,49 @@ def test_gradients_flow_to_every_parameter():
     x = torch.randn(2, 10, 16)
     model(x).square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["linear", "softmax"])
+def test_step_equals_forward_in_training_mode(backend):
+    """One step path for training and eval: with dropout 0 the training-mode step is the
+    forward at each position, gradients included."""
+    model = _model(backend, None).train()
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    state, stepped = None, []
+    for t in range(x.shape[1]):
+        y_t, state = model.step(x[:, t], state)
+        stepped.append(y_t)
+    stepped = torch.stack(stepped, 1)
+    torch.testing.assert_close(stepped, model(x), rtol=1e-9, atol=1e-9)
+    grad_step, = torch.autograd.grad(stepped.sum(), x)
+    grad_forward, = torch.autograd.grad(model(x).sum(), x)
+    torch.testing.assert_close(grad_step, grad_forward, rtol=1e-9, atol=1e-9)
+
+
+def test_step_applies_dropout_in_training_mode_only():
+    torch.manual_seed(0)
+    model = Transformer(n_layers=1, d_model=16, n_heads=2, attention="linear", dropout=0.5).double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        train_out, _ = model.train().step(x)
+        eval_out, _ = model.eval().step(x)
+        assert not torch.allclose(train_out, eval_out)
+        torch.testing.assert_close(eval_out, model(x[:, None])[:, 0], rtol=1e-9, atol=1e-9)
+
+
+def test_sequence_buffer_grows_and_names_a_misfit():
+    from linformer_lab.attention.base import KVCache, SequenceBuffer
+
+    buffer = SequenceBuffer(torch.zeros(2, 3), dim=1, capacity=2)
+    rows = [torch.full((2, 3), float(i)) for i in range(5)]
+    for row in rows:
+        buffer.append(row)  # grows past the capacity of 2 twice
+    torch.testing.assert_close(buffer.filled, torch.stack(rows, 1))
+    assert buffer.filled_nbytes == 2 * 5 * 3 * 4
+    with pytest.raises(ValueError, match=r"position of shape \(2, 4\) does not fit"):
+        buffer.append(torch.zeros(2, 4))
+    cache = KVCache(torch.zeros(1, 2, 4), torch.zeros(1, 2, 3), capacity=1)
+    for i in range(3):
+        cache.append(torch.full((1, 2, 4), float(i)), torch.full((1, 2, 3), float(i)))
+    assert cache.keys.shape == (1, 2, 3, 4) and cache.values.shape == (1, 2, 3, 3) and cache.length == 3
+    assert cache.filled_nbytes == (2 * 3 * 4 + 2 * 3 * 3) * 4

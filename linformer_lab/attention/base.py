@@ -95,38 +95,79 @@ def _describe(feature_map) -> str:
     return repr(feature_map) if isinstance(feature_map, str) else type(feature_map).__name__
 
 
-class KVCache:
-    """Keys and values of the prefix, for backends whose state grows with the sequence
-    (stateful softmax, paper §C.1, and LSH's recompute baseline).
+class SequenceBuffer:
+    """A tensor that grows along its sequence axis ``dim``, one position per :meth:`append`, with
+    amortised O(1) appends: storage doubles when full, so most steps allocate nothing.
+    :attr:`filled` is a view of the ``T`` positions appended so far.
 
-    Storage doubles when full, so appending is amortised O(1) with no allocation on most
-    steps. ``keys (B, H, T, D)`` and ``values (B, H, T, M)`` views cover the ``T`` filled slots.
+    The state of every backend whose state grows with the sequence is made of these: softmax's
+    :class:`KVCache` (stateful softmax, paper §C.1), lsh's prefix, and the input prefix that a
+    stack without a recurrent form re-runs (``Transformer.step``).
     """
 
-    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
-        b, h, d = k_t.shape
-        self._k = k_t.new_empty(b, h, capacity, d)
-        self._v = v_t.new_empty(b, h, capacity, v_t.shape[-1])
+    def __init__(self, first: torch.Tensor, dim: int, capacity: int = 256):
+        shape = list(first.shape)
+        shape.insert(dim, capacity)
+        self._storage = first.new_empty(shape)
+        self._position_shape = first.shape
+        self.dim = dim
         self.length = 0
 
-    def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
-        if k_t.shape[:2] != self._k.shape[:2] or k_t.shape[-1] != self._k.shape[-1] or v_t.shape[-1] != self._v.shape[-1]:
+    def append(self, x_t: torch.Tensor) -> None:
+        """Append one position: ``x_t`` has the buffer's shape without the sequence axis."""
+        if x_t.shape != self._position_shape:
             raise ValueError(
-                f"KVCache: k_t {tuple(k_t.shape)} / v_t {tuple(v_t.shape)} do not fit the cache of keys "
-                f"{tuple(self.keys.shape)} and values {tuple(self.values.shape)} (batch, heads, dims must match "
-                f"the sequence's first step)"
+                f"SequenceBuffer: a position of shape {tuple(x_t.shape)} does not fit a buffer of positions shaped "
+                f"{tuple(self._position_shape)} (fixed by the sequence's first step)"
             )
-        if self.length == self._k.shape[2]:
-            self._k = torch.cat([self._k, torch.empty_like(self._k)], dim=2)
-            self._v = torch.cat([self._v, torch.empty_like(self._v)], dim=2)
-        self._k[:, :, self.length] = k_t
-        self._v[:, :, self.length] = v_t
+        if torch.is_grad_enabled() and (x_t.requires_grad or self._storage.requires_grad):
+            # out of place: autograd keeps the earlier views (attention over the prefix saved
+            # them), which an in-place write would invalidate; training through steps pays this
+            self._storage = torch.cat([self.filled, x_t.unsqueeze(self.dim)], dim=self.dim)
+        else:
+            if self.length == self._storage.shape[self.dim]:
+                self._storage = torch.cat([self._storage, torch.empty_like(self._storage)], dim=self.dim)
+            self._storage.select(self.dim, self.length).copy_(x_t)
         self.length += 1
 
     @property
+    def filled(self) -> torch.Tensor:
+        return self._storage.narrow(self.dim, 0, self.length)
+
+    @property
+    def filled_nbytes(self) -> int:
+        """Bytes of the filled positions (spare capacity not counted)."""
+        return self.filled.numel() * self._storage.element_size()
+
+
+class KVCache:
+    """Keys and values of the prefix, for backends whose state grows with the sequence
+    (stateful softmax, paper §C.1, and LSH's recompute baseline): two :class:`SequenceBuffer`.
+
+    ``keys (B, H, T, D)`` and ``values (B, H, T, M)`` are views of the ``T`` filled positions.
+    """
+
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
+        self._keys = SequenceBuffer(k_t, dim=2, capacity=capacity)
+        self._values = SequenceBuffer(v_t, dim=2, capacity=capacity)
+
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
+        """Append one position: ``k_t (B, H, D)``, ``v_t (B, H, M)``."""
+        self._keys.append(k_t)
+        self._values.append(v_t)
+
+    @property
+    def length(self) -> int:
+        return self._keys.length
+
+    @property
     def keys(self) -> torch.Tensor:
-        return self._k[:, :, : self.length]
+        return self._keys.filled
 
     @property
     def values(self) -> torch.Tensor:
-        return self._v[:, :, : self.length]
+        return self._values.filled
+
+    @property
+    def filled_nbytes(self) -> int:
+        return self._keys.filled_nbytes + self._values.filled_nbytes

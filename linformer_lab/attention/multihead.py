@@ -7,7 +7,7 @@ from torch import nn
 
 from linformer_lab.attention.base import Attention
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.ops.step_linear import step_linear
+from linformer_lab.ops.fast_step import step_linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -70,7 +70,7 @@ class MultiHeadAttention(nn.Module):
 
         Same weights and result as :meth:`forward` at one position, with as few tensor
         operations as possible (generation runs this once per position and layer): the
-        projections go through :func:`~linformer_lab.ops.step_linear.step_linear` (module
+        projections go through :func:`~linformer_lab.ops.fast_step.step_linear` (module
         hooks on ``qkv`` / ``out`` do not run here) and q, k, v come out of the fused
         projection as views.
         """

@@ -32,7 +32,6 @@ linear attention and a growing KV cache for softmax (and lsh).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
@@ -40,12 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.attention.base import KVCache
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops.step_linear import check_step_weight_format
-from linformer_lab.ops.step_linear import step_weights as weight_copies_for_steps
+from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes
+from linformer_lab.ops.fast_step import step_weights as weight_copies_for_steps
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
 
@@ -63,88 +61,6 @@ def sequence_to_images(sequence: torch.Tensor, image_shape: Sequence[int]) -> to
     :func:`images_to_sequence`."""
     c, h, w = image_shape
     return sequence.reshape(sequence.shape[0], h, w, c).permute(0, 3, 1, 2).to(torch.uint8).contiguous()
-
-
-def state_nbytes(state) -> int:
-    """Bytes held by a recurrent state as returned by :meth:`Transformer.step`.
-
-    Walks lists/tuples of tensors; a :class:`KVCache` counts its *filled* keys and values
-    and a prefix cache (an object with a ``prefix`` tensor, lsh) its filled prefix: what the
-    sequence so far occupies; spare capacity, which grows by doubling, is not counted. Used to show that the linear state is constant in size while the
-    softmax cache grows with every generated sub-pixel.
-    """
-    if state is None:
-        return 0
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, KVCache):
-        return state_nbytes(state.keys) + state_nbytes(state.values)
-    if isinstance(state, (list, tuple)):
-        return sum(state_nbytes(s) for s in state)
-    if isinstance(getattr(state, "prefix", None), torch.Tensor):  # a stack-level prefix cache (lsh)
-        return state_nbytes(state.prefix)
-    raise TypeError(f"state_nbytes: don't know the size of a {type(state).__name__}")
-
-
-@contextlib.contextmanager
-def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
-    """The kernel settings :meth:`PixelTransformer.generate` steps under: oneDNN off on CPU
-    (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
-    (:func:`_single_thread_for_small_steps`). Process-global settings, restored on exit.
-
-    Code that steps the model by hand and must draw what ``generate`` draws runs under this
-    too: a bf16 step copy goes through oneDNN's bf16 matmul when oneDNN is on (on CPUs with
-    bf16 instructions), which rounds differently from the native kernel.
-    """
-    with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent):
-        yield
-
-
-@contextlib.contextmanager
-def _native_cpu_kernels(device: torch.device):
-    """Turn oneDNN (mkldnn) off while stepping on CPU.
-
-    With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
-    every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
-    small tensor inline. Measured on the 2-core development machine for a (1, 1024) GELU:
-    21 us (1 thread) and 1.7 ms (2 threads, load ~5) per call with oneDNN, 1.4-5 us without;
-    a tiny 1-layer model generated a 784-pixel image 10x faster without it on a busy machine.
-    In the paper-size model the stall is often hidden by the surrounding BLAS calls, but it
-    never helps here. Nothing else on the fp32 step path uses oneDNN (linear layers go to
-    BLAS), so results are identical. The flag is process-global; it is restored on exit.
-    """
-    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
-        yield
-        return
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = True
-
-
-#: On CPU, :meth:`PixelTransformer.generate` runs recurrent steps of at most this many
-#: sequences with one intra-op thread (restored afterwards). Such a step is a few dozen
-#: operations on (B, d_model) rows; a thread-parallel region costs more than the work in it
-#: (measured with 2 threads on 2 cores: a (1, 256) x (256, 768) linear 135 us against 37 us
-#: with one thread, and milliseconds per region when other processes hold the cores).
-SINGLE_THREAD_MAX_BATCH = 16
-
-
-@contextlib.contextmanager
-def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurrent: bool):
-    """One intra-op thread while stepping a small batch on CPU (see
-    :data:`SINGLE_THREAD_MAX_BATCH`). Backends without a recurrent form (lsh) re-run the
-    whole prefix at every step, which is large enough to use every thread: left as set."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or not recurrent or batch_size > SINGLE_THREAD_MAX_BATCH or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class PixelTransformer(nn.Module):

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
-from linformer_lab.ops.step_linear import step_linear
+from linformer_lab.ops.fast_step import step_linear
 
 
 class TransformerLayer(nn.Module):
@@ -37,39 +38,38 @@ class TransformerLayer(nn.Module):
             nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
         )
         self.dropout = nn.Dropout(dropout)
-        # The feed-forward's modules for the functional eval-mode step (a plain tuple: not
-        # registered twice). Dropout is the identity in eval mode and is left out there.
-        self._ff_step = (self.feedforward[0], self.feedforward[1], self.feedforward[3])
+        # The feed-forward's parts for step() as a plain tuple (not registered twice): unpacking
+        # it is cheaper than iterating the Sequential at every position.
+        self._feedforward_parts = tuple(self.feedforward)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.norm_attention(x), key_lengths=key_lengths))
         return x + self.dropout(self.feedforward(self.norm_ff(x)))
 
     def step(self, x_t: torch.Tensor, state=None):
-        """``(B, d_model) -> ((B, d_model), state)``.
+        """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``.
 
-        In eval mode (generation) the layer norms and the feed-forward are called
-        functionally (``torch.layer_norm`` directly: ``F.layer_norm`` also reads a backend
-        flag property on every call), without the module-call machinery and the identity
-        dropouts: the step runs once per position and layer on one row per sequence, where
-        that overhead is a large part of the time. Same weights and arithmetic as
-        :meth:`forward`; module hooks on the sub-modules do not run in that path. Training
-        mode calls the modules.
+        Written with functional calls (``torch.layer_norm`` directly -- ``F.layer_norm`` also
+        reads a backend flag property on every call -- and :func:`step_linear`) instead of
+        module calls: the step runs once per position and layer on one row per sequence, where
+        the module-call machinery is a large part of the time. Same weights and arithmetic as
+        :meth:`forward`, in training mode (dropout) and eval mode alike; module hooks on the
+        sub-modules do not run here.
         """
-        if self.training:
-            attended, state = self.attention.step(self.norm_attention(x_t), state)
-            x_t = x_t + self.dropout(attended)
-            return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
         norm = self.norm_attention
         attended, state = self.attention.step(
             torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), state
         )
-        x_t = x_t + attended
+        x_t = x_t + self._dropout(attended, self.dropout)
         norm = self.norm_ff
-        up, activation, down = self._ff_step
+        up, activation, inner_dropout, down = self._feedforward_parts
         hidden = step_linear(torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), up)
-        hidden = step_linear(F.gelu(hidden, approximate=activation.approximate), down)
-        return x_t + hidden, state
+        hidden = self._dropout(F.gelu(hidden, approximate=activation.approximate), inner_dropout)
+        return x_t + self._dropout(step_linear(hidden, down), self.dropout), state
+
+    def _dropout(self, x: torch.Tensor, dropout: nn.Dropout) -> torch.Tensor:
+        # the identity in eval mode (generation) and at p = 0, without a call
+        return F.dropout(x, dropout.p, training=True) if self.training and dropout.p > 0 else x
 
 
 class Transformer(nn.Module):
@@ -116,13 +116,13 @@ class Transformer(nn.Module):
     def step(self, x_t: torch.Tensor, state: list | None = None):
         # whether the stack has a recurrent form is decided on a sequence's first step; the
         # kind of state says it afterwards (saves walking the layers at every step)
-        recurrent = self.has_recurrent_form if state is None else not isinstance(state, _PrefixCache)
+        recurrent = self.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
         if not recurrent:
             # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
             # paper's generation baseline); the state is the prefix of inputs
-            state = state if state is not None else _PrefixCache()
+            state = state if state is not None else SequenceBuffer(x_t, dim=1)
             state.append(x_t)
-            return self.forward(state.prefix)[:, -1], state
+            return self.forward(state.filled)[:, -1], state
         if state is None:
             state = [None] * len(self.layers)
         new_state = []
@@ -131,23 +131,3 @@ class Transformer(nn.Module):
             new_state.append(layer_state)
         norm = self.norm
         return torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), new_state
-
-
-class _PrefixCache:
-    """Inputs seen so far, ``(B, T, d_model)``, with amortised O(1) appends."""
-
-    def __init__(self):
-        self._buffer = None
-        self.length = 0
-
-    def append(self, x_t: torch.Tensor) -> None:
-        if self._buffer is None:
-            self._buffer = x_t.new_empty(x_t.shape[0], 256, x_t.shape[1])
-        elif self.length == self._buffer.shape[1]:
-            self._buffer = torch.cat([self._buffer, torch.empty_like(self._buffer)], dim=1)
-        self._buffer[:, self.length] = x_t
-        self.length += 1
-
-    @property
-    def prefix(self) -> torch.Tensor:
-        return self._buffer[:, : self.length]

@@ -1,4 +1,14 @@
-"""Linear layers of the one-position RNN step (paper §3.4): the weight copy the step reads.
+"""What makes the one-position RNN step (paper §3.4) fast at small batch sizes, in one place.
+
+* :func:`step_weights` / :func:`step_linear`: the weight copy each linear layer of the step reads
+  (below);
+* :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off, one
+  intra-op thread for small batches);
+* :func:`state_nbytes`: how much memory a recurrent state holds (constant for linear attention,
+  growing for softmax).
+
+Weight copies
+-------------
 
 A generation step multiplies a handful of rows by every weight matrix of the model, so at
 small batch sizes it streams all the weights from memory once per position (25 MB per step
@@ -14,8 +24,8 @@ one. The formats (:data:`STEP_WEIGHT_FORMATS`):
     The model's own weights, dtype and values; the product is the same up to summation
     order. On CPU the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the
     ``(out, in)`` parameter markedly slower at one row than ``x @ W^T`` with ``W^T``
-    contiguous (measured 1.8 ms against 1.3 ms per step for the MNIST model's linears, one
-    thread, AMD EPYC). Elsewhere no copy is made.
+    contiguous (benchmarks/README.md, "Measurements behind library defaults"). Elsewhere no
+    copy is made.
 ``"bfloat16"``
     A bfloat16 copy; the layer's input is rounded to bfloat16, the product accumulated in
     fp32 and rounded to bfloat16 by the BLAS, the bias added in the model's dtype. Half the
@@ -41,7 +51,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["STEP_WEIGHT_FORMATS", "check_step_weight_format", "quantize_int8", "step_linear", "step_weights"]
+__all__ = [
+    "SINGLE_THREAD_MAX_BATCH",
+    "STEP_WEIGHT_FORMATS",
+    "check_step_weight_format",
+    "generation_kernels",
+    "quantize_int8",
+    "state_nbytes",
+    "step_linear",
+    "step_weights",
+]
 
 #: The weight formats :func:`step_weights` can make (see the module docstring).
 STEP_WEIGHT_FORMATS = ("model", "bfloat16", "int8")
@@ -186,3 +205,83 @@ def step_weights(module: nn.Module, format: str = "model", enabled: bool = True)
     finally:
         for linear in added:
             linear.__dict__.pop(_ATTRIBUTE, None)
+
+
+# ---------------------------------------------------------------- kernels and state size
+
+
+def state_nbytes(state) -> int:
+    """Bytes held by a recurrent state as returned by :meth:`Transformer.step`.
+
+    Walks lists/tuples of tensors; a growing cache (a softmax ``KVCache``, lsh's prefix
+    ``SequenceBuffer``) counts what the sequence so far fills (``filled_nbytes``); spare
+    capacity, which grows by doubling, is not counted. Shows that the linear state is constant
+    in size while the softmax cache grows with every generated position.
+    """
+    if state is None:
+        return 0
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(s) for s in state)
+    if hasattr(state, "filled_nbytes"):  # a growing cache (KVCache, SequenceBuffer)
+        return state.filled_nbytes
+    raise TypeError(f"state_nbytes: don't know the size of a {type(state).__name__}")
+
+
+@contextlib.contextmanager
+def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
+    """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate` steps under: oneDNN off on CPU
+    (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
+    (:func:`_single_thread_for_small_steps`). Process-global settings, restored on exit.
+
+    Code that steps the model by hand and must draw what ``generate`` draws runs under this
+    too: a bf16 step copy goes through oneDNN's bf16 matmul when oneDNN is on (on CPUs with
+    bf16 instructions), which rounds differently from the native kernel.
+    """
+    with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent):
+        yield
+
+
+@contextlib.contextmanager
+def _native_cpu_kernels(device: torch.device):
+    """Turn oneDNN (mkldnn) off while stepping on CPU.
+
+    With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
+    every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
+    small tensor inline, many times faster (benchmarks/README.md, "Measurements behind library
+    defaults"). Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
+    fp32 results are identical; a bf16 step copy does go through oneDNN's bf16 matmul when
+    oneDNN is on, which rounds differently. The flag is process-global; it is restored on exit.
+    """
+    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
+        yield
+        return
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+#: On CPU, :func:`generation_kernels` runs recurrent steps of at most this many sequences with
+#: one intra-op thread (restored afterwards). Such a step is a few dozen operations on
+#: (B, d_model) rows; a thread-parallel region costs more than the work in it
+#: (benchmarks/README.md, "Measurements behind library defaults").
+SINGLE_THREAD_MAX_BATCH = 16
+
+
+@contextlib.contextmanager
+def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurrent: bool):
+    """One intra-op thread while stepping a small batch on CPU (see
+    :data:`SINGLE_THREAD_MAX_BATCH`). Backends without a recurrent form (lsh) re-run the
+    whole prefix at every step, which is large enough to use every thread: left as set."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or not recurrent or batch_size > SINGLE_THREAD_MAX_BATCH or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
