@@ -63,11 +63,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
-from linformer_lab.ops.fast_step import state_nbytes  # noqa: E402
-from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
-from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS  # noqa: E402
+from linformer_lab.ops.fast_step import (
+    STEP_WEIGHT_FORMATS,  # noqa: E402
+    state_nbytes,  # noqa: E402
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ["softmax", "stateful-softmax", "lsh-1", "lsh-4", "linear"]
@@ -305,8 +307,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
     ``step_weights(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.ops.fast_step import generation_kernels
-    from linformer_lab.ops.fast_step import step_linear, step_weights
+    from linformer_lab.ops.fast_step import generation_kernels, step_linear, step_weights
 
     device = model.start.device
     x = torch.randn(batch, model.d_model, device=device)

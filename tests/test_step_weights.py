@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
-from linformer_lab.ops.fast_step import generation_kernels
-from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, quantize_int8, step_linear, step_weights
+from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, generation_kernels, quantize_int8, step_linear, step_weights
 
 TINY = dict(n_layers=2, n_heads=2, d_model=32, d_ff=64, num_mixtures=3)
 
