@@ -41,7 +41,9 @@ from __future__ import annotations
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+
+from linformer_lab.data.sampling import EpochSampler, ResumableLoader
 
 PAD = 0
 TRAIN, VAL, TEST = 0, 1, 2  # split ids, part of every batch's seed so the splits never share a stream
@@ -88,64 +90,26 @@ class CopyBatches(Dataset):
         return make_copy_batch(rng, self.batch_size, self.max_length, self.num_symbols, self.min_length)
 
 
-class EpochSampler(Sampler):
-    """Yields the keys ``(TRAIN, epoch, i)``, i = 0..num_batches-1, of the current epoch.
-
-    ``set_epoch`` is called by Lightning before each epoch. ``resume(epoch, batches_done)`` makes
-    the iteration of that epoch start at batch ``batches_done`` (mid-epoch checkpoint resume).
-    (images.ShuffleSampler reuses the epoch/resume bookkeeping for shuffled sample indices.)
-    """
+class BatchKeySampler(EpochSampler):
+    """Yields the keys ``(TRAIN, epoch, i)``, i = 0..num_batches-1, of the current epoch (from
+    :meth:`start_batch` on when resumed mid-epoch)."""
 
     def __init__(self, num_batches: int):
-        self.num_batches = num_batches
-        self.epoch = 0
-        self.resume_epoch, self.resume_batch = -1, 0
+        super().__init__()
+        self._num_batches = num_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def resume(self, epoch: int, batches_done: int) -> None:
-        if batches_done >= self.num_batches:  # saved at the very end of an epoch: go on with the next
-            epoch, batches_done = epoch + 1, 0
-        self.resume_epoch, self.resume_batch = epoch, batches_done
-        # On resume Lightning creates the first iterator *before* calling set_epoch, and with
-        # num_workers > 0 that iterator pulls keys from us right away: set the epoch now.
-        self.epoch = epoch
+    @property
+    def num_batches(self) -> int:
+        return self._num_batches
 
     def __len__(self) -> int:
         # Always the full epoch, also when resuming: Lightning counts the batches it already did
         # (its progress is restored) and expects len() to be the size of the whole epoch.
         return self.num_batches
 
-    def start_batch(self) -> int:
-        """First batch of the current epoch: 0, or where a resumed epoch left off."""
-        return min(self.resume_batch, self.num_batches) if self.epoch == self.resume_epoch else 0
-
     def __iter__(self):
         for i in range(self.start_batch(), self.num_batches):
             yield (TRAIN, self.epoch, i)
-
-
-class ResumableLoader(DataLoader):
-    """DataLoader over an ``EpochSampler`` that Lightning recognises as resumable.
-
-    Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before the
-    first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells how many
-    batches the fit loop has finished in the current epoch.
-    """
-
-    datamodule = None
-
-    def state_dict(self) -> dict:
-        trainer = self.datamodule.trainer if self.datamodule is not None else None
-        # `processed` counts the training steps finished in this epoch (the one being saved at
-        # on_train_batch_end included): after a restart the fit loop's next batch_idx is this
-        # number. The loader's own count would be ahead by Lightning's prefetching.
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
-        return {"epoch": self.sampler.epoch, "batches_done": done}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.resume(state["epoch"], state["batches_done"])
 
 
 class CopyDataModule(L.LightningDataModule):
@@ -208,7 +172,7 @@ class CopyDataModule(L.LightningDataModule):
                    persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
-        loader = self._loader(EpochSampler(self.train_batches_per_epoch), cls=ResumableLoader)
+        loader = self._loader(BatchKeySampler(self.train_batches_per_epoch), cls=ResumableLoader)
         loader.datamodule = self
         return loader
 

@@ -41,7 +41,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
-from linformer_lab.data.copy import EpochSampler, ResumableLoader
+from linformer_lab.data.sampling import EpochSampler, ResumableLoader
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -67,8 +67,12 @@ class ShuffleSampler(EpochSampler):
     """
 
     def __init__(self, n: int, batch_size: int, seed: int):
-        super().__init__(num_batches=math.ceil(n / batch_size))
+        super().__init__()
         self.n, self.batch_size, self.seed = n, batch_size, seed
+
+    @property
+    def num_batches(self) -> int:
+        return math.ceil(self.n / self.batch_size)
 
     def __len__(self) -> int:
         return self.n  # samples: the DataLoader groups them into batches

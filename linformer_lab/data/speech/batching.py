@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from linformer_lab.data.sampling import EpochSampler
+
 
 def collate_speech(items: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Pad a list of items ``{"features": (T_i, 40) float, "targets": (S_i,) int64}``.
@@ -43,7 +45,7 @@ def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
     return 1.0 - real / max(padded, 1)
 
 
-class LengthBucketBatchSampler(Sampler[list[int]]):
+class LengthBucketBatchSampler(EpochSampler):
     """Batches of similar length, so padding stays small, with seeded per-epoch shuffling.
 
     Training (``shuffle=True``): each epoch permutes all indices with ``(seed, epoch)``, cuts the
@@ -59,7 +61,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         max_frames_per_batch: bound on ``items x longest item`` (the padded size) of a batch;
             an item longer than the bound forms a batch on its own.
         shuffle: see above. ``seed`` and the epoch choose the order; the epoch starts at 0 and
-            advances after every full iteration, or is set with :meth:`set_epoch`.
+            advances after every iteration, or is set with :meth:`set_epoch` (Lightning does,
+            before each epoch). Resumable mid-epoch like every :class:`EpochSampler`.
         pool_batches: pool size in batches.
         drop_last: drop batches smaller than ``batch_size`` (fixed-size mode only).
         num_replicas, rank: distributed training: every replica gets the same number of batches
@@ -91,6 +94,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
                 "training use Trainer(use_distributed_sampler=False) -- SpeechDataModule shards the "
                 "batches across ranks itself (num_replicas/rank)"
             )
+        super().__init__()
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size = batch_size
         self.max_frames = max_frames_per_batch
@@ -100,12 +104,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
-        self.epoch = 0
         self._cache: tuple[int, list[list[int]]] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration yields."""
-        self.epoch = int(epoch)
 
     def _split(self, idx: np.ndarray) -> list[list[int]]:
         # `idx` is sorted by length (descending): consecutive items have similar lengths.
@@ -164,12 +163,16 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self._cache = (self.epoch, batches)
         return batches
 
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches())
+
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self.batches()
-        # Lightning calls set_epoch only on a DataLoader's *sampler*, never on its batch sampler,
-        # so the sampler advances its epoch itself after each pass (set_epoch still overrides).
+        batches = self.batches()[self.start_batch():]
+        # Advance for loops that never call set_epoch; Lightning sets the epoch before each one.
         self.epoch += 1
         return iter(batches)
 
     def __len__(self) -> int:
-        return len(self.batches())
+        # the whole epoch, also when resuming (Lightning counts the batches already done)
+        return self.num_batches

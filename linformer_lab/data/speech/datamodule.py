@@ -9,6 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.phonemes import NUM_PHONEMES
+from linformer_lab.data.sampling import ResumableLoader
 from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
@@ -117,7 +118,7 @@ class SpeechDataModule(L.LightningDataModule):
             for split, subsets in self.librispeech_subsets.items():
                 self.datasets[split] = LibriSpeechCorpus(self._librispeech_root(), subsets)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def _loader(self, split: str, shuffle: bool, cls=DataLoader) -> DataLoader:
         if not self.datasets:
             self.setup()
         ds = self.datasets[split]
@@ -135,7 +136,7 @@ class SpeechDataModule(L.LightningDataModule):
             num_replicas=replicas,
             rank=rank,
         )
-        return DataLoader(
+        return cls(
             ds,
             batch_sampler=sampler,
             collate_fn=collate_speech,
@@ -145,7 +146,9 @@ class SpeechDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        loader = self._loader("train", shuffle=True, cls=ResumableLoader)
+        loader.datamodule = self
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
