@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.attention.base import Attention, KVCache
+from linformer_lab.ops.masks import length_mask
 
 
 class SoftmaxAttention(Attention):
@@ -24,7 +25,7 @@ class SoftmaxAttention(Attention):
         if key_lengths is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
         n = q.shape[2]
-        visible = (torch.arange(n, device=q.device) < key_lengths[:, None])[:, None, None, :]  # (B, 1, 1, N)
+        visible = length_mask(key_lengths, n)[:, None, None, :]  # (B, 1, 1, N)
         if self.causal:
             visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout)

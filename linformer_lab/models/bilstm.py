@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from linformer_lab.ops.masks import length_mask
+
 
 def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Reverse every sequence of ``x (B, T, F)`` inside its own length, leaving padding in place.
@@ -84,7 +86,7 @@ class BiLSTMCTC(nn.Module):
     def encode(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``(B, T, F), (B,) -> (B, T, 2 hidden_size)``, zeros at padded frames."""
         packed = features.is_cuda if self.packed is None else self.packed
-        valid = (torch.arange(features.shape[1], device=features.device) < lengths.to(features.device)[:, None])[..., None]
+        valid = length_mask(lengths.to(features.device), features.shape[1])[..., None]
         x = features
         for i, layer in enumerate(self.layers):
             if i:

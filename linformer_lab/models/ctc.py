@@ -27,6 +27,7 @@ from torchmetrics import Metric
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer
+from linformer_lab.ops.masks import length_mask
 
 BLANK = 0
 
@@ -48,11 +49,6 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32
     out[:, 0::2] = torch.sin(angle)
     out[:, 1::2] = torch.cos(angle[:, : dim // 2])
     return out.to(dtype)
-
-
-def length_mask(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
-    """``lengths (B,)`` -> bool ``(B, max_length)``, True at real (non-padding) frames."""
-    return torch.arange(max_length, device=lengths.device) < lengths[:, None]
 
 
 def subsampled_lengths(lengths: torch.Tensor, factor: int) -> torch.Tensor:

@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from linformer_lab.ops.masks import length_mask
+
 
 def lsh_attention(
     q: torch.Tensor,
@@ -70,7 +72,7 @@ def _lsh_attention(q, v, rotations, chunk_size, causal, key_lengths):
     valid = torch.ones(b, n + pad, dtype=torch.bool, device=q.device)
     valid[:, n:] = False
     if key_lengths is not None:
-        valid[:, :n] = torch.arange(n, device=q.device) < key_lengths[:, None]
+        valid[:, :n] = length_mask(key_lengths, n)
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))

@@ -18,6 +18,7 @@ import torch
 
 from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, causal_dot_product, compute_dtype, default_chunk_size
 from linformer_lab.ops.linear_attention.recurrent import LinearState, linear_attention_step, new_linear_state
+from linformer_lab.ops.masks import length_mask
 
 __all__ = [
     "CausalDotProduct",
@@ -35,7 +36,7 @@ def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor |
     """Zero keys and values at positions >= key_lengths so they add nothing to any sum."""
     if key_lengths is None:
         return phi_k, v
-    valid = torch.arange(phi_k.shape[-2], device=phi_k.device) < key_lengths[:, None]  # (B, N)
+    valid = length_mask(key_lengths, phi_k.shape[-2])  # (B, N)
     valid = valid[:, None, :, None]
     return phi_k * valid, v * valid
 
