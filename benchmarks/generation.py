@@ -59,6 +59,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -415,22 +416,7 @@ def run(args) -> tuple[list[dict], dict]:
 
 
 def _progress(total: int):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="step", dynamic_ncols=True)
-    except ImportError:
-        class Bar:
-            def update(self, k=1):
-                pass
-
-            def set_postfix_str(self, s):
-                print(s, flush=True)
-
-            def close(self):
-                pass
-
-        return Bar()
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------- tables

@@ -114,26 +114,9 @@ def child_env(device):
 
 
 def _progress(total):
-    try:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        return tqdm(total=total, unit="cfg", dynamic_ncols=True)
-    except ImportError:  # a bare progress counter
-        class Bar:
-            def __init__(self):
-                self.n = 0
-
-            def update(self, k=1):
-                self.n += k
-                print(f"{self.n}/{total}", flush=True)
-
-            def set_postfix_str(self, s):
-                pass
-
-            def close(self):
-                pass
-
-        return Bar()
+    return tqdm(total=total, unit="cfg", dynamic_ncols=True)
 
 
 def run(args):

@@ -48,7 +48,6 @@ __all__ = [
     "ids_to_phonemes",
     "normalize_ipa",
     "phonemes_to_ids",
-    "text_to_ids",
     "tokenize",
 ]
 
@@ -163,10 +162,3 @@ def ids_to_phonemes(ids: Iterable[int], skip_blank: bool = True) -> list[str]:
             continue
         out.append(PHONEMES[i])
     return out
-
-
-def text_to_ids(text: str, voice: str = "en-us", on_unknown: str = "error") -> list[int]:
-    """Phonemise English ``text`` with eSpeak and tokenize it (convenience wrapper)."""
-    from linformer_lab.data import espeak
-
-    return phonemes_to_ids(espeak.phonemize(text, voice=voice), on_unknown=on_unknown)

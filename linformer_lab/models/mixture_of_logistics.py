@@ -218,17 +218,6 @@ class DiscretizedMixtureOfLogistics(nn.Module):
             )  # (..., K)
             return torch.logsumexp(F.log_softmax(logits, dim=-1) + log_mass, dim=-1)
 
-    def nll_bits_per_dim(self, params: Tensor, target: Tensor) -> Tensor:
-        """Mean negative log-likelihood in bits per dimension (a differentiable fp32 scalar).
-
-        Args:
-            params: ``(..., 3K)``; target: ``(...)`` integers in ``[0, B - 1]``.
-
-        Every element of ``target`` is one dimension (one sub-pixel), so this is
-        ``-mean(log_prob) / ln 2``. Use it directly as the training loss.
-        """
-        return -self.log_prob(params, target).mean() / math.log(2.0)
-
     # ------------------------------------------------------------------ sampling
 
     @torch.no_grad()

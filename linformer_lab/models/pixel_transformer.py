@@ -32,7 +32,6 @@ linear attention and a growing KV cache for softmax (and lsh).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -173,10 +172,6 @@ class PixelTransformer(nn.Module):
         """Negative log-likelihood per sub-pixel in nats: uint8 ``(B, C, H, W)`` -> ``(B, N)``."""
         sequence = self.to_sequence(images)
         return -self.head.log_prob(self.sequence_params(sequence), sequence)
-
-    def nll_bits_per_dim(self, images: torch.Tensor) -> torch.Tensor:
-        """Mean negative log2-likelihood per sub-pixel (a differentiable scalar)."""
-        return self.nll(images).mean() / math.log(2.0)
 
     # ------------------------------------------------------------------ recurrent path
 

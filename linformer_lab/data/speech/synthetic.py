@@ -427,7 +427,3 @@ class SyntheticSpeechCorpus:
     def speakers(self, split: str) -> list[espeak.Speaker]:
         """Speakers reserved for ``split`` (not all need to occur in a small corpus)."""
         return [espeak.Speaker(**d) for d in self.meta["speakers"][split]]
-
-    def size_on_disk(self) -> int:
-        """Bytes used by the corpus directory (audio, index, text, feature caches)."""
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
