@@ -22,9 +22,7 @@ import argparse
 import inspect
 import os
 import re
-import statistics
 import sys
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -75,22 +73,6 @@ def _fla():
     return run, None
 
 
-def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median wall time of fn() on the GPU in milliseconds (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(method, b, h, n, d, dtype, backward: bool, warmup: int, repeats: int):
     """(median ms, peak extra memory in MiB) of one method, or a string saying why not."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -113,7 +95,7 @@ def measure(method, b, h, n, d, dtype, backward: bool, warmup: int, repeats: int
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     try:
-        ms = time_ms(step, warmup, repeats)
+        ms = common.median_seconds(step, repeats, warmup, device="cuda") * 1e3
     except torch.cuda.OutOfMemoryError:
         return "OOM", None
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as err:  # e.g. a dtype it lacks

@@ -15,7 +15,7 @@ Three parts (each configuration's memory is measured in its own spawned child pr
 Part 2 needs ``fast_transformers`` importable; it lives in a separate venv, never in the
 project's dependencies (see benchmarks/README.md)::
 
-    PYTHONPATH=/work/main .bench_env/bin/python benchmarks/causal_linear_cpu.py
+    PYTHONPATH=. .bench_env/bin/python benchmarks/causal_linear_cpu.py
 
 Without it, parts 1 and 3 still run (``uv run python benchmarks/causal_linear_cpu.py``).
 Results: ``benchmarks/results/causal_linear_cpu.{csv,md}``.

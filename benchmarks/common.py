@@ -86,22 +86,44 @@ def peak_rss_increase(fn: Callable[[], Any]) -> dict:
 
 
 # ---------------------------------------------------------------- timing
-def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> float:
-    """Wall time of one call in seconds (``sync`` e.g. ``torch.cuda.synchronize``)."""
-    if sync:
-        sync()
-    t0 = time.perf_counter()
-    fn()
-    if sync:
-        sync()
-    return time.perf_counter() - t0
+class Timer:
+    """Wall time of one call in seconds, the one clock every benchmark uses: CUDA events
+    around the call on a GPU (after a synchronize, so earlier work is not counted),
+    ``perf_counter`` on CPU. ``Timer(device)(fn)`` -> seconds."""
+
+    def __init__(self, device: str = "cpu"):
+        self.cuda = str(device).startswith("cuda")
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, device: str = "cpu") -> float:
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+    timer = Timer(device)
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timer(fn) for _ in range(repeats))
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
-                        budget_s: float | None = None, sync=None) -> dict[str, dict]:
+                        budget_s: float | None = None, device: str = "cpu") -> dict[str, dict]:
     """Time several callables in rounds A, B, C, A, B, C, ... so that a change of machine
     load hits all of them alike; returns per name the median, min and all samples (s).
     ``budget_s`` stops early (after at least 3 rounds) when the rounds so far took longer."""
+    timer = Timer(device)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -109,7 +131,7 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup:
     start = time.perf_counter()
     for r in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(timed(fn, sync))
+            samples[name].append(timer(fn))
         if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
             break
     return {name: {"median": statistics.median(s), "min": min(s), "samples": s} for name, s in samples.items()}

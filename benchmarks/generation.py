@@ -165,27 +165,6 @@ def lsh_step_at(model: PixelTransformer, batch_size: int, t: int):
     return prepare, call
 
 
-# ---------------------------------------------------------------- timing
-class Timer:
-    """Wall time of a call: CUDA events on GPU (with a synchronize), perf_counter on CPU."""
-
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-
 class StateRecorder:
     """Stands in for ``model.transformer.step`` during one ``generate`` call and records the
     recurrent state's size after the first and after the last sub-pixel (and on GPU the
@@ -239,7 +218,7 @@ def spread_positions(n: int, count: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- measurements
-def measure_recurrent(models: dict, batch: int, repeats: int, timer: Timer, bar) -> dict:
+def measure_recurrent(models: dict, batch: int, repeats: int, timer: common.Timer, bar) -> dict:
     """Whole-image ``generate`` calls of the recurrent methods, interleaved; ``models`` maps
     ``(method, step weight format)`` to a model. Per key the median seconds, all samples, load
     averages and the state sizes of the warm-up call."""
@@ -264,7 +243,7 @@ def measure_recurrent(models: dict, batch: int, repeats: int, timer: Timer, bar)
 
 
 def measure_recompute(method: str, model: PixelTransformer, batch: int, positions: list[int], repeats: int,
-                      full_budget: float, timer: Timer, bar) -> dict:
+                      full_budget: float, timer: common.Timer, bar) -> dict:
     """Steps at ``positions`` (median of ``repeats``), the fitted total, and a whole image when
     the fit predicts at most ``full_budget`` seconds."""
     n = model.seq_len
@@ -302,7 +281,7 @@ def measure_recompute(method: str, model: PixelTransformer, batch: int, position
 
 
 @torch.inference_mode()
-def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: Timer, fmt: str = "model") -> float:
+def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: common.Timer, fmt: str = "model") -> float:
     """Seconds per image (median of ``repeats``) for only the weight products that every
     step of the recurrent methods makes: the four linear layers of each transformer layer,
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
@@ -332,7 +311,7 @@ def _generator(model: PixelTransformer, seed: int) -> torch.Generator:
     return torch.Generator(device=model.start.device).manual_seed(seed)
 
 
-def max_linear_batch(dataset: str, device: str, candidates: list[int], timer: Timer, bar) -> list[dict]:
+def max_linear_batch(dataset: str, device: str, candidates: list[int], timer: common.Timer, bar) -> list[dict]:
     """GPU only: whole-image ``linear`` generation at growing batch sizes until one does not
     fit; per batch the seconds, images/s and peak memory."""
     model = build_model("linear", dataset, device)
@@ -355,7 +334,7 @@ def max_linear_batch(dataset: str, device: str, candidates: list[int], timer: Ti
 # ---------------------------------------------------------------- run
 def run(args) -> tuple[list[dict], dict]:
     device = args.device
-    timer = Timer(device)
+    timer = common.Timer(device)
     rows: list[dict] = []
     extra: dict = {}
     plan = []  # (dataset, batch, kind)

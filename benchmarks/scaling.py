@@ -67,12 +67,6 @@ def _case(method: str, b: int, n: int, device: str, causal: bool):
     return step
 
 
-def _sync(device):
-    import torch
-
-    return torch.cuda.synchronize if device == "cuda" else None
-
-
 def child_memory(method, b, n, device, causal, threads, cap_bytes):
     import torch
 
@@ -101,7 +95,7 @@ def child_times(methods, b, n, device, causal, threads, repeats, budget_s):
 
     torch.set_num_threads(threads)
     cases = {m: _case(m, b, n, device, causal) for m in methods}
-    res = common.interleaved_medians(cases, repeats=repeats, warmup=1, budget_s=budget_s, sync=_sync(device))
+    res = common.interleaved_medians(cases, repeats=repeats, warmup=1, budget_s=budget_s, device=device)
     return {"times": res, "loadavg": os.getloadavg()}
 
 
