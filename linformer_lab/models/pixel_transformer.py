@@ -193,7 +193,7 @@ class PixelTransformer(nn.Module):
         Returns: ``(params (B, 3K) fp32, state)``.
 
         :meth:`generate` is this in a loop, plus sampling, under ``torch.inference_mode()``
-        (in-place state updates) and with oneDNN off on CPU (see ``_native_cpu_kernels``).
+        (in-place state updates) and with oneDNN off on CPU (see :func:`~linformer_lab.ops.fast_step.generation_kernels`).
         """
         if previous is None and batch_size is None:
             raise ValueError("step at position 0 needs batch_size (there is no previous value to take it from)")
@@ -221,7 +221,7 @@ class PixelTransformer(nn.Module):
                 like generated values, and the rest is sampled.
             generator: a ``torch.Generator`` on the model's device, for reproducible samples.
             step_weights: the copy of the transformer's linear weights that the steps read
-                (:mod:`linformer_lab.ops.step_linear`): ``"model"`` (default) the model's own
+                (:mod:`linformer_lab.ops.fast_step`): ``"model"`` (default) the model's own
                 values; ``"bfloat16"`` or ``"int8"`` (weight-only, per-output-channel scales)
                 a lossy copy with 1/2 or 1/4 of the bytes, for small-batch latency, where
                 every step reads every weight. Recurrent backends only.
@@ -234,7 +234,7 @@ class PixelTransformer(nn.Module):
         recurrent steps of a batch of at most :data:`SINGLE_THREAD_MAX_BATCH` run with one
         intra-op thread (the process setting is restored afterwards), and with
         ``step_weights="model"`` the transformer's linear layers read a transposed copy of
-        their weights made for the call (:func:`~linformer_lab.ops.step_linear.step_weights`;
+        their weights made for the call (:func:`~linformer_lab.ops.fast_step.step_weights`;
         one more copy of those weights in memory while generating, as with the other formats).
         """
         device = self.start.device

@@ -2,7 +2,7 @@
 
 A causal transformer reads ``[s_1 .. s_L, SEP, s_1 .. s_L, 0 ..]`` and is trained to predict
 every token from the ones before it; only the copy is predictable, so the loss is the
-cross-entropy on the copied positions alone (``target_mask`` of the batch, docs/CONTRACTS.md).
+cross-entropy on the copied positions alone (``target_mask`` of the batch, docs/ARCHITECTURE.md, "Contracts").
 
 Model (paper: "a 4 layer transformer with 8 attention heads"; the width is not given, so we
 use the image experiments' 256 = 8 heads x 32 dims, feed-forward 4 x 256):

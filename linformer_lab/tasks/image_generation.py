@@ -131,7 +131,7 @@ class ImageGenerationTask(Task):
 
     @staticmethod
     def _images(batch) -> torch.Tensor:
-        """Batches are ``(images, labels)`` (docs/CONTRACTS.md) or bare images."""
+        """Batches are ``(images, labels)`` (docs/ARCHITECTURE.md, "Contracts") or bare images."""
         return batch[0] if isinstance(batch, (list, tuple)) else batch
 
     def _nll(self, batch) -> torch.Tensor:

@@ -13,7 +13,7 @@ Optimisation as in the paper: the transformers use RAdam at 1e-4, the Bi-LSTM Ad
 and in both the learning rate is halved whenever the validation PER stops improving
 (``ReduceLROnPlateau`` on ``val/per``, stepped after every validation epoch).
 
-Batches follow docs/CONTRACTS.md: dicts with ``features float (B, T, 40)``,
+Batches follow docs/ARCHITECTURE.md, "Contracts": dicts with ``features float (B, T, 40)``,
 ``feature_lengths (B,)``, ``targets int64 (B, S)`` (0-padded) and ``target_lengths (B,)``.
 """
 

@@ -14,7 +14,7 @@ from linformer_lab.data.sampling import EpochSampler
 def collate_speech(items: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Pad a list of items ``{"features": (T_i, 40) float, "targets": (S_i,) int64}``.
 
-    Returns the CONTRACTS.md speech batch: ``features (B, T, 40)`` zero-padded,
+    Returns the speech batch of docs/ARCHITECTURE.md: ``features (B, T, 40)`` zero-padded,
     ``feature_lengths (B,)``, ``targets (B, S)`` padded with 0 (= blank), ``target_lengths (B,)``.
     """
     feats = [it["features"] for it in items]
