@@ -39,8 +39,8 @@ class BiLSTMCTC(nn.Module):
     * ``packed=False``: plain padded batches. Valid frames are still exact (an LSTM is causal
       in its reading direction, and the padding comes after the real frames in both readings).
       On CPU this is the fast path: PyTorch's packed-sequence backward runs step by step
-      through autograd, measured 30-45x slower than the fused kernel on padded input
-      (3 layers x 96 units, 8 x 685 frames, 1 thread: 10-16 s vs 0.35 s per backward).
+      through autograd, far slower than the fused kernel on padded input (benchmarks/README.md,
+      "Measurements behind library defaults").
 
     Default ``packed=None``: packed on CUDA, padded elsewhere.
 

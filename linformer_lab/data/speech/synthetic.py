@@ -155,8 +155,8 @@ def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: boo
     remove_stale_temporaries(final.parent, final.name)
     tmp = final.parent / temporary_name(final.name)
     tmp.mkdir()
-    # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded 2-core
-    # machine two OpenMP threads were measured up to 20x slower (spin-waiting on each other).
+    # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded machine
+    # two OpenMP threads spin-wait on each other (benchmarks/README.md).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -206,10 +206,8 @@ class SyntheticSpeechCorpus:
     (``offsets``, ``speaker_ids``, ``targets``, ``target_offsets``), ``<split>.text.json``
     (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
 
-    Measured on the 2-core CPU machine (shared, load average 7-10): the default 3 h corpus
-    (2601 utterances of 4.1 s on average, 13.3 s at most; 2088/260/253 per split) took 103 s,
-    i.e. 105x real time with two synthesis helpers. Disk: 115.5 MB per hour of audio, plus
-    28.9 MB per hour for each feature cache (144 MB per hour in all).
+    Generation runs about 100x faster than real time with two synthesis helpers, and the corpus
+    takes about 145 MB per hour of audio with one feature cache (benchmarks/README.md).
 
     Args:
         root: cache root (default ``~/.cache/linformer_lab/speech``).
