@@ -66,6 +66,15 @@ def test_print_only_and_unknown_skip_through_the_command_line(tmp_path):
     assert any(line.startswith("jsonargparse==") for line in printed)
     assert not any(line.startswith("lightning==") for line in printed)
     assert not (tmp_path / "w").exists()  # nothing downloaded
+    freeze = tmp_path / "node.txt"
+    freeze.write_text("lightning==2.6.6\nnumpy==2.2.0\n")
+    readme_form = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "w"), "--python", "3.12", "--skip", "numpy",
+                                  "--skip", "pillow", "--skip-installed", str(freeze), "--with-fla", "--print-only"],
+                                 capture_output=True, text=True, cwd=REPO)
+    assert readme_form.returncode == 0, readme_form.stderr
+    listed = readme_form.stdout.split()
+    assert "flash-linear-attention" in listed
+    assert not any(line.startswith(("numpy==", "pillow==", "lightning==")) for line in listed)
     bad = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "w"), "--print-only", "--skip", "lightnin"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "lightnin" in bad.stderr and "not in uv.lock" in bad.stderr
