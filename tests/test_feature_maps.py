@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.feature_maps import FeatureMap
@@ -64,6 +65,9 @@ def _softmax_kernel_error(name: str, num_features: int, seed: int = 0) -> float:
     q = 0.4 * torch.randn(64, d, generator=gen, dtype=torch.float64)
     k = 0.4 * torch.randn(64, d, generator=gen, dtype=torch.float64)
     exact = torch.exp(q @ k.T / math.sqrt(d))
+    # the map declares what it estimates: the softmax kernel, and no closed form of its own
+    assert fm.exact_kernel(q, k) is None
+    assert_close(f"{name}: approximated_kernel", exact, fm.approximated_kernel(q, k), rtol=1e-12, atol=1e-12)
     estimate = fm(q) @ fm(k).T
     return ((estimate - exact).norm() / exact.norm()).item()
 
