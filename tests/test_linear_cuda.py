@@ -268,6 +268,70 @@ def test_kernels_emulated_on_cpu(emulator, tmp_path, arch, dtype, bh, n, d, m):
         assert rel_err(x, ref) < TOL[dtype], (name, rel_err(x, ref))
 
 
+def _run_emulator(exe, tmp_path, q, k, v, g):
+    """The kernel source's forward and gradients for (bh, n, d) / (bh, n, m) inputs, run by the
+    CPU emulation: ``(out, grad_q, grad_k, grad_v)`` in the inputs' dtype."""
+    import numpy as np
+
+    bh, n, d = q.shape
+    m = v.shape[-1]
+    for name, t in zip("qkvg", (q, k, v, g)):
+        t.contiguous().view(torch.uint8).numpy().tofile(tmp_path / f"{name}.bin")
+    code = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[q.dtype]
+    proc = subprocess.run([str(exe), code, str(bh), str(n), str(d), str(m), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def read(name, shape):
+        return torch.from_numpy(np.fromfile(tmp_path / f"{name}.bin", dtype="uint8")).view(q.dtype).reshape(shape).clone()
+
+    return read("out", v.shape), read("gq", q.shape), read("gk", k.shape), read("gv", v.shape)
+
+
+@pytest.mark.cuda_emulation
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch, dtype", [(800, torch.float32), (800, torch.bfloat16), (700, torch.float16)])
+def test_kernel_state_in_and_out_emulated(emulator, tmp_path, arch, dtype):
+    """linear_cuda's state path: the kernel source (CPU emulation) as the stateless numerator
+    inside ``dot_product_with_state``, exactly as ``lcuda.causal_dot_product`` composes it on a
+    GPU, against autograd of the float64 recurrence from an initial state: outputs, final state
+    and the gradients of q, k, v and the initial state."""
+    from linformer_lab.ops.linear_attention import dot_product_with_state
+
+    class Emulated(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return _run_emulator(emulator[arch], tmp_path, q[0], k[0], v[0], torch.zeros_like(v[0]))[0][None]
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v = ctx.saved_tensors
+            _, gq, gk, gv = _run_emulator(emulator[arch], tmp_path, q[0], k[0], v[0], grad_out[0].to(q.dtype).contiguous())
+            return gq[None], gk[None], gv[None]
+
+    q, k, v, g = (t[:, 0][None] for t in make_inputs(2, 1, 70, 33, 40, dtype, seed=11))  # (1, BH=2, N, D)
+    gen = torch.Generator().manual_seed(12)
+    s0 = torch.randn(1, 2, 33, 40, generator=gen)
+    g_final = torch.randn(1, 2, 33, 40, generator=gen)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    state = s0.clone().requires_grad_(True)
+    out, final = dot_product_with_state(Emulated.apply, *leaves, initial_state=state, return_final_state=True)
+    torch.autograd.backward([out, final], [g, g_final])
+
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref_state = s0.double().requires_grad_(True)
+    states = ref_state.unsqueeze(2) + torch.einsum("bhnc,bhnm->bhncm", ref_leaves[1], ref_leaves[2]).cumsum(2)
+    ref_out = torch.einsum("bhnc,bhncm->bhnm", ref_leaves[0], states)
+    torch.autograd.backward([ref_out, states[:, :, -1]], [g.double(), g_final.double()])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    pairs = [("out", out, ref_out), ("final", final, states[:, :, -1]), ("grad S0", state.grad, ref_state.grad)]
+    pairs += [(f"grad {n}", a.grad, b.grad) for n, a, b in zip("qkv", leaves, ref_leaves)]
+    for name, got, want in pairs:
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < tol, (name, rel_err(got, want))
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU tests
 # ------------------------------------------------------------------------------------------------

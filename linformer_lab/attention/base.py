@@ -16,6 +16,19 @@ class Attention(nn.Module):
     positions >= ``key_lengths[b]`` are padding: softmax and linear still attend from them,
     lsh returns zeros there; mask them out downstream.
 
+    State in and out of the parallel form (backends with ``supports_state``):
+    ``forward(q, k, v, key_lengths=None, state=None, return_state=False)``. ``state`` is what an
+    earlier forward returned or what ``step`` built: the new positions attend to it as to
+    keys that came before them. With ``return_state`` the result is ``(out, state)``, the state
+    after the last position, which ``step`` and another ``forward`` continue from; keys at
+    positions >= ``key_lengths`` do not enter it. Causal linear: ``(S, Z)``; softmax: a
+    :class:`KVCache`; lsh: the :class:`KVCache` of its prefix.
+
+    Packed variable-length sequences (backends with ``supports_packed``):
+    ``forward(q, k, v, cu_seqlens=offsets)`` with ``q, k (1, H, T, D)``, ``v (1, H, T, M)``,
+    the sequences concatenated along T, and ``cu_seqlens`` int64 ``(S + 1,)`` = ``[0, n_1,
+    n_1 + n_2, ..., T]``: each sequence attends only within itself, as if run alone.
+
     ``step(q_t, k_t, v_t, state=None)``: RNN mode (paper §3.4), one position at a time:
     ``(B, H, D), (B, H, D), (B, H, M) -> ((B, H, M), state)``. ``state=None`` starts from the
     empty prefix; every call attends over everything fed so far, so the outputs equal the
@@ -31,6 +44,10 @@ class Attention(nn.Module):
     #: arranged (lsh: chunk membership). Their ``step`` recomputes the attention over the
     #: prefix, and a model stacking them must recompute all layers over the prefix too.
     has_recurrent_form: bool = True
+    #: Backends whose ``forward`` takes ``state=`` and ``return_state=`` set this.
+    supports_state: bool = False
+    #: Backends whose ``forward`` takes ``cu_seqlens=`` (packed sequences) set this.
+    supports_packed: bool = False
 
     def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None):
         super().__init__()
@@ -68,6 +85,23 @@ class Attention(nn.Module):
         if key_lengths is not None:
             check_key_lengths(key_lengths, batch=q.shape[0], seq=q.shape[2], device=q.device, who=name)
 
+    def check_state_request(self, state, return_state: bool, cu_seqlens=None, key_lengths=None) -> None:
+        """Raise a clear error if this backend is asked for something it does not support."""
+        name = type(self).__name__
+        if (state is not None or return_state) and not self.supports_state:
+            raise ValueError(
+                f"attention backend {name} does not take or return a state in its parallel forward "
+                f"(supports_state = False); the built-in 'linear', 'linear_cuda', 'softmax' and 'lsh' do"
+            )
+        if cu_seqlens is not None:
+            if not self.supports_packed:
+                raise ValueError(
+                    f"attention backend {name} does not take packed sequences (cu_seqlens; supports_packed = False); "
+                    f"the built-in 'linear', 'linear_cuda' and 'softmax' do. Pad the batch and pass key_lengths instead"
+                )
+            if key_lengths is not None:
+                raise ValueError(f"{name}: give either cu_seqlens (packed) or key_lengths (padded), not both")
+
     def check_step_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         name = type(self).__name__
         for label, t in (("q_t", q), ("k_t", k), ("v_t", v)):
@@ -91,6 +125,20 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
         raise ValueError(f"{who}: key_lengths must lie in [1, {seq}] (the sequence length); got values in [{low}, {high}]")
 
 
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str) -> list[int]:
+    """The offsets of packed sequences as a Python list, or a ValueError saying what is wrong."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.numel() < 2:
+        raise ValueError(f"{who}: cu_seqlens must be a 1-d integer tensor [0, n_1, n_1 + n_2, ..., T] of at least "
+                         f"2 offsets, got {cu_seqlens!r}")
+    if batch != 1:
+        raise ValueError(f"{who}: packed sequences are one row: q, k, v must be (1, heads, T, dim), got batch {batch}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != total or any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence), got {offsets}")
+    return offsets
+
+
 def _describe(feature_map) -> str:
     return repr(feature_map) if isinstance(feature_map, str) else type(feature_map).__name__
 
@@ -112,6 +160,23 @@ class SequenceBuffer:
         self._position_shape = first.shape
         self.dim = dim
         self.length = 0
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, dim: int, spare: int = 256) -> SequenceBuffer:
+        """A buffer already holding the ``x.shape[dim]`` positions of ``x`` (a parallel forward's
+        keys, say). Under autograd ``x`` itself is the storage, so gradients flow back into it;
+        otherwise it is copied into storage with room for ``spare`` more positions."""
+        self = cls.__new__(cls)
+        self.dim, self.length = dim, x.shape[dim]
+        self._position_shape = x.shape[:dim] + x.shape[dim + 1 :]
+        if torch.is_grad_enabled() and x.requires_grad:
+            self._storage = x
+        else:
+            shape = list(x.shape)
+            shape[dim] += spare
+            self._storage = x.new_empty(shape)
+            self._storage.narrow(dim, 0, self.length).copy_(x)
+        return self
 
     def append(self, x_t: torch.Tensor) -> None:
         """Append one position: ``x_t`` has the buffer's shape without the sequence axis."""
@@ -145,16 +210,36 @@ class KVCache:
     (stateful softmax, paper §C.1, and LSH's recompute baseline): two :class:`SequenceBuffer`.
 
     ``keys (B, H, T, D)`` and ``values (B, H, T, M)`` are views of the ``T`` filled positions.
+    ``valid`` is None when every cached key counts, else a bool ``(B, T)`` view saying which
+    do: a parallel forward over a padded batch (``key_lengths``) leaves its padding in the
+    cache of the shorter sequences, and ``valid`` keeps it out of every later step.
     """
 
     def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
         self._keys = SequenceBuffer(k_t, dim=2, capacity=capacity)
         self._values = SequenceBuffer(v_t, dim=2, capacity=capacity)
+        self._valid: SequenceBuffer | None = None
+
+    @classmethod
+    def from_sequence(cls, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> KVCache:
+        """A cache holding ``keys (B, H, T, D)``, ``values (B, H, T, M)`` and, if some keys are
+        padding, ``valid`` bool ``(B, T)``."""
+        self = cls.__new__(cls)
+        self._keys = SequenceBuffer.from_tensor(keys, dim=2)
+        self._values = SequenceBuffer.from_tensor(values, dim=2)
+        self._valid = None if valid is None else SequenceBuffer.from_tensor(valid, dim=1)
+        return self
 
     def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
         """Append one position: ``k_t (B, H, D)``, ``v_t (B, H, M)``."""
         self._keys.append(k_t)
         self._values.append(v_t)
+        if self._valid is not None:
+            self._valid.append(torch.ones(k_t.shape[0], dtype=torch.bool, device=k_t.device))
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return None if self._valid is None else self._valid.filled
 
     @property
     def length(self) -> int:

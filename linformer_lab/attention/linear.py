@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.attention.base import Attention
+from linformer_lab.attention.base import Attention, check_cu_seqlens
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import linear_attention as ops
 
@@ -22,10 +22,15 @@ class LinearAttention(Attention):
         chunk_size: chunk length of the causal algorithm (default: chosen from C and M).
 
     RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed
-    size whatever the sequence length.
+    size whatever the sequence length. The parallel forward takes and returns the same state
+    (``state=``, ``return_state=``): a prompt is prefilled in one pass and stepping continues
+    from it, or a long sequence runs in segments with the state carried across. Non-causal
+    attention takes it too: the state's keys are attended to alongside the new ones.
     """
 
     uses_feature_map = True
+    supports_state = True
+    supports_packed = True
 
     def __init__(
         self,
@@ -42,19 +47,30 @@ class LinearAttention(Attention):
         self.eps = eps
         self.chunk_size = chunk_size
 
-    def causal_dot_product(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Numerator of eq. 9; the CUDA backend overrides this one method."""
-        return ops.causal_dot_product(phi_q, phi_k, v, self.chunk_size)
+    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
+        """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N); the CUDA
+        backend overrides this one method."""
+        return ops.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state)
 
-    def forward(self, q, k, v, key_lengths=None):
+    def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
         self.check_inputs(q, k, v, key_lengths)
+        self.check_state_request(state, return_state, cu_seqlens, key_lengths)
         phi_q = self.feature_map.forward_queries(q)
         phi_k = self.feature_map.forward_keys(k)
+        if cu_seqlens is not None:
+            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__)
+            return ops.packed_linear_attention(
+                phi_q, phi_k, v, offsets, self.causal, eps=self.eps, dot_product=self.causal_dot_product,
+                initial_state=state, return_state=return_state,
+            )
         if self.causal:
             return ops.causal_linear_attention(
-                phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, dot_product=self.causal_dot_product
+                phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, dot_product=self.causal_dot_product,
+                initial_state=state, return_state=return_state,
             )
-        return ops.linear_attention(phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps)
+        return ops.linear_attention(
+            phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, initial_state=state, return_state=return_state
+        )
 
     def step(self, q_t, k_t, v_t, state=None):
         if state is None:

@@ -19,7 +19,7 @@ class LinearCudaAttention(LinearAttention):
                 f"Use the 'linear' backend on CPU (same arguments, same results)."
             )
 
-    def causal_dot_product(self, phi_q, phi_k, v):
+    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
         from linformer_lab.ops import cuda as cuda_ops
 
-        return cuda_ops.causal_dot_product(phi_q, phi_k, v)
+        return cuda_ops.causal_dot_product(phi_q, phi_k, v, initial_state, return_final_state)

@@ -25,11 +25,14 @@ class LSHAttention(Attention):
 
     RNN mode keeps the prefix (a KV cache) and recomputes the attention over it at every
     step, the paper's baseline for Reformer generation; the step output equals the forward
-    over the same prefix.
+    over the same prefix. The parallel forward takes and returns that prefix (``state=``,
+    ``return_state=``): with a state, the new positions are the end of the sequence
+    ``prefix + new`` and get the outputs a forward over all of it gives them.
     """
 
     shares_query_key = True
     has_recurrent_form = False
+    supports_state = True
 
     def __init__(
         self,
@@ -58,14 +61,29 @@ class LSHAttention(Attention):
         with torch.no_grad():
             self.rotations.copy_(r)
 
-    def forward(self, q, k, v, key_lengths=None):
+    def forward(self, q, k, v, key_lengths=None, state: KVCache | None = None, return_state=False, cu_seqlens=None):
         self.check_inputs(q, k, v, key_lengths)
+        self.check_state_request(state, return_state, cu_seqlens, key_lengths)
         if k is not q and not torch.equal(k, q):
             raise ValueError(
                 "lsh attention shares queries and keys (Reformer's shared-QK): pass k = q. "
                 "MultiHeadAttention does this automatically for backends with shares_query_key."
             )
-        return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths)
+        if state is None and not return_state:
+            return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths)
+        if key_lengths is not None and bool((key_lengths != q.shape[2]).any()):
+            # the prefix is one sequence of inputs for every row; padding inside it would be attended
+            raise ValueError("LSHAttention: a state (return_state / state=) needs sequences of equal length "
+                             "(key_lengths all equal to the sequence length)")
+        if state is not None:
+            if not isinstance(state, KVCache) or state.keys.shape[:2] != q.shape[:2] or state.keys.shape[-1] != q.shape[-1]:
+                raise ValueError(f"LSHAttention: state must be the KVCache prefix (B, H, T, {q.shape[-1]}) with "
+                                 f"B, H = {tuple(q.shape[:2])}, as returned by forward or step")
+            q_all, v_all = torch.cat([state.keys, q], dim=2), torch.cat([state.values, v], dim=2)
+        else:
+            q_all, v_all = q, v
+        out = lsh_attention(q_all, v_all, self.rotations, self.bucket_size, self.causal)[:, :, q_all.shape[2] - q.shape[2]:]
+        return (out, KVCache.from_sequence(q_all, v_all)) if return_state else out
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
         if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)

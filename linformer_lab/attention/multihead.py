@@ -57,13 +57,26 @@ class MultiHeadAttention(nn.Module):
         """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
         return self._split_projection(self.qkv(x))
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``."""
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state=None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``.
+
+        ``state`` / ``return_state``: the backend's state in and out (see :class:`Attention`),
+        then the result is ``(out, state)``. ``cu_seqlens``: x is ``(1, T, d_model)`` holding
+        packed sequences with these offsets.
+        """
         q, k, v = (t.transpose(1, 2) for t in self._project(x))  # (B, H, N, dim)
         if self.shares_query_key:
             k = q
-        out = self.attention(q, k, v, key_lengths=key_lengths)  # (B, H, N, value_dim)
-        return self.out(out.transpose(1, 2).flatten(2))
+        extra = {}
+        if state is not None or return_state or cu_seqlens is not None:
+            # only then: third-party backends need not accept these keywords
+            self.attention.check_state_request(state, return_state, cu_seqlens, key_lengths)
+            extra = {"state": state, "return_state": return_state, "cu_seqlens": cu_seqlens}
+        result = self.attention(q, k, v, key_lengths=key_lengths, **extra)  # (B, H, N, value_dim)
+        out, state = result if return_state else (result, None)
+        out = self.out(out.transpose(1, 2).flatten(2))
+        return (out, state) if return_state else out
 
     def step(self, x_t: torch.Tensor, state=None):
         """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``.

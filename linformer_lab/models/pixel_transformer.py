@@ -173,6 +173,19 @@ class PixelTransformer(nn.Module):
         sequence = self.to_sequence(images)
         return -self.head.log_prob(self.sequence_params(sequence), sequence)
 
+    def segment_nll(self, sequence: torch.Tensor, start: int, stop: int, state: list | None = None):
+        """NLL of positions ``start..stop-1`` given the state after positions ``< start``:
+        int ``(B, N)`` -> ``((B, stop - start)`` nats, state after ``stop - 1)``. Chained over
+        consecutive segments it equals :meth:`nll` (segmented training, see
+        :func:`~linformer_lab.models.transformer.segmented_loss`)."""
+        b = sequence.shape[0]
+        values = self.value_embedding(sequence[:, max(start - 1, 0) : stop - 1])  # inputs read position i - 1
+        if start == 0:
+            values = torch.cat([self.start.to(values.dtype).expand(b, 1, self.d_model), values], dim=1)
+        x = values + self.position_table()[start:stop]
+        hidden, state = self.transformer(x, state=state, return_state=True)
+        return -self.head.log_prob(self.head(hidden), sequence[:, start:stop]), state
+
     # ------------------------------------------------------------------ recurrent path
 
     def step(
@@ -209,6 +222,7 @@ class PixelTransformer(nn.Module):
         prefix: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         step_weights: str = "model",
+        prefill: bool = True,
     ) -> torch.Tensor:
         """Sample images sub-pixel by sub-pixel through the recurrent path (paper §3.4).
 
@@ -217,20 +231,23 @@ class PixelTransformer(nn.Module):
             temperature: see :meth:`DiscretizedMixtureOfLogistics.sample`; 0 is deterministic.
             prefix: the first ``P`` sub-pixels in sequence order, int ``(B, P)`` (e.g. the top
                 half of test images, ``images_to_sequence(x)[:, :P]``), or uint8 images
-                ``(B, C, H', W)`` holding the top ``H'`` rows. They are fed through ``step``
-                like generated values, and the rest is sampled.
+                ``(B, C, H', W)`` holding the top ``H'`` rows. They set the state (see
+                ``prefill``), and the rest is sampled.
             generator: a ``torch.Generator`` on the model's device, for reproducible samples.
             step_weights: the copy of the transformer's linear weights that the steps read
                 (:mod:`linformer_lab.ops.fast_step`): ``"model"`` (default) the model's own
                 values; ``"bfloat16"`` or ``"int8"`` (weight-only, per-output-channel scales)
                 a lossy copy with 1/2 or 1/4 of the bytes, for small-batch latency, where
                 every step reads every weight. Recurrent backends only.
+            prefill: run the prefix through the parallel forward in one pass, which returns
+                the per-layer state the steps continue from (default); False feeds it through
+                ``step`` one position at a time. Both give the same state; the parallel pass
+                reads the model's own weights whatever ``step_weights`` says.
         Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
 
         The model is put in eval mode for the call (dropout off) and restored afterwards.
         Memory per image is the per-layer state: constant for ``linear``, O(position) for
-        softmax's KV cache. The prefix costs the same per position as sampling minus the
-        output head; a parallel forward could not set the state of every backend. On CPU,
+        softmax's KV cache. On CPU,
         recurrent steps of a batch of at most :data:`SINGLE_THREAD_MAX_BATCH` run with one
         intra-op thread (the process setting is restored afterwards), and with
         ``step_weights="model"`` the transformer's linear layers read a transposed copy of
@@ -252,9 +269,16 @@ class PixelTransformer(nn.Module):
                     weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
                 table = self.position_table()  # computed once: the embeddings are fixed while sampling
                 step, head = self.transformer.step, self.head
-                state = None
+                state, first = None, 0
                 x_t = self._step_input(None, 0, table, batch_size)
-                for position in range(self.seq_len):
+                if known and prefill:
+                    # positions 0..known-1 in one parallel pass; its state is what the steps
+                    # through them would have left
+                    _, state = self.transformer(self.embed(values[:, :known]), return_state=True)
+                    first = known
+                    if first < self.seq_len:
+                        x_t = self._step_input(values[:, first - 1], first, table, batch_size)
+                for position in range(first, self.seq_len):
                     hidden, state = step(x_t, state)
                     if position >= known:  # a prefix position only sets the state: no output head
                         values[:, position] = head.sample(head(hidden), temperature=temperature, generator=generator)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from linformer_lab.attention.base import SequenceBuffer
+from linformer_lab.attention.base import KVCache, SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.fast_step import step_linear
@@ -42,9 +43,15 @@ class TransformerLayer(nn.Module):
         # it is cheaper than iterating the Sequential at every position.
         self._feedforward_parts = tuple(self.feedforward)
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.norm_attention(x), key_lengths=key_lengths))
-        return x + self.dropout(self.feedforward(self.norm_ff(x)))
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state=None, return_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """``(B, N, d_model) -> (B, N, d_model)``, with ``return_state`` ``(out, attention state)``."""
+        attended = self.attention(self.norm_attention(x), key_lengths=key_lengths, state=state, return_state=return_state,
+                                  cu_seqlens=cu_seqlens)
+        attended, state = attended if return_state else (attended, None)
+        x = x + self.dropout(attended)
+        x = x + self.dropout(self.feedforward(self.norm_ff(x)))
+        return (x, state) if return_state else x
 
     def step(self, x_t: torch.Tensor, state=None):
         """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``.
@@ -81,6 +88,13 @@ class Transformer(nn.Module):
     backends without a recurrent form (lsh) the state is the input prefix and every step
     re-runs ``forward`` on it, so step outputs equal the forward over the same prefix.
 
+    The parallel and the recurrent path share that state: ``forward(x, state=s,
+    return_state=True) -> (out, state)`` continues from ``s`` (a state from ``step`` or from an
+    earlier ``forward``; None = empty) and returns the state after ``x``, which ``step`` or the
+    next ``forward`` continues from. So a prompt is prefilled in one pass, and a long sequence
+    can run in segments (truncated back-propagation through time when the carried state is
+    detached). ``cu_seqlens`` runs packed sequences (``x (1, T, d_model)``, see :class:`Attention`).
+
     Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (anything
     :meth:`AttentionConfig.coerce` takes: a config, a backend name, a dict, None for
     ``linear``), causal, dropout.
@@ -104,10 +118,36 @@ class Transformer(nn.Module):
         )
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, key_lengths=key_lengths)
-        return self.norm(x)
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state: list | None = None,
+                return_state: bool = False, cu_seqlens: torch.Tensor | None = None):
+        if state is None and not return_state:
+            for layer in self.layers:
+                x = layer(x, key_lengths=key_lengths, cu_seqlens=cu_seqlens)
+            return self.norm(x)
+        if not self.has_recurrent_form:
+            return self._forward_prefix(x, key_lengths, state, return_state)
+        if state is not None and (not isinstance(state, (list, tuple)) or len(state) != len(self.layers)):
+            raise ValueError(f"Transformer: state must be a list of {len(self.layers)} per-layer states (from step or "
+                             f"forward(..., return_state=True)), got {type(state).__name__}")
+        new_state = []
+        for layer, layer_state in zip(self.layers, state or [None] * len(self.layers)):
+            x, layer_state = layer(x, key_lengths=key_lengths, state=layer_state, return_state=True, cu_seqlens=cu_seqlens)
+            new_state.append(layer_state)
+        x = self.norm(x)
+        return (x, new_state) if return_state else x
+
+    def _forward_prefix(self, x, key_lengths, state, return_state):
+        """``forward`` with a state for stacks without a recurrent form (lsh): the state is the
+        input prefix (what ``step`` keeps), and the stack re-runs over prefix + x."""
+        if state is not None and not isinstance(state, SequenceBuffer):
+            raise ValueError("Transformer: a stack without a recurrent form (lsh) takes as state the input prefix "
+                             "that step or forward(..., return_state=True) returned")
+        if key_lengths is not None and bool((key_lengths != x.shape[1]).any()):
+            raise ValueError("Transformer: a state for a stack without a recurrent form (lsh) needs sequences of equal "
+                             "length (key_lengths all equal to the sequence length)")
+        full = x if state is None else torch.cat([state.filled, x], dim=1)
+        out = self.forward(full)[:, full.shape[1] - x.shape[1]:]
+        return (out, SequenceBuffer.from_tensor(full, dim=1)) if return_state else out
 
     @property
     def has_recurrent_form(self) -> bool:
@@ -131,3 +171,50 @@ class Transformer(nn.Module):
             new_state.append(layer_state)
         norm = self.norm
         return torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), new_state
+
+
+def detach_state(state):
+    """A state of :meth:`Transformer.forward` / ``step`` cut from the autograd graph (the same
+    numbers): what truncated back-propagation through time carries to the next segment."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    if isinstance(state, KVCache):
+        return KVCache.from_sequence(state.keys.detach(), state.values.detach(), state.valid)
+    if isinstance(state, SequenceBuffer):
+        return SequenceBuffer.from_tensor(state.filled.detach(), dim=state.dim)
+    if hasattr(state, "joint"):  # a LinearState: S and Z are views of one buffer
+        return type(state)(state.joint.detach())
+    if isinstance(state, (list, tuple)):
+        return type(state)(detach_state(s) for s in state)
+    raise TypeError(f"detach_state: unknown state type {type(state).__name__}")
+
+
+def segmented_forward(run_segment, length: int, segment_length: int, detach: bool = False) -> list:
+    """``run_segment(start, stop, state) -> (output, state)`` over consecutive segments
+    ``[0, L), [L, 2L), ...`` of a sequence of ``length`` positions, the state carried across;
+    returns the outputs in order (callers concatenate them along the sequence).
+
+    With autograd on, every segment runs under activation checkpointing: the forward keeps only
+    each segment's output, boundary state and inputs, and the backward recomputes one segment
+    at a time, so peak training memory follows ``segment_length``, not ``length`` (for a
+    constant-size state: causal linear attention). The price is one more forward per segment.
+    The gradient is that of one pass over the whole sequence, unless ``detach`` cuts it at every
+    boundary (truncated back-propagation through time; the forward values are the same).
+    Outputs should be small (a per-position loss, not hidden states) for the memory to follow
+    the segment.
+    """
+    if segment_length < 1:
+        raise ValueError(f"segment_length must be >= 1, got {segment_length}")
+    outputs, state = [], None
+    for start in range(0, length, segment_length):
+        stop = min(length, start + segment_length)
+        if detach:
+            state = detach_state(state)
+        if torch.is_grad_enabled():
+            output, state = checkpoint(run_segment, start, stop, state, use_reentrant=False)
+        else:
+            output, state = run_segment(start, stop, state)
+        outputs.append(output)
+    return outputs

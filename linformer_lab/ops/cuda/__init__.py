@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from linformer_lab.ops.cuda import toolchain
 from linformer_lab.ops.cuda.toolchain import Arch, build, cache_root, default_archs, find_cuda_home, parse_arch_list
+from linformer_lab.ops.linear_attention import dot_product_with_state
 
 __all__ = ["Arch", "build", "cache_root", "causal_dot_product", "default_archs", "find_cuda_home", "is_available", "load",
            "parse_arch_list"]
@@ -127,8 +128,14 @@ class _CausalDotProduct(torch.autograd.Function):
         return grad_q, grad_k, grad_v
 
 
-def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None = None,
+                       return_final_state: bool = False):
     """Numerator of causal linear attention (paper eq. 9): ``out_i = sum_{j<=i} (q_i . k_j) v_j``.
+
+    With ``initial_state`` S_0 ``(B, H, D, M)``: ``out_i = q_i^T S_0 + ...``; with
+    ``return_final_state``: ``(out, S_N = S_0 + K^T V)`` (fp32 for half inputs). The kernel
+    computes the stateless part; the state enters by the exact identity of
+    :func:`~linformer_lab.ops.linear_attention.dot_product_with_state` (two cuBLAS matmuls).
 
     Args:
         q: ``(B, H, N, D)`` feature-mapped queries.
@@ -140,4 +147,6 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
         ``(B, H, N, M)`` in the input dtype (accumulated in float32). Differentiable in all three
         inputs; the backward pass (eq. 13-15) uses O(N (D + M)) memory.
     """
-    return _CausalDotProduct.apply(q, k, v)
+    if initial_state is None and not return_final_state:
+        return _CausalDotProduct.apply(q, k, v)
+    return dot_product_with_state(_CausalDotProduct.apply, q, k, v, initial_state, return_final_state)

@@ -25,10 +25,14 @@ __all__ = [
     "LinearState",
     "causal_dot_product",
     "causal_linear_attention",
+    "check_linear_state",
+    "dot_product_with_state",
+    "joint_state",
     "default_chunk_size",
     "linear_attention",
     "linear_attention_step",
     "new_linear_state",
+    "packed_linear_attention",
 ]
 
 
@@ -41,18 +45,45 @@ def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor |
     return phi_k * valid, v * valid
 
 
+def check_linear_state(state, phi_k: torch.Tensor, v: torch.Tensor, who: str = "linear attention"):
+    """``state`` as ``(S (B, H, C, M), Z (B, H, C))`` fitting ``phi_k (B, H, N, C)`` and ``v (B, H, N, M)``,
+    or a ValueError that says what was expected."""
+    b, h, _, c = phi_k.shape
+    m = v.shape[-1]
+    if not (isinstance(state, (tuple, list)) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
+        raise ValueError(f"{who}: state must be a pair (S (B, H, C, M), Z (B, H, C)) of tensors, e.g. a returned "
+                         f"state; got {type(state).__name__}")
+    s, z = state
+    if tuple(s.shape) != (b, h, c, m) or tuple(z.shape) != (b, h, c):
+        raise ValueError(f"{who}: state S {tuple(s.shape)}, Z {tuple(z.shape)} does not fit these inputs: expected "
+                         f"S {(b, h, c, m)}, Z {(b, h, c)} (batch, heads, feature dim, value dim)")
+    if s.device != v.device or z.device != v.device:
+        raise ValueError(f"{who}: state is on {s.device} but the inputs are on {v.device}")
+    return s, z
+
+
+def joint_state(s: torch.Tensor, z: torch.Tensor) -> LinearState:
+    """``(S (B, H, C, M), Z (B, H, C))`` as a :class:`LinearState`, the layout the RNN step
+    reads fastest (one copy; differentiable)."""
+    return LinearState(torch.cat([s, z.unsqueeze(-1)], dim=-1))
+
+
 def linear_attention(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
     v: torch.Tensor,
     key_lengths: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> torch.Tensor:
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+):
     """Non-causal linear attention by associativity (eq. 5-6): phi(Q) (phi(K)^T V) / phi(Q) z.
 
-    Args: phi_q ``(B, H, N, C)``, phi_k ``(B, H, L, C)``, v ``(B, H, L, M)``, key_lengths ``(B,)``.
-    Returns ``(B, H, N, M)``. Cost O(N C M); the ``(C, M)`` key-value summary and the
-    normaliser are accumulated in fp32 for half inputs.
+    Args: phi_q ``(B, H, N, C)``, phi_k ``(B, H, L, C)``, v ``(B, H, L, M)``, key_lengths ``(B,)``;
+    ``initial_state`` ``(S_0, Z_0)``: the summaries of keys seen before (also attended to).
+    Returns ``(B, H, N, M)``, with ``return_state`` also the state ``(S, Z)`` = ``(S_0 + phi(K)^T V,
+    Z_0 + sum_j phi(K_j))`` as a :class:`LinearState`. Cost O(N C M); the ``(C, M)`` key-value
+    summary and the normaliser are accumulated in fp32 for half inputs.
     """
     compute, out_dtype = compute_dtype(phi_q.dtype), v.dtype
     with torch.autocast(phi_q.device.type, enabled=False):  # keep the fp32 accumulation under autocast
@@ -60,8 +91,36 @@ def linear_attention(
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
         kv = phi_k.transpose(-1, -2) @ v  # (B, H, C, M)
         z = phi_k.sum(dim=-2)  # (B, H, C)
+        if initial_state is not None:
+            s0, z0 = check_linear_state(initial_state, phi_k, v)
+            kv, z = kv + s0.to(compute), z + z0.to(compute)
         denominator = (phi_q @ z.unsqueeze(-1)) + eps  # (B, H, N, 1)
-        return ((phi_q @ kv) / denominator).to(out_dtype)
+        out = ((phi_q @ kv) / denominator).to(out_dtype)
+    return (out, joint_state(kv, z)) if return_state else out
+
+
+def dot_product_with_state(dot_product, phi_q, phi_k, v, initial_state=None, return_final_state=False):
+    """Give a causal numerator kernel ``dot_product(phi_q, phi_k, v)`` without a state argument
+    (the CUDA kernel) an initial and a final state, exactly:
+
+        out_i = phi(q_i)^T S_0 + kernel(phi_q, phi_k, v)_i,     S_N = S_0 + phi(K)^T V.
+
+    Two more matmuls of O(N C M) (fp32 for half inputs), no ``(N, C, M)`` tensor; autograd
+    differentiates them (grad S_0 = phi(Q)^T G + grad S_N, grad S_N into phi(K) and V).
+    """
+    out = dot_product(phi_q, phi_k, v)
+    if initial_state is None and not return_final_state:
+        return out
+    compute = compute_dtype(phi_q.dtype)
+    with torch.autocast(phi_q.device.type, enabled=False):
+        if initial_state is not None:
+            out = (out.to(compute) + phi_q.to(compute) @ initial_state.to(compute)).to(out.dtype)
+        if not return_final_state:
+            return out
+        final = phi_k.to(compute).transpose(-1, -2) @ v.to(compute)
+        if initial_state is not None:
+            final = final + initial_state.to(compute)
+    return out, final
 
 
 def causal_linear_attention(
@@ -71,22 +130,83 @@ def causal_linear_attention(
     key_lengths: torch.Tensor | None = None,
     eps: float = 1e-6,
     dot_product=causal_dot_product,
-) -> torch.Tensor:
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+):
     """Causal linear attention (eq. 9-12): V'_i = phi(Q_i)^T S_i / phi(Q_i)^T Z_i.
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
-    ``dot_product`` computes the numerator (the pure-PyTorch :func:`causal_dot_product` or
-    the CUDA kernel's). Returns ``(B, H, N, M)`` in v's dtype.
+    ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
+    numerator (the pure-PyTorch :func:`causal_dot_product` or the CUDA kernel's);
+    ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
+    (from an earlier segment: the parallel form continues the recurrence), None = empty.
+    Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last
+    position ``(S_N, Z_N)`` as a :class:`LinearState` (fp32 for half inputs), exactly what
+    :func:`linear_attention_step` continues from. Keys at positions >= ``key_lengths`` enter
+    neither the outputs nor the state, so the state is the one of the unpadded sequence.
+    Gradients flow into ``initial_state`` and out of the returned state.
 
-    The normaliser Z_i = sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory, in fp32.
+    The normaliser Z_i = Z_0 + sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory, in fp32.
     """
     if not (phi_q.dtype == phi_k.dtype == v.dtype):
         # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
         phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
     phi_k, v = _mask_keys(phi_k, v, key_lengths)
-    numerator = dot_product(phi_q, phi_k, v)
     compute = compute_dtype(phi_q.dtype)
+    s0 = z0 = None
+    if initial_state is not None:
+        s0, z0 = check_linear_state(initial_state, phi_k, v, "causal linear attention")
+    if s0 is None and not return_state:
+        numerator, s_final = dot_product(phi_q, phi_k, v), None
+    else:
+        result = dot_product(phi_q, phi_k, v, initial_state=s0, return_final_state=return_state)
+        numerator, s_final = result if return_state else (result, None)
     with torch.autocast(phi_q.device.type, enabled=False):
         z = phi_k.to(compute).cumsum(dim=-2)  # (B, H, N, C)
+        if z0 is not None:
+            z = z + z0.to(compute).unsqueeze(-2)
         denominator = (phi_q.to(compute) * z).sum(dim=-1, keepdim=True) + eps
-        return (numerator.to(compute) / denominator).to(v.dtype)
+        out = (numerator.to(compute) / denominator).to(v.dtype)
+        if not return_state:
+            return out
+        if z.shape[-2]:
+            z_final = z[:, :, -1]
+        else:
+            z_final = z0.to(compute) if z0 is not None else phi_k.new_zeros(phi_k.shape[:2] + phi_k.shape[-1:], dtype=compute)
+    return out, joint_state(s_final.to(compute), z_final)
+
+
+def packed_linear_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: list[int],
+    causal: bool,
+    eps: float = 1e-6,
+    dot_product=causal_dot_product,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+):
+    """Linear attention over packed sequences: ``phi_q, phi_k (1, H, T, C)``, ``v (1, H, T, M)``
+    holding S sequences back to back, ``offsets = [0, n_1, n_1 + n_2, ..., T]``.
+
+    Every sequence is attended within itself, with its own state: ``initial_state`` and the
+    returned state are ``(S (S, H, C, M), Z (S, H, C))``, one row per sequence. No padding is
+    computed. The sequences run one after another (one call of the causal or non-causal form
+    each): the per-sequence work is O(n_i C M) matmuls, so the loop costs a few Python calls per
+    sequence and layer.
+    """
+    outs, states = [], []
+    forward = causal_linear_attention if causal else linear_attention
+    extra = {"dot_product": dot_product} if causal else {}
+    for i, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
+        part = (phi_q[:, :, start:stop], phi_k[:, :, start:stop], v[:, :, start:stop])
+        state_i = None if initial_state is None else (initial_state[0][i : i + 1], initial_state[1][i : i + 1])
+        result = forward(*part, eps=eps, initial_state=state_i, return_state=return_state, **extra)
+        out_i, state_i = result if return_state else (result, None)
+        outs.append(out_i)
+        states.append(state_i)
+    out = torch.cat(outs, dim=2)
+    if not return_state:
+        return out
+    return out, joint_state(torch.cat([s for s, _ in states]), torch.cat([z for _, z in states]))

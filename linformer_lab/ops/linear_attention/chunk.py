@@ -81,28 +81,36 @@ def _row_blocks(qc: torch.Tensor, value_dim: int) -> list[slice]:
     return [slice(r, min(total_rows, r + rows)) for r in range(0, total_rows, rows)]
 
 
-def _exclusive_scan_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """In place along dim 1 (chunks): each entry becomes the sum of the entries strictly
-    before it (or strictly after, with ``reverse``). ``(rows, n, C, M)``, returns ``x``.
+def _exclusive_scan_(x: torch.Tensor, reverse: bool = False, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """In place along dim 1 (chunks): each entry becomes ``initial`` plus the sum of the entries
+    strictly before it (or strictly after, with ``reverse``). ``x (rows, n, C, M)``, ``initial
+    (rows, C, M)`` or None for zero. Returns the running sum past the last entry: ``initial``
+    plus all entries (the final state of the forward scan).
 
     A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache,
     much faster than ``torch.cumsum`` along a non-innermost dim (benchmarks/README.md), and in
     place because a fresh output costs page faults on first touch.
     """
-    if x.shape[1] == 0:  # an empty sequence has no chunks
-        return x
-    running = torch.zeros_like(x[:, 0])
+    running = x.new_zeros(x.shape[0], *x.shape[2:]) if initial is None else initial.to(x.dtype, copy=True)
     spare = torch.empty_like(running)
     order = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
     for i in order:
         torch.add(running, x[:, i], out=spare)  # sum up to and including i
         x[:, i].copy_(running)  # sum strictly before i
         running, spare = spare, running
-    return x
+    return running
 
 
 class CausalDotProduct(torch.autograd.Function):
-    """Numerator of eq. 9 with the constant-memory backward of eq. 13-15.
+    """Numerator of eq. 9 with the constant-memory backward of eq. 13-15, optionally continuing
+    from an initial state and returning the final one.
+
+    ``apply(q, k, v, chunk_size=None, initial_state=None, return_final_state=False)``:
+    ``initial_state`` is S_0 ``(B, H, C, M)`` (the state of everything before position 0), so
+    out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T); with ``return_final_state`` the result is
+    ``(out, S_N)``, S_N = S_0 + sum_j k_j v_j^T in the compute dtype (fp32 for half inputs).
+    Gradients flow into S_0 (grad S_0 = sum_i q_i g_i^T + grad S_N) and from S_N into k and v:
+    both are the suffix state R of the backward scan started at grad S_N instead of 0.
 
     Works on ``(B H, n, L, X)`` chunked views, on CPU in blocks of rows: every temporary is
     one block's worth (~8 MiB), so it stays in cache and is recycled by the allocator instead
@@ -115,21 +123,24 @@ class CausalDotProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
+                initial_state: torch.Tensor | None = None, return_final_state: bool = False):
         # Autocast would run the matmuls below in bf16/fp16 and save a half-precision state;
         # we accumulate in fp32 ourselves, so autocast is off in both passes.
         with torch.autocast(q.device.type, enabled=False):
-            return CausalDotProduct._forward(ctx, q, k, v, chunk_size)
+            return CausalDotProduct._forward(ctx, q, k, v, chunk_size, initial_state, return_final_state)
 
     @staticmethod
-    def _forward(ctx, q, k, v, chunk_size):
+    def _forward(ctx, q, k, v, chunk_size, initial_state, return_final_state):
         chunk = chunk_size or default_chunk_size(q.shape[-1], v.shape[-1])
         compute = compute_dtype(q.dtype)
         qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
         rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
+        initial = None if initial_state is None else initial_state.reshape(rows, c, m)
         # S before each chunk (eq. 10 at chunk boundaries): (B H, n, C, M). Kept for the
         # backward pass: it is (N / L) C M <= N max(C, M) numbers and saves recomputing it.
         prefix = qc.new_empty(rows, n_chunks, c, m)
+        final = qc.new_empty(rows, c, m) if return_final_state else None
         # [i, j] = q_i . k_j for j <= i inside each chunk. grad V needs exactly these scores
         # again; keeping them costs N L numbers and saves a third of the backward's
         # intra-chunk matmuls. Past max(C, M) they would outgrow the inputs: recomputed.
@@ -140,7 +151,9 @@ class CausalDotProduct(torch.autograd.Function):
             q3, k3, v3 = (_rows(t, block) for t in (qc, kc, vc))
             prefix3 = _rows(prefix, block)
             torch.bmm(k3.transpose(1, 2), v3, out=prefix3)
-            _exclusive_scan_(prefix[block])
+            last = _exclusive_scan_(prefix[block], initial=None if initial is None else initial[block])
+            if final is not None:
+                final[block] = last
             if keep_scores:
                 scores3 = torch.bmm(q3, k3.transpose(1, 2), out=_rows(scores, block))
             else:
@@ -149,36 +162,62 @@ class CausalDotProduct(torch.autograd.Function):
             # intra-chunk term, then the state term accumulated by BLAS (beta = 1) in place
             torch.bmm(scores3, v3, out=_rows(out, block)).baddbmm_(q3, prefix3)
         ctx.chunk = chunk
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
         ctx.save_for_backward(q, k, v, prefix, *((scores,) if keep_scores else ()))
-        return _unchunked(out, q)
+        out = _unchunked(out, q)
+        if final is None:
+            return out
+        return out, final.view(*q.shape[:2], c, m)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return CausalDotProduct._backward(ctx, grad_out)
+    def backward(ctx, grad_out: torch.Tensor | None, grad_final: torch.Tensor | None = None):
+        saved = ctx.saved_tensors  # read once: activation checkpointing allows one unpack
+        with torch.autocast(saved[0].device.type, enabled=False):
+            return CausalDotProduct._backward(ctx, saved, grad_out, grad_final)
 
     @staticmethod
-    def _backward(ctx, grad_out):
-        q, k, v, prefix, *kept = ctx.saved_tensors
+    def _backward(ctx, saved, grad_out, grad_final):
+        q, k, v, prefix, *kept = saved
         chunk, compute = ctx.chunk, prefix.dtype
+        if grad_out is None:
+            grad_out = torch.zeros_like(v)
         qc, kc, vc, gc = (_chunked(t, chunk, compute) for t in (q, k, v, grad_out))
-        n_chunks, c, m = qc.shape[1], qc.shape[-1], vc.shape[-1]
+        rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
+        grad_end = None if grad_final is None else grad_final.reshape(rows, c, m)
+        grad_initial = qc.new_empty(rows, c, m) if ctx.initial_dtype is not None else None
         grad_q, grad_k, grad_v = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
         for block in _row_blocks(qc, m):
             q3, k3, v3, g3 = (_rows(t, block) for t in (qc, kc, vc, gc))
             # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
             gv_scores = torch.bmm(g3, v3.transpose(1, 2)).tril_()  # [i, j] = g_i . v_j, j <= i
             torch.bmm(gv_scores, k3, out=_rows(grad_q, block)).baddbmm_(g3, _rows(prefix, block).transpose(1, 2))
-            # eq. 14-15 with R = sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
+            # eq. 14-15 with R = grad S_N + sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
             suffix = torch.bmm(q3.transpose(1, 2), g3)
-            _exclusive_scan_(suffix.view(block.stop - block.start, n_chunks, c, m), reverse=True)
+            total = _exclusive_scan_(suffix.view(block.stop - block.start, n_chunks, c, m), reverse=True,
+                                     initial=None if grad_end is None else grad_end[block])
+            if grad_initial is not None:
+                grad_initial[block] = total  # grad S_0 = R_0, the suffix state before position 0
             torch.bmm(gv_scores.transpose(1, 2), q3, out=_rows(grad_k, block)).baddbmm_(v3, suffix.transpose(1, 2))
             del gv_scores
             qk_scores = _rows(kept[0], block) if kept else torch.bmm(q3, k3.transpose(1, 2)).tril_()
             torch.bmm(qk_scores.transpose(1, 2), g3, out=_rows(grad_v, block)).baddbmm_(k3, suffix)
-        return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None
+        if grad_initial is not None:
+            grad_initial = grad_initial.view(*q.shape[:2], c, m).to(ctx.initial_dtype)
+        return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None, grad_initial, None
 
 
-def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-    """out_i = sum_{j <= i} (q_i . k_j) v_j: ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``."""
-    return CausalDotProduct.apply(q, k, v, chunk_size)
+def causal_dot_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk_size: int | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+):
+    """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``.
+
+    ``initial_state`` S_0 ``(B, H, C, M)`` (None = 0); with ``return_final_state`` returns
+    ``(out, S_N (B, H, C, M))``, S_N in fp32 for half inputs. See :class:`CausalDotProduct`.
+    """
+    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
