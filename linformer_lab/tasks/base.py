@@ -42,6 +42,19 @@ class Task(L.LightningModule):
         return config
 
 
+def check_segment_length(segment_length: int | None, transformer, backend: str) -> None:
+    """Raise a ValueError unless ``segment_length`` is None or usable with this transformer."""
+    if segment_length is None:
+        return
+    if int(segment_length) < 1:
+        raise ValueError(f"segment_length must be a positive number of positions or None, got {segment_length}")
+    if not transformer.has_recurrent_form:
+        raise ValueError(
+            f"segment_length needs an attention backend whose state carries the past exactly ('linear', "
+            f"'linear_cuda', 'softmax'); {backend!r} has no recurrent form (its outputs depend on later positions)"
+        )
+
+
 def task_settings(model: L.LightningModule) -> tuple[str | None, str, tuple[str, ...]]:
     """``(monitor, monitor_mode, training_hparams)`` of any LightningModule: a :class:`Task`'s
     declared values, or the defaults above for other modules."""

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models.transformer import Transformer
-from linformer_lab.tasks.base import Task
+from linformer_lab.models.transformer import Transformer, segmented_forward
+from linformer_lab.tasks.base import Task, check_segment_length
 
 
 class CopyTask(Task):
@@ -39,6 +39,11 @@ class CopyTask(Task):
         lr_decay_steps: optimizer updates after which the learning rate is multiplied by
             ``lr_decay_factor`` (paper: 3000 and 0.1); None keeps it constant.
         weight_decay: RAdam weight decay.
+        segment_length: train on consecutive segments of this many tokens with the attention
+            state carried across (None: the whole sequence at once); peak memory then follows the
+            segment (:func:`~linformer_lab.models.transformer.segmented_forward`).
+        detach_state: cut the gradient at segment boundaries (truncated back-propagation
+            through time).
 
     Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
     logits (B, n, vocab_size)`` for any n <= sequence_length.
@@ -49,7 +54,8 @@ class CopyTask(Task):
     monitor_mode = "min"
     #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
     #: (optimisation only; the CLI's checkpoint check compares all others)
-    training_hparams = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout")
+    training_hparams = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
+                        "detach_state")
 
     def __init__(
         self,
@@ -65,6 +71,8 @@ class CopyTask(Task):
         lr_decay_steps: int | None = 3000,
         lr_decay_factor: float = 0.1,
         weight_decay: float = 0.0,
+        segment_length: int | None = None,
+        detach_state: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -77,6 +85,7 @@ class CopyTask(Task):
             n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, attention=attention
         )
         self.head = nn.Linear(d_model, vocab_size)
+        check_segment_length(segment_length, self.transformer, attention.backend)
         # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
         # stream then starts at the scale of what the layers add to it.
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -99,14 +108,27 @@ class CopyTask(Task):
         positions = torch.arange(n, device=tokens.device)
         return self.head(self.transformer(self.embed(tokens, positions)))
 
-    def copy_loss(self, tokens: torch.Tensor, target_mask: torch.Tensor):
+    def segment_logits(self, tokens: torch.Tensor, start: int, stop: int, state=None):
+        """Logits of positions ``start..stop-1`` given the state after ``< start``:
+        ``((B, stop - start, vocab_size), state)``; chained over segments it equals :meth:`forward`."""
+        positions = torch.arange(start, stop, device=tokens.device)
+        hidden, state = self.transformer(self.embed(tokens[:, start:stop], positions), state=state, return_state=True)
+        return self.head(hidden), state
+
+    def copy_loss(self, tokens: torch.Tensor, target_mask: torch.Tensor, segment_length: int | None = None):
         """Teacher-forced next-token loss on the copied positions.
 
         Returns ``(loss, correct, count)``: mean cross-entropy over the copy tokens, and how many
         of the ``count`` copy tokens the greedy argmax predicts right.
         """
         # Predict token t+1 from tokens <= t: the model never needs the last column as input.
-        logits = self(tokens[:, :-1])  # (B, N-1, V)
+        inputs = tokens[:, :-1]
+        if segment_length:
+            pieces = segmented_forward(lambda a, b, state: self.segment_logits(inputs, a, b, state), inputs.shape[1],
+                                       segment_length, self.hparams.detach_state)
+            logits = torch.cat(pieces, dim=1)
+        else:
+            logits = self(inputs)  # (B, N-1, V)
         targets, mask = tokens[:, 1:], target_mask[:, 1:]
         picked_logits, picked_targets = logits[mask].float(), targets[mask]  # (T, V), (T,)
         loss = F.cross_entropy(picked_logits, picked_targets)
@@ -117,7 +139,7 @@ class CopyTask(Task):
 
     def training_step(self, batch, batch_idx):
         tokens, target_mask = batch
-        loss, _, _ = self.copy_loss(tokens, target_mask)
+        loss, _, _ = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"))
         self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
         return loss
 

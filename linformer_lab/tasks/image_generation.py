@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
-from linformer_lab.tasks.base import Task
+from linformer_lab.models.transformer import segmented_forward
+from linformer_lab.tasks.base import Task, check_segment_length
 from linformer_lab.tasks.callbacks import (
     completion_triptychs,
     image_grid,
@@ -72,6 +73,12 @@ class ImageGenerationTask(Task):
         predict_batch_size: batch size of the unconditional-only predict run (no dataloader).
         output_dir: predict's output folder (default ``<log_dir>/predictions``).
         png_scale: enlargement of the PNGs predict writes.
+        segment_length: train on consecutive segments of this many sub-pixels with the
+            attention state carried across (None: the whole sequence at once). Peak memory then
+            follows the segment (see :func:`~linformer_lab.models.transformer.segmented_loss`);
+            the loss and, without ``detach_state``, the gradient are those of one pass.
+        detach_state: cut the gradient at segment boundaries (truncated back-propagation
+            through time).
 
     ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``training_hparams``
     which arguments a checkpoint may have had different.
@@ -82,7 +89,7 @@ class ImageGenerationTask(Task):
     #: Arguments that may differ between a checkpoint and the configuration that loads it
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
     training_hparams = ("lr", "weight_decay", "dropout", "temperature", "step_weights", "predict_num_samples",
-                        "predict_batch_size", "output_dir", "png_scale")
+                        "predict_batch_size", "output_dir", "png_scale", "segment_length", "detach_state")
 
     def __init__(
         self,
@@ -102,6 +109,8 @@ class ImageGenerationTask(Task):
         predict_batch_size: int = 16,
         output_dir: str | None = None,
         png_scale: int = 4,
+        segment_length: int | None = None,
+        detach_state: bool = False,
     ):
         super().__init__()
         image_shape = [int(s) for s in image_shape]
@@ -112,6 +121,7 @@ class ImageGenerationTask(Task):
             num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
         )
         self.model.check_step_weights(step_weights)  # a bad config fails here, not at predict time
+        check_segment_length(segment_length, self.model.transformer, config.backend)
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
         self.test_bpd = BitsPerDim()
@@ -138,7 +148,15 @@ class ImageGenerationTask(Task):
         return self.model.nll(self._images(batch))  # (B, N) nats
 
     def training_step(self, batch, batch_idx):
-        nll = self._nll(batch)
+        if self.hparams.get("segment_length"):
+            sequence = self.model.to_sequence(self._images(batch))
+            pieces = segmented_forward(
+                lambda start, stop, state: self.model.segment_nll(sequence, start, stop, state),
+                sequence.shape[1], self.hparams.segment_length, self.hparams.detach_state,
+            )
+            nll = torch.cat(pieces, dim=1)  # (B, N) nats, as one pass gives
+        else:
+            nll = self._nll(batch)
         loss = nll.mean() / math.log(2.0)  # bits/dim
         self.train_bpd.update(nll)
         batch_size = nll.shape[0]
