@@ -77,6 +77,12 @@ class BiLSTMCTC(nn.Module):
         self.head = nn.Linear(2 * hidden_size, num_phonemes)
 
     def _run(self, lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor, packed: bool) -> torch.Tensor:
+        if not x.is_cuda and torch.is_autocast_enabled("cpu"):
+            # CPU bf16 autocast sends the LSTM to oneDNN's bf16 kernel, which CPUs without bf16
+            # instructions (measured: an AMD EPYC) reject with "could not create a primitive
+            # descriptor"; the LSTM runs in fp32 there instead
+            with torch.autocast("cpu", enabled=False):
+                return self._run(lstm, x.float(), lengths, packed)
         if not packed:
             return lstm(x)[0]
         sequence = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
