@@ -159,3 +159,40 @@ def test_per_states_reduce_by_sum():
     right.update([[C]], [[A]])  # 1 / 1
     left.merge_state(right)
     assert left.compute().item() == pytest.approx(2 / 4)
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+@pytest.mark.parametrize("subsample", [1, 2])
+def test_packed_transformer_ctc_equals_padded(attention, subsample, monkeypatch):
+    """packed=True (the layers on utterances back to back, cu_seqlens) gives the padded model's
+    log-probs and gradients at every real frame, and really runs packed."""
+    from linformer_lab.models.ctc import TransformerCTC
+
+    torch.manual_seed(0)
+    padded = TransformerCTC(56, attention=attention, d_model=32, n_layers=2, n_heads=2, subsample=subsample).double()
+    packed = TransformerCTC(56, attention=attention, d_model=32, n_layers=2, n_heads=2, subsample=subsample,
+                            packed=True).double()
+    packed.load_state_dict(padded.state_dict())
+    features = torch.randn(3, 20, 40, dtype=torch.float64)
+    lengths = torch.tensor([20, 7, 13])
+    calls = []
+    backend = packed.transformer.layers[0].attention.attention
+    original = type(backend).forward
+    monkeypatch.setattr(type(backend), "forward", lambda self, *a, **k: calls.append(k.get("cu_seqlens")) or original(self, *a, **k))
+    (want, want_lengths), (got, got_lengths) = padded(features, lengths), packed(features, lengths)
+    assert torch.equal(want_lengths, got_lengths)
+    assert calls and calls[-1] is not None and calls[-1].tolist()[-1] == int(got_lengths.sum())
+    real = torch.arange(want.shape[1])[None] < want_lengths[:, None]
+    assert torch.allclose(want[real], got[real], rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(want) * real[..., None]
+    for p, q in zip(padded.parameters(), packed.parameters()):
+        (gp,) = torch.autograd.grad((want * g).sum(), p, retain_graph=True)
+        (gq,) = torch.autograd.grad((got * g).sum(), q, retain_graph=True)
+        assert torch.allclose(gp, gq, rtol=1e-9, atol=1e-10)
+
+
+def test_packed_needs_a_backend_that_takes_packed_sequences():
+    from linformer_lab.models.ctc import TransformerCTC
+
+    with pytest.raises(ValueError, match="packed=True needs an attention backend"):
+        TransformerCTC(56, attention="lsh", d_model=32, n_layers=1, n_heads=1, packed=True)

@@ -192,12 +192,17 @@ def test_training_logs_epoch_time_per_and_halves_lr_on_plateau(tiny_datamodule, 
 # ------------------------------------------------------------------ configs through the CLI
 
 CONFIGS = ["speech_linear", "speech_softmax", "speech_lsh4", "speech_bilstm"]
+CPU_CONFIGS = ["speech_cpu_linear", "speech_cpu_softmax", "speech_cpu_lsh4", "speech_cpu_bilstm"]
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_config_fast_dev_run(name, speech_root, tmp_path):
-    """``cli.py fit --config configs/NAME.yaml --trainer.fast_dev_run=true`` with a tiny model/corpus."""
-    if name == "speech_bilstm":
+@pytest.mark.parametrize("name, extra", [(n, []) for n in CONFIGS + CPU_CONFIGS]
+                         + [("speech_cpu_linear", ["--model.packed", "true"]), ("speech_cpu_softmax", ["--model.packed", "true"])])
+def test_config_fast_dev_run(name, extra, speech_root, tmp_path):
+    """``cli.py fit --config configs/NAME.yaml --trainer.fast_dev_run=true`` with a tiny model/corpus;
+    the CPU recipe also with ``--model.packed true`` (docs/cli.md)."""
+    if name.startswith("speech_cpu"):
+        extra = [*extra, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    if name.endswith("bilstm"):
         size = ["--model.lstm_hidden=8", "--model.lstm_layers=1"]
     else:
         size = ["--model.d_model=12", "--model.n_heads=2", "--model.n_layers=1"]
@@ -207,7 +212,7 @@ def test_config_fast_dev_run(name, speech_root, tmp_path):
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.default_root_dir={tmp_path}",
         f"--data.root={speech_root}", f"--data.hours={TINY_HOURS}", "--data.batch_size=2",
-        "--data.progress=false", *size,
+        "--data.progress=false", *size, *extra,
     ])
     assert code == 0, err[-3000:]
 

@@ -78,8 +78,20 @@ class TransformerCTC(nn.Module):
             a dict of its fields, None for ``linear``).
         positions: ``"sinusoidal"`` (fixed, any length) or ``"learned"`` (an embedding of
             ``max_positions`` rows; longer inputs are an error).
+        position_scale: factor of the sinusoidal encodings; None = ``1 / sqrt(d_model)``.
+            At amplitude 1 (Vaswani et al.'s, who scale the *embeddings* up by sqrt(d_model)
+            instead) the encodings carry as much variance as the projected features, and the
+            model first spends its updates learning to see past them: CTC training then sits
+            on the all-blank plateau far longer (``benchmarks/results/speech_probes.md``:
+            never left in 600 updates at 1, left after ~260 at 1/sqrt(d_model)).
         subsample: 1 (the paper: one transformer position per 10 ms frame) or 2 (a stride-2
             convolution first halves the sequence, ~4x cheaper softmax attention).
+        packed: run the transformer layers on the utterances packed back to back (one row,
+            ``cu_seqlens`` offsets) instead of the padded batch: no padding is computed. The
+            projection, convolution and positions still run on the padded batch (per frame,
+            cheap), and the output comes back padded. Same results; whether it is faster
+            depends on how much padding the batches hold (``benchmarks/results/speech_packed.md``).
+            Needs a backend with ``supports_packed`` (linear, softmax).
     """
 
     def __init__(
@@ -95,6 +107,8 @@ class TransformerCTC(nn.Module):
         positions: str = "sinusoidal",
         max_positions: int = 4096,
         subsample: int = 1,
+        position_scale: float | None = None,
+        packed: bool = False,
     ):
         super().__init__()
         if positions not in ("sinusoidal", "learned"):
@@ -104,6 +118,7 @@ class TransformerCTC(nn.Module):
         self.subsample = subsample
         self.positions = positions
         self.d_model = d_model
+        self.position_scale = d_model**-0.5 if position_scale is None else float(position_scale)
         if subsample == 1:
             self.input_projection = nn.Linear(feature_dim, d_model)
         else:
@@ -117,6 +132,11 @@ class TransformerCTC(nn.Module):
             n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, attention=attention
         )
         self.head = nn.Linear(d_model, num_phonemes)
+        self.packed = packed
+        backend = self.transformer.layers[0].attention.attention
+        if packed and not backend.supports_packed:
+            raise ValueError(f"packed=True needs an attention backend that takes packed sequences ('linear', "
+                             f"'linear_cuda', 'softmax'); {type(backend).__name__} does not")
 
     def embed(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, F), (B,) -> (B, T', d_model), (B,)``: projection plus positions."""
@@ -131,7 +151,7 @@ class TransformerCTC(nn.Module):
         lengths = subsampled_lengths(lengths, self.subsample)
         n = x.shape[1]
         if self.positions == "sinusoidal":
-            x = x + sinusoidal_positions(n, self.d_model, device=x.device, dtype=x.dtype)
+            x = x + self.position_scale * sinusoidal_positions(n, self.d_model, device=x.device, dtype=x.dtype)
         else:
             if n > self.position_embedding.num_embeddings:
                 raise ValueError(
@@ -143,7 +163,14 @@ class TransformerCTC(nn.Module):
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, out_lengths = self.embed(features, lengths)
-        x = self.transformer(x, key_lengths=out_lengths)
+        if self.packed:
+            valid = length_mask(out_lengths, x.shape[1])  # (B, T')
+            offsets = torch.zeros(len(out_lengths) + 1, dtype=torch.long, device=x.device)
+            offsets[1:] = out_lengths.cumsum(0)
+            packed = self.transformer(x[valid].unsqueeze(0), cu_seqlens=offsets)  # (1, sum T', d)
+            x = x.new_zeros(x.shape).masked_scatter(valid[..., None], packed[0])
+        else:
+            x = self.transformer(x, key_lengths=out_lengths)
         # log_softmax in fp32: under bf16 autocast the logits are bf16, whose 8-bit mantissa
         # would quantise the log-probabilities CTC sums over thousands of paths.
         return torch.log_softmax(self.head(x).float(), dim=-1), out_lengths

@@ -47,8 +47,12 @@ class SpeechRecognitionTask(Task):
         d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
             (paper: 9 layers x 6 heads x 32 dims, d_model 192).
         positions: ``"sinusoidal"`` or ``"learned"`` position encodings (transformer).
+        position_scale: factor of the sinusoidal encodings (None = 1/sqrt(d_model); see
+            :class:`~linformer_lab.models.ctc.TransformerCTC`).
         max_positions: rows of the learned position table.
         subsample: 1 (paper: one position per frame) or 2 (stride-2 convolution first).
+        packed: the transformer layers run on the utterances packed back to back (no padding
+            computed; see :class:`~linformer_lab.models.ctc.TransformerCTC`); linear/softmax.
         lstm_hidden, lstm_layers: Bi-LSTM shape (paper: 320 per direction, 3 layers);
             ``dropout`` also applies between LSTM layers.
         lstm_packed: run the Bi-LSTM on packed sequences (True), on padded batches (False,
@@ -56,6 +60,8 @@ class SpeechRecognitionTask(Task):
         optimizer: ``"radam"`` or ``"adam"``; None = the paper's choice for the encoder
             (transformer: RAdam, bilstm: Adam).
         lr: initial learning rate; None = the paper's (transformer 1e-4, bilstm 1e-3).
+        warmup_steps: the learning rate rises linearly from ``lr / warmup_steps`` to ``lr``
+            over the first optimizer steps (0 = none); the plateau schedule takes over after.
         weight_decay: optimizer weight decay.
         lr_factor, lr_patience, min_lr: ``ReduceLROnPlateau`` on ``val/per`` (paper: halve).
         beam_width: decoding for ``test``/``predict``: 1 = greedy (also what validation always
@@ -74,7 +80,7 @@ class SpeechRecognitionTask(Task):
     #: lstm_packed only picks how the same LSTMs run.
     training_hparams = (
         "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
-        "lstm_packed",
+        "lstm_packed", "warmup_steps", "packed",
     )
 
     def __init__(
@@ -91,11 +97,14 @@ class SpeechRecognitionTask(Task):
         positions: str = "sinusoidal",
         max_positions: int = 4096,
         subsample: int = 1,
+        position_scale: float | None = None,
+        packed: bool = False,
         lstm_hidden: int = 320,
         lstm_layers: int = 3,
         lstm_packed: bool | None = None,
         optimizer: str | None = None,
         lr: float | None = None,
+        warmup_steps: int = 0,
         weight_decay: float = 0.0,
         lr_factor: float = 0.5,
         lr_patience: int = 1,
@@ -113,6 +122,8 @@ class SpeechRecognitionTask(Task):
             raise ValueError(f"optimizer must be 'radam' or 'adam', got {optimizer!r}")
         if lr is None:
             lr = 1e-4 if encoder == "transformer" else 1e-3
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters()
         # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
         # resolved optimizer/lr so a checkpoint records what actually ran.
@@ -125,7 +136,7 @@ class SpeechRecognitionTask(Task):
             self.model = TransformerCTC(
                 num_phonemes, feature_dim, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
                 dropout=dropout, attention=attention, positions=positions,
-                max_positions=max_positions, subsample=subsample,
+                max_positions=max_positions, subsample=subsample, position_scale=position_scale, packed=packed,
             )
         else:
             self.model = BiLSTMCTC(
@@ -176,6 +187,16 @@ class SpeechRecognitionTask(Task):
         return beam_decode(log_probs, lengths, beam_width=beam_width)
 
     # ------------------------------------------------------------------ Lightning
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        # Linear warm-up, written into the optimizer before its step: a LambdaLR beside the
+        # plateau scheduler would reset the learning rate to its base at every step and undo
+        # the plateau's halvings.
+        warmup = self.hparams.get("warmup_steps", 0)
+        if warmup and self.trainer.global_step < warmup:
+            lr = self.hparams.lr * (self.trainer.global_step + 1) / warmup
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = lr
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self.ctc_loss(batch)
