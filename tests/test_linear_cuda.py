@@ -742,3 +742,30 @@ int main(int argc, char** argv) {
   return 0;
 }
 """
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_cuda_segments_with_state_equal_one_pass(dtype):
+    """linear_cuda on a GPU: segments with the state carried == one forward, values and the
+    gradients of q, k, v, against the float64 one-pass reference of the pure-PyTorch backend."""
+    import linformer_lab as ll
+
+    torch.manual_seed(0)
+    attn = ll.build_attention("linear_cuda", causal=True, query_dim=32)
+    q, k, v = (torch.randn(2, 4, 300, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    state, outs = None, []
+    for a, b in ((0, 64), (64, 100), (100, 300)):
+        out, state = attn(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, return_state=True)
+        outs.append(out)
+    got = torch.cat(outs, 2)
+    reference_attn = ll.build_attention("linear", causal=True, query_dim=32).double()
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want = reference_attn(*leaves)
+    g = torch.randn_like(want)
+    got.backward(g.to(dtype))
+    want.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert rel_err(got, want) < tol
+    for t, ref in zip((q, k, v), leaves):
+        assert rel_err(t.grad, ref.grad) < tol
