@@ -75,13 +75,17 @@ def test_generate_keeps_linear_state_constant(feature_map):
     assert all(p == rec.pointers[0] for p in rec.pointers)  # the very same buffers, updated in place
 
 
-def test_colour_images_and_a_prefix_keep_the_state_constant():
+@pytest.mark.parametrize("prefill", [True, False])
+def test_colour_images_and_a_prefix_keep_the_state_constant(prefill):
+    """Prefilled in one pass, the prefix's 24 sub-pixels take no step; stepped, all 48 do. Either
+    way the state the steps update is the same size throughout, updated in place."""
     model = _model(image_shape=(3, 4, 4))
     prefix = torch.randint(0, 256, (2, 3, 2, 4), dtype=torch.uint8)  # the top two rows
     with _Recorder(model) as rec:
-        completed = model.generate(2, prefix=prefix, generator=torch.Generator().manual_seed(1))
+        completed = model.generate(2, prefix=prefix, generator=torch.Generator().manual_seed(1), prefill=prefill)
     assert torch.equal(completed[:, :, :2], prefix)
-    assert len(rec.sizes) == model.seq_len == 48
+    assert model.seq_len == 48
+    assert len(rec.sizes) == (24 if prefill else 48)
     assert set(rec.sizes) == {_expected_bytes(model, 2)}
     assert all(p == rec.pointers[0] for p in rec.pointers)
 
