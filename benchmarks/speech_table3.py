@@ -91,23 +91,36 @@ def cli_commands(name: str, args) -> list[list[str]]:
             [sys.executable, str(REPO / "cli.py"), "test", *common, "--ckpt_path=best"]]
 
 
+def max_epochs(name: str) -> int:
+    import yaml
+
+    return int(yaml.safe_load(config_path(name).read_text())["trainer"]["max_epochs"])
+
+
 def train_all(names: list[str], args) -> None:
     """Fit + test every model, ``--parallel`` at a time, each with ``--threads`` torch threads.
-    A model whose test metrics exist is skipped (rerun with --fresh)."""
+    A model whose test result is there and whose epochs reach the config's ``max_epochs`` is
+    skipped; one with fewer epochs (the config was raised) resumes from its ``last.ckpt``
+    (``--ckpt_path last``: optimizer, schedule and data order continue as if never stopped)."""
+    import shutil
     import subprocess
 
-    todo = [n for n in names if args.fresh or collect(n, args).get("test_per") is None]
+    def needs_training(name):
+        done = collect(name, args)
+        return args.fresh or done.get("test_per") is None or done.get("epochs_done", 0) < max_epochs(name)
+
+    todo = [n for n in names if needs_training(n)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     running: list[tuple[str, subprocess.Popen, list, float, object]] = []
     while todo or running:
         while todo and len(running) < args.parallel:
             name = todo.pop(0)
             if args.fresh and run_dir(name, args).exists():
-                import shutil
-
                 shutil.rmtree(run_dir(name, args))
             run_dir(name, args).mkdir(parents=True, exist_ok=True)
             commands = cli_commands(name, args)
+            if (run_dir(name, args) / "checkpoints" / "last.ckpt").exists():
+                commands[0].append("--ckpt_path=last")
             log = open(run_dir(name, args) / "cli.log", "a")
             print(f"{name}: {' '.join(commands[0][1:])}  ({load_line()})", flush=True)
             running.append((name, subprocess.Popen(commands[0], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
@@ -123,7 +136,8 @@ def train_all(names: list[str], args) -> None:
                 log.close()
                 continue
             if rest:
-                (run_dir(name, args) / "fit_wall_s.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+                with open(run_dir(name, args) / "fit_wall_s.txt", "a") as f:  # one line per invocation
+                    f.write(f"{time.perf_counter() - start:.1f}\n")
                 running.append((name, subprocess.Popen(rest[0], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
                                 rest[1:], time.perf_counter(), log))
             else:
@@ -138,31 +152,39 @@ def collect(name: str, args) -> dict:
 
     root = run_dir(name, args)
     out: dict = {}
+    by_epoch: dict[int, tuple[int, int, float]] = {}  # a resumed fit logs into a new version: merged
+    times: list[float] = []
     for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
         rows = list(csv.DictReader(metrics.open()))
-        if any(r.get("val/per") for r in rows):
-            val = [(int(r["step"]), int(r["epoch"]), float(r["val/per"])) for r in rows if r.get("val/per")]
-            times = [float(r["train/epoch_time_s"]) for r in rows if r.get("train/epoch_time_s")]
-            losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-            out.update({"val_curve": val, "val_per_history": [v for _, _, v in val], "val_per": val[-1][2],
-                        "epochs_done": len(val), "updates": val[-1][0], "epoch_wall_s": sum(times) / max(len(times), 1),
-                        "final_train_loss": losses[-1] if losses else None})
+        for r in rows:
+            if r.get("val/per"):
+                by_epoch[int(r["epoch"])] = (int(r["step"]) + 1, int(r["epoch"]), float(r["val/per"]))
+        times += [float(r["train/epoch_time_s"]) for r in rows if r.get("train/epoch_time_s")]
         test = [r for r in rows if r.get("test/per")]
         if test:
             out["test_per"], out["test_loss"] = float(test[-1]["test/per"]), float(test[-1]["test/loss"])
+    if by_epoch:
+        val = [by_epoch[e] for e in sorted(by_epoch)]
+        out.update({"val_curve": val, "val_per_history": [v for _, _, v in val], "val_per": val[-1][2],
+                    "epochs_done": len(val), "updates": val[-1][0], "epoch_wall_s": sum(times) / max(len(times), 1)})
     wall = root / "fit_wall_s.txt"
     if wall.exists():
-        out["fit_wall_s"] = float(wall.read_text())
+        out["fit_wall_s"] = sum(float(x) for x in wall.read_text().split())
     return out
 
 
+#: "no longer improving": the last fifth of the epochs may beat the best before by less than this
+#: (absolute PER), about the epoch-to-epoch noise of validation PER on ~180 utterances
+CONVERGENCE_TOLERANCE = 0.005
+
+
 def converged(history: list[float]) -> bool:
-    """The issue's criterion: the best validation PER of the last fifth of the epochs is no
-    better than the best before them."""
+    """Validation PER no longer improving over the last fifth of the epochs: their best is not
+    better than the best before them by :data:`CONVERGENCE_TOLERANCE` or more."""
     if len(history) < 5:
         return False
     tail = max(1, len(history) // 5)
-    return min(history[-tail:]) >= min(history[:-tail])
+    return min(history[-tail:]) > min(history[:-tail]) - CONVERGENCE_TOLERANCE
 
 
 # ------------------------------------------------------------------ 2. long utterances
@@ -376,7 +398,7 @@ def plot_curves(results: dict, names: list[str], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for n, curve in curves.items():
-        steps, per = [s + 1 for s, _, _ in curve], [100 * v for _, _, v in curve]
+        steps, per = [s for s, _, _ in curve], [100 * v for _, _, v in curve]
         line, = ax.plot(steps, per, marker="o", markersize=3, label=f"{PAPER_NAMES[n]} (test {100 * results[n].get('test_per', float('nan')):.1f}%)")
         ax.axhline(PAPER[n][0], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_xlabel("updates (batches of utterances)")
