@@ -168,6 +168,31 @@ def test_paper_defaults_and_validation():
 # ------------------------------------------------------------------ Lightning loop
 
 
+def test_warmup_rises_linearly_then_leaves_the_learning_rate_alone(tiny_datamodule):
+    """warmup_steps=3: the optimizer steps at lr/3, 2 lr/3, lr, lr; after that the warm-up no
+    longer writes the learning rate, so what a schedule sets (here a callback, standing in for
+    the plateau's halving) stays."""
+    seen = []
+
+    class RecordLR(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen.append(optimizer.param_groups[0]["lr"])
+
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                trainer.optimizers[0].param_groups[0]["lr"] = 1e-7
+
+    torch.manual_seed(0)
+    model = SpeechRecognitionTask(**TINY, lr=3e-6, warmup_steps=3)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, limit_train_batches=3, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[RecordLR()])
+    trainer.fit(model, datamodule=tiny_datamodule)
+    assert seen == pytest.approx([1e-6, 2e-6, 3e-6, 3e-6, 1e-7, 1e-7])
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SpeechRecognitionTask(**TINY, warmup_steps=-1)
+
+
 def test_training_logs_epoch_time_per_and_halves_lr_on_plateau(tiny_datamodule, tmp_path):
     torch.manual_seed(0)
     # lr so small that val/per cannot improve: patience 0 -> ReduceLROnPlateau halves it
@@ -229,3 +254,24 @@ def test_librispeech_configs_differ_only_in_data():
             assert json.dumps(speech[section], sort_keys=True) == json.dumps(libri[section], sort_keys=True)
         trainer = dict(libri["trainer"], default_root_dir=speech["trainer"]["default_root_dir"])
         assert trainer == speech["trainer"]
+
+
+def test_readme_speech_commands_fit_then_test_best(speech_root, tmp_path):
+    """The README's speech commands, ``fit --config speech_cpu_linear.yaml`` then ``test
+    --config speech_cpu_linear.yaml --ckpt_path best``, at toy size through the real CLI: the
+    warm-up, the convolution front-end and the CSV logger of the config work together, and the
+    best checkpoint is tested."""
+    common = [
+        "--config", "speech_cpu_linear.yaml", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--data.root={speech_root}", f"--data.hours={TINY_HOURS}", "--data.batch_size=2", "--data.progress=false",
+        "--model.d_model=12", "--model.n_heads=2", "--model.n_layers=1",
+    ]
+    code, out, err = run_cli(["fit", *common, "--trainer.max_epochs=2", "--trainer.limit_train_batches=3",
+                              "--model.warmup_steps=4"])
+    assert code == 0, err[-3000:]
+    assert any(tmp_path.glob("checkpoints/best-*.ckpt"))
+    code, out, err = run_cli(["test", *common, "--ckpt_path", "best"])
+    assert code == 0, err[-3000:]
+    tested = [r for v in tmp_path.glob("version_*") for r in read_metrics(v) if "test/per" in r]
+    assert tested and 0.0 <= tested[-1]["test/per"] <= 10.0
