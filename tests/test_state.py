@@ -477,3 +477,22 @@ def test_segmented_training_through_the_cli(tmp_path):
         assert losses and all(torch.isfinite(torch.tensor(losses)))
         hparams = (next(root.glob("version_*")) / "hparams.yaml").read_text()
         assert "segment_length: 4" in hparams
+
+
+def test_readme_segmented_mnist_command_through_the_cli(tmp_path):
+    """The README's ``fit --config mnist_linear.yaml --model.segment_length 196
+    --model.detach_state false``, at toy size (1 layer, 8 images): one segmented training
+    step on real MNIST through the real CLI, and the settings reach the checkpoint."""
+    from conftest import run_cli
+
+    args = ["fit", "--config", "mnist_linear.yaml", "--model.segment_length", "196", "--model.detach_state", "false",
+            "--model.n_layers=1", "--model.d_model=16", "--model.n_heads=2", "--model.d_ff=32", "--model.num_mixtures=2",
+            "--data.batch_size=4", "--data.limit_train=8", "--data.limit_val=4", "--data.limit_test=4",
+            "--trainer.max_steps=2", "--trainer.precision=32-true", "--trainer.accelerator=cpu", "--trainer.devices=1",
+            "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", "--trainer.callbacks=[]",
+            f"--trainer.default_root_dir={tmp_path}"]
+    code, out, err = run_cli(args)
+    assert code == 0, err[-3000:]
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["hyper_parameters"]["segment_length"] == 196 and ckpt["hyper_parameters"]["detach_state"] is False
+    assert ckpt["global_step"] == 2
