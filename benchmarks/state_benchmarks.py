@@ -67,7 +67,7 @@ def completion(batch: int, repeats: int, threads: int) -> list[dict]:
         return lambda: model.generate(batch, 1.0, prefix=prefix, prefill=prefill, generator=torch.Generator().manual_seed(0))
 
     parts = interleaved_medians({"prefix: parallel": prefix_parallel, "prefix: stepped": prefix_stepped}, repeats)
-    wholes = interleaved_medians({"whole: prefill": whole(True), "whole: stepped": whole(False)}, max(1, repeats // 2))
+    wholes = interleaved_medians({"whole: prefill": whole(True), "whole: stepped": whole(False)}, repeats)
     t = {k: v["median"] for k, v in {**parts, **wholes}.items()}
     return [
         {"part": "completion", "batch": batch, "what": "prefix (392 positions)", "stepped_s": t["prefix: stepped"],
@@ -99,31 +99,38 @@ def segment_step(n: int, segment: int | None, d_model: int, layers: int, threads
         loss = nn.functional.cross_entropy(head(hidden).flatten(0, 1), tokens[0, start + 1 : stop + 1], reduction="sum")
         return loss, state
 
-    def step():
+    def step(length=n):
         if segment is None:
-            loss, _ = run(0, n, None)
+            loss, _ = run(0, length, None)
         else:
-            loss = sum(segmented_forward(run, n, segment))
-        (loss / n).backward()
+            loss = sum(segmented_forward(run, length, min(segment, length)))
+        (loss / length).backward()
 
-    step()  # warm-up: allocator pools and thread start are not the cost of this N
-    start = time.perf_counter()
+    # Warm-up at a tiny length: code pages and thread pools are not the cost of this N, and a
+    # full-size warm-up would leave its memory in the allocator's free lists (no RSS increase then)
+    step(256)
     memory = peak_rss_increase(step)
-    seconds = time.perf_counter() - start
-    return {"peak_mb": memory["peak_increase"] / 2**20, "seconds": seconds}
+    start = time.perf_counter()
+    step()  # timed on a second call: the first one also paid the page faults of fresh memory
+    return {"peak_mb": memory["peak_increase"] / 2**20, "seconds": time.perf_counter() - start}
 
 
 def segments(args) -> list[dict]:
     rows = []
     for segment in (None, args.segment):
-        status, result = run_in_child(segment_step, dict(n=args.n, segment=segment, d_model=args.d_model, layers=args.layers,
-                                                         threads=args.threads), timeout_s=1800)
-        if status != "ok":
-            print(f"segments {segment}: {status} {result}", flush=True)
+        kwargs = dict(n=args.n, segment=segment, d_model=args.d_model, layers=args.layers, threads=args.threads)
+        # Memory with a fixed mmap threshold: glibc otherwise raises the threshold as memory is
+        # freed, serves the next segment's tensors from the heap and keeps freed pages resident,
+        # so RSS would count memory no tensor holds any more. Time with the default allocator
+        # (the fixed threshold makes every large allocation fault its pages in anew).
+        status, memory = run_in_child(segment_step, kwargs, timeout_s=1800, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+        status_t, timing = run_in_child(segment_step, kwargs, timeout_s=1800)
+        if status != "ok" or status_t != "ok":
+            print(f"segments {segment}: {status} {memory} / {status_t} {timing}", flush=True)
             continue
         rows.append({"part": "segments", "what": f"N = {args.n}, " + ("one segment" if segment is None else f"segments of {segment}"),
-                     "segment": segment or args.n, "peak_mb": result["peak_mb"], "seconds": result["seconds"],
-                     "us_per_token": 1e6 * result["seconds"] / args.n})
+                     "segment": segment or args.n, "peak_mb": memory["peak_mb"], "seconds": timing["seconds"],
+                     "us_per_token": 1e6 * timing["seconds"] / args.n})
         print(rows[-1], flush=True)
     return rows
 
@@ -209,12 +216,14 @@ def main() -> None:
     if args.speech_batches == 0:
         args.speech_batches = None
     rows: list[dict] = []
+    if "segments" in args.parts:
+        # first: its peak-RSS figures came out 8x higher (~900 MB) when the children were started
+        # after the completion part than when they ran first (~120 MB), cause not found
+        rows += segments(args)
     if "completion" in args.parts:
         for batch in args.batches:
             rows += completion(batch, args.repeats, args.threads)
             print(rows[-2:], flush=True)
-    if "segments" in args.parts:
-        rows += segments(args)
     if "speech" in args.parts:
         rows += speech(args)
     info = machine_info()
@@ -224,6 +233,7 @@ def main() -> None:
     write_csv(str(out.with_suffix(".csv")), rows)
     lines = [
         "# State in and out of the parallel form: prefill, segments, packed speech", "",
+        "Reading: benchmarks/README.md (\"state_benchmarks.py and causal_state_overhead.py\").", "",
         f"`benchmarks/state_benchmarks.py --parts {' '.join(args.parts)}` ({time.strftime('%Y-%m-%d')}); {info['cpu']}, "
         f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}.", "",
     ]
@@ -231,7 +241,7 @@ def main() -> None:
     if comp:
         lines += ["## MNIST completion of the bottom half (paper model, linear, untrained weights)", "",
                   "| batch | what | stepped s | prefill s | speedup |", "|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['what']} | {r['stepped_s']:.3f} | {r['prefill_s']:.3f} | {r['speedup']:.1f}x |" for r in comp]
+        lines += [f"| {r['batch']} | {r['what']} | {r['stepped_s']:.3f} | {r['prefill_s']:.3f} | {r['speedup']:.2f}x |" for r in comp]
         lines += [""]
     seg = [r for r in rows if r["part"] == "segments"]
     if seg:
