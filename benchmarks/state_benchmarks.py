@@ -37,7 +37,7 @@ from common import interleaved_medians, machine_info, peak_rss_increase, run_in_
 # ------------------------------------------------------------------ 1. completion
 
 
-def completion(batch: int, repeats: int, threads: int) -> list[dict]:
+def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> list[dict]:
     import torch
 
     from linformer_lab.models.pixel_transformer import PixelTransformer
@@ -45,8 +45,8 @@ def completion(batch: int, repeats: int, threads: int) -> list[dict]:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = PixelTransformer("linear", n_layers=8, n_heads=8, d_model=256, d_ff=1024, num_mixtures=10).eval()
-    prefix = torch.randint(0, 256, (batch, 1, 14, 28), dtype=torch.uint8)
+    model = PixelTransformer("linear", n_layers=8, n_heads=8, d_model=256, d_ff=1024, num_mixtures=10).to(device).eval()
+    prefix = torch.randint(0, 256, (batch, 1, 14, 28), dtype=torch.uint8).to(device)
     known = 14 * 28
     sequence = model.to_sequence(torch.cat([prefix, prefix], dim=2))
 
@@ -64,15 +64,17 @@ def completion(batch: int, repeats: int, threads: int) -> list[dict]:
                 _, state = model.transformer.step(inputs[:, position], state)
 
     def whole(prefill):
-        return lambda: model.generate(batch, 1.0, prefix=prefix, prefill=prefill, generator=torch.Generator().manual_seed(0))
+        return lambda: model.generate(batch, 1.0, prefix=prefix, prefill=prefill,
+                                      generator=torch.Generator(device=device).manual_seed(0))
 
-    parts = interleaved_medians({"prefix: parallel": prefix_parallel, "prefix: stepped": prefix_stepped}, repeats)
-    wholes = interleaved_medians({"whole: prefill": whole(True), "whole: stepped": whole(False)}, repeats)
+    parts = interleaved_medians({"prefix: parallel": prefix_parallel, "prefix: stepped": prefix_stepped}, repeats,
+                                device=device)
+    wholes = interleaved_medians({"whole: prefill": whole(True), "whole: stepped": whole(False)}, repeats, device=device)
     t = {k: v["median"] for k, v in {**parts, **wholes}.items()}
     return [
-        {"part": "completion", "batch": batch, "what": "prefix (392 positions)", "stepped_s": t["prefix: stepped"],
+        {"part": "completion", "device": device, "batch": batch, "what": "prefix (392 positions)", "stepped_s": t["prefix: stepped"],
          "prefill_s": t["prefix: parallel"], "speedup": t["prefix: stepped"] / t["prefix: parallel"]},
-        {"part": "completion", "batch": batch, "what": "whole completion (784 positions)", "stepped_s": t["whole: stepped"],
+        {"part": "completion", "device": device, "batch": batch, "what": "whole completion (784 positions)", "stepped_s": t["whole: stepped"],
          "prefill_s": t["whole: prefill"], "speedup": t["whole: stepped"] / t["whole: prefill"]},
     ]
 
@@ -204,6 +206,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["completion", "segments", "speech"], choices=["completion", "segments", "speech"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64], help="completion batch sizes")
+    p.add_argument("--device", default="cpu", help="device of the completion part (cuda on a GPU node)")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n", type=int, default=2**16, help="tokens of the segmented training step")
@@ -222,7 +225,7 @@ def main() -> None:
         rows += segments(args)
     if "completion" in args.parts:
         for batch in args.batches:
-            rows += completion(batch, args.repeats, args.threads)
+            rows += completion(batch, args.repeats, args.threads, args.device)
             print(rows[-2:], flush=True)
     if "speech" in args.parts:
         rows += speech(args)
@@ -239,7 +242,7 @@ def main() -> None:
     ]
     comp = [r for r in rows if r["part"] == "completion"]
     if comp:
-        lines += ["## MNIST completion of the bottom half (paper model, linear, untrained weights)", "",
+        lines += [f"## MNIST completion of the bottom half (paper model, linear, untrained weights, {args.device})", "",
                   "| batch | what | stepped s | prefill s | speedup |", "|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['what']} | {r['stepped_s']:.3f} | {r['prefill_s']:.3f} | {r['speedup']:.2f}x |" for r in comp]
         lines += [""]
