@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
-from common import interleaved_medians, machine_info, write_csv  # noqa: E402
+from common import interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
 
 from linformer_lab.ops.linear_attention import causal_dot_product  # noqa: E402
 
@@ -93,12 +93,10 @@ def main() -> None:
         f"{args.threads} threads, torch {torch.__version__}; forward+backward, fp32, median of {args.repeats} "
         "interleaved calls.",
         "",
-        "| B | H | N | C | M | old ms | new ms | new+state ms | new / old | new+state / new |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        markdown_table(["B", "H", "N", "C", "M", "old ms", "new ms", "new+state ms", "new / old", "new+state / new"],
+                       [[r[k] for k in ("B", "H", "N", "C", "M", "old_ms", "new_ms", "new+state_ms", "new_over_old",
+                                        "state_over_new")] for r in rows]),
     ]
-    for r in rows:
-        lines.append(f"| {r['B']} | {r['H']} | {r['N']} | {r['C']} | {r['M']} | {r['old_ms']} | {r['new_ms']} | "
-                     f"{r['new+state_ms']} | {r['new_over_old']} | {r['state_over_new']} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

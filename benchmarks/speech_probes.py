@@ -79,20 +79,18 @@ def build(name: str, args):
         kwargs["attention"] = AttentionConfig("softmax")
     if name == "bilstm":
         kwargs = dict(encoder="bilstm", lstm_hidden=96, lstm_layers=3, dropout=0.0)
-    if name in ("small_sinusoidal", "final", "final_softmax"):
+    if name in ("small_sinusoidal", *FINAL):
         kwargs["position_scale"] = None  # the library default, 1/sqrt(d_model)
     if name == "learned_positions" or name in RECIPE:
         kwargs["positions"] = "learned"
+    if name == "no_positions":
+        kwargs["position_scale"] = 0.0
     if name in ("conv_frontend", "recipe_conv", *FINAL):
         kwargs["subsample"] = 2
     task = SpeechRecognitionTask(**kwargs)
-    if name == "no_positions":
-        import linformer_lab.models.ctc as ctc
-
-        ctc.sinusoidal_positions = lambda n, d, device=None, dtype=torch.float32: torch.zeros(n, d, device=device, dtype=dtype)
-    if name == "post_norm":
+    if name == "post_norm":  # no library option: the layers' forward is replaced for this probe
         for layer in task.model.transformer.layers:
-            def forward(x, key_lengths=None, layer=layer):
+            def forward(x, key_lengths=None, cu_seqlens=None, layer=layer):
                 x = layer.norm_attention(x + layer.attention(x, key_lengths=key_lengths))
                 return layer.norm_ff(x + layer.feedforward(x))
             layer.forward = forward

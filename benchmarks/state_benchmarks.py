@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import interleaved_medians, machine_info, peak_rss_increase, run_in_child, write_csv  # noqa: E402
+from common import interleaved_medians, machine_info, markdown_table, peak_rss_increase, run_in_child, write_csv  # noqa: E402
 
 # ------------------------------------------------------------------ 1. completion
 
@@ -240,23 +240,21 @@ def main() -> None:
         f"`benchmarks/state_benchmarks.py --parts {' '.join(args.parts)}` ({time.strftime('%Y-%m-%d')}); {info['cpu']}, "
         f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}.", "",
     ]
-    comp = [r for r in rows if r["part"] == "completion"]
-    if comp:
-        lines += [f"## MNIST completion of the bottom half (paper model, linear, untrained weights, {args.device})", "",
-                  "| batch | what | stepped s | prefill s | speedup |", "|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['what']} | {r['stepped_s']:.3f} | {r['prefill_s']:.3f} | {r['speedup']:.2f}x |" for r in comp]
-        lines += [""]
-    seg = [r for r in rows if r["part"] == "segments"]
-    if seg:
-        lines += [f"## One training step at N = {args.n}, causal linear LM ({args.layers} layers, d_model {args.d_model}, batch 1)", "",
-                  "| what | peak RSS increase MB | s | us / token |", "|---|---|---|---|"]
-        lines += [f"| {r['what']} | {r['peak_mb']:.0f} | {r['seconds']:.1f} | {r['us_per_token']:.1f} |" for r in seg]
-        lines += [""]
-    sp = [r for r in rows if r["part"] == "speech"]
-    if sp:
-        lines += ["## Speech training steps, padded vs packed (CPU recipe, process CPU time)", "",
-                  "| what | padded CPU s | packed CPU s | padded / packed |", "|---|---|---|---|"]
-        lines += [f"| {r['what']} | {r['padded_cpu_s']:.1f} | {r['packed_cpu_s']:.1f} | {r['speedup']:.2f} |" for r in sp]
+    sections = [  # (part, title, header, cells of a row)
+        ("completion", f"MNIST completion of the bottom half (paper model, linear, untrained weights, {args.device})",
+         ["batch", "what", "stepped s", "prefill s", "speedup"],
+         lambda r: [r["batch"], r["what"], f"{r['stepped_s']:.3f}", f"{r['prefill_s']:.3f}", f"{r['speedup']:.2f}x"]),
+        ("segments", f"One training step at N = {args.n}, causal linear LM ({args.layers} layers, d_model {args.d_model}, batch 1)",
+         ["what", "peak RSS increase MB", "s", "us / token"],
+         lambda r: [r["what"], f"{r['peak_mb']:.0f}", f"{r['seconds']:.1f}", f"{r['us_per_token']:.1f}"]),
+        ("speech", "Speech training steps, padded vs packed (CPU recipe, process CPU time)",
+         ["what", "padded CPU s", "packed CPU s", "padded / packed"],
+         lambda r: [r["what"], f"{r['padded_cpu_s']:.1f}", f"{r['packed_cpu_s']:.1f}", f"{r['speedup']:.2f}"]),
+    ]
+    for part, title, header, cells in sections:
+        picked = [r for r in rows if r["part"] == part]
+        if picked:
+            lines += [f"## {title}", "", markdown_table(header, [cells(r) for r in picked]), ""]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -90,7 +90,7 @@ class TransformerCTC(nn.Module):
             ``cu_seqlens`` offsets) instead of the padded batch: no padding is computed. The
             projection, convolution and positions still run on the padded batch (per frame,
             cheap), and the output comes back padded. Same results; whether it is faster
-            depends on how much padding the batches hold (``benchmarks/results/speech_packed.md``).
+            depends on how much padding the batches hold (``benchmarks/results/state_benchmarks.md``).
             Needs a backend with ``supports_packed`` (linear, softmax).
     """
 

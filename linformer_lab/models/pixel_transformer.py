@@ -141,16 +141,18 @@ class PixelTransformer(nn.Module):
             table = table + self.channel_embedding.weight.repeat(self.seq_len // self.channels, 1)  # row i -> channel i % C
         return table
 
-    def embed(self, sequence: torch.Tensor) -> torch.Tensor:
-        """Inputs of the parallel path: int ``(B, L)`` values, ``L <= N`` -> ``(B, L, d_model)``.
+    def embed(self, sequence: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Inputs of the parallel path for positions ``start..L-1``: int ``(B, L)`` values,
+        ``L <= N`` -> ``(B, L - start, d_model)``.
 
         Position ``i`` gets the value at ``i - 1`` (the start vector at 0), so the last value
         of ``sequence`` is never read: it is only predicted.
         """
         b, length = sequence.shape
-        previous = self.value_embedding(sequence[:, : length - 1])  # (B, L-1, d)
-        start = self.start.to(previous.dtype).expand(b, 1, self.d_model)
-        return torch.cat([start, previous], dim=1) + self.position_table()[:length]
+        x = self.value_embedding(sequence[:, max(start - 1, 0) : length - 1])  # values at start-1 .. L-2
+        if start == 0:
+            x = torch.cat([self.start.to(x.dtype).expand(b, 1, self.d_model), x], dim=1)
+        return x + self.position_table()[start:length]
 
     # ------------------------------------------------------------------ parallel path
 
@@ -177,13 +179,8 @@ class PixelTransformer(nn.Module):
         """NLL of positions ``start..stop-1`` given the state after positions ``< start``:
         int ``(B, N)`` -> ``((B, stop - start)`` nats, state after ``stop - 1)``. Chained over
         consecutive segments it equals :meth:`nll` (segmented training, see
-        :func:`~linformer_lab.models.transformer.segmented_loss`)."""
-        b = sequence.shape[0]
-        values = self.value_embedding(sequence[:, max(start - 1, 0) : stop - 1])  # inputs read position i - 1
-        if start == 0:
-            values = torch.cat([self.start.to(values.dtype).expand(b, 1, self.d_model), values], dim=1)
-        x = values + self.position_table()[start:stop]
-        hidden, state = self.transformer(x, state=state, return_state=True)
+        :func:`~linformer_lab.models.transformer.segmented_forward`)."""
+        hidden, state = self.transformer(self.embed(sequence[:, :stop], start), state=state, return_state=True)
         return -self.head.log_prob(self.head(hidden), sequence[:, start:stop]), state
 
     # ------------------------------------------------------------------ recurrent path

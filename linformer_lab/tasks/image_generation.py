@@ -75,7 +75,7 @@ class ImageGenerationTask(Task):
         png_scale: enlargement of the PNGs predict writes.
         segment_length: train on consecutive segments of this many sub-pixels with the
             attention state carried across (None: the whole sequence at once). Peak memory then
-            follows the segment (see :func:`~linformer_lab.models.transformer.segmented_loss`);
+            follows the segment (see :func:`~linformer_lab.models.transformer.segmented_forward`);
             the loss and, without ``detach_state``, the gradient are those of one pass.
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).

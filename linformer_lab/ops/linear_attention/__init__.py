@@ -169,10 +169,9 @@ def causal_linear_attention(
         out = (numerator.to(compute) / denominator).to(v.dtype)
         if not return_state:
             return out
-        if z.shape[-2]:
-            z_final = z[:, :, -1]
-        else:
-            z_final = z0.to(compute) if z0 is not None else phi_k.new_zeros(phi_k.shape[:2] + phi_k.shape[-1:], dtype=compute)
+        z_final = phi_k.to(compute).sum(dim=-2)  # Z_N; also right for an empty sequence, unlike z[..., -1, :]
+        if z0 is not None:
+            z_final = z_final + z0.to(compute)
     return out, joint_state(s_final.to(compute), z_final)
 
 
