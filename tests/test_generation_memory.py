@@ -142,6 +142,32 @@ def test_generate_restores_threads_and_leaves_no_weight_copies():
     assert not any("_step_weight" in m.__dict__ for m in model.modules())
 
 
+def test_completion_prefill_keeps_the_threads_and_steps_take_one():
+    """The prefix pass is a large parallel forward: it runs with the process's threads; the
+    steps after it run a batch of one with a single thread (generation_kernels)."""
+    model = _model()
+    seen = {"forward": [], "step": []}
+    forward, step = model.transformer.forward, model.transformer.step
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            seen[name].append(torch.get_num_threads())
+            return fn(*args, **kwargs)
+        return call
+
+    model.transformer.forward = recording("forward", forward)
+    model.transformer.step = recording("step", step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model.generate(1, prefix=torch.zeros(1, 1, 2, model.image_shape[2], dtype=torch.uint8))
+    finally:
+        torch.set_num_threads(threads)
+        del model.transformer.forward, model.transformer.step
+    assert seen["forward"] == [2]
+    assert seen["step"] and set(seen["step"]) == {1}
+
+
 def test_generate_result_does_not_depend_on_the_fast_path():
     """The CPU fast path (transposed weights, one thread) draws the same images as stepping
     through the modules by hand (float64, greedy, so rounding cannot flip a bin)."""
@@ -154,6 +180,28 @@ def test_generate_result_does_not_depend_on_the_fast_path():
             previous = model.head.sample(params, temperature=0.0)
             values.append(previous)
     assert torch.equal(fast, torch.stack(values, 1))
+
+
+def test_generate_samples_with_noise_drawn_per_block():
+    """At T = 1 generate draws the sampling noise NOISE_BLOCK positions per call: the images
+    equal a hand-written loop of model.step that draws it the same way, here over 144 sampled
+    positions, so a block boundary is crossed and each image of the batch has its own noise."""
+    from linformer_lab.models.pixel_transformer import NOISE_BLOCK
+
+    model = _model(image_shape=(1, 12, 12)).double()
+    assert NOISE_BLOCK < model.seq_len
+    fast = images_to_sequence(model.generate(2, generator=torch.Generator().manual_seed(3)))
+    generator = torch.Generator().manual_seed(3)
+    values, previous, state, noise = [], None, None, None
+    with torch.inference_mode():
+        for t in range(model.seq_len):
+            if t % NOISE_BLOCK == 0:
+                noise = model.head.sampling_noise((2, min(NOISE_BLOCK, model.seq_len - t)), generator)
+            params, state = model.step(previous, t, state, batch_size=2)
+            previous = model.head.sample(params, noise=(noise[0][:, t % NOISE_BLOCK], noise[1][:, t % NOISE_BLOCK]))
+            values.append(previous)
+    assert torch.equal(fast, torch.stack(values, 1))
+    assert not torch.equal(fast[0], fast[1])
 
 
 # ---------------------------------------------------------------- clear errors after the first step

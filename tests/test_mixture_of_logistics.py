@@ -234,6 +234,24 @@ def test_sampling_is_reproducible_with_generator():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_noise_drawn_ahead_gives_the_same_samples(temperature):
+    """sample(noise=sampling_noise(...)) is sample(generator=...) with the draws made first."""
+    dmol = DiscretizedMixtureOfLogistics(hidden_dim=4)
+    params = torch.randn(4, 100, 30, generator=torch.Generator().manual_seed(0))
+    own = dmol.sample(params, temperature, generator=torch.Generator().manual_seed(7))
+    noise = dmol.sampling_noise((4, 100), generator=torch.Generator().manual_seed(7))
+    assert noise[0].shape == (4, 100, 10) and noise[1].shape == (4, 100)
+    assert torch.equal(dmol.sample(params, temperature, noise=noise), own)
+
+
+def test_noise_of_the_wrong_shape_is_refused():
+    dmol = DiscretizedMixtureOfLogistics(hidden_dim=4)
+    params = torch.randn(2, 30)
+    with pytest.raises(ValueError, match=r"noise for params of shape \(2, 30\) must be \(gumbel \(2, 10\), logistic \(2,\)\)"):
+        dmol.sample(params, noise=dmol.sampling_noise((3,)))
+
+
 def test_temperature_zero_is_deterministic_argmax_component_mean_rounded():
     dmol = DiscretizedMixtureOfLogistics(hidden_dim=4, num_mixtures=3)
     rows = [
@@ -382,3 +400,13 @@ def test_forward_shape_and_half_precision_module():
     half = DiscretizedMixtureOfLogistics(hidden_dim=16, num_mixtures=4).to(torch.bfloat16)
     out = half(hidden.bfloat16())
     assert out.dtype == torch.float32 and out.shape == (3, 7, 12)
+
+
+def test_sampling_under_autocast_equals_fp32_sampling():
+    """sample turns autocast off itself (only entering the context when autocast is on)."""
+    dmol = DiscretizedMixtureOfLogistics(hidden_dim=16)
+    params = torch.randn(3, 50, 30, generator=torch.Generator().manual_seed(0))
+    want = dmol.sample(params, 0.8, generator=torch.Generator().manual_seed(5))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        got = dmol.sample(params, 0.8, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(got, want)
