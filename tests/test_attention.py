@@ -124,6 +124,26 @@ def test_step_equals_causal_forward(backend, feature_map):
     torch.testing.assert_close(stepped, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("batch", [2, 12], ids=["broadcast-sum", "matmul"])
+def test_in_place_step_equals_float64_reference_on_both_cpu_products(batch):
+    """The in-place RNN step forms phi(q)^T [S | Z] as a broadcast product + sum for few
+    (batch x head) rows and as a batched matmul from CPU_MATMUL_MIN_ROWS on: both equal the
+    O(N^2) similarity form of eq. 9 (elu kernel, float64 state)."""
+    from linformer_lab.ops.linear_attention.recurrent import CPU_MATMUL_MIN_ROWS
+
+    heads = 3
+    assert (batch * heads < CPU_MATMUL_MIN_ROWS) == (batch == 2)
+    attn = _build("linear", "elu", causal=True, d=6)
+    q, k, v = _inputs(b=batch, h=heads, n=19, seed=4)
+    with torch.inference_mode():
+        state, outs = None, []
+        for t in range(q.shape[2]):
+            out_t, state = attn.step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+            outs.append(out_t)
+    assert state[0].dtype == torch.float64 and hasattr(state, "joint")  # the joint in-place buffer
+    assert_close(f"in-place step, batch {batch}", _reference(attn, q, k, v, causal=True), torch.stack(outs, dim=2))
+
+
 def test_linear_state_has_fixed_size():
     attn = ll.build_attention("linear", causal=True, query_dim=8)
     q, k, v = (torch.randn(2, 4, 8) for _ in range(3))

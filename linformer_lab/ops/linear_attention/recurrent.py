@@ -81,14 +81,23 @@ def linear_attention_step(
                 both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
         else:
             both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
-    else:
-        # on CPU a broadcast product + sum: a (B*H)-batched matmul of (1, C) x (C, M + 1)
-        # enters the BLAS thread pool, which costs more than the arithmetic at these sizes
+    elif joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
+        # on CPU, for a few (batch, head) rows a broadcast product + sum: a batched matmul of
+        # (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at these sizes
         both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
+    else:
+        # beyond that the product + sum's (B, H, C, M + 1) temporary costs more than the BLAS
+        # set-up: 2.7x slower at B = 64, H = 8 (benchmarks/README.md, "Measurements behind
+        # library defaults")
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
     m = s.shape[-1]
     # eps as a cached 0-d tensor: a Python float would be converted to a tensor at every call
     return both[..., :m] / both[..., m:].add_(_scalar(eps, both)), state
 
+
+#: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
+#: state has at least this many (batch x head) rows, and as a broadcast product + sum below.
+CPU_MATMUL_MIN_ROWS = 32
 
 _SCALARS: dict = {}
 
