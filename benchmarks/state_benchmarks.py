@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import interleaved_medians, machine_info, markdown_table, peak_rss_increase, run_in_child, write_csv  # noqa: E402
+from common import Timer, interleaved_medians, machine_info, markdown_table, peak_rss_increase, run_in_child, write_csv  # noqa: E402
 
 # ------------------------------------------------------------------ 1. completion
 
@@ -52,8 +52,8 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
 
     @torch.inference_mode()
     def prefix_parallel():
-        with generation_kernels(sequence.device, batch, True):
-            model.transformer(model.embed(sequence[:, :known]), return_state=True)
+        # as generate(prefill=True) runs it: with the process's threads, before the steps
+        model.transformer(model.embed(sequence[:, :known]), return_state=True)
 
     @torch.inference_mode()
     def prefix_stepped():
@@ -71,12 +71,45 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
                                 device=device)
     wholes = interleaved_medians({"whole: prefill": whole(True), "whole: stepped": whole(False)}, repeats, device=device)
     t = {k: v["median"] for k, v in {**parts, **wholes}.items()}
+    # Roofline: stepping and the parallel pass do the same matmul work (linear attention is O(N)
+    # either way), so no prefill can beat that work at this device's best GEMM rate.
+    gflop = batch * known * matmul_flops_per_position(model) / 1e9
+    floor_s = gflop / peak_gemm_gflops(batch * known, model.d_model, device)
+    after_prefix_s = t["whole: prefill"] - t["prefix: parallel"]  # the 392 sampled steps
     return [
         {"part": "completion", "device": device, "batch": batch, "what": "prefix (392 positions)", "stepped_s": t["prefix: stepped"],
-         "prefill_s": t["prefix: parallel"], "speedup": t["prefix: stepped"] / t["prefix: parallel"]},
+         "prefill_s": t["prefix: parallel"], "speedup": t["prefix: stepped"] / t["prefix: parallel"],
+         "gflop": gflop, "floor_s": floor_s, "speedup_bound": t["prefix: stepped"] / floor_s},
         {"part": "completion", "device": device, "batch": batch, "what": "whole completion (784 positions)", "stepped_s": t["whole: stepped"],
-         "prefill_s": t["whole: prefill"], "speedup": t["whole: stepped"] / t["whole: prefill"]},
+         "prefill_s": t["whole: prefill"], "speedup": t["whole: stepped"] / t["whole: prefill"],
+         "gflop": 2 * gflop, "floor_s": floor_s + after_prefix_s,
+         "speedup_bound": t["whole: stepped"] / (floor_s + after_prefix_s)},
     ]
+
+
+def matmul_flops_per_position(model) -> int:
+    """Multiply-adds x 2 of every linear layer for one position (the attention's own state
+    updates, 2 x 2 x C x M per head, add well under 1 % for the paper model and are left out,
+    so the floor below is a lower bound)."""
+    import torch
+
+    return sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def peak_gemm_gflops(rows: int, d_model: int, device: str) -> float:
+    """The best rate of the model's own matmul shapes at ``rows`` positions: (rows, d) x (d, 4d),
+    (rows, 4d) x (4d, d) and (rows, d) x (d, 3d), best of 5 calls each after 2 warm-ups."""
+    import torch
+
+    best = 0.0
+    for inner, outer in ((d_model, 4 * d_model), (4 * d_model, d_model), (d_model, 3 * d_model)):
+        x, w = torch.randn(rows, inner, device=device), torch.randn(inner, outer, device=device)
+        for _ in range(2):
+            x @ w
+        timer = Timer(device)
+        seconds = min(timer(lambda: x @ w) for _ in range(5))
+        best = max(best, 2 * rows * inner * outer / seconds / 1e9)
+    return best
 
 
 # ------------------------------------------------------------------ 2. segments
@@ -242,8 +275,9 @@ def main() -> None:
     ]
     sections = [  # (part, title, header, cells of a row)
         ("completion", f"MNIST completion of the bottom half (paper model, linear, untrained weights, {args.device})",
-         ["batch", "what", "stepped s", "prefill s", "speedup"],
-         lambda r: [r["batch"], r["what"], f"{r['stepped_s']:.3f}", f"{r['prefill_s']:.3f}", f"{r['speedup']:.2f}x"]),
+         ["batch", "what", "stepped s", "prefill s", "speedup", "GFLOP", "floor s", "speedup bound"],
+         lambda r: [r["batch"], r["what"], f"{r['stepped_s']:.3f}", f"{r['prefill_s']:.3f}", f"{r['speedup']:.2f}x",
+                    f"{r['gflop']:.1f}", f"{r['floor_s']:.3f}", f"{r['speedup_bound']:.2f}x"]),
         ("segments", f"One training step at N = {args.n}, causal linear LM ({args.layers} layers, d_model {args.d_model}, batch 1)",
          ["what", "peak RSS increase MB", "s", "us / token"],
          lambda r: [r["what"], f"{r['peak_mb']:.0f}", f"{r['seconds']:.1f}", f"{r['us_per_token']:.1f}"]),
