@@ -77,8 +77,11 @@ def main() -> None:
         print(json.dumps(child(args.batch, args.calls, args.threads)))
         return
 
+    # the revision as a commit, resolved once: HEAD may move on while the rounds run
+    args.commit = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="generate_revisions_") as folder:
-        runs = run_rounds(args, {"old": export_revision(args.rev, folder), "new": str(REPO)})
+        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)})
     write_results(args, runs)
 
 
@@ -108,10 +111,14 @@ def write_results(args, runs: dict[str, list[dict]]) -> None:
     import torch
 
     out = Path(f"{args.out}_batch{args.batch}")
+    # --out as the command was given, relative to the repository
+    default_out = REPO / "benchmarks" / "results" / "generate_revisions"
+    out_option = "" if Path(args.out).resolve() == default_out else f" --out {os.path.relpath(args.out, REPO)}"
     write_csv(str(out.with_suffix(".csv")), rows)
     lines = [
-        f"# generate() at {args.rev} (old) and the working tree (new), interleaved", "",
-        f"`benchmarks/generate_revisions.py --rev {args.rev} --batch {args.batch} --rounds {args.rounds} --calls {args.calls}` "
+        f"# generate() at {args.rev} = {args.commit} (old) and the working tree (new), interleaved", "",
+        f"`benchmarks/generate_revisions.py --rev {args.rev} --batch {args.batch} --rounds {args.rounds} --calls {args.calls}"
+        f"{out_option}` "
         f"({time.strftime('%Y-%m-%d')}); {info['cpu']}, {os.cpu_count()} cores, {args.threads} torch threads, "
         f"torch {torch.__version__}. Paper MNIST model, linear attention, completion of the bottom half, batch {args.batch}; "
         "seconds per completion (median over rounds of each child's median); the last row is the speedup of the "

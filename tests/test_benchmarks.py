@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,26 @@ def test_every_benchmark_parses_its_options(script):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
+
+
+def test_generate_revisions_reports_medians_and_ratios(tmp_path):
+    """generate_revisions.py's report: per mode the median over rounds of each variant, their
+    ratio, and the stepped/prefill speedup within each variant; the old revision named as a commit."""
+    import argparse
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import generate_revisions
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    runs = {"old": [{"prefill": p, "stepped": s} for p, s in ((1.0, 3.0), (2.0, 4.0), (9.0, 5.0))],
+            "new": [{"prefill": p, "stepped": s} for p, s in ((0.5, 2.0), (1.5, 2.5), (0.9, 8.0))]}
+    args = argparse.Namespace(rev="HEAD", commit="abc1234", batch=3, rounds=3, calls=1, threads=1, out=str(tmp_path / "g"))
+    generate_revisions.write_results(args, runs)
+    text = (tmp_path / "g_batch3.md").read_text()
+    assert "at HEAD = abc1234 (old)" in text and f"--out {os.path.relpath(tmp_path / 'g', BENCHMARKS.parent)}" in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| mode")}
+    assert rows["prefill"] == ["2.000", "0.900", "0.450"]
+    assert rows["stepped"] == ["4.000", "2.500", "0.625"]
+    assert rows["stepped / prefill"][:2] == ["2.000", "2.778"]
