@@ -74,7 +74,7 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
     # Roofline: stepping and the parallel pass do the same matmul work (linear attention is O(N)
     # either way), so no prefill can beat that work at this device's best GEMM rate.
     gflop = batch * known * matmul_flops_per_position(model) / 1e9
-    floor_s = gflop / peak_gemm_gflops(batch * known, model.d_model, device)
+    floor_s = gflop / peak_gemm_gflops(model, batch * known, device)
     after_prefix_s = t["whole: prefill"] - t["prefix: parallel"]  # the 392 sampled steps
     return [
         {"part": "completion", "device": device, "batch": batch, "what": "prefix (392 positions)", "stepped_s": t["prefix: stepped"],
@@ -96,13 +96,13 @@ def matmul_flops_per_position(model) -> int:
     return sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def peak_gemm_gflops(rows: int, d_model: int, device: str) -> float:
-    """The best rate of the model's own matmul shapes at ``rows`` positions: (rows, d) x (d, 4d),
-    (rows, 4d) x (4d, d) and (rows, d) x (d, 3d), best of 5 calls each after 2 warm-ups."""
+def peak_gemm_gflops(model, rows: int, device: str) -> float:
+    """The best rate of the model's own linear-layer shapes at ``rows`` positions,
+    ``(rows, in) x (in, out)`` for each distinct (in, out), best of 5 calls each after 2 warm-ups."""
     import torch
 
     best = 0.0
-    for inner, outer in ((d_model, 4 * d_model), (4 * d_model, d_model), (d_model, 3 * d_model)):
+    for inner, outer in sorted({(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}):
         x, w = torch.randn(rows, inner, device=device), torch.randn(inner, outer, device=device)
         for _ in range(2):
             x @ w

@@ -144,6 +144,27 @@ def test_in_place_step_equals_float64_reference_on_both_cpu_products(batch):
     assert_close(f"in-place step, batch {batch}", _reference(attn, q, k, v, causal=True), torch.stack(outs, dim=2))
 
 
+@pytest.mark.parametrize("batch", [2, 12], ids=["broadcast-sum", "matmul"])
+def test_in_place_step_keeps_the_state_product_in_fp32_under_cpu_autocast(batch):
+    """Under CPU bf16 autocast the product with the fp32 state is not rounded to bf16: the
+    steps equal those without autocast, on both CPU products."""
+    attn = ll.build_attention("linear", causal=True, query_dim=16)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(batch, 3, 11, 16, generator=gen) for _ in range(3))
+
+    def stepped(autocast):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            state, outs = None, []
+            for t in range(q.shape[2]):
+                out_t, state = attn.step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+                outs.append(out_t)
+        return torch.stack(outs, dim=2)
+
+    got = stepped(True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, stepped(False), rtol=1e-6, atol=1e-6)
+
+
 def test_linear_state_has_fixed_size():
     attn = ll.build_attention("linear", causal=True, query_dim=8)
     q, k, v = (torch.randn(2, 4, 8) for _ in range(3))

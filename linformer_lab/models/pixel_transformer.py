@@ -32,6 +32,7 @@ linear attention and a growing KV cache for softmax (and lsh).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -339,11 +340,10 @@ def _noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, po
     drawn :data:`NOISE_BLOCK` positions at a time, None at temperature 0 (which draws nothing).
     The same distribution as drawing per position, not the same stream: a generator seeded
     alike gives other images than position-by-position calls of ``head.sample`` would."""
+    if temperature == 0:
+        yield from itertools.repeat(None, positions)
+        return
     for start in range(0, positions, NOISE_BLOCK):
-        block = min(NOISE_BLOCK, positions - start)
-        if temperature == 0:
-            yield from [None] * block
-            continue
-        gumbel, logistic = head.sampling_noise((batch_size, block), generator, device)
-        for i in range(block):
+        gumbel, logistic = head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
+        for i in range(gumbel.shape[1]):
             yield gumbel[:, i], logistic[:, i]

@@ -62,13 +62,14 @@ class TransformerLayer(nn.Module):
         a prefill pass) in blocks of rows whose ``(rows, d_ff)`` intermediate fills about
         :data:`FEEDFORWARD_BLOCK_BYTES`. The whole intermediate of a large batch (100 MB for 64
         MNIST images of 392 positions) is written and read back through main memory twice,
-        and freshly allocated at every layer; a block of it stays in cache (at 25,088 rows the
-        MNIST model's feed-forward took 76 ms instead of 125 ms per layer; benchmarks/README.md,
-        "Measurements behind library defaults"). Same arithmetic row by row; forward hooks on
+        and freshly allocated at every layer; a block of it stays in cache (about 1.5x faster
+        for the MNIST model at batch 64: benchmarks/README.md, "Measurements behind library
+        defaults"). Same arithmetic row by row; forward hooks on
         ``feedforward`` then see each block."""
-        up = self.feedforward[0]
-        rows = max(1, FEEDFORWARD_BLOCK_BYTES // (up.out_features * x.element_size()))
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.numel() // x.shape[-1] <= rows:
+        if torch.is_grad_enabled() or x.device.type != "cpu":  # training keeps the one call
+            return self.feedforward(x)
+        rows = max(1, FEEDFORWARD_BLOCK_BYTES // (self.feedforward[0].out_features * x.element_size()))
+        if x.numel() // x.shape[-1] <= rows:
             return self.feedforward(x)
         flat = x.reshape(-1, x.shape[-1])
         blocks = [self.feedforward(flat[start:start + rows]) for start in range(0, flat.shape[0], rows)]

@@ -29,6 +29,13 @@ def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, d
     return LinearState(torch.zeros(batch, heads, feature_dim, value_dim + 1, device=device, dtype=dtype))
 
 
+#: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
+#: state has at least this many (batch x head) rows, and as a broadcast product + sum below: from
+#: there on the product's (B, H, C, M + 1) temporary costs more than the BLAS set-up (2.7x slower
+#: at B = 64, H = 8; benchmarks/README.md, "Measurements behind library defaults").
+CPU_MATMUL_MIN_ROWS = 32
+
+
 def linear_attention_step(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
@@ -75,29 +82,19 @@ def linear_attention_step(
         numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
         denominator = (phi_q * z).sum(-1, keepdim=True) + eps
         return numerator / denominator, state
-    if joint.is_cuda:
-        if torch.is_autocast_enabled("cuda"):  # keep the product with the fp32 state in fp32
-            with torch.autocast("cuda", enabled=False):
-                both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
-        else:
-            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
-    elif joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
+    if not joint.is_cuda and joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
         # on CPU, for a few (batch, head) rows a broadcast product + sum: a batched matmul of
         # (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at these sizes
         both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
+    elif torch.is_autocast_enabled(joint.device.type):  # keep the product with the fp32 state in fp32
+        with torch.autocast(joint.device.type, enabled=False):
+            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
     else:
-        # beyond that the product + sum's (B, H, C, M + 1) temporary costs more than the BLAS
-        # set-up: 2.7x slower at B = 64, H = 8 (benchmarks/README.md, "Measurements behind
-        # library defaults")
-        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
     m = s.shape[-1]
     # eps as a cached 0-d tensor: a Python float would be converted to a tensor at every call
     return both[..., :m] / both[..., m:].add_(_scalar(eps, both)), state
 
-
-#: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
-#: state has at least this many (batch x head) rows, and as a broadcast product + sum below.
-CPU_MATMUL_MIN_ROWS = 32
 
 _SCALARS: dict = {}
 
