@@ -72,7 +72,8 @@ def peak_rss_increase(fn: Callable[[], Any]) -> dict:
     fn()
     maxrss_after = max_rss()
     after = rss_parts()
-    file_growth = max(0, after.get("RssFile", 0) + after.get("RssShmem", 0) - before.get("RssFile", 0) - before.get("RssShmem", 0))
+    file_growth = max(0, after.get("RssFile", 0) + after.get("RssShmem", 0)
+                      - before.get("RssFile", 0) - before.get("RssShmem", 0))
     raw = max(0, maxrss_after - rss_before)
     return {
         "rss_before": rss_before,
@@ -142,7 +143,8 @@ def _child_entry(queue, target, kwargs):
     try:
         queue.put(("ok", target(**kwargs)))
     except BaseException as exc:  # report, never hang the parent
-        kind = "oom" if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc) else "error"
+        out_of_memory = isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc)
+        kind = "oom" if out_of_memory else "error"
         queue.put((kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
 
 

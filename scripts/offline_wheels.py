@@ -11,7 +11,7 @@ image brings (torch, torchvision, torchaudio, triton, nvidia-*, cuda-*, and what
 need) and what you name with ``--skip`` or list in a ``pip freeze`` of the target
 (``--skip-installed``), and downloads one wheel of each remaining package at its locked version
 into DEST. ``--with-fla`` adds flash-linear-attention (the kernel comparison of
-benchmarks/gpu_check.py). ``--print-only`` lists the selection without downloading.
+benchmarks/paper/gpu_check.py). ``--print-only`` lists the selection without downloading.
 
 On the GPU node: ``pip install --no-index --no-deps DEST/*.whl`` (or ``--target DIR`` and
 ``PYTHONPATH=DIR``), then run from the repository with ``PYTHONPATH=.`` (README, "GPU node
@@ -51,7 +51,8 @@ def target_environment(python: str, platform: str) -> dict[str, str]:
     """PEP 508 marker variables of the target interpreter (CPython on Linux x86-64)."""
     machine = "aarch64" if "aarch64" in platform else "x86_64"
     return {
-        "python_version": ".".join(python.split(".")[:2]), "python_full_version": python if python.count(".") == 2 else python + ".0",
+        "python_version": ".".join(python.split(".")[:2]),
+        "python_full_version": python if python.count(".") == 2 else python + ".0",
         "sys_platform": "linux", "platform_system": "Linux", "platform_machine": machine, "os_name": "posix",
         "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": "",
     }
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default="3.12", help="the GPU node's Python version (default 3.12)")
     parser.add_argument("--platform", action="append", help="pip platform tag (repeatable); default: manylinux x86_64 tags")
     parser.add_argument("--skip", action="append", default=[], metavar="NAME", help="a package the node already has (repeatable)")
-    parser.add_argument("--skip-installed", type=Path, metavar="FREEZE", help="`pip freeze` output of the node: skip all it lists")
+    parser.add_argument("--skip-installed", type=Path, metavar="FREEZE",
+                        help="`pip freeze` output of the node: skip all it lists")
     parser.add_argument("--with-fla", action="store_true", help="add flash-linear-attention for the kernel comparison")
     parser.add_argument("--lock", type=Path, default=REPO / "uv.lock", help="the lock file (default: the repository's uv.lock)")
     parser.add_argument("--print-only", action="store_true", help="list the selection, download nothing")

@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "linformer_lab"
 
 LAYER_OF = {
-    "registry": 0, "utils": 0,
+    "registry": 0, "utils": 0, "validation": 0,
     "feature_maps": 1, "ops": 1,
     "attention": 2,
     "models": 3, "data": 3,
@@ -34,7 +34,8 @@ def _layer(module: str) -> int | None:
     if len(parts) == 1:
         return None
     if parts[1] not in LAYER_OF:
-        raise AssertionError(f"{module}: top-level module {parts[1]!r} has no layer in LAYER_OF; add it (and to docs/ARCHITECTURE.md)")
+        raise AssertionError(f"{module}: top-level module {parts[1]!r} has no layer in LAYER_OF; "
+                             "add it (and to docs/ARCHITECTURE.md)")
     return LAYER_OF[parts[1]]
 
 
@@ -103,8 +104,25 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path):
     assert any("linformer_lab.models" in b for b in bad)
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_library_files_stay_small(path):
-    # A file past this is split along its seams (docs/ARCHITECTURE.md, "Where things live").
+#: Folders whose Python files stay under MAX_LINES: the library, the benchmarks and the tests.
+SMALL_FILE_ROOTS = ("linformer_lab", "benchmarks", "tests")
+MAX_LINES = 460
+
+
+def python_files(roots=SMALL_FILE_ROOTS, repo: Path = PACKAGE.parent) -> list[Path]:
+    return sorted(p for root in roots for p in (repo / root).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_files_stay_small(path):
+    # A file past this is split along its seams (docs/ARCHITECTURE.md, "Where things live"):
+    # a library module by concern, a benchmark into its measurement and its report, a test file
+    # by the part of the code it tests, with shared helpers in conftest.py or a helper module.
     lines = len(path.read_text().splitlines())
-    assert lines <= 460, f"{path.relative_to(PACKAGE.parent)} has {lines} lines; split it along its seams"
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines; split it along its seams"
+
+
+def test_the_size_rule_covers_benchmarks_and_tests():
+    covered = {p.relative_to(PACKAGE.parent).parts[0] for p in python_files()}
+    assert covered == set(SMALL_FILE_ROOTS)
+    assert any(p.parent.name in ("paper", "dev") for p in python_files(("benchmarks",)))  # the rooms' subfolders too

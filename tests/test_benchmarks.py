@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in ("common.py", "generation_report.py"))
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+ROOMS = ("paper", "dev")  # the paper's reproduction; development measurements
+#: The runnable scripts (helper modules such as common.py or generation_report.py have no __main__).
+SCRIPTS = sorted(p for p in BENCHMARKS.rglob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 
 
 def private_imports(path: Path) -> list[str]:
@@ -30,7 +34,7 @@ def private_imports(path: Path) -> list[str]:
 
 
 def test_no_benchmark_imports_a_private_name():
-    found = [line for path in sorted(BENCHMARKS.glob("*.py")) for line in private_imports(path)]
+    found = [line for path in sorted(BENCHMARKS.rglob("*.py")) for line in private_imports(path)]
     assert not found, "benchmarks must use public names:\n" + "\n".join(found)
 
 
@@ -40,31 +44,62 @@ def test_the_checker_sees_private_imports(tmp_path):
     assert len(private_imports(script)) == 2
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_lives_in_one_of_the_two_rooms():
+    assert len(SCRIPTS) >= 12, SCRIPTS
+    misplaced = [str(p.relative_to(BENCHMARKS)) for p in SCRIPTS if p.parent.name not in ROOMS or p.parent.parent != BENCHMARKS]
+    assert not misplaced, f"benchmark scripts belong in benchmarks/paper/ or benchmarks/dev/: {misplaced}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
 def test_every_benchmark_parses_its_options(script):
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    """``python benchmarks/<room>/<script>.py --help`` from the repository root, as the README runs them."""
+    done = subprocess.run([sys.executable, str(script.relative_to(REPO)), "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
 
 
-def test_generate_revisions_reports_medians_and_ratios(tmp_path):
-    """generate_revisions.py's report: per mode the median over rounds of each variant, their
+def test_compare_revisions_generate_reports_medians_and_ratios(tmp_path):
+    """compare_revisions.py generate's report: per mode the median over rounds of each variant, their
     ratio, and the stepped/prefill speedup within each variant; the old revision named as a commit."""
     import argparse
 
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS / "dev"))
     try:
-        import generate_revisions
+        import compare_revisions
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path.remove(str(BENCHMARKS / "dev"))
     runs = {"old": [{"prefill": p, "stepped": s} for p, s in ((1.0, 3.0), (2.0, 4.0), (9.0, 5.0))],
             "new": [{"prefill": p, "stepped": s} for p, s in ((0.5, 2.0), (1.5, 2.5), (0.9, 8.0))]}
-    args = argparse.Namespace(rev="HEAD", commit="abc1234", batch=3, rounds=3, calls=1, threads=1, out=str(tmp_path / "g"))
-    generate_revisions.write_results(args, runs)
+    args = argparse.Namespace(what="generate", rev="HEAD", commit="abc1234", batch=3, rounds=3, calls=1, threads=1,
+                              out=str(tmp_path / "g"))
+    compare_revisions.write_generate_results(args, runs)
     text = (tmp_path / "g_batch3.md").read_text()
-    assert "at HEAD = abc1234 (old)" in text and f"--out {os.path.relpath(tmp_path / 'g', BENCHMARKS.parent)}" in text
+    assert "at HEAD = abc1234 (old)" in text and f"--out {os.path.relpath(tmp_path / 'g', REPO)}" in text
+    assert "`benchmarks/dev/compare_revisions.py generate --rev HEAD --batch 3 --rounds 3 --calls 1 --out" in text
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith("| mode")}
     assert rows["prefill"] == ["2.000", "0.900", "0.450"]
     assert rows["stepped"] == ["4.000", "2.500", "0.625"]
     assert rows["stepped / prefill"][:2] == ["2.000", "2.778"]
+    args.out = str(compare_revisions.DEFAULT_OUT["generate"])  # the default --out is left out of the command
+    assert "--out" not in compare_revisions.command_line(args, "")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "NOTES.md"])
+def test_the_benchmark_docs_name_files_that_exist(doc):
+    """Every markdown link and every backquoted ``paper/...``, ``dev/...`` or ``results/...`` path of
+    benchmarks/README.md and NOTES.md points to a file (a moved or deleted result shows up here)."""
+    text = (BENCHMARKS / doc).read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", text)
+    paths = re.findall(r"`((?:paper|dev)/[\w./]+\.(?:py|md|csv|png))`", text)
+    missing = [p for p in links + paths if not p.startswith("http") and not (BENCHMARKS / p).exists()]
+    assert links and paths and not missing, missing
+
+
+def test_links_into_the_notes_name_a_section():
+    """``NOTES.md#anchor`` links from benchmarks/README.md lead to a heading of NOTES.md (GitHub's slugs)."""
+    headings = re.findall(r"^#+ (.+)$", (BENCHMARKS / "NOTES.md").read_text(), flags=re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    anchors = re.findall(r"\]\(NOTES\.md#([^)\s]+)\)", (BENCHMARKS / "README.md").read_text())
+    assert anchors and not [a for a in anchors if a not in slugs], (anchors, sorted(slugs))

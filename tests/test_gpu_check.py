@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's dry run: every part at toy sizes on CPU, through the command line,
+"""benchmarks/paper/gpu_check.py's dry run: every part at toy sizes on CPU, through the command line,
 so the GPU check cannot rot between the rare runs on a GPU."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import REPO
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["kernel", "speed", "train"])
 def test_dry_run_writes_its_report(part, tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--part", part, "--dry-run", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "benchmarks/paper/gpu_check.py", "--part", part, "--dry-run", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"== {part}" in done.stdout
@@ -35,6 +35,6 @@ def test_without_a_gpu_a_real_run_says_what_to_do(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--part", "kernel", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "benchmarks/paper/gpu_check.py", "--part", "kernel", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no CUDA GPU visible" in done.stderr and "--dry-run" in done.stderr

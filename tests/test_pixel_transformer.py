@@ -28,7 +28,7 @@ def _attention_configs() -> list[AttentionConfig]:
     for backend in ll.list_attention():
         cls = ATTENTION.get(backend)
         if backend == "linear_cuda" and not torch.cuda.is_available():
-            continue  # CUDA-only backend; tests/test_linear_cuda.py covers it on GPUs
+            continue  # CUDA-only backend; tests/test_linear_cuda_gpu.py covers it on GPUs
         if getattr(cls, "uses_feature_map", False):
             configs += [AttentionConfig(backend=backend, feature_map=fm) for fm in ll.list_feature_maps()]
         elif backend == "lsh":

@@ -1,0 +1,251 @@
+"""Code at a git revision against the working tree, interleaved in one run (the before/after check of a hot-path change).
+
+    uv run python benchmarks/dev/compare_revisions.py generate --rev HEAD~1
+    uv run python benchmarks/dev/compare_revisions.py generate --rev HEAD~1 --batch 64 --rounds 3
+    uv run python benchmarks/dev/compare_revisions.py causal --rev HEAD~1
+
+Both measurements resolve ``--rev`` to a commit once (HEAD may move on while they run) and put
+the package as it was there in a temporary folder (``git archive``); "old" is that copy, "new"
+the working tree.
+
+``generate``: ``PixelTransformer.generate``, for changes to the generation path (the RNN step,
+sampling, prefill). Each round runs one child process per variant (old, new, alternating, so a
+change of machine load hits both alike), with ``PYTHONPATH`` on that variant's package. A child
+builds the paper's MNIST model (8 layers, 8 heads, d_model 256, 10 logistics, linear attention,
+seed 0; untrained: the cost does not depend on the weights), warms up, and times ``--calls``
+completions of the bottom half given the top half, with the prefix prefilled in one pass
+(``prefill=True``) and stepped (``prefill=False``). Reported: the median over rounds of each
+child's median, and new/old time ratios. Results: ``<--out>_batch<B>.{csv,md}``
+(default ``benchmarks/dev/results/generate_revisions_batch<B>``).
+
+``causal``: the causal Function (``linformer_lab/ops/linear_attention/chunk.py``) as it was at
+``--rev``, loaded beside the working tree's in this process, forward+backward of the causal
+numerator at a few shapes:
+
+* ``old``: the Function at ``--rev``;
+* ``new``: the working tree's, called as before (no state);
+* ``new+state``: the working tree's with an initial state and the final state returned (and
+  a gradient flowing into both).
+
+Calls rotate between the variants (interleaved_medians), so load changes hit all alike.
+Results: ``<--out>.{csv,md}`` (default ``benchmarks/dev/results/causal_state_overhead``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "dev" / "results"
+DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead"}
+VARIANTS = ("old", "new")
+MODES = ("prefill", "stepped")
+CHUNK_FILE = "linformer_lab/ops/linear_attention/chunk.py"
+SHAPES = [(4, 8, 784, 32, 32), (1, 8, 4096, 32, 32), (4, 8, 4096, 64, 64), (1, 8, 16384, 32, 32)]
+
+
+# ---------------------------------------------------------------- the revision (shared)
+
+
+def resolve_commit(rev: str) -> str:
+    """``rev`` as a short commit hash, resolved once."""
+    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def export_revision(rev: str, folder: str) -> str:
+    """The ``linformer_lab`` package as it was at ``rev``, extracted under ``folder``; returns ``folder``."""
+    archive = subprocess.run(["git", "archive", rev, "linformer_lab"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
+
+
+def command_line(args, options: str) -> str:
+    """The command as it was given, ``--out`` relative to the repository and only when not the default."""
+    out_option = "" if Path(args.out).resolve() == DEFAULT_OUT[args.what] else f" --out {os.path.relpath(args.out, REPO)}"
+    return f"`benchmarks/dev/compare_revisions.py {args.what} --rev {args.rev}{options}{out_option}`"
+
+
+# ---------------------------------------------------------------- generate: child processes per variant
+
+
+def generate_child(batch: int, calls: int, threads: int) -> dict:
+    """Runs in a process whose ``linformer_lab`` is one variant's; returns the medians."""
+    import torch
+
+    from linformer_lab.models.pixel_transformer import PixelTransformer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = PixelTransformer("linear", n_layers=8, n_heads=8, d_model=256, d_ff=1024, num_mixtures=10).eval()
+    prefix = torch.randint(0, 256, (batch, 1, 14, 28), dtype=torch.uint8)
+    seconds = {mode: [] for mode in MODES}
+    for call in range(calls + 1):  # the first call of each mode warms up
+        for mode in MODES:
+            start = time.perf_counter()
+            model.generate(batch, 1.0, prefix=prefix, prefill=mode == "prefill", generator=torch.Generator().manual_seed(call))
+            if call:
+                seconds[mode].append(time.perf_counter() - start)
+    import linformer_lab
+
+    package = str(Path(linformer_lab.__file__).parents[1])
+    return {"package": package, **{mode: statistics.median(s) for mode, s in seconds.items()}}
+
+
+def run_generate(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:
+        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)})
+    write_generate_results(args, runs)
+
+
+def run_rounds(args, roots: dict[str, str]) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for round_ in range(args.rounds):
+        for variant in VARIANTS:
+            env = {**os.environ, "PYTHONPATH": roots[variant]}
+            command = [sys.executable, __file__, "generate", "--child", "--batch", str(args.batch), "--calls", str(args.calls),
+                       "--threads", str(args.threads)]
+            out = subprocess.run(command, env=env, cwd=roots[variant], capture_output=True, text=True, check=True).stdout
+            runs[variant].append(json.loads(out.strip().splitlines()[-1]))
+            if Path(runs[variant][-1]["package"]).resolve() != Path(roots[variant]).resolve():
+                raise RuntimeError(f"the {variant} child imported linformer_lab from {runs[variant][-1]['package']}, "
+                                   f"not {roots[variant]}")
+            print(f"round {round_ + 1} {variant}: {runs[variant][-1]}", flush=True)
+    return runs
+
+
+def write_generate_results(args, runs: dict[str, list[dict]]) -> None:
+    median = {v: {m: statistics.median(r[m] for r in runs[v]) for m in MODES} for v in VARIANTS}
+    rows = [{"mode": m, "old_s": median["old"][m], "new_s": median["new"][m], "new_over_old": median["new"][m] / median["old"][m]}
+            for m in MODES]
+    rows.append({"mode": "stepped / prefill", "old_s": median["old"]["stepped"] / median["old"]["prefill"],
+                 "new_s": median["new"]["stepped"] / median["new"]["prefill"], "new_over_old": float("nan")})
+    info = machine_info()
+    import torch
+
+    out = Path(f"{args.out}_batch{args.batch}")
+    write_csv(str(out.with_suffix(".csv")), rows)
+    table = [[r["mode"], f"{r['old_s']:.3f}", f"{r['new_s']:.3f}",
+              "" if r["mode"].startswith("stepped /") else f"{r['new_over_old']:.3f}"] for r in rows]
+    lines = [
+        f"# generate() at {args.rev} = {args.commit} (old) and the working tree (new), interleaved", "",
+        command_line(args, f" --batch {args.batch} --rounds {args.rounds} --calls {args.calls}") + " "
+        f"({time.strftime('%Y-%m-%d')}); {info['cpu']}, {os.cpu_count()} cores, {args.threads} torch threads, "
+        f"torch {torch.__version__}. Paper MNIST model, linear attention, completion of the bottom half, batch {args.batch}; "
+        "seconds per completion (median over rounds of each child's median); the last row is the speedup of the "
+        "prefill over stepping the prefix within each variant.", "",
+        markdown_table(["mode", "old", "new", "new / old"], table), "",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------- causal: both Functions in this process
+
+
+def load_chunk_module(folder: str):
+    """``chunk.py`` of an exported revision as a standalone module (its imports are absolute)."""
+    spec = importlib.util.spec_from_file_location("chunk_old", os.path.join(folder, CHUNK_FILE))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_causal(args) -> None:
+    import torch
+
+    from linformer_lab.ops.linear_attention import causal_dot_product
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:
+        old = load_chunk_module(export_revision(args.commit, folder))
+    rows = []
+    for b, h, n, c, m in SHAPES[: args.shapes]:
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.rand(b, h, n, c, generator=gen).requires_grad_(True) for _ in range(2))
+        v = torch.randn(b, h, n, m, generator=gen).requires_grad_(True)
+        s0 = torch.randn(b, h, c, m, generator=gen).requires_grad_(True)
+        g = torch.randn(b, h, n, m, generator=gen)
+        g_final = torch.randn(b, h, c, m, generator=gen)
+
+        def run_old():
+            torch.autograd.backward(old.causal_dot_product(q, k, v), g)
+
+        def run_new():
+            torch.autograd.backward(causal_dot_product(q, k, v), g)
+
+        def run_state():
+            out, final = causal_dot_product(q, k, v, None, s0, True)
+            torch.autograd.backward([out, final], [g, g_final])
+
+        timed = interleaved_medians({"old": run_old, "new": run_new, "new+state": run_state}, repeats=args.repeats)
+        medians = {name: t["median"] for name, t in timed.items()}
+        row = {"B": b, "H": h, "N": n, "C": c, "M": m, **{f"{k}_ms": round(1e3 * t, 2) for k, t in medians.items()},
+               "new_over_old": round(medians["new"] / medians["old"], 3),
+               "state_over_new": round(medians["new+state"] / medians["new"], 3)}
+        rows.append(row)
+        print(row, flush=True)
+    info = machine_info()
+    write_csv(str(args.out) + ".csv", rows)
+    columns = ("B", "H", "N", "C", "M", "old_ms", "new_ms", "new+state_ms", "new_over_old", "state_over_new")
+    lines = [
+        f"# Causal Function at {args.rev} = {args.commit} (old) and the working tree (new), and the cost of state in/out",
+        "",
+        command_line(args, f" --repeats {args.repeats} --threads {args.threads} --shapes {args.shapes}") + " "
+        f"({time.strftime('%Y-%m-%d')}); {info['cpu']}, {args.threads} threads, torch {torch.__version__}; "
+        f"forward+backward, fp32, median of {args.repeats} interleaved calls.",
+        "",
+        markdown_table(["B", "H", "N", "C", "M", "old ms", "new ms", "new+state ms", "new / old", "new+state / new"],
+                       [[r[k] for k in columns] for r in rows]),
+    ]
+    Path(str(args.out) + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    gen = sub.add_parser("generate", help="PixelTransformer.generate, child processes per variant alternating")
+    gen.add_argument("--rev", default="HEAD", help="git revision of the 'old' variant")
+    gen.add_argument("--batch", type=int, default=1)
+    gen.add_argument("--rounds", type=int, default=5, help="child processes per variant, alternating")
+    gen.add_argument("--calls", type=int, default=3, help="timed completions per mode in each child")
+    gen.add_argument("--threads", type=int, default=2)
+    gen.add_argument("--out", default=str(DEFAULT_OUT["generate"]), help="prefix of the result files (_batch<B>.{csv,md})")
+    gen.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    causal = sub.add_parser("causal", help="the causal Function, both in this process, and the cost of state in/out")
+    causal.add_argument("--rev", default="HEAD", help="git revision of the 'old' Function")
+    causal.add_argument("--repeats", type=int, default=9)
+    causal.add_argument("--threads", type=int, default=2)
+    causal.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the shapes to run (smallest first)")
+    causal.add_argument("--out", default=str(DEFAULT_OUT["causal"]), help="prefix of the result files (.{csv,md})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.what == "generate" and args.child:
+        print(json.dumps(generate_child(args.batch, args.calls, args.threads)))
+        return
+    args.commit = resolve_commit(args.rev)
+    {"generate": run_generate, "causal": run_causal}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
