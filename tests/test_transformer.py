@@ -103,14 +103,14 @@ def test_sequence_buffer_grows_and_names_a_misfit():
     for row in rows:
         buffer.append(row)  # grows past the capacity of 2 twice
     torch.testing.assert_close(buffer.filled, torch.stack(rows, 1))
-    assert buffer.filled_nbytes == 2 * 5 * 3 * 4
+    assert buffer.nbytes == 2 * 5 * 3 * 4
     with pytest.raises(ValueError, match=r"position of shape \(2, 4\) does not fit"):
         buffer.append(torch.zeros(2, 4))
     cache = KVCache(torch.zeros(1, 2, 4), torch.zeros(1, 2, 3), capacity=1)
     for i in range(3):
         cache.append(torch.full((1, 2, 4), float(i)), torch.full((1, 2, 3), float(i)))
     assert cache.keys.shape == (1, 2, 3, 4) and cache.values.shape == (1, 2, 3, 3) and cache.length == 3
-    assert cache.filled_nbytes == (2 * 3 * 4 + 2 * 3 * 3) * 4
+    assert cache.nbytes == (2 * 3 * 4 + 2 * 3 * 3) * 4
 
 
 def test_feedforward_in_row_blocks_without_autograd_equals_the_whole(monkeypatch):
@@ -124,7 +124,8 @@ def test_feedforward_in_row_blocks_without_autograd_equals_the_whole(monkeypatch
     monkeypatch.setattr(transformer_module, "FEEDFORWARD_BLOCK_BYTES", 5 * d_ff * 8)  # 5 float64 rows
     x = torch.randn(3, 13, 16, dtype=torch.float64)  # 39 rows: 7 blocks of 5 and one of 4
     calls = []
-    model.layers[0].feedforward.register_forward_hook(lambda module, args, out: calls.append(args[0].numel() // args[0].shape[-1]))
+    model.layers[0].feedforward.register_forward_hook(
+        lambda module, args, out: calls.append(args[0].numel() // args[0].shape[-1]))
     want = model(x.requires_grad_())
     assert calls == [39]
     calls.clear()

@@ -5,6 +5,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from linformer_lab.ops.linear_attention.recurrent import LinearState
+from linformer_lab.ops.state import AttentionState, check_state
+
+__all__ = [
+    "Attention",
+    "AttentionState",
+    "KVCache",
+    "SequenceBuffer",
+    "check_cu_seqlens",
+    "check_key_lengths",
+    "check_state",
+    "state_type_error",
+]
+
 
 class Attention(nn.Module):
     """Base class of attention backends (registered under ``linformer_lab.attention``).
@@ -23,6 +37,14 @@ class Attention(nn.Module):
     after the last position, which ``step`` and another ``forward`` continue from; keys at
     positions >= ``key_lengths`` do not enter it. Causal linear: ``(S, Z)``; softmax: a
     :class:`KVCache`; lsh: the :class:`KVCache` of its prefix.
+
+    Every state (from ``forward`` and from ``step``) meets :class:`AttentionState`: it has
+    ``detach()`` (the same state cut from the autograd graph) and ``nbytes`` (the bytes it
+    holds), which is all the code around the backends uses (segmented training with a detached
+    state, state-size reports). A tensor meets it as it is; plain lists and tuples of states (a
+    stack's per-layer states, a hand-made ``(S, Z)``) are walked member by member. A state of
+    another backend's type given to ``step`` or ``forward`` is a TypeError naming both types
+    (:func:`state_type_error`).
 
     Packed variable-length sequences (backends with ``supports_packed``):
     ``forward(q, k, v, cu_seqlens=offsets)`` with ``q, k (1, H, T, D)``, ``v (1, H, T, M)``,
@@ -68,7 +90,9 @@ class Attention(nn.Module):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: {label} must be a 4-d tensor (batch, heads, seq, dim), got {shape}")
         if q.shape != k.shape:
-            raise ValueError(f"{name}: q and k must have the same shape (batch, heads, seq, dim); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+            raise ValueError(
+                f"{name}: q and k must have the same shape (batch, heads, seq, dim); got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
         if v.shape[:3] != k.shape[:3]:
             raise ValueError(
                 f"{name}: v must be (batch, heads, seq, value_dim) with batch, heads, seq = {tuple(k.shape[:3])} "
@@ -116,7 +140,10 @@ class Attention(nn.Module):
 
 def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, who: str) -> None:
     if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or key_lengths.is_floating_point():
-        got = f"{key_lengths.dtype} tensor of shape {tuple(key_lengths.shape)}" if isinstance(key_lengths, torch.Tensor) else type(key_lengths).__name__
+        if isinstance(key_lengths, torch.Tensor):
+            got = f"{key_lengths.dtype} tensor of shape {tuple(key_lengths.shape)}"
+        else:
+            got = type(key_lengths).__name__
         raise ValueError(f"{who}: key_lengths must be an integer tensor of shape ({batch},), got {got}")
     if key_lengths.device != device:
         raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
@@ -199,8 +226,12 @@ class SequenceBuffer:
     def filled(self) -> torch.Tensor:
         return self._storage.narrow(self.dim, 0, self.length)
 
+    def detach(self) -> SequenceBuffer:
+        """The filled positions cut from the autograd graph, in a buffer of their own."""
+        return SequenceBuffer.from_tensor(self.filled.detach(), dim=self.dim)
+
     @property
-    def filled_nbytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes of the filled positions (spare capacity not counted)."""
         return self.filled.numel() * self._storage.element_size()
 
@@ -253,6 +284,30 @@ class KVCache:
     def values(self) -> torch.Tensor:
         return self._values.filled
 
+    def detach(self) -> KVCache:
+        """The same keys, values and ``valid`` mask cut from the autograd graph."""
+        return KVCache.from_sequence(self.keys.detach(), self.values.detach(), self.valid)
+
     @property
-    def filled_nbytes(self) -> int:
-        return self._keys.filled_nbytes + self._values.filled_nbytes
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values (spare capacity not counted): grows by one
+        position per step."""
+        return self._keys.nbytes + self._values.nbytes
+
+
+#: The backends that make each built-in state type, for :func:`state_type_error`.
+_MADE_BY = {
+    LinearState: "linear attention",
+    tuple: "linear attention",
+    KVCache: "softmax or lsh attention",
+    SequenceBuffer: "a Transformer over lsh, whose state is its input prefix",
+    list: "a Transformer, whose state is a list of per-layer states",
+}
+
+
+def state_type_error(who: str, state, takes: str) -> TypeError:
+    """The error for a state of the wrong type given to ``who`` (a backend's ``step`` or
+    ``forward``), naming the type it got, the backend that makes that type, and what it takes."""
+    cls = type(state)
+    made_by = _MADE_BY.get(cls, cls.__module__)
+    return TypeError(f"{who} got a {cls.__qualname__} state (from {made_by}?); it takes {takes}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.attention.base import Attention, check_cu_seqlens
+from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import linear_attention as ops
 
@@ -55,6 +55,8 @@ class LinearAttention(Attention):
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
         self.check_inputs(q, k, v, key_lengths)
         self.check_state_request(state, return_state, cu_seqlens, key_lengths)
+        if state is not None and not isinstance(state, (tuple, list)):
+            raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
         phi_q = self.feature_map.forward_queries(q)
         phi_k = self.feature_map.forward_keys(k)
         if cu_seqlens is not None:
@@ -78,6 +80,8 @@ class LinearAttention(Attention):
             # they fit the state (in linear_attention_step): the step is tiny and runs once per
             # position and layer, so per-step checks would cost as much as the attention.
             self.check_step_inputs(q_t, k_t, v_t)
+        elif not isinstance(state, (tuple, list)):  # a LinearState, or (S, Z) built by hand
+            raise state_type_error(f"{type(self).__name__}.step", state, "a LinearState (S, Z) or None")
         feature_map = self.feature_map
         if type(feature_map).forward_queries is FeatureMap.forward_queries:
             # the base class's forward_queries is ``self(q)``; skip the module-call machinery

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.attention.base import Attention, KVCache
+from linformer_lab.attention.base import Attention, KVCache, state_type_error
 from linformer_lab.ops.lsh import lsh_attention
 
 
@@ -76,7 +76,9 @@ class LSHAttention(Attention):
             raise ValueError("LSHAttention: a state (return_state / state=) needs sequences of equal length "
                              "(key_lengths all equal to the sequence length)")
         if state is not None:
-            if not isinstance(state, KVCache) or state.keys.shape[:2] != q.shape[:2] or state.keys.shape[-1] != q.shape[-1]:
+            if not isinstance(state, KVCache):
+                raise state_type_error(f"{type(self).__name__}.forward", state, "the KVCache of its prefix or None")
+            if state.keys.shape[:2] != q.shape[:2] or state.keys.shape[-1] != q.shape[-1]:
                 raise ValueError(f"LSHAttention: state must be the KVCache prefix (B, H, T, {q.shape[-1]}) with "
                                  f"B, H = {tuple(q.shape[:2])}, as returned by forward or step")
             q_all, v_all = torch.cat([state.keys, q], dim=2), torch.cat([state.values, v], dim=2)
@@ -89,6 +91,8 @@ class LSHAttention(Attention):
         if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
             self.check_step_inputs(q_t, k_t, v_t)
             state = KVCache(q_t, v_t)
+        elif not isinstance(state, KVCache):
+            raise state_type_error(f"{type(self).__name__}.step", state, "the KVCache of its prefix or None")
         state.append(q_t, v_t)
         out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True)
         return out[:, :, -1], state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from linformer_lab.attention.base import Attention
+from linformer_lab.attention.base import Attention, check_state
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.ops.fast_step import step_linear
 
@@ -75,6 +75,9 @@ class MultiHeadAttention(nn.Module):
             extra = {"state": state, "return_state": return_state, "cu_seqlens": cu_seqlens}
         result = self.attention(q, k, v, key_lengths=key_lengths, **extra)  # (B, H, N, value_dim)
         out, state = result if return_state else (result, None)
+        if return_state:  # here the backend is known: a state it cannot detach or size is named with it
+            backend = type(self.attention)
+            check_state(state, f"attention backend {backend.__qualname__} ({backend.__module__})")
         out = self.out(out.transpose(1, 2).flatten(2))
         return (out, state) if return_state else out
 

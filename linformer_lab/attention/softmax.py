@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linformer_lab.attention.base import Attention, KVCache, check_cu_seqlens
+from linformer_lab.attention.base import Attention, KVCache, check_cu_seqlens, state_type_error
 from linformer_lab.ops.masks import length_mask
 
 
@@ -59,7 +59,9 @@ class SoftmaxAttention(Attention):
         if state is None:
             keys, values, valid = k, v, valid_new
         else:
-            if not isinstance(state, KVCache) or state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
+            if not isinstance(state, KVCache):
+                raise state_type_error(f"{type(self).__name__}.forward", state, "a KVCache or None")
+            if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
                     or state.values.shape[-1] != v.shape[-1]:
                 raise ValueError(f"SoftmaxAttention: state must be the KVCache of keys (B, H, T, {k.shape[-1]}) and "
                                  f"values (B, H, T, {v.shape[-1]}) with B, H = {tuple(k.shape[:2])}")
@@ -84,6 +86,8 @@ class SoftmaxAttention(Attention):
         if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
             self.check_step_inputs(q_t, k_t, v_t)
             state = KVCache(k_t, v_t)
+        elif not isinstance(state, KVCache):
+            raise state_type_error(f"{type(self).__name__}.step", state, "a KVCache or None")
         state.append(k_t, v_t)
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from linformer_lab.attention.base import KVCache, SequenceBuffer
+from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.fast_step import step_linear
+from linformer_lab.ops.state import detach_state
 
 #: Size of the feed-forward intermediate that :meth:`TransformerLayer.forward` computes at a
 #: time on CPU when nothing needs its activations (see ``TransformerLayer._feedforward``).
@@ -63,7 +64,7 @@ class TransformerLayer(nn.Module):
         :data:`FEEDFORWARD_BLOCK_BYTES`. The whole intermediate of a large batch (100 MB for 64
         MNIST images of 392 positions) is written and read back through main memory twice,
         and freshly allocated at every layer; a block of it stays in cache (about 1.5x faster
-        for the MNIST model at batch 64: benchmarks/README.md, "Measurements behind library
+        for the MNIST model at batch 64: benchmarks/NOTES.md, "Measurements behind library
         defaults"). Same arithmetic row by row; forward hooks on
         ``feedforward`` then see each block."""
         if torch.is_grad_enabled() or x.device.type != "cpu":  # training keeps the one call
@@ -195,24 +196,6 @@ class Transformer(nn.Module):
         return torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), new_state
 
 
-def detach_state(state):
-    """A state of :meth:`Transformer.forward` / ``step`` cut from the autograd graph (the same
-    numbers): what truncated back-propagation through time carries to the next segment."""
-    if state is None:
-        return None
-    if isinstance(state, torch.Tensor):
-        return state.detach()
-    if isinstance(state, KVCache):
-        return KVCache.from_sequence(state.keys.detach(), state.values.detach(), state.valid)
-    if isinstance(state, SequenceBuffer):
-        return SequenceBuffer.from_tensor(state.filled.detach(), dim=state.dim)
-    if hasattr(state, "joint"):  # a LinearState: S and Z are views of one buffer
-        return type(state)(state.joint.detach())
-    if isinstance(state, (list, tuple)):
-        return type(state)(detach_state(s) for s in state)
-    raise TypeError(f"detach_state: unknown state type {type(state).__name__}")
-
-
 def segmented_forward(run_segment, length: int, segment_length: int, detach: bool = False) -> list:
     """``run_segment(start, stop, state) -> (output, state)`` over consecutive segments
     ``[0, L), [L, 2L), ...`` of a sequence of ``length`` positions, the state carried across;
@@ -223,7 +206,9 @@ def segmented_forward(run_segment, length: int, segment_length: int, detach: boo
     at a time, so peak training memory follows ``segment_length``, not ``length`` (for a
     constant-size state: causal linear attention). The price is one more forward per segment.
     The gradient is that of one pass over the whole sequence, unless ``detach`` cuts it at every
-    boundary (truncated back-propagation through time; the forward values are the same).
+    boundary (truncated back-propagation through time; the forward values are the same) through
+    :func:`~linformer_lab.ops.state.detach_state`, which any backend's state meets by the contract
+    of :class:`~linformer_lab.ops.state.AttentionState`.
     Outputs should be small (a per-position loss, not hidden states) for the memory to follow
     the segment.
     """

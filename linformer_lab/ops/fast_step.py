@@ -5,7 +5,8 @@
 * :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off, one
   intra-op thread for small batches);
 * :func:`state_nbytes`: how much memory a recurrent state holds (constant for linear attention,
-  growing for softmax).
+  growing for softmax); defined with the state contract in :mod:`linformer_lab.ops.state` and
+  re-exported here.
 
 Weight copies
 -------------
@@ -24,7 +25,7 @@ one. The formats (:data:`STEP_WEIGHT_FORMATS`):
     The model's own weights, dtype and values; the product is the same up to summation
     order. On CPU the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the
     ``(out, in)`` parameter markedly slower at one row than ``x @ W^T`` with ``W^T``
-    contiguous (benchmarks/README.md, "Measurements behind library defaults"). Elsewhere no
+    contiguous (benchmarks/NOTES.md, "Measurements behind library defaults"). Elsewhere no
     copy is made.
 ``"bfloat16"``
     A bfloat16 copy; the layer's input is rounded to bfloat16, the product accumulated in
@@ -38,7 +39,7 @@ one. The formats (:data:`STEP_WEIGHT_FORMATS`):
     the model's dtype). A quarter of the bytes per step.
 
 The reduced formats change the numbers the step computes (a lossy copy), so they are opt-in;
-how much they cost in bits/dim is measured in ``benchmarks/step_weights_quality.py``. The
+how much they cost in bits/dim is measured in ``benchmarks/dev/step_weights_quality.py``. The
 activations between layers, the attention state and the output head stay in the model's
 dtype.
 """
@@ -50,6 +51,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from linformer_lab.ops.state import state_nbytes
 
 __all__ = [
     "SINGLE_THREAD_MAX_BATCH",
@@ -207,32 +210,13 @@ def step_weights(module: nn.Module, format: str = "model", enabled: bool = True)
             linear.__dict__.pop(_ATTRIBUTE, None)
 
 
-# ---------------------------------------------------------------- kernels and state size
-
-
-def state_nbytes(state) -> int:
-    """Bytes held by a recurrent state as returned by :meth:`Transformer.step`.
-
-    Walks lists/tuples of tensors; a growing cache (a softmax ``KVCache``, lsh's prefix
-    ``SequenceBuffer``) counts what the sequence so far fills (``filled_nbytes``); spare
-    capacity, which grows by doubling, is not counted. Shows that the linear state is constant
-    in size while the softmax cache grows with every generated position.
-    """
-    if state is None:
-        return 0
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, (list, tuple)):
-        return sum(state_nbytes(s) for s in state)
-    if hasattr(state, "filled_nbytes"):  # a growing cache (KVCache, SequenceBuffer)
-        return state.filled_nbytes
-    raise TypeError(f"state_nbytes: don't know the size of a {type(state).__name__}")
+# ---------------------------------------------------------------- kernels
 
 
 @contextlib.contextmanager
 def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
-    """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate` steps under: oneDNN off on CPU
-    (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
+    """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate`
+    steps under: oneDNN off on CPU (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
     (:func:`_single_thread_for_small_steps`). Process-global settings, restored on exit.
 
     Code that steps the model by hand and must draw what ``generate`` draws runs under this
@@ -249,7 +233,7 @@ def _native_cpu_kernels(device: torch.device):
 
     With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
     every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
-    small tensor inline, many times faster (benchmarks/README.md, "Measurements behind library
+    small tensor inline, many times faster (benchmarks/NOTES.md, "Measurements behind library
     defaults"). Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
     fp32 results are identical; a bf16 step copy does go through oneDNN's bf16 matmul when
     oneDNN is on, which rounds differently. The flag is process-global; it is restored on exit.
@@ -267,7 +251,7 @@ def _native_cpu_kernels(device: torch.device):
 #: On CPU, :func:`generation_kernels` runs recurrent steps of at most this many sequences with
 #: one intra-op thread (restored afterwards). Such a step is a few dozen operations on
 #: (B, d_model) rows; a thread-parallel region costs more than the work in it
-#: (benchmarks/README.md, "Measurements behind library defaults").
+#: (benchmarks/NOTES.md, "Measurements behind library defaults").
 SINGLE_THREAD_MAX_BATCH = 16
 
 

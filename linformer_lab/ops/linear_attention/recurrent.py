@@ -12,6 +12,9 @@ class LinearState(tuple):
 
     With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
     of eq. 20 together. The bytes are those of S and Z alone.
+
+    Meets the attention-state contract (:class:`~linformer_lab.ops.state.AttentionState`):
+    :meth:`detach` and :attr:`nbytes`.
     """
 
     joint: torch.Tensor
@@ -21,6 +24,15 @@ class LinearState(tuple):
         self = super().__new__(cls, (joint[..., :m], joint[..., m]))
         self.joint = joint
         return self
+
+    def detach(self) -> LinearState:
+        """The same ``[S | Z]`` buffer cut from the autograd graph (shares its memory)."""
+        return LinearState(self.joint.detach())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of S and Z: fixed by (B, H, C, M), whatever the sequence length."""
+        return self.joint.nbytes
 
 
 def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, device, dtype=torch.float32):
@@ -32,7 +44,7 @@ def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, d
 #: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
 #: state has at least this many (batch x head) rows, and as a broadcast product + sum below: from
 #: there on the product's (B, H, C, M + 1) temporary costs more than the BLAS set-up (2.7x slower
-#: at B = 64, H = 8; benchmarks/README.md, "Measurements behind library defaults").
+#: at B = 64, H = 8; benchmarks/NOTES.md, "Measurements behind library defaults").
 CPU_MATMUL_MIN_ROWS = 32
 
 
@@ -50,8 +62,8 @@ def linear_attention_step(
     ``(out (B, H, M), state)`` with ``out`` in the state's dtype.
 
     Without autograd the state is updated in place: no allocation per step beyond the output,
-    which is what makes generation fast. With autograd enabled a new state is returned so
-    gradients can flow through time.
+    which is what makes generation fast. With autograd enabled a new :class:`LinearState` is
+    returned so gradients can flow through time.
 
     The step runs once per position and layer with tiny tensors, so its cost is the number of
     tensor operations, not arithmetic: in place it is two element-wise updates (S += phi(k)
@@ -70,11 +82,17 @@ def linear_attention_step(
     if phi_q.dtype != compute or phi_k.dtype != compute or v.dtype != compute:
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
     if torch.is_grad_enabled() and (phi_q.requires_grad or phi_k.requires_grad or v.requires_grad or s.requires_grad):
-        s = s + phi_k.unsqueeze(-1) * v.unsqueeze(-2)
-        z = z + phi_k
+        # out of place, so gradients flow through time; the new state keeps the [S | Z] layout:
+        # [S + phi(k) v^T | Z + phi(k)] = [S | Z] + phi(k) [v | 1]^T
+        joint = getattr(state, "joint", None)
+        if joint is None:
+            joint = torch.cat([s, z.unsqueeze(-1)], dim=-1)
+        joint = joint + phi_k.unsqueeze(-1) * torch.nn.functional.pad(v, (0, 1), value=1.0).unsqueeze(-2)
+        state = LinearState(joint)
+        s, z = state
         numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
         denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-        return numerator / denominator, (s, z)
+        return numerator / denominator, state
     s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T, in place
     z.add_(phi_k)
     joint = getattr(state, "joint", None)

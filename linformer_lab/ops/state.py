@@ -1,0 +1,100 @@
+"""The recurrent-state contract: what the state of every attention backend offers.
+
+A backend's ``step`` and ``forward(..., return_state=True)`` return a state of the backend's own
+type (linear attention's :class:`~linformer_lab.ops.linear_attention.LinearState`, softmax's and
+lsh's :class:`~linformer_lab.attention.base.KVCache`, a plugin's own class). Only the backend
+looks inside it. The code around the backends (truncated back-propagation through time in
+``segmented_forward``, state-size reports) calls the two members of :class:`AttentionState`
+and nothing else.
+
+A layer stack's state is a list with one backend state per layer (``Transformer.step``);
+:func:`detach_state` and :func:`state_nbytes` walk plain lists and tuples, so stacks are handled
+here, once. Tensors meet the contract as they are (``Tensor.detach()``, ``Tensor.nbytes``), so a
+state that is a tensor or a plain tuple of tensors needs nothing more.
+
+The contract lives in ops/, the lowest layer that defines a state type (``LinearState``), and is
+re-exported beside ``Attention`` in :mod:`linformer_lab.attention.base`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+__all__ = ["AttentionState", "check_state", "detach_state", "state_nbytes"]
+
+
+@runtime_checkable
+class AttentionState(Protocol):
+    """What an attention backend's recurrent state offers (structural: no base class to derive).
+
+    ``detach()``: a state of the same type holding the same numbers, cut from the autograd graph
+    (what truncated back-propagation through time carries into the next segment). It must be
+    usable wherever the original was: ``step`` and ``forward(state=...)`` continue from it.
+
+    ``nbytes``: the bytes the state holds for the sequence so far (a growing cache counts its
+    filled positions, not spare capacity): constant for linear attention, growing for softmax.
+    """
+
+    def detach(self) -> AttentionState: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+#: The members of :class:`AttentionState`, as an error names them.
+_MEMBERS = (("detach", "detach()"), ("nbytes", "nbytes"))
+
+
+def _lacks(state) -> list[str]:
+    """The members of the contract that ``state`` lacks (what ``isinstance(state, AttentionState)``
+    looks at)."""
+    return [label for name, label in _MEMBERS if not hasattr(state, name)]
+
+
+def _is_container(state) -> bool:
+    # exactly list / tuple: a tuple subclass (LinearState, a NamedTuple) is a state of its own
+    return type(state) is list or type(state) is tuple
+
+
+def check_state(state, who: str) -> None:
+    """Raise a TypeError naming ``who`` (the backend that made the state, or the function given
+    it) and the members ``state`` lacks, unless it is None, meets :class:`AttentionState`, or is a
+    list / tuple of such states."""
+    if state is None:
+        return
+    if _is_container(state):
+        for s in state:
+            check_state(s, who)
+        return
+    lacks = _lacks(state)
+    if lacks:
+        cls = type(state)
+        raise TypeError(
+            f"{who}: the state {cls.__qualname__} (module {cls.__module__}) lacks {' and '.join(lacks)} of the "
+            f"attention-state contract (linformer_lab.attention.AttentionState). Every backend's state offers "
+            f"detach() (the same state cut from the autograd graph) and nbytes (the bytes it holds); see "
+            f"docs/ARCHITECTURE.md, 'The recurrent state'"
+        )
+
+
+def detach_state(state):
+    """``state`` (one backend's, or a stack's list of them; None) cut from the autograd graph, the
+    same numbers: what truncated back-propagation through time carries to the next segment."""
+    if state is None:
+        return None
+    if _is_container(state):
+        return type(state)(detach_state(s) for s in state)
+    check_state(state, "detach_state")
+    return state.detach()
+
+
+def state_nbytes(state) -> int:
+    """Bytes held by a recurrent state (one backend's, or a stack's list of them, as
+    ``Transformer.step`` returns; None holds none): the sum of the states' ``nbytes``. Shows that
+    the linear state is constant in size while the softmax cache grows with every position."""
+    if state is None:
+        return 0
+    if _is_container(state):
+        return sum(state_nbytes(s) for s in state)
+    check_state(state, "state_nbytes")
+    return int(state.nbytes)
