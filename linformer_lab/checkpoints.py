@@ -1,10 +1,22 @@
-"""Checkpoints under the CLI: where they go (:class:`CheckpointSettings`, ``last.ckpt`` and the
-best by the task's ``monitor``), how ``--ckpt_path last|best|PATH`` resolves, and the check that a
-checkpoint fits the configured model before it is used (other task, other shapes, unreadable file:
-one clear paragraph and exit code 2)."""
+"""Checkpoints under the CLI: where a run writes them, which file ``--ckpt_path last|best``
+means, and the check that a checkpoint fits the configured model before it is used.
+
+Layout: every process (fit, validate, test, predict) logs into a new
+``<trainer.default_root_dir>/version_N/`` (metrics, the saved config), and a fresh ``fit`` keeps
+its checkpoints in ``version_N/checkpoints/``: ``last.ckpt`` and the best ``save_top_k`` by the
+task's ``monitor``. So no run ever writes into another's checkpoints; ``fit --ckpt_path last``
+logs into a new version but continues writing the checkpoints of the run it resumes. ``last``
+and ``best`` name the newest run *of the configured model* under the root (another backend or
+size trained into the same root is skipped), so comparing attentions from one config is safe.
+
+Faults (a checkpoint of another task or shape, an unreadable file, a directory that cannot be
+written or that another process is training into) stop before any work with one paragraph on
+stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from dataclasses import dataclass
@@ -16,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from linformer_lab.tasks.base import task_settings
 
+#: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
 CHECKPOINT_ERROR_EXIT_CODE = 2
 
 
@@ -23,16 +36,14 @@ CHECKPOINT_ERROR_EXIT_CODE = 2
 class CheckpointSettings:
     """The CLI's default checkpointing, set with ``--checkpoint.NAME value`` or a ``checkpoint:`` block.
 
-    Two ``ModelCheckpoint`` callbacks write to ``dirpath``: ``last.ckpt`` (always overwritten,
-    what ``--ckpt_path last`` resumes from) and ``best-epoch=E-step=S.ckpt``, the best ``save_top_k``
-    by the task's ``monitor`` attribute (e.g. ``val/loss``), saved after validation.
-
     Attributes:
         enabled: False adds no checkpoint callbacks (so does a ModelCheckpoint listed in
             ``trainer.callbacks``, or ``trainer.enable_checkpointing: false``).
-        dirpath: where checkpoints go; None = ``<trainer.default_root_dir>/checkpoints``.
+        dirpath: where checkpoints go; None = the run's own ``version_N/checkpoints``. A fixed
+            directory is shared by every run given it, so a fresh fit refuses one that already
+            holds checkpoints (resume them with ``--ckpt_path last``).
         every_n_train_steps: also write ``last.ckpt`` every n optimizer steps (mid-epoch resume
-            points); None = after every validation / epoch end.
+            points between validations); None = after every validation and at the end.
         save_top_k: how many best checkpoints to keep (0 = none).
     """
 
@@ -46,81 +57,228 @@ class CheckpointMismatchError(Exception):
     """A ``--ckpt_path`` cannot be used with the configured model (message says why)."""
 
 
+class CheckpointSetupError(Exception):
+    """The run cannot write its checkpoints safely (message says why and what to do)."""
+
+
 class LastCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` for ``last.ckpt`` that also saves when training ends between two of its
-    triggers (``max_steps`` mid-epoch, ``max_time``), so last.ckpt always holds the final weights."""
+    """``last.ckpt``: the resume point, written after *every* validation (at every epoch end when
+    there is none), every ``every_n_train_steps`` updates, at the step where ``max_steps`` stops
+    training, and when training ends any other way (``max_time``).
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.fast_dev_run or self._last_global_step_saved == trainer.global_step:
-            return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+    Lightning's ``save_last`` writes only at steps where a top-k checkpoint was also written, so a
+    run whose validation did not improve had no resume point at all. This callback is placed
+    after the best-model callback, so the ``last.ckpt`` written at a validation records the best
+    checkpoint *of that validation* (``--ckpt_path best`` reads it from there). Saving at the final
+    batch rather than at ``on_train_end`` keeps the epoch open in the loop state, so extending
+    ``max_steps`` continues the same epoch instead of starting the next.
+    """
+
+    def __init__(self, dirpath: str | None, every_n_train_steps: int | None):
+        # one well-known last.ckpt rather than last-v1, last-v2 ...
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
+        self.every_n_steps = every_n_train_steps or 0
+
+    def _can_save(self, trainer: L.Trainer) -> bool:
+        return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
+        if (periodic or final) and self._can_save(trainer) and self._last_global_step_saved != step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    # After every validation, once the best-model callback has seen it: that callback saves at
+    # validation end, or at the epoch end when validation runs once per epoch (Lightning's
+    # _should_save_on_train_epoch_end, the same decision for both callbacks). Written again even
+    # when the batch-end trigger wrote at this step: the best may have changed since.
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._can_save(trainer) and not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
+        finished = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self._can_save(trainer) and self._should_save_on_train_epoch_end(trainer) and finished:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._can_save(trainer) and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
-def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule) -> list[ModelCheckpoint]:
-    """``last.ckpt`` (every_n_train_steps or per validation, and at the end) and the best by ``model.monitor``."""
-    callbacks = [
-        LastCheckpoint(
-            dirpath=settings.dirpath, save_top_k=0, save_last=True,
-            every_n_train_steps=settings.every_n_train_steps,
-            # one well-known last.ckpt, overwritten by a fresh run, rather than last-v1, last-v2 ...
-            enable_version_counter=False,
-        )
-    ]
+def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule, dirpath: str) -> list[ModelCheckpoint]:
+    """The best ``save_top_k`` by ``model.monitor`` (when it has one), then ``last.ckpt``, both in ``dirpath``.
+
+    The order matters: Lightning calls checkpoint callbacks in list order, and last.ckpt must be
+    written after the best-model record it carries has been updated.
+    """
+    callbacks: list[ModelCheckpoint] = []
     monitor, monitor_mode, _ = task_settings(model)
     if monitor and settings.save_top_k != 0:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=settings.dirpath, monitor=monitor, mode=monitor_mode,
+                dirpath=dirpath, monitor=monitor, mode=monitor_mode,
                 save_top_k=settings.save_top_k,
                 # the metric names hold '/', which would make sub-directories in a file name
                 filename="best-epoch={epoch}-step={step}", auto_insert_metric_name=False,
             )
         )
+    callbacks.append(LastCheckpoint(dirpath, settings.every_n_train_steps))
     return callbacks
 
 
-# ---------------------------------------------------------------------- checkpoint check
+# ---------------------------------------------------------------------- run directories
 
 
-def resolve_checkpoint_path(ckpt_path: str, checkpoint_dir: str | None) -> str | None:
-    """A ``--ckpt_path`` value -> the file it names, or None when there is none to check.
+def new_run_version(root: str | Path) -> int:
+    """Create ``root/version_N`` with the lowest free N and return N.
 
-    ``last``: the newest ``last*.ckpt`` in the checkpoint directory (what Lightning picks too).
-    ``best``: the best checkpoint recorded in ``last.ckpt``'s ModelCheckpoint state.
-    Other keywords (``hpc``, ``registry``) are left to Lightning.
+    ``mkdir`` either creates the directory or fails, so two runs started at the same moment
+    can never pick the same N (the loggers' own scan for a free version can).
     """
-    if ckpt_path in ("last", "best"):
-        folder = Path(checkpoint_dir) if checkpoint_dir else None
-        lasts = sorted(folder.glob("last*.ckpt"), key=os.path.getmtime) if folder and folder.is_dir() else []
-        if not lasts:
-            if ckpt_path == "best":
-                raise_and_exit(f'--ckpt_path best: no checkpoint found in {checkpoint_dir}; train first (fit) or pass a file')
-            return None
-        if ckpt_path == "last":
-            return str(lasts[-1])
-        best = _best_from_last(str(lasts[-1]))
-        if best is None:
-            raise_and_exit(f"--ckpt_path best: {lasts[-1]} records no best checkpoint (is there a monitored metric?)")
-        return best
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[8:]) for p in root.glob("version_*") if p.name[8:].isdigit()]
+    n = max(taken, default=-1) + 1
+    while True:
+        try:
+            (root / f"version_{n}").mkdir()
+            return n
+        except FileExistsError:
+            n += 1
+
+
+def resumed_run_dir(checkpoint: str | None, root: str | Path) -> str | None:
+    """The checkpoint directory of the run ``checkpoint`` belongs to, when that run lives under
+    ``root`` (``root/version_N/checkpoints`` or ``root/checkpoints``); else None."""
+    if checkpoint is None:
+        return None
+    folder = Path(checkpoint).resolve().parent
+    root = Path(root).resolve()
+    if folder.name == "checkpoints" and (folder.parent == root or folder.parent.parent == root):
+        return str(folder)
+    return None
+
+
+def last_checkpoints(root: str | Path, dirpath: str | None = None) -> list[Path]:
+    """Every ``last*.ckpt`` a ``--ckpt_path last|best`` may mean, newest first: in ``dirpath``
+    when it is set, else in each run's ``root/version_*/checkpoints`` and in ``root/checkpoints``
+    (where runs without a logger write)."""
+    if dirpath:
+        folders = [Path(dirpath)]
+    else:
+        folders = [*Path(root).glob("version_*/checkpoints"), Path(root) / "checkpoints"]
+    found = [p for folder in folders if folder.is_dir() for p in folder.glob("last*.ckpt")]
+    return sorted(found, key=os.path.getmtime, reverse=True)
+
+
+def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str | Path, dirpath: str | None = None) -> str | None:
+    """A ``--ckpt_path`` value -> the file it names (checked against ``model``), or None.
+
+    ``last``: the newest ``last.ckpt`` under ``root`` (or ``dirpath``) that fits the configured
+    model; None when there is none at all (``fit`` then starts from scratch). ``best``: the best
+    checkpoint recorded in that ``last.ckpt``. A file is checked as given; other keywords
+    (``hpc``, ``registry``) are left to Lightning. Raises :class:`CheckpointMismatchError`.
+    """
     if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
-    return str(ckpt_path)
-
-
-def _best_from_last(last_path: str) -> str | None:
-    try:
-        ckpt = torch.load(last_path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:
+    if ckpt_path not in ("last", "best"):
+        check_checkpoint(str(ckpt_path), model)
+        return str(ckpt_path)
+    where = dirpath or root
+    candidates = last_checkpoints(root, dirpath)
+    if not candidates:
+        if ckpt_path == "best":
+            raise CheckpointMismatchError(
+                f"--ckpt_path best: no checkpoint found under {where}; train first (fit) or pass a file."
+            )
         return None
+    mismatches = []
+    for last in candidates:
+        try:
+            check_checkpoint(str(last), model)
+        except CheckpointMismatchError as err:
+            mismatches.append(str(err))
+            continue
+        if ckpt_path == "last":
+            return str(last)
+        best = _best_from_last(last)
+        if best is None:
+            raise CheckpointMismatchError(f"--ckpt_path best: {last} records no best checkpoint (is there a monitored metric?).")
+        check_checkpoint(best, model)
+        return best
+    raise CheckpointMismatchError(
+        f"--ckpt_path {ckpt_path}: none of the {len(candidates)} run(s) under {where} is of the configured model; "
+        f"the newest: {mismatches[0]}"
+    )
+
+
+def _best_from_last(last_path: Path) -> str | None:
+    ckpt = load_checkpoint_header(str(last_path))
     for key, state in (ckpt.get("callbacks") or {}).items():
         if key.startswith("ModelCheckpoint") and state.get("best_model_path") and Path(state["best_model_path"]).is_file():
             return state["best_model_path"]
     return None
 
 
-def raise_and_exit(message: str):
+def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object:
+    """Make sure this fit may write into ``dirpath``, before any training; returns a lock to keep.
+
+    Refused (:class:`CheckpointSetupError`): a directory that cannot be created or written (found
+    now, not at the first save minutes later); one that already holds checkpoints of an earlier
+    run this fit does not resume (they would be overwritten); one another process is training
+    into right now (an exclusive ``flock`` on ``dirpath/.lock``, released by the OS even when a
+    run is killed).
+    """
+    folder = Path(dirpath)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointSetupError(
+            f"cannot write checkpoints to {folder}: {err.strerror or err}. Choose a writable place with "
+            f"--trainer.default_root_dir DIR (or --checkpoint.dirpath DIR)."
+        ) from None
+    existing = sorted(p.name for p in folder.glob("*.ckpt"))
+    resuming_here = resume_from is not None and Path(resume_from).resolve().parent == folder.resolve()
+    if existing and not resuming_here:
+        raise CheckpointSetupError(
+            f"{folder} already holds checkpoints of an earlier run ({', '.join(existing[:3])}"
+            f"{', ...' if len(existing) > 3 else ''}); a new run would overwrite them. Resume that run with "
+            f"--ckpt_path last, or give this one its own place: leave --checkpoint.dirpath unset (every run "
+            f"then gets its own version_N/checkpoints) or pass another directory."
+        )
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115 (held for the life of the process)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        owner = lock.read().strip() or "unknown"
+        lock.close()
+        raise CheckpointSetupError(
+            f"another process (pid {owner}) is training into {folder} right now; two runs in one checkpoint "
+            f"directory would overwrite each other's last.ckpt. Wait for it to finish, or start this run in "
+            f"its own directory (without --ckpt_path, every fit gets a new version_N)."
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def exit_with_error(message: str):
+    """One paragraph on stderr and exit code 2 (:data:`CHECKPOINT_ERROR_EXIT_CODE`): the CLI's
+    way to stop on a checkpoint or run-directory fault before any work is done."""
     sys.stderr.write(f"error: {message}\n")
     sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
+
+
+# ---------------------------------------------------------------------- checkpoint check
 
 
 def load_checkpoint_header(path: str) -> dict:
@@ -135,8 +293,9 @@ def load_checkpoint_header(path: str) -> dict:
                 raise
             ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CheckpointMismatchError(
-            f"cannot read checkpoint {path}: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}. "
+            f"cannot read checkpoint {path}: {type(err).__name__}: {first_line}. "
             f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
             f"use another checkpoint from the same directory."
         ) from None

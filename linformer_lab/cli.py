@@ -9,17 +9,19 @@ See docs/cli.md for the user's view; this module is the wiring:
 * :class:`LinformerCLI` is a LightningCLI in subclass mode for model and data (any
   LightningModule / LightningDataModule, chosen by ``class_path``), which adds:
   - data -> model links (``vocab_size``, ``sequence_length``) read from the instantiated data module;
-  - per-experiment directories: ``trainer.default_root_dir`` defaults to ``logs/<config name>``,
-    checkpoints go to ``<root>/checkpoints`` (stable, so ``--ckpt_path last`` finds the previous
-    run's) and metrics + the saved config to a new ``<root>/version_N`` per run;
+  - per-run directories: ``trainer.default_root_dir`` defaults to ``logs/<config name>``; every
+    run gets a new ``<root>/version_N`` (metrics, saved config, ``checkpoints/``) and a resumed
+    fit continues in the directory of the run it resumes (:mod:`linformer_lab.checkpoints`);
   - default checkpointing (:class:`~linformer_lab.checkpoints.CheckpointSettings`,
-    ``--checkpoint.*``): ``last.ckpt`` and the best checkpoint by the task's ``monitor`` /
-    ``monitor_mode`` (:class:`~linformer_lab.tasks.base.Task`);
-  - integers stay integers for the ``int | float`` trainer arguments (``limit_val_batches 1`` is
-    one batch, not 100 %; :data:`~linformer_lab.cli_args.COUNT_OR_FRACTION`);
+    ``--checkpoint.*``): ``last.ckpt`` after every validation and the best checkpoint by the
+    task's ``monitor`` / ``monitor_mode`` (:class:`~linformer_lab.tasks.base.Task`);
+  - the ``int | float`` trainer arguments typed int-first (``limit_val_batches 1`` is one batch,
+    not 100 %, also in the saved config; :data:`~linformer_lab.cli_args.COUNT_OR_FRACTION`), and
+    no abbreviated flags (``--trainer.limit_val`` is an error, not ``limit_val_batches``);
   - precision fallback (fp16 AMP has no CPU kernels: ``16-mixed`` -> ``bf16-mixed`` on CPU);
-  - a checkpoint check before any ``--ckpt_path`` is used (:mod:`linformer_lab.checkpoints`):
-    unreadable, other-task or other-shape checkpoints stop with one clear paragraph and exit code 2.
+  - checks before any work, each one paragraph and exit code 2: a ``--ckpt_path`` that does not fit
+    the configured model, a checkpoint directory that cannot be written or is in use, a model
+    argument that contradicts the data it is linked to.
 """
 
 from __future__ import annotations
@@ -38,17 +40,24 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from linformer_lab.checkpoints import (
     CHECKPOINT_ERROR_EXIT_CODE,
     CheckpointMismatchError,
     CheckpointSettings,
-    check_checkpoint,
+    CheckpointSetupError,
+    claim_checkpoint_dir,
     default_checkpoint_callbacks,
+    exit_with_error,
+    new_run_version,
     resolve_checkpoint_path,
+    resumed_run_dir,
 )
-from linformer_lab.cli_args import integer_trainer_arguments, resolve_config_args
+from linformer_lab.cli_args import COUNT_OR_FRACTION, resolve_config_args
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+from linformer_lab.tasks.base import Task
+from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes copied into the model argument of the same name when both exist
 #: (jsonargparse skips a link whose source attribute or target argument is missing, so one list
@@ -65,8 +74,6 @@ class LinformerCLI(LightningCLI):
     """
 
     def __init__(self, args=None, run: bool = True, **kwargs):
-        # what the user wrote, to tell an integer 1 from 1.0 after parsing (COUNT_OR_FRACTION)
-        self._raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         kwargs.setdefault("seed_everything_default", 0)
         # Every run logs into its own version_N directory, so the saved config never collides;
         # overwrite=True covers runs that pin the logger version or disable the logger (then
@@ -84,7 +91,18 @@ class LinformerCLI(LightningCLI):
 
     # ------------------------------------------------------------------ parser
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # argparse would take --trainer.limit_val for --trainer.limit_val_batches (and any other
+        # unique prefix): a typo would silently set another argument
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Lightning types these Union[float, int, None]; parsed float-first, "1" became 1.0 (all
+        # batches) in the run and in the saved config. Int-first keeps 1 a count and 1.0 a fraction.
+        for action in parser._actions:
+            if action.dest.startswith("trainer.") and action.dest[len("trainer."):] in COUNT_OR_FRACTION:
+                action._typehint = int | float | None
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
         for name in DATA_TO_MODEL_LINKS:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
@@ -93,7 +111,7 @@ class LinformerCLI(LightningCLI):
         # LightningCLI would load the checkpoint here (crashing on a corrupt file) and replace the
         # configured model arguments with the checkpoint's hyper-parameters, silently overriding
         # the command line. We keep the configuration as the source of truth and check the
-        # checkpoint against it in after_instantiate_classes instead.
+        # checkpoint against it in instantiate_trainer instead.
         return
 
     # ------------------------------------------------------------------ config fix-ups
@@ -108,8 +126,6 @@ class LinformerCLI(LightningCLI):
         trainer = config.trainer
         if trainer.get("default_root_dir") is None:
             trainer.default_root_dir = str(Path("logs") / _experiment_name(config))
-        if config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         trainer.precision = resolve_precision(trainer.get("precision"), trainer.get("accelerator"))
 
     def instantiate_classes(self) -> None:
@@ -126,47 +142,108 @@ class LinformerCLI(LightningCLI):
                 f"error: cannot build the configured classes: {type(root).__name__}: {root}\n"
                 f"(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n"
             )
-            sys.exit(2)
+            sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        self._check_linked_arguments()
         config = self._get(self.config_init, "trainer")
-        # here, not before instantiation: building the classes casts these back to float
-        for name, value in integer_trainer_arguments(self._raw_args, self.subcommand).items():
-            if isinstance(config.get(name), float) and config.get(name) == value:
-                config[name] = value
+        settings: CheckpointSettings = self._get(self.config_init, "checkpoint")
+        root = Path(config["default_root_dir"])
+        fitting = self.subcommand == "fit"
+        resume = self._resolve_ckpt_path(root, settings)
+
+        # Every process logs into a new version_N (a logger reopening an old one would delete its
+        # metrics.csv); a resumed fit keeps writing checkpoints where the run it resumes did.
+        if config.get("logger") in (None, True):
+            version = None
+            if rank_zero_only.rank == 0:  # other DDP ranks get rank 0's directories by broadcast
+                try:
+                    version = new_run_version(root)
+                except OSError as err:
+                    exit_with_error(f"cannot create the run directory under {root}: {err.strerror or err}. "
+                                    f"Choose a writable place with --trainer.default_root_dir DIR.")
+            config["logger"] = default_logger(str(root), version)
+
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        settings: CheckpointSettings = self._get(self.config_init, "checkpoint")
         has_own = any(isinstance(c, ModelCheckpoint) for c in callbacks)
         if not settings.enabled and not has_own:
             # "no checkpoints": otherwise Lightning would add its own default ModelCheckpoint
             config["enable_checkpointing"] = False
+        ours = []
         if settings.enabled and config.get("enable_checkpointing") is not False and not has_own:
-            callbacks += default_checkpoint_callbacks(settings, self.model)
-        config["callbacks"] = callbacks
-        if config.get("logger") in (None, True):
-            config["logger"] = default_logger(config["default_root_dir"])
-        return super().instantiate_trainer(**kwargs)
+            ours = default_checkpoint_callbacks(settings, self.model, dirpath=None)
+        config["callbacks"] = callbacks + ours
+        trainer = super().instantiate_trainer(**kwargs)
+        if isinstance(self.model, Task):  # data that does not fit the model, a backend the device cannot run
+            try:
+                self.model.check_run(self.datamodule, trainer.strategy.root_device)
+            except ConfigurationError as err:
+                exit_with_error(str(err))
 
-    def after_instantiate_classes(self) -> None:
-        if not self.subcommand:
-            return
-        ckpt_path = self.config[self.subcommand].get("ckpt_path")
-        if not ckpt_path:
-            return
-        settings = self.config[self.subcommand].checkpoint
-        path = resolve_checkpoint_path(ckpt_path, settings.dirpath)
-        if path is None:
-            return  # "last" before any checkpoint exists: Lightning warns and starts from scratch
+        if ours:
+            run_dir = trainer.log_dir or str(root)  # None under fast_dev_run (which saves nothing)
+            dirpath = settings.dirpath or resumed_run_dir(resume, root) or str(Path(run_dir) / "checkpoints")
+            for callback in ours:
+                callback.dirpath = os.path.realpath(dirpath)
+            if fitting and trainer.is_global_zero:
+                try:
+                    # a CSV logger warns about (and clears) a non-empty log dir it opens later:
+                    # open it before checkpoints/ exists
+                    opened = [logger.experiment for logger in trainer.loggers]
+                    del opened
+                    # kept open: the lock lasts as long as this process
+                    self._checkpoint_lock = claim_checkpoint_dir(dirpath, resume)
+                except CheckpointSetupError as err:
+                    exit_with_error(str(err))
+                except OSError as err:
+                    exit_with_error(f"cannot write the run's logs under {trainer.log_dir}: {err.strerror or err}. "
+                                    f"Choose a writable place with --trainer.default_root_dir DIR.")
+        return trainer
+
+    def _resolve_ckpt_path(self, root: Path, settings: CheckpointSettings) -> str | None:
+        """Resolve and check ``--ckpt_path`` (``last``/``best`` among this root's runs of the
+        configured model) and hand Lightning the file; stops with exit code 2 on a mismatch."""
+        if not self.subcommand or not self.config_init[self.subcommand].get("ckpt_path"):
+            return None
+        ckpt_path = self.config_init[self.subcommand]["ckpt_path"]
         try:
-            check_checkpoint(path, self.model)
+            path = resolve_checkpoint_path(ckpt_path, self.model, root, settings.dirpath)
         except CheckpointMismatchError as err:
-            sys.stderr.write(f"error: {err}\n")
-            sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
-        if ckpt_path == "best":  # Lightning only knows "best" inside the process that trained
+            exit_with_error(str(err))
+        if path is None and ckpt_path == "last":
+            rank_zero_info(f"--ckpt_path last: no checkpoint under {settings.dirpath or root} yet; training from scratch")
+        if ckpt_path in ("last", "best"):  # the file itself, for Lightning and in the saved config
             self.config_init[self.subcommand]["ckpt_path"] = path
+            self.config[self.subcommand]["ckpt_path"] = path
+        return path
+
+    def _check_linked_arguments(self) -> None:
+        """A model argument the data sets (:data:`DATA_TO_MODEL_LINKS`) that the user set to
+        another value is an error, not silently replaced by the data's."""
+        section = self._section()
+        given = section.get("model", {}).get("init_args") or {}
+        defaults = _init_defaults(type(self.model))
+        for name in DATA_TO_MODEL_LINKS:
+            if name not in given or given[name] is None or given[name] == defaults.get(name):
+                continue
+            from_data = getattr(self.datamodule, name, None)
+            if from_data is not None and given[name] != from_data:
+                exit_with_error(
+                    f"--model.{name} {given[name]} contradicts the data: {type(self.datamodule).__name__} "
+                    f"gives {name}={from_data}, and the model takes it from there. Leave --model.{name} "
+                    f"unset and change the data instead (e.g. --data.max_length for the copy task)."
+                )
 
     # ------------------------------------------------------------------ subcommands
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        finally:  # the checkpoint directory is free for the next run (also one in this process)
+            lock = getattr(self, "_checkpoint_lock", None)
+            if lock is not None:
+                lock.close()
 
     def predict(self, model, datamodule=None, ckpt_path=None, return_predictions=None, **kwargs):
         """Runs ``trainer.predict`` and saves the predictions to ``<log_dir>/predictions.pt``.
@@ -212,18 +289,28 @@ def _none_strings_to_none(node) -> None:
 
 
 def _root_cause(err: BaseException) -> BaseException:
-    while err.__cause__ is not None:
+    """The error to show: the first of ours down the cause chain (a PluginError names the plugin
+    and its distribution; the import error beneath it would lose both), else the root cause."""
+    while err.__cause__ is not None and not isinstance(err, PluginError):
         err = err.__cause__
     return err
 
 
-def default_logger(save_dir: str):
-    """TensorBoard when installed, else CSV; logs into ``save_dir/version_N`` (a new N per run)."""
+def default_logger(save_dir: str, version: int | None = None):
+    """Metrics as CSV (``metrics.csv``, which the benchmarks read) and, when tensorboard is
+    installed, TensorBoard too, both in ``save_dir/version_N``."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    if importlib.util.find_spec("tensorboard") is None:
-        return CSVLogger(save_dir=save_dir, name="")
-    return TensorBoardLogger(save_dir=save_dir, name="")
+    loggers = [CSVLogger(save_dir=save_dir, name="", version=version)]
+    if importlib.util.find_spec("tensorboard") is not None:
+        loggers.append(TensorBoardLogger(save_dir=save_dir, name="", version=version))
+    return loggers
+
+
+def _init_defaults(cls) -> dict:
+    import inspect
+
+    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
 
 
 def _accelerator_is_cpu(accelerator) -> bool:
@@ -281,9 +368,13 @@ def plugins_command(argv: list[str]) -> int:
             entry = {"name": name, "distributions": dists, "status": "conflict" if len(dists) > 1 else "ok"}
             if args.check and len(dists) == 1:
                 try:
-                    registry.get(name)
+                    plugin = registry.get(name)
                 except PluginError as err:
                     entry["status"], failed = f"broken: {err}", True
+                else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
+                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
+                    if reason:
+                        entry["status"] = f"unavailable here: {reason}"
             failed |= len(dists) > 1
             entries.append(entry)
         report[title] = {"group": registry.group, "plugins": entries}
@@ -325,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
             # generated in the main process on purpose (0.1 ms per batch).
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             LinformerCLI()
+    except ConfigurationError as err:
+        # a check at the start of the run (Task.setup) refused the configuration: one line, as
+        # for the checks made while building the classes
+        if os.environ.get("LINFORMER_LAB_TRACEBACK"):
+            raise
+        sys.stderr.write(f"error: {err}\n(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n")
+        return CHECKPOINT_ERROR_EXIT_CODE
     finally:
         sys.argv = saved_argv
     return 0

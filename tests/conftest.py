@@ -101,6 +101,11 @@ def cli_subprocess(args: list[str], cwd: Path = REPO, env: dict | None = None, *
     )
 
 
+def checkpoint_dir(root: Path, version: int = 0) -> Path:
+    """Where a fresh ``fit`` into ``root`` keeps its checkpoints: its run's ``version_N/checkpoints``."""
+    return Path(root) / f"version_{version}" / "checkpoints"
+
+
 def read_metrics(log_dir: Path) -> list[dict]:
     """Rows of ``log_dir/metrics.csv`` as dicts of floats (empty cells dropped)."""
     import csv

@@ -64,7 +64,7 @@ def _reference(attn, q, k, v, causal, key_lengths=None):
 def test_values_and_gradients_match_float64_reference(backend, feature_map, causal):
     attn = _build(backend, feature_map, causal, d=6)
     q, k, v = _inputs(shared_qk=attn.shares_query_key)
-    leaves = [t.clone().requires_grad_() for t in (q, v)] if attn.shares_query_key else [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.clone().requires_grad_() for t in ((q, v) if attn.shares_query_key else (q, k, v))]
     if attn.shares_query_key:
         qq, vv = leaves
         kk = qq
@@ -236,6 +236,48 @@ def test_causal_linear_attention_of_an_empty_sequence():
     assert out.shape == (2, 3, 0, 4)
     out.sum().backward()
     assert q.grad.shape == k.grad.shape == v.grad.shape == (2, 3, 0, 4)
+
+
+EMPTY_SHAPES = {"batch0": (0, 3, 7, 4, 5), "value_dim0": (2, 3, 7, 4, 0), "heads0": (2, 0, 7, 4, 5),
+                "batch0_seq0": (0, 3, 0, 4, 5)}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", EMPTY_SHAPES.values(), ids=EMPTY_SHAPES.keys())
+def test_linear_attention_of_an_empty_batch_or_value_dim(causal, shape):
+    """B = 0 (an empty batch) or M = 0 gives the empty output (B, H, N, M) and the gradients of
+    the float64 reference (zeros for q and k when M = 0), not a reshape error; so do the state
+    (B, H, C, M + 1) and the RNN step."""
+    b, h, n, d, m = shape
+    attn = ll.build_attention("linear", causal=causal, query_dim=d)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, n, m, generator=gen, dtype=torch.float64, requires_grad=True)
+    out, state = attn(q, k, v, return_state=True)
+    assert out.shape == (b, h, n, m) and state.joint.shape == (b, h, d, m + 1)
+    reference = _reference(attn, q, k, v, causal)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    expected = torch.autograd.grad(reference, (q, k, v), g)
+    for name, a, e in zip("qkv", got, expected):
+        assert_close(f"linear {shape}: grad {name}", e, a)
+    out_t, _ = attn.step(q.new_zeros(b, h, d), k.new_zeros(b, h, d), v.new_zeros(b, h, m), state)
+    assert out_t.shape == (b, h, m)
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES.values(), ids=EMPTY_SHAPES.keys())
+def test_causal_dot_product_of_empty_inputs_with_states(shape):
+    """The chunked Function itself, with an initial state and the final state: all empty or zero."""
+    b, h, n, d, m = shape
+    q, k = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, n, m, dtype=torch.float64, requires_grad=True)
+    s0 = torch.randn(b, h, d, m, dtype=torch.float64, requires_grad=True)
+    out, final = causal_dot_product(q, k, v, 4, initial_state=s0, return_final_state=True)
+    assert out.shape == (b, h, n, m) and final.shape == (b, h, d, m)
+    (out.sum() + final.sum()).backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape and s0.grad.shape == s0.shape
+    if n:  # every position sees S_0 and the keys up to it: the naive numerator, plus q S_0
+        torch.testing.assert_close(out, naive.causal_dot_product_naive(q, k, v) + q @ s0, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 4), (5, 4), (64, 16), (100, 32), (129, None)])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, read_metrics, run_cli, tiny_copy_args
+from conftest import REPO, checkpoint_dir, read_metrics, run_cli, tiny_copy_args
 
 import linformer_lab as ll
 from linformer_lab import cli
@@ -36,7 +36,8 @@ def test_config_name_is_found_under_configs(tmp_path, monkeypatch):
     assert cli.resolve_config_args(["fit", "--config", "copy_lsh4.yaml"]) == ["fit", "--config", "configs/copy_lsh4.yaml"]
     assert cli.resolve_config_args(["fit", "-c", "copy_lsh4"])[-1] == "configs/copy_lsh4.yaml"
     monkeypatch.chdir(tmp_path)
-    assert cli.resolve_config_args(["fit", "--config=copy_softmax.yaml"]) == ["fit", f"--config={REPO / 'configs' / 'copy_softmax.yaml'}"]
+    resolved = cli.resolve_config_args(["fit", "--config=copy_softmax.yaml"])
+    assert resolved == ["fit", f"--config={REPO / 'configs' / 'copy_softmax.yaml'}"]
     # A file in the working directory wins; inline YAML is left alone.
     (tmp_path / "copy_softmax.yaml").write_text("seed_everything: 1\n")
     assert cli.resolve_config_args(["--config", "copy_softmax.yaml"]) == ["--config", "copy_softmax.yaml"]
@@ -44,7 +45,8 @@ def test_config_name_is_found_under_configs(tmp_path, monkeypatch):
 
 
 def test_print_config_from_outside_the_repo(tmp_path):
-    code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--model.attention.backend", "softmax", "--print_config"], cwd=tmp_path)
+    code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--model.attention.backend", "softmax", "--print_config"],
+                             cwd=tmp_path)
     assert code == 0, err
     assert yaml.safe_load(out)["model"]["init_args"]["attention"]["backend"] == "softmax"
 
@@ -114,12 +116,42 @@ def third_party_feature_map(tmp_path, monkeypatch):
 def test_third_party_feature_map_by_name_in_yaml(tmp_path, third_party_feature_map):
     # The YAML names the plugin only by its registered name: no import line, no class_path.
     config = tmp_path / "cube.yaml"
-    config.write_text(f"model:\n  init_args:\n    attention:\n      backend: linear\n      feature_map: {third_party_feature_map}\n")
+    config.write_text("model:\n  init_args:\n    attention:\n      backend: linear\n"
+                      f"      feature_map: {third_party_feature_map}\n")
     code, out, err = run_cli(["plugins"])
     assert "cube" in out and "cube-features==1.2" in out
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--config", str(config), "--trainer.fast_dev_run=1"])
     assert code == 0, err
     assert "cube_features" in sys.modules  # imported by the registry while building the model
+
+
+def test_broken_third_party_backend_is_named_with_its_distribution(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "broken_backend.py").write_text("import a_module_that_is_not_installed\n")
+    info = site / "broken_backend-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[linformer_lab.attention]\nbroken = broken_backend:BrokenAttention\n")
+    monkeypatch.syspath_prepend(str(site))
+    ATTENTION.refresh()
+    try:
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run", "broken"), "--trainer.fast_dev_run=1"])
+        assert code == 2 and "Traceback" not in err
+        assert "'broken'" in err and "broken-backend==0.3" in err and "a_module_that_is_not_installed" in err, err
+        code, out, _ = run_cli(["plugins", "--check"])
+        assert code == 1 and "broken-backend==0.3" in out
+    finally:
+        monkeypatch.undo()
+        ATTENTION.refresh()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on a machine without a GPU")
+def test_plugins_check_says_linear_cuda_cannot_run_without_a_gpu():
+    code, out, _ = run_cli(["plugins", "--json", "--check"])
+    status = {p["name"]: p["status"] for p in json.loads(out)["attention"]["plugins"]}
+    assert status["linear_cuda"].startswith("unavailable here: no CUDA GPU") and status["linear"] == "ok"
+    assert code == 0  # unavailable is not broken
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -138,19 +170,22 @@ def test_last_checkpoint_holds_the_final_step(tmp_path):
     # 4 steps = one epoch of 3 batches and one more: no epoch end or step trigger at step 4
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=4", "--trainer.limit_val_batches=0"])
     assert code == 0, err
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert torch.load(checkpoint_dir(tmp_path) / "last.ckpt", weights_only=False)["global_step"] == 4
 
 
 def test_default_checkpoints_and_best_resolution(trained):
-    files = sorted(p.name for p in (trained / "checkpoints").iterdir())
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    files = sorted(p.name for p in checkpoint_dir(trained).iterdir())
     assert "last.ckpt" in files and any(f.startswith("best-") for f in files)
-    assert cli.resolve_checkpoint_path("last", str(trained / "checkpoints")) == str(trained / "checkpoints" / "last.ckpt")
-    assert Path(cli.resolve_checkpoint_path("best", str(trained / "checkpoints"))).name.startswith("best-")
+    model = CopyTask(vocab_size=12, sequence_length=13, d_model=16, n_heads=2, n_layers=1)
+    assert cli.resolve_checkpoint_path("last", model, trained) == str(checkpoint_dir(trained) / "last.ckpt")
+    assert Path(cli.resolve_checkpoint_path("best", model, trained)).name.startswith("best-")
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
 def test_evaluate_a_checkpoint(trained, tmp_path, subcommand):
-    code, _, err = run_cli([subcommand, *tiny_copy_args(trained), "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")])
+    code, _, err = run_cli([subcommand, *tiny_copy_args(trained), "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")])
     assert code == 0, err
     stage = "val" if subcommand == "validate" else "test"
     newest = max((trained).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -186,7 +221,7 @@ def _expect_checkpoint_error(args, *fragments):
 
 
 def test_checkpoint_of_another_task(trained, tmp_path):
-    ckpt = torch.load(trained / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(checkpoint_dir(trained) / "last.ckpt", weights_only=False)
     ckpt["hyper_parameters"]["_class_path"] = "linformer_lab.tasks.image_generation.ImageGenerationTask"
     torch.save(ckpt, tmp_path / "other_task.ckpt")
     _expect_checkpoint_error(
@@ -197,7 +232,7 @@ def test_checkpoint_of_another_task(trained, tmp_path):
 
 def test_checkpoint_of_another_shape(trained, tmp_path):
     _expect_checkpoint_error(
-        ["test", *tiny_copy_args(tmp_path), "--model.d_model=32", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")],
+        ["test", *tiny_copy_args(tmp_path), "--model.d_model=32", "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")],
         "d_model: checkpoint 16, configuration 32", "another shape",
     )
 
@@ -205,7 +240,7 @@ def test_checkpoint_of_another_shape(trained, tmp_path):
 def test_checkpoint_of_another_attention_with_the_same_shapes(trained, tmp_path):
     # softmax and linear have identical weights: only the hyper-parameters tell them apart.
     _expect_checkpoint_error(
-        ["validate", *tiny_copy_args(tmp_path, "softmax"), "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")],
+        ["validate", *tiny_copy_args(tmp_path, "softmax"), "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")],
         "attention.backend: checkpoint 'linear', configuration 'softmax'",
     )
 
@@ -213,7 +248,7 @@ def test_checkpoint_of_another_attention_with_the_same_shapes(trained, tmp_path)
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "not_lightning"])
 def test_unreadable_checkpoint(trained, tmp_path, damage):
     path = tmp_path / f"{damage}.ckpt"
-    data = (trained / "checkpoints" / "last.ckpt").read_bytes()
+    data = (checkpoint_dir(trained) / "last.ckpt").read_bytes()
     if damage == "truncated":
         path.write_bytes(data[: len(data) // 2])
     elif damage == "garbage":
@@ -227,7 +262,8 @@ def test_unreadable_checkpoint(trained, tmp_path, damage):
 
 def test_training_hparams_may_differ(trained, tmp_path):
     # Fine-tuning from a checkpoint with another learning rate is allowed.
-    code, _, err = run_cli(["validate", *tiny_copy_args(tmp_path), "--model.lr=0.5", "--ckpt_path", str(trained / "checkpoints" / "last.ckpt")])
+    code, _, err = run_cli(["validate", *tiny_copy_args(tmp_path), "--model.lr=0.5",
+                            "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")])
     assert code == 0, err
 
 
@@ -239,20 +275,29 @@ def test_rerun_into_the_same_log_dir(tmp_path):
         code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1"])
         assert code == 0, err
     assert (tmp_path / "version_0" / "config.yaml").is_file() and (tmp_path / "version_1" / "config.yaml").is_file()
-    # A pinned logger version reuses one directory: the saved config is overwritten, no crash.
+    assert (checkpoint_dir(tmp_path, 0) / "last.ckpt").is_file() and (checkpoint_dir(tmp_path, 1) / "last.ckpt").is_file()
+    # A pinned logger version reuses one directory: the second fresh fit would overwrite the
+    # first's checkpoints, so it is refused before training; resuming it is allowed.
     pinned = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger",
                          "init_args": {"save_dir": str(tmp_path), "name": "", "version": "pinned"}})
-    for _ in range(2):
-        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1", f"--trainer.logger={pinned}"])
-        assert code == 0, err
-    assert (tmp_path / "pinned" / "config.yaml").is_file()
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1", f"--trainer.logger={pinned}"])
+    assert code == 0, err
+    first = (tmp_path / "pinned" / "checkpoints" / "last.ckpt").read_bytes()
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1", f"--trainer.logger={pinned}"])
+    assert code == 2 and "already holds checkpoints of an earlier run" in err and "--ckpt_path last" in err
+    assert (tmp_path / "pinned" / "checkpoints" / "last.ckpt").read_bytes() == first
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=2", f"--trainer.logger={pinned}",
+                            "--ckpt_path", str(tmp_path / "pinned" / "checkpoints" / "last.ckpt")])
+    assert code == 0, err
+    assert torch.load(tmp_path / "pinned" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
 def test_default_root_dir_follows_the_config_name(tmp_path):
     args = [a for a in tiny_copy_args(tmp_path) if not a.startswith(("--trainer.default_root_dir", "--trainer.logger"))]
-    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=1", "--config", "{trainer: {default_root_dir: null}}"], cwd=tmp_path)
+    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=1", "--config", "{trainer: {default_root_dir: null}}"],
+                           cwd=tmp_path)
     assert code == 0, err
-    assert (tmp_path / "logs" / "copy_linear" / "checkpoints" / "last.ckpt").is_file()
+    assert (checkpoint_dir(tmp_path / "logs" / "copy_linear") / "last.ckpt").is_file()
     assert (tmp_path / "logs" / "copy_linear" / "version_0" / "config.yaml").is_file()
 
 
@@ -271,7 +316,8 @@ def test_resolve_precision():
 
 @pytest.mark.parametrize("precision, backend", [("bf16-mixed", "softmax"), ("16-mixed", "lsh"), ("bf16-mixed", "linear")])
 def test_mixed_precision_on_cpu_trains_without_nan(tmp_path, precision, backend):
-    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, backend), "--trainer.max_steps=4", f"--trainer.precision={precision}"])
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, backend), "--trainer.max_steps=4",
+                            f"--trainer.precision={precision}"])
     assert code == 0, err
     if precision == "16-mixed":
         assert "using 'bf16-mixed' instead" in err
@@ -279,7 +325,7 @@ def test_mixed_precision_on_cpu_trains_without_nan(tmp_path, precision, backend)
     assert saved["trainer"]["precision"] == "bf16-mixed"  # the config records what really ran
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "version_0") if "train/loss" in r]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
-    weights = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    weights = torch.load(checkpoint_dir(tmp_path) / "last.ckpt", weights_only=False)["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -297,7 +343,7 @@ def test_mixed_precision_on_cpu_trains_without_nan(tmp_path, precision, backend)
 ])
 def test_limit_val_batches_integer_or_fraction_through_the_cli(tmp_path, written, batches):
     """An integer on the command line or in YAML stays an int (a count of batches); a float is a
-    fraction. Upstream parsing turns every one into a float (Lightning issue 21259)."""
+    fraction. Lightning's float-first type hint turned every one into a float (Lightning issue 21259)."""
     counts = tmp_path / "counts.json"
     callback = json.dumps({"class_path": "conftest.BatchCounter", "init_args": {"path": str(counts)}})
     code, _, err = run_cli([
@@ -322,14 +368,6 @@ def test_every_count_or_fraction_argument_keeps_its_integer(tmp_path):
     assert (trainer.limit_test_batches, type(trainer.limit_test_batches)) == (3, int)
     assert (trainer.limit_predict_batches, type(trainer.limit_predict_batches)) == (0.5, float)
     assert (trainer.val_check_interval, type(trainer.val_check_interval)) == (2, int)
-
-
-def test_integer_trainer_arguments_reads_flags_and_configs_in_order(tmp_path):
-    config = tmp_path / "limits.yaml"
-    config.write_text("trainer:\n  limit_train_batches: 5\n  val_check_interval: 0.25\n")
-    argv = ["fit", "--config", str(config), "--trainer.limit_val_batches", "2", "--trainer.limit_train_batches=0.1"]
-    assert cli.integer_trainer_arguments(argv, "fit") == {"limit_val_batches": 2}
-    assert cli.integer_trainer_arguments(["--config", str(config)], None) == {"limit_train_batches": 5}
 
 
 def test_task_settings_come_from_the_declared_base():

@@ -178,7 +178,8 @@ def test_packed_transformer_ctc_equals_padded(attention, subsample, monkeypatch)
     calls = []
     backend = packed.transformer.layers[0].attention.attention
     original = type(backend).forward
-    monkeypatch.setattr(type(backend), "forward", lambda self, *a, **k: calls.append(k.get("cu_seqlens")) or original(self, *a, **k))
+    monkeypatch.setattr(type(backend), "forward",
+                        lambda self, *a, **k: calls.append(k.get("cu_seqlens")) or original(self, *a, **k))
     (want, want_lengths), (got, got_lengths) = padded(features, lengths), packed(features, lengths)
     assert torch.equal(want_lengths, got_lengths)
     assert calls and calls[-1] is not None and calls[-1].tolist()[-1] == int(got_lengths.sum())

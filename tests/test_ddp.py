@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 from conftest import cli_subprocess, read_metrics, run_cli, tiny_copy_args
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
 
 
 def test_ddp_two_cpu_processes(tmp_path):

@@ -8,6 +8,7 @@ from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.ops.linear_attention import naive
 from linformer_lab.ops.reference import polynomial_similarity
 
 
@@ -111,3 +112,87 @@ def test_favor_features_are_positive_even_for_large_inputs():
     x = 4 * torch.randn(100, 16)
     assert (fm(x) > 0).all()
     assert (fm.forward_queries(x) > 0).all() and torch.isfinite(fm.forward_queries(x)).all()
+
+
+# ---------------------------------------------------------------------- random_fourier at scale
+
+
+def _softmax_attention(q, k, v, causal):
+    """Exact softmax attention in float64, the attention the random features estimate."""
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v.double()
+
+
+def _fourier_attention(causal, d=32, **feature_map_kwargs):
+    return ll.build_attention("linear", causal=causal, query_dim=d, feature_map="random_fourier",
+                              feature_map_kwargs=feature_map_kwargs)
+
+
+@pytest.fixture
+def fourier_warning_unset(monkeypatch):
+    """The unreliable-input warning is given once per process: unset it for one test."""
+    from linformer_lab.feature_maps.random_fourier import RandomFourierFeatureMap
+
+    monkeypatch.setattr(RandomFourierFeatureMap, "_warned_unreliable", False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale, dtype", [(3.0, torch.float32), (4.0, torch.float32), (5.0, torch.float64)])
+def test_random_fourier_attention_stays_finite_at_large_input_scales(causal, scale, dtype, fourier_warning_unset):
+    """q, k, v (1, 2, 32, 32) with q, k of ``scale`` per dimension. The query features leave out
+    their factor exp(|q|^2 / (2 sqrt(D))), which cancels: their product with a key's factor
+    overflowed float32 from scale ~3 (NaN attention). A key's own factor still overflows float32
+    where |k|^2 / sqrt(D) > ~177 (at scale 5 with D = 32 for a quarter of the keys): there float64
+    is finite, and the map has warned long before."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 32, generator=gen, dtype=dtype) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="random_fourier"):
+        out = _fourier_attention(causal)(scale * q, scale * k, v)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale, num_features, tolerance", [(0.25, 256, 0.02), (0.5, 256, 0.25), (0.5, 4096, 0.06)])
+def test_random_fourier_attention_is_close_to_softmax_attention_at_small_scales(causal, scale, num_features, tolerance):
+    """Relative error against exact softmax attention where the estimate is good (measured at
+    D = 32: 0.008 / 0.12 / 0.03): it grows like sinh(|x|^2 / sqrt(D)) / sqrt(num_features)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=gen, dtype=torch.float64) for _ in range(3))
+    attention = _fourier_attention(causal, num_features=num_features)
+    exact = _softmax_attention(scale * q, scale * k, v, causal)
+    error = ((attention(scale * q, scale * k, v) - exact).norm() / exact.norm()).item()
+    assert error < tolerance, error
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_random_fourier_query_factor_cancels_in_the_attention(causal):
+    """The attention with the bounded query features equals the one with the unbiased features
+    of the docstring for queries and keys (float64, no eps): the factor is a per-query constant."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    attention = ll.build_attention("linear", causal=causal, query_dim=8, feature_map="random_fourier", eps=0.0)
+    fm = attention.feature_map
+    assert fm.forward_queries(q).abs().max() <= 1 / math.sqrt(fm.num_features) + 1e-12
+    unbiased = naive.attention_from_similarity(fm(q) @ fm(k).transpose(-1, -2), v, causal)
+    assert_close(f"random_fourier causal={causal}", unbiased, attention(q, k, v), rtol=1e-9, atol=1e-9)
+
+
+def test_random_fourier_warns_once_when_the_input_scale_makes_it_unreliable(fourier_warning_unset):
+    import warnings
+
+    fm = ll.build_feature_map("random_fourier", query_dim=32, num_features=256)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 32, generator=gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fm(0.25 * x), fm.forward_queries(0.5 * x)  # expected relative error 0.02 / 0.17: quiet
+        fm.forward_queries(1.0 * x)  # ~13: warns
+        fm(2.0 * x)  # once per process, not at every call or layer
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "random_fourier" in messages[0] and "unreliable" in messages[0]
+    assert "num_features=256" in messages[0] and "'favor'" in messages[0]
+    assert fm.expected_relative_error(0.0) == 0.0 and fm.expected_relative_error(800.0) < math.inf

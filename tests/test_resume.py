@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cli_subprocess, read_metrics, run_cli, tiny_copy_args
+from conftest import REPO, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args
 from lightning.pytorch.callbacks import Callback
 
 TOTAL_STEPS = 8
@@ -39,13 +39,16 @@ class PauseAfterStep(Callback):
             time.sleep(self.seconds)
 
 
-def _load_when_complete(path: Path, timeout: float, proc) -> dict:
-    """Poll until ``path`` exists and loads (it may be mid-write), or fail on timeout / child exit."""
+def _load_when_complete(path: Path, timeout: float, proc, step: int) -> dict:
+    """Poll until ``path`` loads (it may be mid-write) and holds global step ``step`` (earlier
+    checkpoints pass through it), or fail on timeout / child exit."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.is_file():
             try:
-                return torch.load(path, map_location="cpu", weights_only=False)
+                ckpt = torch.load(path, map_location="cpu", weights_only=False)
+                if ckpt["global_step"] == step:
+                    return ckpt
             except Exception:
                 pass  # still being written
         if proc.poll() is not None:
@@ -56,6 +59,19 @@ def _load_when_complete(path: Path, timeout: float, proc) -> dict:
     pytest.fail(f"no loadable {path} within {timeout} s")
 
 
+def kill_once_checkpointed(proc, path: Path, step: int) -> None:
+    """SIGKILL the training child ``proc`` as soon as ``path`` holds the checkpoint of ``step``."""
+    try:
+        _load_when_complete(path, timeout=300, proc=proc, step=step)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+
 @pytest.mark.parametrize("backend", ["linear"])
 def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     common = ["--trainer.max_steps", str(TOTAL_STEPS), "--checkpoint.every_n_train_steps", str(KILL_AT)]
@@ -64,7 +80,7 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     straight = tmp_path / "straight"
     code, _, err = run_cli(["fit", *tiny_copy_args(straight, backend, *common)])
     assert code == 0, err
-    reference = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    reference = torch.load(checkpoint_dir(straight) / "last.ckpt", map_location="cpu", weights_only=False)
     assert reference["global_step"] == TOTAL_STEPS
 
     # 2. the same run in a child process, killed with SIGKILL right after the step-4 checkpoint
@@ -74,21 +90,12 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
         ["fit", *tiny_copy_args(resumed, backend, *common, f"--trainer.callbacks={pause}")],
         env={"PYTHONPATH": str(REPO / "tests")},
     )
-    try:
-        ckpt = _load_when_complete(resumed / "checkpoints" / "last.ckpt", timeout=300, proc=proc)
-        assert ckpt["global_step"] == KILL_AT
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_once_checkpointed(proc, checkpoint_dir(resumed) / "last.ckpt", KILL_AT)
 
-    # 3. resume from last.ckpt (found through the stable <root>/checkpoints directory)
+    # 3. resume from last.ckpt (found under the root; the resumed run keeps writing its checkpoints)
     code, _, err = run_cli(["fit", *tiny_copy_args(resumed, backend, *common, "--ckpt_path", "last")])
     assert code == 0, err
-    final = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    final = torch.load(checkpoint_dir(resumed) / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == TOTAL_STEPS
 
     for name, want in reference["state_dict"].items():

@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.sampling import EpochSampler, ResumableLoader
+from linformer_lab.validation import check_at_least
 
 PAD = 0
 TRAIN, VAL, TEST = 0, 1, 2  # split ids, part of every batch's seed so the splits never share a stream
@@ -141,6 +142,12 @@ class CopyDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
+        check_at_least("batch_size", batch_size, 1, "sequences per batch")
+        check_at_least("num_symbols", num_symbols, 1, "alphabet size")
+        check_at_least("train_batches_per_epoch", train_batches_per_epoch, 1)
+        check_at_least("val_batches", val_batches, 0)
+        check_at_least("test_batches", test_batches, 0)
+        check_at_least("num_workers", num_workers, 0, "DataLoader worker processes")
         if not 1 <= min_length <= max_length:
             raise ValueError(f"need 1 <= min_length <= max_length, got {min_length=} {max_length=}")
         if seed < 0:

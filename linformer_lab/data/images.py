@@ -42,6 +42,7 @@ import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
 from linformer_lab.data.sampling import EpochSampler, ResumableLoader
+from linformer_lab.validation import check_at_least
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -87,6 +88,10 @@ class _ImageDataModule(L.LightningDataModule):
 
     def __init__(self, batch_size, num_workers, limit_train, limit_val, limit_test, seed):
         super().__init__()
+        check_at_least("batch_size", batch_size, 1, "images per batch")
+        check_at_least("num_workers", num_workers, 0, "DataLoader worker processes")
+        for name, limit in (("limit_train", limit_train), ("limit_val", limit_val), ("limit_test", limit_test)):
+            check_at_least(name, limit, 0, "images kept of the split; None = all", allow_none=True)
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.limits = {"train": limit_train, "val": limit_val, "test": limit_test}
         self.splits: dict[str, TensorDataset] | None = None

@@ -72,7 +72,9 @@ class ResumableLoader(DataLoader):
         for candidate in (self.batch_sampler, self.sampler):
             if isinstance(candidate, EpochSampler):
                 return candidate
-        raise TypeError(f"ResumableLoader needs an EpochSampler as its sampler or batch_sampler, got {type(self.sampler).__name__}")
+        raise TypeError(
+            f"ResumableLoader needs an EpochSampler as its sampler or batch_sampler, got {type(self.sampler).__name__}"
+        )
 
     def state_dict(self) -> dict:
         trainer = self.datamodule.trainer if self.datamodule is not None else None

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from linformer_lab.ops.masks import length_mask
+from linformer_lab.validation import check_at_least, check_dropout
 
 
 def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ class BiLSTMCTC(nn.Module):
     * ``packed=False``: plain padded batches. Valid frames are still exact (an LSTM is causal
       in its reading direction, and the padding comes after the real frames in both readings).
       On CPU this is the fast path: PyTorch's packed-sequence backward runs step by step
-      through autograd, far slower than the fused kernel on padded input (benchmarks/README.md,
+      through autograd, far slower than the fused kernel on padded input (benchmarks/NOTES.md,
       "Measurements behind library defaults").
 
     Default ``packed=None``: packed on CUDA, padded elsewhere.
@@ -63,6 +64,9 @@ class BiLSTMCTC(nn.Module):
         packed: bool | None = None,
     ):
         super().__init__()
+        check_at_least("lstm_hidden", hidden_size, 1, "LSTM units per direction")
+        check_at_least("lstm_layers", n_layers, 1, "stacked bidirectional LSTM layers")
+        check_dropout(dropout)
         self.packed = packed
         self.layers = nn.ModuleList()
         for i in range(n_layers):

@@ -28,6 +28,7 @@ from torchmetrics import Metric
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.masks import length_mask
+from linformer_lab.validation import check_at_least, check_transformer_shape
 
 BLANK = 0
 
@@ -82,7 +83,7 @@ class TransformerCTC(nn.Module):
             At amplitude 1 (Vaswani et al.'s, who scale the *embeddings* up by sqrt(d_model)
             instead) the encodings carry as much variance as the projected features, and the
             model first spends its updates learning to see past them: CTC training then sits
-            on the all-blank plateau far longer (``benchmarks/results/speech_probes.md``:
+            on the all-blank plateau far longer (``benchmarks/dev/results/speech_probes.md``:
             never left in 600 updates at 1, left after ~260 at 1/sqrt(d_model)).
         subsample: 1 (the paper: one transformer position per 10 ms frame) or 2 (a stride-2
             convolution first halves the sequence, ~4x cheaper softmax attention).
@@ -90,7 +91,7 @@ class TransformerCTC(nn.Module):
             ``cu_seqlens`` offsets) instead of the padded batch: no padding is computed. The
             projection, convolution and positions still run on the padded batch (per frame,
             cheap), and the output comes back padded. Same results; whether it is faster
-            depends on how much padding the batches hold (``benchmarks/results/state_benchmarks.md``).
+            depends on how much padding the batches hold (``benchmarks/dev/results/state_benchmarks.md``).
             Needs a backend with ``supports_packed`` (linear, softmax).
     """
 
@@ -111,6 +112,10 @@ class TransformerCTC(nn.Module):
         packed: bool = False,
     ):
         super().__init__()
+        check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
+        check_at_least("num_phonemes", num_phonemes, 2, "output classes including the CTC blank")
+        check_at_least("feature_dim", feature_dim, 1, "features per frame")
+        check_at_least("max_positions", max_positions, 1, "rows of the learned position table")
         if positions not in ("sinusoidal", "learned"):
             raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {positions!r}")
         if subsample not in (1, 2):

@@ -44,6 +44,7 @@ from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogist
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes
 from linformer_lab.ops.fast_step import step_weights as weight_copies_for_steps
+from linformer_lab.validation import check_transformer_shape
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
 
@@ -91,6 +92,7 @@ class PixelTransformer(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
+        check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
         image_shape = tuple(int(s) for s in image_shape)
         if len(image_shape) != 3 or min(image_shape) < 1:
             raise ValueError(f"image_shape must be (channels, height, width) with positive sizes, got {image_shape}")

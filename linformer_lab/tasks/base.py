@@ -9,6 +9,7 @@ written here (no best-checkpoint tracking, every hyper-parameter compared).
 from __future__ import annotations
 
 import lightning as L
+import torch
 
 from linformer_lab.attention.config import AttentionConfig
 
@@ -24,6 +25,10 @@ class Task(L.LightningModule):
     * ``training_hparams``: hyper-parameters that may differ between a checkpoint and the
       configuration that loads it (optimisation and decoding settings); every other one must
       match, or the CLI refuses the checkpoint with the differences named.
+
+    :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a
+    configuration that cannot run (a backend the device cannot run, data the model was not
+    built for) stops with a :class:`~linformer_lab.validation.ConfigurationError` naming it.
     """
 
     monitor: str | None = None
@@ -41,6 +46,22 @@ class Task(L.LightningModule):
         self.hparams["attention"] = config.to_hparams()
         return config
 
+    def setup(self, stage: str) -> None:
+        # Here, not in __init__: only now are the data module and the run's device known. The
+        # model is not on that device yet (the strategy moves it after setup), hence the
+        # strategy's root device rather than self.device.
+        trainer = self._trainer
+        if trainer is None:
+            return
+        self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
+
+    def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
+        """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot
+        run with ``datamodule`` on ``device`` (None: not checked). The base checks that every
+        attention backend can run on ``device``; tasks add their own data checks."""
+        if device is not None:
+            check_attention_devices(self, torch.device(device))
+
 
 def check_segment_length(segment_length: int | None, transformer, backend: str) -> None:
     """Raise a ValueError unless ``segment_length`` is None or usable with this transformer."""
@@ -53,6 +74,15 @@ def check_segment_length(segment_length: int | None, transformer, backend: str) 
             f"segment_length needs an attention backend whose state carries the past exactly ('linear', "
             f"'linear_cuda', 'softmax'); {backend!r} has no recurrent form (its outputs depend on later positions)"
         )
+
+
+def check_attention_devices(module: torch.nn.Module, device: torch.device) -> None:
+    """Raise a ConfigurationError if an attention backend inside ``module`` cannot run on
+    ``device``: backends that can say so define ``check_device(device)`` (``linear_cuda``)."""
+    for submodule in module.modules():
+        check = getattr(submodule, "check_device", None)
+        if callable(check):
+            check(device)
 
 
 def task_settings(model: L.LightningModule) -> tuple[str | None, str, tuple[str, ...]]:

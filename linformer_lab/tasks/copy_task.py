@@ -23,6 +23,7 @@ from torch import nn
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
 from linformer_lab.tasks.base import Task, check_segment_length
+from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 
 class CopyTask(Task):
@@ -75,6 +76,13 @@ class CopyTask(Task):
         detach_state: bool = False,
     ):
         super().__init__()
+        check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
+        check_at_least("vocab_size", vocab_size, 2, "token ids: padding, symbols and separator")
+        check_at_least("sequence_length", sequence_length, 1, "positions of the position embedding")
+        check_positive("lr", lr, "learning rate")
+        check_at_least("lr_decay_steps", lr_decay_steps, 1, "optimizer updates before the decay", allow_none=True)
+        check_positive("lr_decay_factor", lr_decay_factor, "factor applied to the learning rate")
+        check_non_negative("weight_decay", weight_decay)
         self.save_hyperparameters()
         attention = self.attention_config = self.coerce_attention(attention)
         self.sequence_length = sequence_length

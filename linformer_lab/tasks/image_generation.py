@@ -48,8 +48,11 @@ from linformer_lab.tasks.callbacks import (
     save_png,
     top_half_rows,
 )
+from linformer_lab.validation import ConfigurationError, check_at_least, check_non_negative, check_positive
 
 __all__ = ["ImageGenerationTask"]
+
+LR_SCHEDULES = ("constant", "cosine")
 
 # Grids written at the end of predict hold at most this many images of each kind.
 _GRID_LIMIT = 64
@@ -65,6 +68,10 @@ class ImageGenerationTask(Task):
         n_layers, n_heads, d_model, d_ff, num_mixtures, dropout: :class:`PixelTransformer`.
         lr: RAdam learning rate (paper: 1e-4).
         weight_decay: RAdam weight decay (paper: none).
+        warmup_steps: the learning rate rises linearly to ``lr`` over this many updates (0: none).
+        lr_schedule: ``"constant"`` (the paper) or ``"cosine"``: after the warm-up, ``lr`` falls
+            along a half cosine to 0 at the run's last update (``trainer.max_steps``, or the
+            steps that ``max_epochs`` implies), so a fixed budget of updates ends annealed.
         temperature: sampling temperature for predict.
         step_weights: the weight copy predict's generation reads (``"model"``, ``"bfloat16"``,
             ``"int8"``; see :meth:`PixelTransformer.generate`): the lossy ones trade a little
@@ -88,8 +95,9 @@ class ImageGenerationTask(Task):
     monitor_mode = "min"
     #: Arguments that may differ between a checkpoint and the configuration that loads it
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
-    training_hparams = ("lr", "weight_decay", "dropout", "temperature", "step_weights", "predict_num_samples",
-                        "predict_batch_size", "output_dir", "png_scale", "segment_length", "detach_state")
+    training_hparams = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature", "step_weights",
+                        "predict_num_samples", "predict_batch_size", "output_dir", "png_scale", "segment_length",
+                        "detach_state")
 
     def __init__(
         self,
@@ -103,6 +111,8 @@ class ImageGenerationTask(Task):
         dropout: float = 0.0,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
         temperature: float = 1.0,
         step_weights: str = "model",
         predict_num_samples: int = 16,
@@ -114,6 +124,15 @@ class ImageGenerationTask(Task):
     ):
         super().__init__()
         image_shape = [int(s) for s in image_shape]
+        check_positive("lr", lr, "learning rate")
+        check_non_negative("weight_decay", weight_decay)
+        check_at_least("warmup_steps", warmup_steps, 0, "updates of linear learning-rate warm-up")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ConfigurationError(f"lr_schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got {lr_schedule!r}")
+        check_non_negative("temperature", temperature, "0 = the most likely value at every step")
+        check_at_least("predict_num_samples", predict_num_samples, 0, "unconditional samples made by predict")
+        check_at_least("predict_batch_size", predict_batch_size, 1)
+        check_at_least("png_scale", png_scale, 1, "enlargement of the PNGs")
         self.save_hyperparameters()
         config = self.coerce_attention(attention)
         self.model = PixelTransformer(
@@ -129,14 +148,16 @@ class ImageGenerationTask(Task):
 
     # ------------------------------------------------------------------ training
 
-    def setup(self, stage: str) -> None:
-        # Catch a config whose model and data disagree before the first batch, with both named.
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+    def check_run(self, datamodule=None, device=None) -> None:
+        """Also: the data module's ``image_shape`` (when it has one) is the model's. Called from
+        ``setup``: a model built for other images stops before the first batch, both shapes named."""
+        super().check_run(datamodule, device)
         data_shape = getattr(datamodule, "image_shape", None)
         if data_shape is not None and tuple(data_shape) != self.model.image_shape:
-            raise ValueError(
-                f"model.image_shape={list(self.model.image_shape)} but the data module "
-                f"{type(datamodule).__name__} yields images of shape {list(data_shape)}; set model.image_shape to match"
+            raise ConfigurationError(
+                f"model.image_shape is {list(self.model.image_shape)} but the data module "
+                f"{type(datamodule).__name__} yields images of shape {list(data_shape)}; "
+                f"set model.image_shape to {list(data_shape)} (or use a data module with {list(self.model.image_shape)} images)"
             )
 
     @staticmethod
@@ -175,7 +196,22 @@ class ImageGenerationTask(Task):
         self.log("test/bits_per_dim", self.test_bpd, on_epoch=True, batch_size=nll.shape[0])
 
     def configure_optimizers(self):
-        return torch.optim.RAdam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.RAdam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = self.hparams.get("warmup_steps", 0)
+        cosine = self.hparams.get("lr_schedule", "constant") == "cosine"
+        if not warmup and not cosine:
+            return optimizer
+        total = max(int(self.trainer.estimated_stepping_batches), warmup + 1)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup, total - warmup) / (total - warmup)))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     # ------------------------------------------------------------------ prediction
 

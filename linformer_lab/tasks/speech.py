@@ -29,6 +29,7 @@ from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.models.bilstm import BiLSTMCTC
 from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
 from linformer_lab.tasks.base import Task
+from linformer_lab.validation import check_at_least, check_non_negative, check_positive
 
 
 class SpeechRecognitionTask(Task):
@@ -122,8 +123,16 @@ class SpeechRecognitionTask(Task):
             raise ValueError(f"optimizer must be 'radam' or 'adam', got {optimizer!r}")
         if lr is None:
             lr = 1e-4 if encoder == "transformer" else 1e-3
+        check_positive("lr", lr, "learning rate; None = the paper's for the encoder")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        check_non_negative("weight_decay", weight_decay)
+        if not (isinstance(lr_factor, (int, float)) and 0 < lr_factor < 1):
+            raise ValueError(f"lr_factor must be in (0, 1) (the plateau schedule multiplies the learning rate by it), "
+                             f"got {lr_factor!r}")
+        check_at_least("lr_patience", lr_patience, 0, "validation epochs without improvement before a decay")
+        check_non_negative("min_lr", min_lr)
+        check_at_least("beam_width", beam_width, 1, "1 = greedy decoding")
         self.save_hyperparameters()
         # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
         # resolved optimizer/lr so a checkpoint records what actually ran.

@@ -31,7 +31,7 @@ generator: the samples depend only on the arguments, never on call order or hist
 phoneme conversion has no such state and runs in-process.
 
 The isolated path costs about twice the in-process one per call and still synthesises the
-default corpus far faster than real time (benchmarks/README.md, "Measurements behind library
+default corpus far faster than real time (benchmarks/NOTES.md, "Measurements behind library
 defaults"). The ctypes binding and the helper's side live in :mod:`.library`, which the helper
 process loads on its own.
 """

@@ -14,6 +14,7 @@ from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
 from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SPLITS, SyntheticSpeechCorpus, ensure_feature_cache
+from linformer_lab.validation import check_at_least, check_positive
 
 
 class SpeechDataModule(L.LightningDataModule):
@@ -62,6 +63,12 @@ class SpeechDataModule(L.LightningDataModule):
         super().__init__()
         if corpus not in ("synthetic", "librispeech"):
             raise ValueError(f"corpus must be 'synthetic' or 'librispeech', got {corpus!r}")
+        check_at_least("batch_size", batch_size, 1, "utterances per batch")
+        check_at_least("max_frames_per_batch", max_frames_per_batch, 1, "padded frames per batch; None = no bound",
+                       allow_none=True)
+        check_at_least("num_workers", num_workers, 0, "DataLoader worker processes")
+        check_at_least("bucket_pool_batches", bucket_pool_batches, 1)
+        check_positive("hours", hours, "size of the synthetic corpus")
         self.save_hyperparameters()
         self.corpus = corpus
         self.root = root

@@ -156,7 +156,7 @@ def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: boo
     tmp = final.parent / temporary_name(final.name)
     tmp.mkdir()
     # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded machine
-    # two OpenMP threads spin-wait on each other (benchmarks/README.md).
+    # two OpenMP threads spin-wait on each other (benchmarks/NOTES.md).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -207,7 +207,7 @@ class SyntheticSpeechCorpus:
     (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
 
     Generation runs about 100x faster than real time with two synthesis helpers, and the corpus
-    takes about 145 MB per hour of audio with one feature cache (benchmarks/README.md).
+    takes about 145 MB per hour of audio with one feature cache (benchmarks/NOTES.md).
 
     Args:
         root: cache root (default ``~/.cache/linformer_lab/speech``).

@@ -32,7 +32,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def default_chunk_size(feature_dim: int, value_dim: int) -> int:
     """Chunk length: at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so
     matmuls are not tiny, at most 256 so intra-chunk work stays small (the fastest chunk per
-    head size is in benchmarks/results/causal_linear_cpu.md)."""
+    head size is in benchmarks/paper/results/causal_linear_cpu.md)."""
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
@@ -50,7 +50,8 @@ def _chunked(x: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
 def _unchunked(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``(B H, N/L, L, X) -> (B, H, N, X)`` in ``like``'s dtype, the padding cut off."""
     b, h, n, _ = like.shape
-    return x.view(b, h, -1, x.shape[-1])[:, :, :n].to(like.dtype)
+    # every size spelled out: with B, H or X = 0 the tensor is empty and a -1 would be ambiguous
+    return x.view(b, h, x.shape[1] * x.shape[2], x.shape[-1])[:, :, :n].to(like.dtype)
 
 
 def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
 
 
 #: Bytes of each per-block temporary on CPU: small enough to stay in cache, large enough to keep
-#: the per-block overhead low (the fastest size measured; benchmarks/README.md, "Measurements
+#: the per-block overhead low (the fastest size measured; benchmarks/NOTES.md, "Measurements
 #: behind library defaults").
 _BLOCK_BYTES = 8 << 20
 #: The chunk scans are one small op per chunk and per block; at least this many rows per block
@@ -88,7 +89,7 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False, initial: torch.Tens
     plus all entries (the final state of the forward scan).
 
     A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache,
-    much faster than ``torch.cumsum`` along a non-innermost dim (benchmarks/README.md), and in
+    much faster than ``torch.cumsum`` along a non-innermost dim (benchmarks/NOTES.md), and in
     place because a fresh output costs page faults on first touch.
     """
     running = x.new_zeros(x.shape[0], *x.shape[2:]) if initial is None else initial.to(x.dtype, copy=True)

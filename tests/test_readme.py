@@ -1,0 +1,80 @@
+"""The README's commands, read from the README itself and run through the real CLI.
+
+A command is taken verbatim (continuation lines joined) and made small by flags appended after
+it (later flags win), so a flag the README shows that the CLI no longer accepts fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+import torch
+from conftest import REPO, checkpoint_dir, read_metrics, run_cli
+
+README = (REPO / "README.md").read_text()
+
+#: Appended to the README's quick MNIST variant: a few updates on a few images.
+TOY = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--data.limit_val", "8",
+       "--data.batch_size", "4", "--trainer.enable_progress_bar", "false", "--model.predict_num_samples", "2"]
+
+
+def readme_commands() -> list[list[str]]:
+    """Every ``uv run python cli.py ...`` of the README's bash blocks, as the argument list after ``cli.py``."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:4] == ["uv", "run", "python", "cli.py"]:
+                commands.append(words[4:])
+    return commands
+
+
+def the_command(*fragments: str) -> list[str]:
+    found = [c for c in readme_commands() if all(f in " ".join(c) for f in fragments)]
+    assert len(found) == 1, f"expected one README command with {fragments}, found {found}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_quick_mnist_variant_then_its_saved_config_resumes_tests_and_predicts(tmp_path):
+    """The README's quick MNIST variant, then the three commands that go on from its saved config."""
+    quick = the_command("fit", "--config mnist_linear.yaml", "--model.n_layers 2")
+    code, _, err = run_cli([*quick, *TOY], cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    root = tmp_path / "logs" / "mnist_linear"
+    saved = root / "version_0" / "config.yaml"
+    assert saved.is_file()
+
+    resume = the_command("fit", "version_0/config.yaml", "--ckpt_path last")
+    code, _, err = run_cli([*resume, "--trainer.max_steps", "6"], cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert torch.load(checkpoint_dir(root) / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert not (root / "version_1" / "checkpoints").exists()  # the resumed run kept its own directory
+
+    code, _, err = run_cli(the_command("test", "version_0/config.yaml", "--ckpt_path best"), cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    tested = [r for r in read_metrics(root / "version_2") if "test/bits_per_dim" in r]
+    assert tested and 0 < tested[0]["test/bits_per_dim"] < 8
+
+    predict = the_command("predict", "version_0/config.yaml")
+    code, out, err = run_cli([*predict, "--model.predict_num_samples", "2"], cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert list((root / "version_3" / "predictions").glob("*.png"))
+
+
+def test_every_readme_cli_command_parses(tmp_path):
+    """Each ``cli.py`` line of the README is accepted by the parser (``--print_config`` for the
+    LightningCLI subcommands; ``plugins`` runs). Lines that read a run's saved config run in the
+    test above, after the run that writes it."""
+    commands = readme_commands()
+    assert len(commands) >= 10
+    for command in commands:
+        if any(word.startswith("logs/") for word in command):
+            continue
+        if command[0] == "plugins":
+            code, _, err = run_cli(command)
+        else:
+            code, _, err = run_cli([*command, "--print_config"], cwd=tmp_path)
+        assert code == 0, f"{' '.join(command)}: {err[-2000:]}"
