@@ -223,3 +223,22 @@ def test_configs_build_the_paper_models(dataset, method, tmp_path, monkeypatch):
     assert any(isinstance(c, ImageSampleCallback) for c in trainer.callbacks)
     if dataset == "mnist":
         assert trainer.max_epochs == 250
+
+
+@pytest.mark.parametrize("method", ["linear", "softmax", "lsh1", "lsh4"])
+def test_mnist_cpu_configs_fast_dev_run(method, tmp_path):
+    """configs/mnist_cpu_{method}.yaml: the CPU recipe of Table 1 (one recipe, the attention
+    differs) runs a fit step and a validation step through the real CLI on real MNIST."""
+    import yaml
+    from conftest import run_cli
+
+    config = yaml.safe_load((REPO / "configs" / f"mnist_cpu_{method}.yaml").read_text())
+    linear = yaml.safe_load((REPO / "configs" / "mnist_cpu_linear.yaml").read_text())
+    for section in ("trainer", "data", "seed_everything"):
+        assert config[section] == linear[section]  # the same budget and data for every method
+    args = {k: v for k, v in config["model"]["init_args"].items() if k != "attention"}
+    assert args == {k: v for k, v in linear["model"]["init_args"].items() if k != "attention"}
+    code, _, err = run_cli(["fit", "--config", f"mnist_cpu_{method}.yaml", "--trainer.fast_dev_run=1",
+                            "--trainer.enable_progress_bar=false", "--model.d_model=16", "--model.n_heads=2",
+                            "--model.d_ff=32", "--model.n_layers=1", "--data.batch_size=2"], cwd=tmp_path)
+    assert code == 0, err[-3000:]
