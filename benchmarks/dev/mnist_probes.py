@@ -1,8 +1,8 @@
 """Which MNIST recipe learns most in an hour of one CPU core? One probe per lever.
 
     uv run python benchmarks/dev/mnist_probes.py                        # every probe, 2 at a time
-    uv run python benchmarks/dev/mnist_probes.py --probes base lr_3e-3 --updates 300
-    uv run python benchmarks/dev/mnist_probes.py --probes base lr_3e-3 --updates 300 --collect   # tables only
+    uv run python benchmarks/dev/mnist_probes.py --probes base lr_1e-3 --updates 300
+    uv run python benchmarks/dev/mnist_probes.py --probes base lr_1e-3 --updates 300 --collect   # tables only
 
 Each probe is ``cli.py fit --config mnist_cpu_linear.yaml`` with one change (the ``base`` is the
 config as committed, except for the number of updates: every probe runs ``--updates`` with the
