@@ -20,15 +20,23 @@ TOY = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--data.
        "--data.batch_size", "4", "--trainer.enable_progress_bar", "false", "--model.predict_num_samples", "2"]
 
 
-def readme_commands() -> list[list[str]]:
-    """Every ``uv run python cli.py ...`` of the README's bash blocks, as the argument list after ``cli.py``."""
+def cli_commands(text: str) -> list[list[str]]:
+    """Every ``[uv run] python cli.py ...`` in ``text``'s bash blocks and inline code, as the
+    argument list after ``cli.py`` (continuation lines joined, comments dropped)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`([^`\n]*python cli\.py [^`\n]*)`", text)
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words[:4] == ["uv", "run", "python", "cli.py"]:
-                commands.append(words[4:])
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        if "cli.py" in words and words[words.index("cli.py") - 1] == "python":
+            commands.append(words[words.index("cli.py") + 1:])
     return commands
+
+
+def readme_commands() -> list[list[str]]:
+    return cli_commands(README)
 
 
 def the_command(*fragments: str) -> list[str]:
@@ -64,17 +72,23 @@ def test_quick_mnist_variant_then_its_saved_config_resumes_tests_and_predicts(tm
     assert list((root / "version_3" / "predictions").glob("*.png"))
 
 
-def test_every_readme_cli_command_parses(tmp_path):
-    """Each ``cli.py`` line of the README is accepted by the parser (``--print_config`` for the
-    LightningCLI subcommands; ``plugins`` runs). Lines that read a run's saved config run in the
-    test above, after the run that writes it."""
-    commands = readme_commands()
-    assert len(commands) >= 10
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_cli_command_of_the_docs_parses(doc, tmp_path):
+    """Each ``cli.py`` command the README and docs/ show is accepted by the real CLI
+    (``--print_config`` for the LightningCLI subcommands; ``plugins`` runs). Skipped: synopsis
+    lines with placeholders, and commands that read a run's saved config (the README's run in
+    the test above)."""
+    commands = cli_commands(doc.read_text())
+    assert commands or doc.name not in ("README.md", "cli.md")
     for command in commands:
-        if any(word.startswith("logs/") for word in command):
+        text = " ".join(command)
+        if any(word.startswith("logs/") for word in command) or re.search(r"\bNAME\b|\{fit|\[--|\.\.\.|SUBCOMMAND", text):
             continue
         if command[0] == "plugins":
             code, _, err = run_cli(command)
         else:
             code, _, err = run_cli([*command, "--print_config"], cwd=tmp_path)
-        assert code == 0, f"{' '.join(command)}: {err[-2000:]}"
+        assert code == 0, f"{doc.name}: {text}: {err[-2000:]}"
