@@ -121,7 +121,7 @@ def test_linear_step_under_autograd_returns_a_linear_state():
 def test_stack_states_detach_and_size_generically(backend):
     """A Transformer's state (a list of per-layer states; lsh: its input prefix) and a plain
     (S, Z) tuple go through detach_state and state_nbytes with no backend-specific code."""
-    model = Transformer(2, 8, 2, attention={"backend": backend, "kwargs": LSH_SMALL if backend == "lsh" else {}})
+    model = Transformer(2, 8, 2, attention=AttentionConfig(backend, kwargs=LSH_SMALL if backend == "lsh" else {}))
     x = torch.randn(1, 5, 8, requires_grad=True)
     _, state = model(x, return_state=True)
     _, state = model.step(x[:, 0], state)
@@ -262,7 +262,7 @@ def test_out_of_tree_backend_steps_as_its_parallel_form_runs(decay):
     """float64: the recurrent step equals the parallel forward at every position; the forward
     over segments with the state carried equals one pass; stepping continues a prefill."""
     torch.manual_seed(0)
-    model = Transformer(2, 16, 2, attention=DECAY).double()
+    model = Transformer(2, 16, 2, attention=AttentionConfig.coerce(DECAY)).double()
     x = torch.randn(3, 11, 16, dtype=torch.float64)
     full = model(x)
     state, stepped = None, []
@@ -284,7 +284,7 @@ def test_out_of_tree_backend_steps_as_its_parallel_form_runs(decay):
 def test_out_of_tree_backend_reports_its_state_size(decay):
     """state_nbytes reads the plugin's nbytes: S (B, H, D, M) and Z (B, H, D) per layer in fp32,
     the same at the first position and the last, and for the prefill's state."""
-    model = Transformer(3, 16, 2, attention=DECAY).eval()
+    model = Transformer(3, 16, 2, attention=AttentionConfig.coerce(DECAY)).eval()
     x = torch.randn(2, 9, 16)
     expected = 3 * (2 * 2 * 8 * 8 + 2 * 2 * 8) * 4
     sizes, state = [], None

@@ -11,6 +11,7 @@ from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.attention.base import Attention
+from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.transformer import Transformer
 
@@ -25,7 +26,7 @@ LSH_SMALL = {"backend": "lsh", "kwargs": {"bucket_size": 4, "n_buckets": 4, "n_h
 @pytest.mark.parametrize("attention", ["linear", "softmax", LSH_SMALL], ids=["linear", "softmax", "lsh"])
 def test_transformer_forward_with_state(attention):
     torch.manual_seed(0)
-    model = Transformer(2, 16, 2, attention=attention, causal=True).double()
+    model = Transformer(2, 16, 2, attention=AttentionConfig.coerce(attention), causal=True).double()
     x = torch.randn(3, 20, 16, dtype=torch.float64, requires_grad=True)
     full = model(x)
     first, state = model(x[:, :7], return_state=True)
@@ -45,7 +46,7 @@ def test_transformer_forward_with_state(attention):
 
 
 def test_transformer_state_errors():
-    model = Transformer(2, 16, 2, attention="linear", causal=True)
+    model = Transformer(2, 16, 2, attention=AttentionConfig("linear"), causal=True)
     x = torch.randn(1, 4, 16)
     with pytest.raises(ValueError, match="list of 2 per-layer states"):
         model(x, state=[None])
@@ -128,7 +129,7 @@ def test_detached_segments_cut_the_gradient_only():
     from linformer_lab.models.transformer import segmented_forward
 
     torch.manual_seed(0)
-    model = Transformer(1, 8, 2, attention="linear", causal=True).double()
+    model = Transformer(1, 8, 2, attention=AttentionConfig("linear"), causal=True).double()
     x = torch.randn(2, 12, 8, dtype=torch.float64, requires_grad=True)
 
     def run(a, b, state):

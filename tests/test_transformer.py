@@ -39,8 +39,8 @@ def test_step_equals_forward(backend, feature_map):
 
 
 def test_shared_qk_backend_has_no_key_projection():
-    lsh = MultiHeadAttention(16, 2, attention="lsh", causal=True)
-    lin = MultiHeadAttention(16, 2, attention="linear", causal=True)
+    lsh = MultiHeadAttention(16, 2, attention=AttentionConfig("lsh"), causal=True)
+    lin = MultiHeadAttention(16, 2, attention=AttentionConfig("linear"), causal=True)
     assert lsh.qkv.out_features == 2 * 16 and lin.qkv.out_features == 3 * 16
 
 
@@ -86,7 +86,7 @@ def test_step_equals_forward_in_training_mode(backend):
 
 def test_step_applies_dropout_in_training_mode_only():
     torch.manual_seed(0)
-    model = Transformer(n_layers=1, d_model=16, n_heads=2, attention="linear", dropout=0.5).double()
+    model = Transformer(n_layers=1, d_model=16, n_heads=2, attention=AttentionConfig("linear"), dropout=0.5).double()
     x = torch.randn(3, 16, dtype=torch.float64)
     with torch.no_grad():
         train_out, _ = model.train().step(x)

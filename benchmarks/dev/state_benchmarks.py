@@ -122,13 +122,14 @@ def segment_step(n: int, segment: int | None, d_model: int, layers: int, threads
     import torch
     from torch import nn
 
+    from linformer_lab.attention.config import AttentionConfig
     from linformer_lab.models.transformer import Transformer, segmented_forward
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     vocab = 256
     embed, head = nn.Embedding(vocab, d_model), nn.Linear(d_model, vocab)
-    model = Transformer(layers, d_model, d_model // 32, attention="linear", causal=True)
+    model = Transformer(layers, d_model, d_model // 32, attention=AttentionConfig("linear"), causal=True)
     tokens = torch.randint(0, vocab, (1, n + 1))
 
     def run(start, stop, state):

@@ -3,9 +3,14 @@
 A config is plain data (a registered backend name, an optional feature map, their keyword
 arguments), so it round-trips through YAML, the command line and a checkpoint's hparams;
 :meth:`AttentionConfig.build` turns it into an :class:`~linformer_lab.attention.base.Attention`
-module. Everything that takes "an attention" (``MultiHeadAttention``, ``Transformer``, the
-tasks) accepts what :meth:`AttentionConfig.coerce` accepts: None, a backend name, a dict of
-the fields, or a config.
+module.
+
+The configuration boundary: what a user writes (None, a backend name, a dict of the fields, a
+config) is coerced once, by :meth:`AttentionConfig.coerce`, at the public edges -- the tasks and
+the models a user builds whole (``PixelTransformer``, ``TransformerCTC``). The building blocks
+below them (``Transformer``, ``TransformerLayer``, ``MultiHeadAttention``) take a config (None:
+the default one) or, where one layer is built, an :class:`Attention` module, and refuse the raw
+forms with a TypeError (:func:`require_config`) instead of coercing them a second time.
 """
 
 from __future__ import annotations
@@ -112,6 +117,22 @@ class AttentionConfig:
         if self.feature_map_kwargs:
             kwargs["feature_map_kwargs"] = dict(self.feature_map_kwargs)
         return build_attention(self.backend, causal=causal, query_dim=query_dim, feature_map=self.feature_map, **kwargs)
+
+
+def require_config(attention, owner: str, allow_module: bool = False) -> AttentionConfig | Attention:
+    """The ``attention`` argument of a building block (``owner`` names it in the error): a config
+    as it is, None as the default config, with ``allow_module`` a built :class:`Attention` as it
+    is; anything else (a backend name, a dict) is a TypeError saying how to make a config."""
+    if attention is None:
+        return AttentionConfig()
+    if isinstance(attention, AttentionConfig) or (allow_module and isinstance(attention, Attention)):
+        return attention
+    accepted = "an AttentionConfig or an Attention module" if allow_module else "an AttentionConfig"
+    raise TypeError(
+        f"{owner} takes {accepted}, got {type(attention).__name__} {attention!r}; build one with "
+        f"AttentionConfig.coerce({attention!r}) (the tasks and the whole models -- PixelTransformer, "
+        f"TransformerCTC -- take the other forms)"
+    )
 
 
 def _uses_feature_map(name: str) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from linformer_lab.attention.base import Attention, check_state
-from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.attention.config import AttentionConfig, require_config
 from linformer_lab.ops.fast_step import step_linear
 
 
@@ -17,8 +17,9 @@ class MultiHeadAttention(nn.Module):
         d_model: model width.
         n_heads: heads; each gets ``d_model // n_heads`` query and value dims unless
             ``query_dim`` / ``value_dim`` say otherwise.
-        attention: what :meth:`AttentionConfig.coerce` takes (a config, a backend name, a
-            dict of the config's fields, None for ``linear``), or a built :class:`Attention`.
+        attention: an :class:`AttentionConfig` (None: the default, ``linear`` with ``elu``) or a
+            built :class:`Attention`. A backend name or a dict is a TypeError: make a config with
+            :meth:`AttentionConfig.coerce` (this is a building block; see ``attention/config.py``).
         causal: passed to the backend when it is built here.
 
     Queries, keys and values come from one fused projection (one matmul per call, which
@@ -30,7 +31,7 @@ class MultiHeadAttention(nn.Module):
         self,
         d_model: int,
         n_heads: int,
-        attention: AttentionConfig | str | dict | Attention | None = None,
+        attention: AttentionConfig | Attention | None = None,
         causal: bool = False,
         query_dim: int | None = None,
         value_dim: int | None = None,
@@ -41,8 +42,9 @@ class MultiHeadAttention(nn.Module):
         self.n_heads = n_heads
         self.query_dim = query_dim or d_model // n_heads
         self.value_dim = value_dim or d_model // n_heads
-        if not isinstance(attention, Attention):
-            attention = AttentionConfig.coerce(attention).build(causal=causal, query_dim=self.query_dim)
+        attention = require_config(attention, "MultiHeadAttention", allow_module=True)
+        if isinstance(attention, AttentionConfig):
+            attention = attention.build(causal=causal, query_dim=self.query_dim)
         self.attention = attention
         self.shares_query_key = attention.shares_query_key
         hq, hv = n_heads * self.query_dim, n_heads * self.value_dim

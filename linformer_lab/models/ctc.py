@@ -76,7 +76,8 @@ class TransformerCTC(nn.Module):
         d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
             (paper: 9 layers, 6 heads of 32 dims = 192, feed-forward 768).
         attention: anything :meth:`AttentionConfig.coerce` takes (a config, a backend name,
-            a dict of its fields, None for ``linear``).
+            a dict of its fields, None for ``linear``); coerced here, once (the model keeps the
+            config as ``attention_config``).
         positions: ``"sinusoidal"`` (fixed, any length) or ``"learned"`` (an embedding of
             ``max_positions`` rows; longer inputs are an error).
         position_scale: factor of the sinusoidal encodings; None = ``1 / sqrt(d_model)``.
@@ -133,8 +134,9 @@ class TransformerCTC(nn.Module):
             self.position_embedding = nn.Embedding(max_positions, d_model)
             nn.init.normal_(self.position_embedding.weight, std=0.02)
         self.input_dropout = nn.Dropout(dropout)
+        self.attention_config = AttentionConfig.coerce(attention)
         self.transformer = Transformer(
-            n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, attention=attention
+            n_layers, d_model, n_heads, d_ff, causal=False, dropout=dropout, attention=self.attention_config
         )
         self.head = nn.Linear(d_model, num_phonemes)
         self.packed = packed

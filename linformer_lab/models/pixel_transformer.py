@@ -69,7 +69,8 @@ class PixelTransformer(nn.Module):
 
     Args:
         attention: the attention (:class:`AttentionConfig`, a backend name, or a dict of its
-            fields); default ``linear`` with the ``elu`` feature map.
+            fields); default ``linear`` with the ``elu`` feature map. Coerced here, once (the
+            model keeps the config as ``attention_config``).
         n_layers, n_heads, d_model, d_ff: transformer size. Paper: MNIST 8 layers, CIFAR-10
             16 layers, both 8 heads, d_model 256 (32 per head), d_ff 1024.
         num_mixtures: logistic components of the output head (paper: 10).

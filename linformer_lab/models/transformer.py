@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from linformer_lab.attention.base import SequenceBuffer
-from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.attention.base import Attention, SequenceBuffer
+from linformer_lab.attention.config import AttentionConfig, require_config
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.fast_step import step_linear
 from linformer_lab.ops.state import detach_state
@@ -25,19 +25,21 @@ FEEDFORWARD_BLOCK_BYTES = 8 * 2**20
 
 
 class TransformerLayer(nn.Module):
-    """One layer: ``(B, N, d_model) -> (B, N, d_model)``."""
+    """One layer: ``(B, N, d_model) -> (B, N, d_model)``; ``attention`` as for
+    :class:`~linformer_lab.attention.multihead.MultiHeadAttention` (a config or a built backend)."""
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
         d_ff: int,
-        attention: AttentionConfig | str | dict | None = None,
+        attention: AttentionConfig | Attention | None = None,
         causal: bool = True,
         dropout: float = 0.0,
     ):
         super().__init__()
         self.norm_attention = nn.LayerNorm(d_model)
+        attention = require_config(attention, "TransformerLayer", allow_module=True)
         self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
         self.norm_ff = nn.LayerNorm(d_model)
         self.feedforward = nn.Sequential(
@@ -118,9 +120,10 @@ class Transformer(nn.Module):
     can run in segments (truncated back-propagation through time when the carried state is
     detached). ``cu_seqlens`` runs packed sequences (``x (1, T, d_model)``, see :class:`Attention`).
 
-    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (anything
-    :meth:`AttentionConfig.coerce` takes: a config, a backend name, a dict, None for
-    ``linear``), causal, dropout.
+    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (an
+    :class:`AttentionConfig`, None for the default ``linear`` with ``elu``; a building block, it
+    refuses a backend name or a dict: ``AttentionConfig.coerce`` makes a config of those), causal,
+    dropout.
     """
 
     def __init__(
@@ -129,12 +132,12 @@ class Transformer(nn.Module):
         d_model: int,
         n_heads: int,
         d_ff: int | None = None,
-        attention: AttentionConfig | str | dict | None = None,
+        attention: AttentionConfig | None = None,
         causal: bool = True,
         dropout: float = 0.0,
     ):
         super().__init__()
-        attention = AttentionConfig.coerce(attention)
+        attention = require_config(attention, "Transformer")
         self.layers = nn.ModuleList(
             TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, attention=attention, causal=causal, dropout=dropout)
             for _ in range(n_layers)

@@ -35,14 +35,20 @@ class Task(L.LightningModule):
     monitor_mode: str = "min"
     training_hparams: tuple[str, ...] = ()
 
-    def coerce_attention(self, attention: AttentionConfig | str | dict | None) -> AttentionConfig:
-        """Coerce the ``attention`` argument and store it in ``hparams`` as plain data.
+    def store_attention(self, config: AttentionConfig) -> AttentionConfig:
+        """Keep ``config`` as ``attention_config`` and in ``hparams`` as plain data; returns it.
 
-        Call after ``save_hyperparameters()``: the checkpoint then holds a dict (it loads with
-        ``torch.load(weights_only=True)``, PyTorch's default, which refuses arbitrary classes, and
-        hparams.yaml stays readable), and ``load_from_checkpoint`` hands that dict back here.
+        The task's ``attention`` argument (None, a backend name, a dict, a config) is coerced
+        once: by the whole model the task builds (``PixelTransformer``, ``TransformerCTC``),
+        whose ``attention_config`` comes here, or by the task itself when it builds from the
+        building blocks (``CopyTask``). Call after ``save_hyperparameters()``: the checkpoint
+        then holds a dict (it loads with ``torch.load(weights_only=True)``, PyTorch's default,
+        which refuses arbitrary classes, and hparams.yaml stays readable), and
+        ``load_from_checkpoint`` hands that dict back to the task.
         """
-        config = AttentionConfig.coerce(attention)
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"store_attention takes an AttentionConfig, got {type(config).__name__}")
+        self.attention_config = config
         self.hparams["attention"] = config.to_hparams()
         return config
 

@@ -84,7 +84,8 @@ class CopyTask(Task):
         check_positive("lr_decay_factor", lr_decay_factor, "factor applied to the learning rate")
         check_non_negative("weight_decay", weight_decay)
         self.save_hyperparameters()
-        attention = self.attention_config = self.coerce_attention(attention)
+        # the public edge: the user's form becomes a config here, the Transformer takes that
+        attention = self.store_attention(AttentionConfig.coerce(attention))
         self.sequence_length = sequence_length
 
         self.token_embedding = nn.Embedding(vocab_size, d_model)

@@ -134,11 +134,11 @@ class ImageGenerationTask(Task):
         check_at_least("predict_batch_size", predict_batch_size, 1)
         check_at_least("png_scale", png_scale, 1, "enlargement of the PNGs")
         self.save_hyperparameters()
-        config = self.coerce_attention(attention)
-        self.model = PixelTransformer(
-            attention=config, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
+        self.model = PixelTransformer(  # coerces the attention argument: the one place on this path
+            attention=attention, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
             num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
         )
+        config = self.store_attention(self.model.attention_config)
         self.model.check_step_weights(step_weights)  # a bad config fails here, not at predict time
         check_segment_length(segment_length, self.model.transformer, config.backend)
         self.train_bpd = BitsPerDim()

@@ -136,17 +136,15 @@ class SpeechRecognitionTask(Task):
         self.save_hyperparameters()
         # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
         # resolved optimizer/lr so a checkpoint records what actually ran.
-        if encoder == "transformer":
-            attention = self.coerce_attention(attention)
         self.hparams["optimizer"], self.hparams["lr"] = optimizer, lr
-        self.attention_config = attention
-
+        self.attention_config = None
         if encoder == "transformer":
-            self.model = TransformerCTC(
+            self.model = TransformerCTC(  # coerces the attention argument: the one place on this path
                 num_phonemes, feature_dim, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
                 dropout=dropout, attention=attention, positions=positions,
                 max_positions=max_positions, subsample=subsample, position_scale=position_scale, packed=packed,
             )
+            self.store_attention(self.model.attention_config)
         else:
             self.model = BiLSTMCTC(
                 num_phonemes, feature_dim, hidden_size=lstm_hidden, n_layers=lstm_layers, dropout=dropout,
