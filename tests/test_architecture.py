@@ -1,12 +1,14 @@
-"""The package's layers import only downward (docs/ARCHITECTURE.md).
+"""The package's layers import only downward, and no module reads another's private names
+(docs/ARCHITECTURE.md, "Layers").
 
 Read from the source with ``ast``, so imports inside functions (the usual way to hide a cycle)
 count too. The layers, bottom to top::
 
-    registry, utils  <  feature_maps, ops  <  attention  <  models, data  <  tasks  <  cli, checkpoints
+    registry, validation  <  ops  <  feature_maps  <  attention  <  models, data  <  tasks  <  cli, cli_args, checkpoints
 
-A module may import its own layer and the layers below it. Nothing imports the package root
-``linformer_lab`` (its ``__init__``) from inside the package: the root only re-exports.
+A module may import its own layer and the layers below it, except that ``models`` and ``data``
+do not import each other. Nothing imports the package root ``linformer_lab`` (its
+``__init__``) from inside the package: the root only re-exports.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "linformer_lab"
 
 LAYER_OF = {
-    "registry": 0, "utils": 0, "validation": 0,
-    "feature_maps": 1, "ops": 1,
-    "attention": 2,
-    "models": 3, "data": 3,
-    "tasks": 4,
-    "cli": 5, "cli_args": 5, "checkpoints": 5,
+    "registry": 0, "validation": 0,
+    "ops": 1,
+    "feature_maps": 2,  # poly2's exact kernel is ops.reference.polynomial_similarity
+    "attention": 3,
+    "models": 4, "data": 4,
+    "tasks": 5,
+    "cli": 6, "cli_args": 6, "checkpoints": 6,
 }
+#: Pairs of one layer that stay apart: (importer, imported).
+SEPARATE = {("models", "data"), ("data", "models")}
 
 
 def _layer(module: str) -> int | None:
@@ -81,6 +86,9 @@ def upward_imports(package: Path = PACKAGE) -> list[str]:
                 bad.append(f"{path.relative_to(package.parent)}:{line} imports the package root ({module})")
             elif target > own:
                 bad.append(f"{path.relative_to(package.parent)}:{line} imports {module} (layer {target} > {own})")
+            elif (pair := (importer.split(".")[1], module.split(".")[1])) in SEPARATE:
+                bad.append(f"{path.relative_to(package.parent)}:{line} imports {module} ({pair[0]} and {pair[1]} "
+                           "are one layer and do not import each other)")
     return bad
 
 
@@ -97,11 +105,88 @@ def test_the_checker_sees_nested_and_relative_imports(tmp_path):
     (pkg / "ops" / "a.py").write_text(
         "def f():\n    from linformer_lab.tasks import x\n    import linformer_lab\n    from ..models import y\n"
     )
+    (pkg / "data").mkdir()
+    (pkg / "data" / "__init__.py").write_text("from linformer_lab.models import z\n")
     bad = upward_imports(pkg)
-    assert len(bad) == 3, bad
+    assert len(bad) == 4, bad
     assert any("linformer_lab.tasks" in b for b in bad)
     assert any("package root" in b for b in bad)
-    assert any("linformer_lab.models" in b for b in bad)
+    assert any("ops/a.py" in b and "linformer_lab.models" in b for b in bad)
+    assert any("data/__init__.py" in b and "do not import each other" in b for b in bad)
+
+
+def test_every_layer_exists():
+    """LAYER_OF names what the package holds, no phantom layers (docs/ARCHITECTURE.md lists the same)."""
+    present = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert present == set(LAYER_OF)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_module(dotted: str, package: Path) -> bool:
+    path = package.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def private_reads(package: Path = PACKAGE) -> list[str]:
+    """``from linformer_lab.x import _name`` and ``module._name`` where ``module`` is a first-party
+    module bound by an import: one module reading another's private names."""
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        name = _module_name(path, package)
+        own_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        module_aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "linformer_lab":
+                        module_aliases.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = own_package.split(".")[: len(own_package.split(".")) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                if module.split(".")[0] != "linformer_lab":
+                    continue
+                for alias in node.names:
+                    if _is_private(alias.name):
+                        bad.append(f"{path.relative_to(package.parent)}:{node.lineno} imports {alias.name} from {module}")
+                    elif _is_module(f"{module}.{alias.name}", package):
+                        module_aliases.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in module_aliases:
+                    bad.append(f"{path.relative_to(package.parent)}:{node.lineno} reads {ast.unparse(node)}")
+    return bad
+
+
+def test_no_module_reads_another_modules_private_names():
+    bad = private_reads()
+    assert not bad, "private names read across modules (give the owner a public name for it):\n" + "\n".join(bad)
+
+
+def test_the_private_check_sees_attribute_reads_and_imports(tmp_path):
+    pkg = tmp_path / "linformer_lab"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "tool.py").write_text("_hidden = 1\n")
+    (pkg / "ops" / "user.py").write_text(
+        "from linformer_lab.ops import tool\nfrom linformer_lab.ops.tool import _hidden\n"
+        "import linformer_lab.ops.tool as t\nimport torch\n"
+        "x = tool._hidden + t._hidden + torch._C + tool.__name__\n"
+        "def f(self):\n    return self._own\n"
+    )
+    bad = private_reads(pkg)
+    assert len(bad) == 3, bad
 
 
 #: Folders whose Python files stay under MAX_LINES: the library, the benchmarks and the tests.
@@ -115,7 +200,7 @@ def python_files(roots=SMALL_FILE_ROOTS, repo: Path = PACKAGE.parent) -> list[Pa
 
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
 def test_files_stay_small(path):
-    # A file past this is split along its seams (docs/ARCHITECTURE.md, "Where things live"):
+    # A file past this is split along its seams (docs/ARCHITECTURE.md, "Layers"):
     # a library module by concern, a benchmark into its measurement and its report, a test file
     # by the part of the code it tests, with shared helpers in conftest.py or a helper module.
     lines = len(path.read_text().splitlines())

@@ -22,7 +22,6 @@ Public API:
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -50,19 +49,12 @@ def is_available() -> bool:
     if _ops is not None:
         return True
     try:
-        caps = toolchain._device_capabilities()
+        caps = toolchain.device_capabilities()
     except RuntimeError:
         return False
-    if any(c < toolchain._MIN_CAPABILITY for c in caps):
+    if any(c < toolchain.MIN_CAPABILITY for c in caps):
         return False
-    if toolchain._find_prebuilt(caps) is not None:
-        return True
-    toolchain._ensure_ninja_on_path()
-    cuda_home = toolchain.find_cuda_home()
-    if cuda_home is None or shutil.which("ninja") is None:
-        return False
-    supported = toolchain._nvcc_gpu_codes(cuda_home)  # e.g. CUDA 13 cannot compile for sm_70
-    return supported is None or all(f"sm_{major}{minor}" in supported for major, minor in caps)
+    return toolchain.find_prebuilt(caps) is not None or toolchain.can_build_for(caps)
 
 
 def load(verbose: bool = False):
@@ -75,24 +67,26 @@ def load(verbose: bool = False):
     if not torch.cuda.is_available():
         raise RuntimeError(
             "the linear_cuda backend needs a CUDA GPU, but torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). {toolchain._CPU_HINT}"
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). {toolchain.CPU_HINT}"
         )
-    caps = toolchain._device_capabilities()
-    if any(c < toolchain._MIN_CAPABILITY for c in caps):
-        raise RuntimeError(f"the linear_cuda kernel needs compute capability >= 7.0, found {caps}. {toolchain._CPU_HINT}")
+    caps = toolchain.device_capabilities()
+    if any(c < toolchain.MIN_CAPABILITY for c in caps):
+        raise RuntimeError(f"the linear_cuda kernel needs compute capability >= 7.0, found {caps}. {toolchain.CPU_HINT}")
     with toolchain.lock:
         if _ops is not None:
             return _ops
-        prebuilt = toolchain._find_prebuilt(caps) if toolchain._loaded_library is None else None
-        if toolchain._loaded_library is not None:
+        loaded = toolchain.loaded_library()
+        prebuilt = toolchain.find_prebuilt(caps) if loaded is None else None
+        if loaded is not None:
             # Built earlier in this process (build()): usable only if it targets these GPUs.
-            if not all(any(a.runs_on(c) for a in toolchain._loaded_archs) for c in caps):
+            library, archs = loaded
+            if not all(any(a.runs_on(c) for a in archs) for c in caps):
                 raise RuntimeError(
-                    f"the linear_cuda extension loaded in this process ({toolchain._loaded_library}) was built for "
-                    f"{', '.join(map(str, toolchain._loaded_archs))}, which does not run on compute capability {caps}"
+                    f"the linear_cuda extension loaded in this process ({library}) was built for "
+                    f"{', '.join(map(str, archs))}, which does not run on compute capability {caps}"
                 )
         elif prebuilt is not None:
-            toolchain._load_library(*prebuilt)
+            toolchain.load_library(*prebuilt)
         else:
             archs = default_archs()
             uncovered = [c for c in caps if not any(a.runs_on(c) for a in archs)]

@@ -1,6 +1,9 @@
 """Building the ``linear_cuda`` extension: target architectures, the CUDA toolchain, the build
 cache (keyed by sources, torch/Python ABI and architectures) and loading a built library.
-The public entry points are re-exported by :mod:`linformer_lab.ops.cuda`."""
+The user's entry points are re-exported by :mod:`linformer_lab.ops.cuda`; the other public
+names here (``device_capabilities``, ``find_prebuilt``, ``can_build_for``, ``loaded_library``,
+``load_library``, ``lock``, ``MIN_CAPABILITY``, ``CPU_HINT``, ``OPS_NAMESPACE``) are what its
+``load`` / ``is_available`` need; everything with a leading underscore stays in this module."""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ OPS_NAMESPACE = "linformer_lab_cuda"
 _EXTENSION_NAME = "linformer_lab_cuda_ext"
 _SOURCE_DIR = Path(__file__).resolve().parent
 _SOURCES = ("binding.cpp", "causal_linear_attention.cu")
-_MIN_CAPABILITY = (7, 0)  # WMMA-free FMA path needs Volta; tensor cores need 8.0
-_CPU_HINT = (
+MIN_CAPABILITY = (7, 0)  # WMMA-free FMA path needs Volta; tensor cores need 8.0
+CPU_HINT = (
     "Use the `linear` backend (linformer_lab.ops.linear_attention.causal_dot_product), "
     "which runs on CPU and GPU without compiling anything."
 )
@@ -96,9 +99,9 @@ def parse_arch_list(spec: str | Iterable[str]) -> list[Arch]:
             major, minor = int(major_s[:-1]), int(major_s[-1])
         else:
             major, minor = int(major_s), int(minor_s)
-        if (major, minor) < _MIN_CAPABILITY:
+        if (major, minor) < MIN_CAPABILITY:
             raise ValueError(
-                f"CUDA architecture {raw!r} is below {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]}, "
+                f"CUDA architecture {raw!r} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
                 "the oldest this kernel supports"
             )
         arch = Arch(major, minor, variant.lower(), bool(ptx))
@@ -109,7 +112,8 @@ def parse_arch_list(spec: str | Iterable[str]) -> list[Arch]:
     return sorted(archs)
 
 
-def _device_capabilities() -> list[tuple[int, int]]:
+def device_capabilities() -> list[tuple[int, int]]:
+    """The distinct compute capabilities of the visible GPUs, sorted."""
     return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
 
 
@@ -124,12 +128,12 @@ def default_archs() -> list[Arch]:
             "no CUDA GPU to detect the target architecture from: pass --arch (e.g. --arch 8.0 9.0) "
             "or set TORCH_CUDA_ARCH_LIST"
         )
-    caps = _device_capabilities()
-    too_old = [c for c in caps if c < _MIN_CAPABILITY]
+    caps = device_capabilities()
+    too_old = [c for c in caps if c < MIN_CAPABILITY]
     if too_old:
         raise RuntimeError(
             f"GPU compute capability {too_old[0][0]}.{too_old[0][1]} is below 7.0, which the "
-            f"linear_cuda kernel needs. {_CPU_HINT}"
+            f"linear_cuda kernel needs. {CPU_HINT}"
         )
     archs = [Arch(major, minor) for major, minor in caps]
     archs[-1] = Arch(archs[-1].major, archs[-1].minor, ptx=True)
@@ -171,12 +175,24 @@ def _nvcc_gpu_codes(cuda_home: str) -> set[str] | None:
     return codes if out.returncode == 0 and codes else None
 
 
-def _ensure_ninja_on_path() -> None:
-    # ninja is a Python dependency of the project: its binary sits next to the interpreter, which
-    # is not on PATH when the interpreter is called by its full path.
+def ensure_ninja_on_path() -> None:
+    """Put the interpreter's folder on PATH: ninja is a Python dependency of the project, and its
+    binary sits next to the interpreter, which is not on PATH when called by its full path."""
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def can_build_for(capabilities: Sequence[tuple[int, int]]) -> bool:
+    """Whether this machine can compile the extension for these GPU capabilities: a CUDA toolkit
+    and ninja are present, and the toolkit's nvcc targets every one (CUDA 13 cannot compile for
+    sm_70, for example). Compiles nothing."""
+    ensure_ninja_on_path()
+    cuda_home = find_cuda_home()
+    if cuda_home is None or shutil.which("ninja") is None:
+        return False
+    supported = _nvcc_gpu_codes(cuda_home)
+    return supported is None or all(f"sm_{major}{minor}" in supported for major, minor in capabilities)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,7 +250,7 @@ def _library_path(build_dir: Path) -> Path:
     return build_dir / f"{_EXTENSION_NAME}.so"
 
 
-def _find_prebuilt(capabilities: Sequence[tuple[int, int]], root: Path | None = None) -> tuple[Path, list[Arch]] | None:
+def find_prebuilt(capabilities: Sequence[tuple[int, int]], root: Path | None = None) -> tuple[Path, list[Arch]] | None:
     """A cached library built from these sources for this torch / Python whose architectures
     cover every given GPU capability, with those architectures."""
     base = (root or cache_root()) / _abi_tag()
@@ -258,7 +274,15 @@ def _find_prebuilt(capabilities: Sequence[tuple[int, int]], root: Path | None = 
     return None
 
 
-def _load_library(path: Path, archs: list[Arch]) -> None:
+def loaded_library() -> tuple[Path, list[Arch]] | None:
+    """The library this process has loaded (by :func:`build` or :func:`load_library`) and the
+    architectures it was built for; None before any."""
+    return None if _loaded_library is None else (_loaded_library, list(_loaded_archs))
+
+
+def load_library(path: Path, archs: list[Arch]) -> None:
+    """Load a built library into this process; a second, different library is an error (one
+    process registers the operator namespace once)."""
     global _loaded_library, _loaded_archs
     if _loaded_library is not None and _loaded_library != path:
         # One process can register the operator namespace only once.
@@ -298,7 +322,7 @@ def build(
             "include/cuda_runtime.h under $CUDA_HOME, the nvcc on PATH, or /usr/local/cuda). Install "
             "the CUDA toolkit matching torch.version.cuda="
             f"{torch.version.cuda}, or pre-build on a machine that has one with "
-            f"`python -m linformer_lab.ops.cuda build --arch ...`. {_CPU_HINT}"
+            f"`python -m linformer_lab.ops.cuda build --arch ...`. {CPU_HINT}"
         )
     supported = _nvcc_gpu_codes(cuda_home)
     if supported is not None:
@@ -316,7 +340,7 @@ def build(
     # it guessed at import time; point it at the toolkit found above.
     os.environ["CUDA_HOME"] = cuda_home
     cpp_extension.CUDA_HOME = cuda_home
-    _ensure_ninja_on_path()
+    ensure_ninja_on_path()
 
     root = Path(build_dir).expanduser() if build_dir is not None else cache_root()
     out_dir = _build_dir(root, targets)
@@ -325,7 +349,7 @@ def build(
     cuda_flags = list(info["cuda_cflags"]) + (["-Xptxas=-v"] if ptxas_verbose else [])
     with lock:
         if _loaded_library is not None and _loaded_library != library:
-            _load_library(library, targets)  # raises the one-library-per-process error
+            load_library(library, targets)  # raises the one-library-per-process error
         out_dir.mkdir(parents=True, exist_ok=True)
         # Compiles (ninja skips up-to-date objects; torch's file lock serialises processes that
         # share out_dir) and loads the library into this process.
@@ -339,8 +363,8 @@ def build(
             with_cuda=True,
             is_python_module=False,
         )
-        _load_library(library, targets)
-        # Written last and atomically: its presence marks a complete build for _find_prebuilt.
+        load_library(library, targets)
+        # Written last and atomically: its presence marks a complete build for find_prebuilt.
         tmp = out_dir / f"build_info.json.{os.getpid()}"
         tmp.write_text(json.dumps(info, indent=2))
         os.replace(tmp, out_dir / "build_info.json")
