@@ -312,7 +312,7 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
 
     Checked, in order: the file loads; it was written for the same task class (the
     ``_class_path`` LightningCLI stores in the hyper-parameters); the architecture
-    hyper-parameters agree (all but the task's ``training_hparams``, e.g. the learning rate,
+    hyper-parameters agree (all but the task's ``hparams_free_to_change``, e.g. the learning rate,
     which may differ when fine-tuning); the state_dict has the model's keys and shapes.
     """
     ckpt = load_checkpoint_header(path)

@@ -260,7 +260,7 @@ def test_unreadable_checkpoint(trained, tmp_path, damage):
     _expect_checkpoint_error(["validate", *tiny_copy_args(tmp_path), "--ckpt_path", str(path)], fragment)
 
 
-def test_training_hparams_may_differ(trained, tmp_path):
+def test_hparams_free_to_change_may_differ_from_the_checkpoint(trained, tmp_path):
     # Fine-tuning from a checkpoint with another learning rate is allowed.
     code, _, err = run_cli(["validate", *tiny_copy_args(tmp_path), "--model.lr=0.5",
                             "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")])
@@ -371,7 +371,7 @@ def test_every_count_or_fraction_argument_keeps_its_integer(tmp_path):
 
 
 def test_task_settings_come_from_the_declared_base():
-    """The CLI reads monitor / mode / training_hparams from :class:`Task`; any other
+    """The CLI reads monitor / mode / hparams_free_to_change from :class:`Task`; any other
     LightningModule gets the documented defaults."""
     import lightning as L
 
@@ -379,6 +379,6 @@ def test_task_settings_come_from_the_declared_base():
     from linformer_lab.tasks.copy_task import CopyTask
 
     task = CopyTask(d_model=8, n_heads=2, n_layers=1)
-    assert task_settings(task) == ("val/loss", "min", CopyTask.training_hparams)
+    assert task_settings(task) == ("val/loss", "min", CopyTask.hparams_free_to_change)
     assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, ())
     assert task.hparams["attention"] == {"backend": "linear", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}

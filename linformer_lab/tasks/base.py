@@ -22,7 +22,7 @@ class Task(L.LightningModule):
     * ``monitor``: the logged metric the best checkpoint is chosen by (``val/loss``); None keeps
       only ``last.ckpt``.
     * ``monitor_mode``: ``"min"`` or ``"max"`` for ``monitor``.
-    * ``training_hparams``: hyper-parameters that may differ between a checkpoint and the
+    * ``hparams_free_to_change``: hyper-parameters that may differ between a checkpoint and the
       configuration that loads it (optimisation and decoding settings); every other one must
       match, or the CLI refuses the checkpoint with the differences named.
 
@@ -33,7 +33,7 @@ class Task(L.LightningModule):
 
     monitor: str | None = None
     monitor_mode: str = "min"
-    training_hparams: tuple[str, ...] = ()
+    hparams_free_to_change: tuple[str, ...] = ()
 
     def store_attention(self, config: AttentionConfig) -> AttentionConfig:
         """Keep ``config`` as ``attention_config`` and in ``hparams`` as plain data; returns it.
@@ -92,7 +92,7 @@ def check_attention_devices(module: torch.nn.Module, device: torch.device) -> No
 
 
 def task_settings(model: L.LightningModule) -> tuple[str | None, str, tuple[str, ...]]:
-    """``(monitor, monitor_mode, training_hparams)`` of any LightningModule: a :class:`Task`'s
+    """``(monitor, monitor_mode, hparams_free_to_change)`` of any LightningModule: a :class:`Task`'s
     declared values, or the defaults above for other modules."""
     cls = model if isinstance(model, Task) else Task
-    return cls.monitor, cls.monitor_mode, tuple(cls.training_hparams)
+    return cls.monitor, cls.monitor_mode, tuple(cls.hparams_free_to_change)

@@ -55,8 +55,8 @@ class CopyTask(Task):
     monitor_mode = "min"
     #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
     #: (optimisation only; the CLI's checkpoint check compares all others)
-    training_hparams = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
-                        "detach_state")
+    hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
+                              "detach_state")
 
     def __init__(
         self,

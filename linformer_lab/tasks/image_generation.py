@@ -87,7 +87,7 @@ class ImageGenerationTask(Task):
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).
 
-    ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``training_hparams``
+    ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``hparams_free_to_change``
     which arguments a checkpoint may have had different.
     """
 
@@ -95,9 +95,9 @@ class ImageGenerationTask(Task):
     monitor_mode = "min"
     #: Arguments that may differ between a checkpoint and the configuration that loads it
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
-    training_hparams = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature", "step_weights",
-                        "predict_num_samples", "predict_batch_size", "output_dir", "png_scale", "segment_length",
-                        "detach_state")
+    hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
+                              "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
+                              "segment_length", "detach_state")
 
     def __init__(
         self,

@@ -79,7 +79,7 @@ class SpeechRecognitionTask(Task):
     #: hyper-parameters that may differ between a checkpoint and the configuration using it
     #: (fine-tuning, evaluation with another decoder); the CLI's checkpoint check skips them.
     #: lstm_packed only picks how the same LSTMs run.
-    training_hparams = (
+    hparams_free_to_change = (
         "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
         "lstm_packed", "warmup_steps", "packed",
     )
