@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
-from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, generation_kernels, quantize_int8, step_linear, step_weights
+from linformer_lab.ops.fast_step import (
+    STEP_WEIGHT_FORMATS,
+    generation_kernels,
+    quantize_int8,
+    step_linear,
+    weight_copies_for_steps,
+)
 
 TINY = dict(n_layers=2, n_heads=2, d_model=32, d_ff=64, num_mixtures=3)
 
@@ -66,7 +72,7 @@ def test_step_linear_matches_a_float64_product_of_its_format(format, in_features
     torch.manual_seed(1)
     linear = nn.Linear(in_features, out_features)
     x = torch.randn(3, in_features)
-    with torch.inference_mode(), step_weights(linear, format):
+    with torch.inference_mode(), weight_copies_for_steps(linear, format):
         out = step_linear(x, linear)
     assert out.dtype == x.dtype and out.shape == (3, out_features)
     expected = _reference(x, linear, format)
@@ -83,7 +89,7 @@ def test_step_weights_are_removed_on_exit_and_outside_the_block_step_linear_is_t
     torch.manual_seed(2)
     linear = nn.Linear(32, 16)
     x = torch.randn(2, 32)
-    with step_weights(linear, "int8"):
+    with weight_copies_for_steps(linear, "int8"):
         assert "_step_weight" in linear.__dict__
         lossy = step_linear(x, linear)
     assert "_step_weight" not in linear.__dict__
@@ -94,20 +100,20 @@ def test_step_weights_are_removed_on_exit_and_outside_the_block_step_linear_is_t
 
 def test_nested_blocks_keep_the_outer_copies_and_refuse_another_format():
     linear = nn.Linear(32, 16)
-    with step_weights(linear, "int8"):
+    with weight_copies_for_steps(linear, "int8"):
         outer = linear.__dict__["_step_weight"]
-        with step_weights(linear, "int8"):
+        with weight_copies_for_steps(linear, "int8"):
             assert linear.__dict__["_step_weight"] is outer
         assert linear.__dict__["_step_weight"] is outer  # the inner exit removed nothing
         with pytest.raises(RuntimeError, match="already holds a 'int8' step weight"):
-            with step_weights(linear, "bfloat16"):
+            with weight_copies_for_steps(linear, "bfloat16"):
                 pass
     assert "_step_weight" not in linear.__dict__
 
 
 def test_unknown_format_names_the_choices():
     with pytest.raises(ValueError, match="valid choices: model, bfloat16, int8"):
-        with step_weights(nn.Linear(4, 4), "fp8"):
+        with weight_copies_for_steps(nn.Linear(4, 4), "fp8"):
             pass
 
 
@@ -125,7 +131,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("format", ["bfloat16", "int8"])
 def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     """generate(step_weights=F) draws what a hand-written loop of ``model.step`` draws inside
-    ``step_weights(model.transformer, F)`` (greedy: a pure function of the params)."""
+    ``weight_copies_for_steps(model.transformer, F)`` (greedy: a pure function of the params)."""
     model = _model(backend).to(device)
     step, formats_seen = model.transformer.step, set()
 
@@ -144,7 +150,7 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     values, previous, state = [], None, None
     # the same kernels as generate(): oneDNN's bf16 matmuls round differently from the native ones
     with torch.inference_mode(), generation_kernels(torch.device(device), batch_size=2), \
-            step_weights(model.transformer, format):
+            weight_copies_for_steps(model.transformer, format):
         for t in range(model.seq_len):
             params, state = model.step(previous, t, state, batch_size=2)
             previous = model.head.sample(params, temperature=0.0)
@@ -163,7 +169,7 @@ def test_lossy_step_params_stay_close_to_the_exact_ones(format):
 
     def params(fmt):
         out, state, previous = [], None, None
-        with torch.inference_mode(), step_weights(model.transformer, fmt):
+        with torch.inference_mode(), weight_copies_for_steps(model.transformer, fmt):
             for t in range(model.seq_len):
                 p, state = model.step(previous, t, state, batch_size=2)
                 out.append(p)

@@ -41,7 +41,7 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
     import torch
 
     from linformer_lab.models.pixel_transformer import PixelTransformer
-    from linformer_lab.ops.fast_step import generation_kernels, step_weights
+    from linformer_lab.ops.fast_step import generation_kernels, weight_copies_for_steps
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
     @torch.inference_mode()
     def prefix_stepped():
         # as generate(prefill=False) steps: its kernels and its transposed weight copies
-        with generation_kernels(sequence.device, batch, True), step_weights(model.transformer, "model"):
+        with generation_kernels(sequence.device, batch, True), weight_copies_for_steps(model.transformer, "model"):
             inputs, state = model.embed(sequence[:, :known]), None  # the step inputs, made in one go
             for position in range(known):
                 _, state = model.transformer.step(inputs[:, position], state)

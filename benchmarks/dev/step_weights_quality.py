@@ -28,7 +28,7 @@ import common  # noqa: E402
 
 from linformer_lab.data.images import MNISTDataModule  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
-from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, step_weights  # noqa: E402
+from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, weight_copies_for_steps  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -40,7 +40,7 @@ def step_nll(model: PixelTransformer, images: torch.Tensor, fmt: str) -> torch.T
     sequence = model.to_sequence(images)
     nll, state, previous = [], None, None
     table = model.position_table()
-    with step_weights(model.transformer, fmt):
+    with weight_copies_for_steps(model.transformer, fmt):
         for t in range(model.seq_len):
             params, state = model.step(previous, t, state, batch_size=len(images), position_table=table)
             nll.append(-model.head.log_prob(params, sequence[:, t]))

@@ -261,9 +261,9 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: commo
     """Seconds per image (median of ``repeats``) for only the weight products that every
     step of the recurrent methods makes: the four linear layers of each transformer layer,
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
-    ``step_weights(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
+    ``weight_copies_for_steps(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.ops.fast_step import generation_kernels, step_linear, step_weights
+    from linformer_lab.ops.fast_step import generation_kernels, step_linear, weight_copies_for_steps
 
     device = model.start.device
     x = torch.randn(batch, model.d_model, device=device)
@@ -277,7 +277,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: commo
                 step_linear(x, qkv), step_linear(x, out), step_linear(x, up), step_linear(h, down)
 
     # the kernels generate() steps under (oneDNN off on CPU, one thread for small batches)
-    with step_weights(model.transformer, fmt), generation_kernels(device, batch):
+    with weight_copies_for_steps(model.transformer, fmt), generation_kernels(device, batch):
         image()
         samples = [timer(image) for _ in range(repeats)]
     return statistics.median(samples) / batch

@@ -42,8 +42,7 @@ from torch import nn
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes
-from linformer_lab.ops.fast_step import step_weights as weight_copies_for_steps
+from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes, weight_copies_for_steps
 from linformer_lab.validation import check_transformer_shape
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
@@ -253,7 +252,7 @@ class PixelTransformer(nn.Module):
         intra-op thread (the process setting is restored afterwards; the prefill pass keeps
         the process's threads), and with
         ``step_weights="model"`` the transformer's linear layers read a transposed copy of
-        their weights made for the call (:func:`~linformer_lab.ops.fast_step.step_weights`;
+        their weights made for the call (:func:`~linformer_lab.ops.fast_step.weight_copies_for_steps`;
         one more copy of those weights in memory while generating, as with the other formats).
         """
         device = self.start.device

@@ -1,7 +1,7 @@
 """What makes the one-position RNN step (paper §3.4) fast at small batch sizes, in one place.
 
-* :func:`step_weights` / :func:`step_linear`: the weight copy each linear layer of the step reads
-  (below);
+* :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of
+  the step reads (below);
 * :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off, one
   intra-op thread for small batches);
 * :func:`state_nbytes`: how much memory a recurrent state holds (constant for linear attention,
@@ -16,9 +16,9 @@ small batch sizes it streams all the weights from memory once per position (25 M
 for the 8-layer MNIST model at fp32, 50 MB for the 16-layer CIFAR-10 model) and the time is
 set by how fast the matrix-vector products read them, not by arithmetic.
 
-:func:`step_weights` gives every ``nn.Linear`` of a module, for the duration of a ``with``
-block (a loop of steps over fixed weights, e.g. ``PixelTransformer.generate``), a copy of
-its weight in a format chosen for that, and :func:`step_linear` uses the copy when there is
+:func:`weight_copies_for_steps` gives every ``nn.Linear`` of a module, for the duration of a
+``with`` block (a loop of steps over fixed weights, e.g. ``PixelTransformer.generate``), a copy
+of its weight in a format chosen for that, and :func:`step_linear` uses the copy when there is
 one. The formats (:data:`STEP_WEIGHT_FORMATS`):
 
 ``"model"``
@@ -62,22 +62,23 @@ __all__ = [
     "quantize_int8",
     "state_nbytes",
     "step_linear",
-    "step_weights",
+    "weight_copies_for_steps",
 ]
 
-#: The weight formats :func:`step_weights` can make (see the module docstring).
+#: The weight formats :func:`weight_copies_for_steps` can make (see the module docstring).
 STEP_WEIGHT_FORMATS = ("model", "bfloat16", "int8")
 
 #: ``torch._weight_int8pack_mm`` is only correct for input sizes that are multiples of this.
 _INT8_KERNEL_K_MULTIPLE = 16
 
-#: Attribute of an ``nn.Linear`` that holds its step weight inside :func:`step_weights`.
+#: Attribute of an ``nn.Linear`` that holds its step weight inside :func:`weight_copies_for_steps`.
 _ATTRIBUTE = "_step_weight"
 
 
 def step_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(x)`` for ``x (B, in)``, through the weight copy that :func:`step_weights`
-    holds, if any (no module-call machinery: hooks do not run). Returns ``x``'s dtype."""
+    """``linear(x)`` for ``x (B, in)``, through the weight copy that
+    :func:`weight_copies_for_steps` holds, if any (no module-call machinery: hooks do not run).
+    Returns ``x``'s dtype."""
     copy = linear.__dict__.get(_ATTRIBUTE)
     if copy is None:
         return F.linear(x, linear.weight, linear.bias)
@@ -175,7 +176,7 @@ def _make_copy(linear: nn.Linear, format: str):
 
 
 @contextlib.contextmanager
-def step_weights(module: nn.Module, format: str = "model", enabled: bool = True):
+def weight_copies_for_steps(module: nn.Module, format: str = "model", enabled: bool = True):
     """Give every ``nn.Linear`` in ``module`` a weight copy in ``format`` (one of
     :data:`STEP_WEIGHT_FORMATS`) that :func:`step_linear` reads, for the block; removed on
     exit. Memory: one more copy of the linear weights, in that format.
@@ -195,7 +196,7 @@ def step_weights(module: nn.Module, format: str = "model", enabled: bool = True)
                 if held is not None:
                     if held.format != format:
                         raise RuntimeError(
-                            f"step_weights: a {type(linear).__name__} already holds a {held.format!r} step weight; "
+                            f"weight_copies_for_steps: a {type(linear).__name__} already holds a {held.format!r} step weight; "
                             f"cannot also use {format!r} inside that block"
                         )
                     continue
