@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             # Lightning's hint that it could use more dataloader workers: the copy data is
-            # generated in the main process on purpose (0.1 ms per batch).
+            # generated in the main process on purpose, it is cheap (figures: benchmarks/NOTES.md,
+            # "Measurements behind library defaults").
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             LinformerCLI()
     except ConfigurationError as err:

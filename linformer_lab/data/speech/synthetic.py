@@ -206,8 +206,8 @@ class SyntheticSpeechCorpus:
     (``offsets``, ``speaker_ids``, ``targets``, ``target_offsets``), ``<split>.text.json``
     (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
 
-    Generation runs about 100x faster than real time with two synthesis helpers, and the corpus
-    takes about 145 MB per hour of audio with one feature cache (benchmarks/NOTES.md).
+    Generation runs much faster than real time with two synthesis helpers; its time and the disk
+    space per hour of audio are in benchmarks/NOTES.md, "Measurements behind library defaults".
 
     Args:
         root: cache root (default ``~/.cache/linformer_lab/speech``).

@@ -43,8 +43,8 @@ def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, d
 
 #: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
 #: state has at least this many (batch x head) rows, and as a broadcast product + sum below: from
-#: there on the product's (B, H, C, M + 1) temporary costs more than the BLAS set-up (2.7x slower
-#: at B = 64, H = 8; benchmarks/NOTES.md, "Measurements behind library defaults").
+#: there on the product's (B, H, C, M + 1) temporary costs more than the BLAS set-up (figures:
+#: benchmarks/NOTES.md, "Measurements behind library defaults").
 CPU_MATMUL_MIN_ROWS = 32
 
 
