@@ -57,6 +57,10 @@ class CheckpointMismatchError(Exception):
     """A ``--ckpt_path`` cannot be used with the configured model (message says why)."""
 
 
+class UnreadableCheckpointError(CheckpointMismatchError):
+    """The file cannot be read as a Lightning checkpoint (missing, truncated, corrupt)."""
+
+
 class CheckpointSetupError(Exception):
     """The run cannot write its checkpoints safely (message says why and what to do)."""
 
@@ -151,36 +155,41 @@ def new_run_version(root: str | Path) -> int:
 
 
 def resumed_run_dir(checkpoint: str | None, root: str | Path) -> str | None:
-    """The checkpoint directory of the run ``checkpoint`` belongs to, when that run lives under
-    ``root`` (``root/version_N/checkpoints`` or ``root/checkpoints``); else None."""
-    if checkpoint is None:
+    """The checkpoint directory of the run whose ``last.ckpt`` is ``checkpoint``, when that run
+    lives under ``root``; else None. Only a run's last.ckpt continues the run: a fit from one of
+    its best checkpoints (fine-tuning, a branch) is a new run with its own directory, and must
+    not overwrite the original's resume point."""
+    if checkpoint is None or not Path(checkpoint).name.startswith("last"):
         return None
     folder = Path(checkpoint).resolve().parent
     root = Path(root).resolve()
-    if folder.name == "checkpoints" and (folder.parent == root or folder.parent.parent == root):
+    if folder.name == "checkpoints" and root in folder.parents:
         return str(folder)
     return None
 
 
 def last_checkpoints(root: str | Path, dirpath: str | None = None) -> list[Path]:
     """Every ``last*.ckpt`` a ``--ckpt_path last|best`` may mean, newest first: in ``dirpath``
-    when it is set, else in each run's ``root/version_*/checkpoints`` and in ``root/checkpoints``
-    (where runs without a logger write)."""
+    when it is set, else in every ``checkpoints/`` folder under ``root`` (each run's
+    ``version_N/checkpoints``, ``root/checkpoints`` of runs without a logger, a user logger's own)."""
     if dirpath:
-        folders = [Path(dirpath)]
-    else:
-        folders = [*Path(root).glob("version_*/checkpoints"), Path(root) / "checkpoints"]
-    found = [p for folder in folders if folder.is_dir() for p in folder.glob("last*.ckpt")]
+        found = list(Path(dirpath).glob("last*.ckpt"))
+    else:  # also a user logger's layout (e.g. root/lightning_logs/version_N/checkpoints)
+        found = list(Path(root).glob("**/checkpoints/last*.ckpt"))
     return sorted(found, key=os.path.getmtime, reverse=True)
 
 
-def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str | Path, dirpath: str | None = None) -> str | None:
+def resolve_checkpoint_path(
+    ckpt_path: str, model: L.LightningModule, root: str | Path, dirpath: str | None = None, fitting: bool = True
+) -> str | None:
     """A ``--ckpt_path`` value -> the file it names (checked against ``model``), or None.
 
     ``last``: the newest ``last.ckpt`` under ``root`` (or ``dirpath``) that fits the configured
-    model; None when there is none at all (``fit`` then starts from scratch). ``best``: the best
-    checkpoint recorded in that ``last.ckpt``. A file is checked as given; other keywords
-    (``hpc``, ``registry``) are left to Lightning. Raises :class:`CheckpointMismatchError`.
+    model; None when there is none at all and ``fitting`` (a fit then starts from scratch; an
+    evaluation has nothing to evaluate and is refused). ``best``: the best checkpoint recorded in
+    that ``last.ckpt``. A file is checked as given; other keywords (``hpc``, ``registry``) are
+    left to Lightning. Raises :class:`CheckpointMismatchError`; an unreadable newest ``last.ckpt``
+    (e.g. being written) stops rather than silently falling back to an older run.
     """
     if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
@@ -190,15 +199,17 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
     where = dirpath or root
     candidates = last_checkpoints(root, dirpath)
     if not candidates:
-        if ckpt_path == "best":
+        if ckpt_path == "best" or not fitting:
             raise CheckpointMismatchError(
-                f"--ckpt_path best: no checkpoint found under {where}; train first (fit) or pass a file."
+                f"--ckpt_path {ckpt_path}: no checkpoint found under {where}; train first (fit) or pass a file."
             )
         return None
     mismatches = []
     for last in candidates:
         try:
             check_checkpoint(str(last), model)
+        except UnreadableCheckpointError:
+            raise
         except CheckpointMismatchError as err:
             mismatches.append(str(err))
             continue
@@ -206,7 +217,10 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
             return str(last)
         best = _best_from_last(last)
         if best is None:
-            raise CheckpointMismatchError(f"--ckpt_path best: {last} records no best checkpoint (is there a monitored metric?).")
+            raise CheckpointMismatchError(
+                f"--ckpt_path best: {last} records no best checkpoint: the run kept none (checkpoint.save_top_k 0, "
+                f"or a task without a monitored metric) or has not validated yet. Pass a file, or use --ckpt_path last."
+            )
         check_checkpoint(best, model)
         return best
     raise CheckpointMismatchError(
@@ -229,8 +243,8 @@ def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object
     Refused (:class:`CheckpointSetupError`): a directory that cannot be created or written (found
     now, not at the first save minutes later); one that already holds checkpoints of an earlier
     run this fit does not resume (they would be overwritten); one another process is training
-    into right now (an exclusive ``flock`` on ``dirpath/.lock``, released by the OS even when a
-    run is killed).
+    into right now (an exclusive ``flock`` on ``<dirpath>.lock`` beside it, released by the OS
+    even when a run is killed).
     """
     folder = Path(dirpath)
     try:
@@ -252,7 +266,8 @@ def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object
             f"--ckpt_path last, or give this one its own place: leave --checkpoint.dirpath unset (every run "
             f"then gets its own version_N/checkpoints) or pass another directory."
         )
-    lock = open(folder / ".lock", "a+")  # noqa: SIM115 (held for the life of the process)
+    # beside the folder, not in it: Lightning warns about a non-empty checkpoint directory
+    lock = open(folder.parent / f"{folder.name}.lock", "a+")  # noqa: SIM115 (held for the life of the process)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -284,7 +299,7 @@ def exit_with_error(message: str):
 def load_checkpoint_header(path: str) -> dict:
     """``torch.load`` a checkpoint on CPU (memory-mapped when possible, so the weights are not read)."""
     if not Path(path).is_file():
-        raise CheckpointMismatchError(f"checkpoint {path} does not exist.")
+        raise UnreadableCheckpointError(f"checkpoint {path} does not exist.")
     try:
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -294,13 +309,13 @@ def load_checkpoint_header(path: str) -> dict:
             ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CheckpointMismatchError(
+        raise UnreadableCheckpointError(
             f"cannot read checkpoint {path}: {type(err).__name__}: {first_line}. "
             f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
             f"use another checkpoint from the same directory."
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise CheckpointMismatchError(
+        raise UnreadableCheckpointError(
             f"{path} is not a Lightning checkpoint: it holds a {type(ckpt).__name__}"
             f"{' without a state_dict' if isinstance(ckpt, dict) else ''}."
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -101,7 +102,8 @@ class LinformerCLI(LightningCLI):
         # Lightning types these Union[float, int, None]; parsed float-first, "1" became 1.0 (all
         # batches) in the run and in the saved config. Int-first keeps 1 a count and 1.0 a fraction.
         for action in parser._actions:
-            if action.dest.startswith("trainer.") and action.dest[len("trainer."):] in COUNT_OR_FRACTION:
+            name = action.dest[len("trainer."):] if action.dest.startswith("trainer.") else None
+            if name in COUNT_OR_FRACTION and name != "val_check_interval":  # that one is int-first already
                 action._typehint = int | float | None
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
         for name in DATA_TO_MODEL_LINKS:
@@ -151,10 +153,11 @@ class LinformerCLI(LightningCLI):
         root = Path(config["default_root_dir"])
         fitting = self.subcommand == "fit"
         resume = self._resolve_ckpt_path(root, settings)
+        quick_check = bool(config.get("fast_dev_run"))  # Lightning then logs and saves nothing
 
         # Every process logs into a new version_N (a logger reopening an old one would delete its
         # metrics.csv); a resumed fit keeps writing checkpoints where the run it resumes did.
-        if config.get("logger") in (None, True):
+        if config.get("logger") in (None, True) and not quick_check:
             version = None
             if rank_zero_only.rank == 0:  # other DDP ranks get rank 0's directories by broadcast
                 try:
@@ -162,6 +165,7 @@ class LinformerCLI(LightningCLI):
                 except OSError as err:
                     exit_with_error(f"cannot create the run directory under {root}: {err.strerror or err}. "
                                     f"Choose a writable place with --trainer.default_root_dir DIR.")
+                self._new_run_dir = root / f"version_{version}"
             config["logger"] = default_logger(str(root), version)
 
         callbacks = config.get("callbacks") or []
@@ -179,14 +183,14 @@ class LinformerCLI(LightningCLI):
             try:
                 self.model.check_run(self.datamodule, trainer.strategy.root_device)
             except ConfigurationError as err:
-                exit_with_error(str(err))
+                self._stop(str(err))
 
         if ours:
             run_dir = trainer.log_dir or str(root)  # None under fast_dev_run (which saves nothing)
             dirpath = settings.dirpath or resumed_run_dir(resume, root) or str(Path(run_dir) / "checkpoints")
             for callback in ours:
                 callback.dirpath = os.path.realpath(dirpath)
-            if fitting and trainer.is_global_zero:
+            if fitting and trainer.is_global_zero and not quick_check:
                 try:
                     # a CSV logger warns about (and clears) a non-empty log dir it opens later:
                     # open it before checkpoints/ exists
@@ -195,11 +199,19 @@ class LinformerCLI(LightningCLI):
                     # kept open: the lock lasts as long as this process
                     self._checkpoint_lock = claim_checkpoint_dir(dirpath, resume)
                 except CheckpointSetupError as err:
-                    exit_with_error(str(err))
+                    self._stop(str(err))
                 except OSError as err:
-                    exit_with_error(f"cannot write the run's logs under {trainer.log_dir}: {err.strerror or err}. "
-                                    f"Choose a writable place with --trainer.default_root_dir DIR.")
+                    self._stop(f"cannot write the run's logs under {trainer.log_dir}: {err.strerror or err}. "
+                               f"Choose a writable place with --trainer.default_root_dir DIR.")
         return trainer
+
+    def _stop(self, message: str) -> None:
+        """Stop before any work (exit code 2), removing the run directory this process made:
+        a refused run leaves nothing behind."""
+        run_dir = getattr(self, "_new_run_dir", None)
+        if run_dir is not None and not any(run_dir.glob("**/*.ckpt")):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        exit_with_error(message)
 
     def _resolve_ckpt_path(self, root: Path, settings: CheckpointSettings) -> str | None:
         """Resolve and check ``--ckpt_path`` (``last``/``best`` among this root's runs of the
@@ -208,14 +220,18 @@ class LinformerCLI(LightningCLI):
             return None
         ckpt_path = self.config_init[self.subcommand]["ckpt_path"]
         try:
-            path = resolve_checkpoint_path(ckpt_path, self.model, root, settings.dirpath)
+            path = resolve_checkpoint_path(ckpt_path, self.model, root, settings.dirpath, fitting=self.subcommand == "fit")
         except CheckpointMismatchError as err:
             exit_with_error(str(err))
-        if path is None and ckpt_path == "last":
-            rank_zero_info(f"--ckpt_path last: no checkpoint under {settings.dirpath or root} yet; training from scratch")
-        if ckpt_path in ("last", "best"):  # the file itself, for Lightning and in the saved config
+        if ckpt_path in ("last", "best"):
+            # Lightning gets the file; DDP's other ranks re-run sys.argv, so they get it too
+            # (the newest run could change between the ranks' starts). The saved config keeps
+            # what the user wrote, so re-running it means the same thing.
             self.config_init[self.subcommand]["ckpt_path"] = path
-            self.config[self.subcommand]["ckpt_path"] = path
+            sys.argv = _with_ckpt_path(sys.argv, path)
+            if rank_zero_only.rank == 0:
+                found = path or f"no checkpoint under {settings.dirpath or root} yet; training from scratch"
+                print(f"--ckpt_path {ckpt_path}: {found}")
         return path
 
     def _check_linked_arguments(self) -> None:
@@ -305,6 +321,22 @@ def default_logger(save_dir: str, version: int | None = None):
     if importlib.util.find_spec("tensorboard") is not None:
         loggers.append(TensorBoardLogger(save_dir=save_dir, name="", version=version))
     return loggers
+
+
+def _with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
+    """``argv`` with every ``--ckpt_path last|best`` replaced by ``path`` (removed when None)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--ckpt_path" and i + 1 < len(argv) and argv[i + 1] in ("last", "best"):
+            out += ["--ckpt_path", path] if path else []
+            i += 2
+            continue
+        if argv[i] in ("--ckpt_path=last", "--ckpt_path=best"):
+            out += [f"--ckpt_path={path}"] if path else []
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
 
 
 def _init_defaults(cls) -> dict:

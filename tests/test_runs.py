@@ -175,8 +175,7 @@ def test_switching_backend_leaves_the_first_run_untouched(tmp_path):
     for backend, version in (("linear", 0), ("softmax", 1)):
         code, out, err = run_cli(["validate", *tiny_copy_args(tmp_path, backend), "--ckpt_path", "last"])
         assert code == 0, err
-        saved = yaml.safe_load(sorted(tmp_path.glob("version_*/config.yaml"), key=lambda p: p.stat().st_mtime)[-1].read_text())
-        assert saved["ckpt_path"] == str(checkpoint_dir(tmp_path, version) / "last.ckpt")
+        assert f"--ckpt_path last: {checkpoint_dir(tmp_path, version) / 'last.ckpt'}" in out
 
 
 def test_a_fixed_checkpoint_dir_is_never_overwritten_or_shared(tmp_path):
@@ -187,6 +186,10 @@ def test_a_fixed_checkpoint_dir_is_never_overwritten_or_shared(tmp_path):
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "b"), "--trainer.max_steps=1", f"--checkpoint.dirpath={shared}"])
     assert code == 2 and "already holds checkpoints of an earlier run" in err and "Traceback" not in err
     assert snapshot(shared) == before
+    default_logger = [a for a in tiny_copy_args(tmp_path / "c") if not a.startswith("--trainer.logger")]
+    code, _, err = run_cli(["fit", *default_logger, "--trainer.max_steps=1", f"--checkpoint.dirpath={shared}"])
+    assert code == 2, err
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())  # a refused run leaves nothing
     # one process training into a directory holds it: a second claim is refused with the reason
     lock = claim_checkpoint_dir(tmp_path / "busy", resume_from=None)
     try:
@@ -210,3 +213,63 @@ def test_model_argument_contradicting_the_data_is_an_error(tmp_path):
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--model.sequence_length=100", "--trainer.max_steps=1"])
     assert code == 2 and "sequence_length" in err and "=13" in err and "--data.max_length" in err
     assert not list(tmp_path.glob("version_*/checkpoints"))
+
+
+# ---------------------------------------------------------------------- edges found in review
+
+
+def test_evaluating_last_without_any_checkpoint_is_an_error(tmp_path):
+    for subcommand in ("validate", "test", "predict"):
+        code, _, err = run_cli([subcommand, *tiny_copy_args(tmp_path), "--ckpt_path", "last"])
+        assert code == 2 and "no checkpoint found" in err and "train first" in err, (subcommand, err)
+    code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1", "--ckpt_path", "last"])
+    assert code == 0 and "training from scratch" in out, err  # a fit may always say --ckpt_path last
+
+
+def test_fit_from_a_best_checkpoint_is_a_new_run(tmp_path):
+    """Fine-tuning from a run's best checkpoint branches: it never writes into that run's folder."""
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=3"])
+    assert code == 0, err
+    original = snapshot(checkpoint_dir(tmp_path))
+    (best,) = checkpoint_dir(tmp_path).glob("best-*.ckpt")
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=6", "--model.lr=0.5",
+                            "--ckpt_path", str(best)])
+    assert code == 0, err
+    assert snapshot(checkpoint_dir(tmp_path)) == original
+    assert (checkpoint_dir(tmp_path, 1) / "last.ckpt").is_file()
+
+
+def test_unreadable_newest_last_checkpoint_stops_instead_of_falling_back(tmp_path):
+    for _ in range(2):
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1"])
+        assert code == 0, err
+    newest = checkpoint_dir(tmp_path, 1) / "last.ckpt"
+    newest.write_bytes(newest.read_bytes()[:100])  # e.g. caught while being written
+    code, _, err = run_cli(["validate", *tiny_copy_args(tmp_path), "--ckpt_path", "last"])
+    assert code == 2 and "cannot read checkpoint" in err and str(newest) in err
+
+
+def test_last_is_found_under_a_user_loggers_layout(tmp_path):
+    logger = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}})
+    args = [a for a in tiny_copy_args(tmp_path) if not a.startswith("--trainer.logger")] + [f"--trainer.logger={logger}"]
+    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=1"])
+    assert code == 0, err
+    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_file()
+    code, out, err = run_cli(["fit", *args, "--trainer.max_steps=2", "--ckpt_path", "last"])
+    assert code == 0 and f"--ckpt_path last: {last}" in out, err
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+
+
+def test_fast_dev_run_leaves_no_run_directory(tmp_path):
+    args = [a for a in tiny_copy_args(tmp_path) if not a.startswith("--trainer.logger")]
+    code, _, err = run_cli(["fit", *args, "--trainer.fast_dev_run=1"])
+    assert code == 0, err
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_time_based_validation_interval_is_still_accepted(tmp_path):
+    code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.val_check_interval", "00:00:10:00",
+                              "--print_config"])
+    assert code == 0, err
+    assert yaml.safe_load(out)["trainer"]["val_check_interval"] == "00:00:10:00"
