@@ -1,0 +1,208 @@
+"""Paper Table 1 (MNIST, §4.2.1) at CPU scale: test bits/dim of trained models, learning curves,
+samples and completions (Figures 6 and 7).
+
+    uv run python benchmarks/paper/mnist_table1.py                        # train what is missing, evaluate, report
+    uv run python benchmarks/paper/mnist_table1.py --methods linear softmax --skip-train
+
+Every step is the README's command for one method M of ``configs/mnist_cpu_M.yaml``:
+
+1. ``cli.py fit --config mnist_cpu_M.yaml --ckpt_path last`` (``--parallel`` methods at a time,
+   ``--threads`` torch threads each): trains from scratch, or resumes a run that was stopped,
+   under ``logs/mnist_cpu_M`` (the config's own root). Skipped with ``--skip-train``.
+2. ``cli.py test --config mnist_cpu_M.yaml --ckpt_path best``: bits/dim over all 784 sub-pixels
+   of the 10,000 test images.
+3. ``cli.py predict --config mnist_cpu_M.yaml --ckpt_path best --trainer.limit_predict_batches 1``:
+   unconditional samples and completions of the top half of the first test batch, as PNGs,
+   copied to ``benchmarks/paper/results/mnist_cpu_M_{samples,completions}.png``.
+
+Read back from the runs' ``metrics.csv``: validation bits/dim against updates (one plot, all
+methods) and the training wall time (from the fit logs' timestamps written here). Results:
+``benchmarks/paper/results/mnist_table1.{csv,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
+
+METHODS = ("linear", "softmax", "lsh1", "lsh4")
+LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh4": "LSH-4"}
+#: The paper's Table 1 (8 layers x 256, 250 epochs, on a GPU): bits/dim.
+PAPER_BITS_PER_DIM = {"softmax": 0.621, "lsh1": 0.745, "lsh4": 0.676, "linear": 0.644}
+RESULTS = REPO / "benchmarks" / "paper" / "results"
+
+
+def root(method: str) -> Path:
+    return REPO / "logs" / f"mnist_cpu_{method}"
+
+
+def command(subcommand: str, method: str, *extra: str) -> list[str]:
+    return [sys.executable, "cli.py", subcommand, "--config", f"mnist_cpu_{method}.yaml",
+            "--trainer.enable_progress_bar=false", *extra]
+
+
+def train(methods: list[str], args) -> None:
+    """Fit (or resume) every method, ``args.parallel`` at a time; each fit's wall seconds are
+    appended to ``<root>/fit_seconds.json`` (a run resumed over several sessions has several)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    pending, running = list(methods), {}
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            method = pending.pop(0)
+            root(method).mkdir(parents=True, exist_ok=True)
+            log = open(root(method) / "fit.log", "a")  # noqa: SIM115 (closed with the process)
+            proc = subprocess.Popen(command("fit", method, "--ckpt_path", "last"), cwd=REPO, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            running[method] = (proc, time.time())
+        time.sleep(10)
+        for method, (proc, start) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[method]
+            record_fit_seconds(method, start, time.time())
+            if proc.returncode != 0:
+                raise SystemExit(f"fit of {method} failed ({proc.returncode}): see {root(method) / 'fit.log'}")
+
+
+def record_fit_seconds(method: str, start: float, end: float) -> None:
+    path = root(method) / "fit_seconds.json"
+    spans = json.loads(path.read_text()) if path.exists() else []
+    spans.append({"start": start, "end": end})
+    path.write_text(json.dumps(spans))
+
+
+def run_cli(subcommand: str, method: str, *extra: str, threads: int) -> Path:
+    """Run one CLI command; returns the version directory it logged into."""
+    before = set(root(method).glob("version_*"))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    done = subprocess.run(command(subcommand, method, *extra), cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{subcommand} of {method} failed:\n{done.stderr[-3000:]}")
+    (new,) = set(root(method).glob("version_*")) - before
+    return new
+
+
+def rows_of(version: Path) -> list[dict]:
+    path = version / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+
+
+def collect(method: str, test_dir: Path | None) -> dict:
+    """Validation curve (fit versions), test bits/dim, training seconds of one method."""
+    curve = {}
+    for version in sorted(root(method).glob("version_*")):
+        for r in rows_of(version):
+            if "val/bits_per_dim" in r:
+                curve[int(r["step"]) + 1] = r["val/bits_per_dim"]
+    test = [r["test/bits_per_dim"] for r in rows_of(test_dir) if "test/bits_per_dim" in r] if test_dir else []
+    spans_path = root(method) / "fit_seconds.json"
+    spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
+    return {"method": method, "curve": dict(sorted(curve.items())), "test_bpd": test[-1] if test else None,
+            "fit_minutes": round(sum(s["end"] - s["start"] for s in spans) / 60, 1) if spans else None}
+
+
+def newest_test_dir(method: str) -> Path | None:
+    tested = [v for v in root(method).glob("version_*") if any("test/bits_per_dim" in r for r in rows_of(v))]
+    return max(tested, key=lambda v: int(v.name.split("_")[1]), default=None)
+
+
+def copy_pngs(method: str, predict_dir: Path) -> list[str]:
+    copied = []
+    for kind in ("samples", "completions"):
+        found = sorted((predict_dir / "predictions").glob(f"*{kind}*.png"))
+        if found:
+            target = RESULTS / f"mnist_cpu_{method}_{kind}.png"
+            shutil.copyfile(found[-1], target)
+            copied.append(target.name)
+    return copied
+
+
+def plot(results: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r["curve"]:
+            ax.plot(list(r["curve"]), list(r["curve"].values()), marker="o", label=LABELS[r["method"]])
+    ax.set_xlabel("updates")
+    ax.set_ylabel("validation bits/dim (512 images)")
+    ax.set_title("MNIST at CPU scale (configs/mnist_cpu_*.yaml)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_report(results: list[dict], args) -> None:
+    write_csv(str(RESULTS / "mnist_table1.csv"), [
+        {"method": r["method"], "test_bits_per_dim": r["test_bpd"], "paper_bits_per_dim": PAPER_BITS_PER_DIM[r["method"]],
+         "fit_minutes": r["fit_minutes"], "updates": max(r["curve"], default=None),
+         "val_curve": " ".join(f"{k}:{v:.4f}" for k, v in r["curve"].items())}
+        for r in results
+    ])
+    plot(results, RESULTS / "mnist_table1.png")
+    info, versions = machine_info(), torch_info()
+    rows = [[LABELS[r["method"]], PAPER_BITS_PER_DIM[r["method"]], "—" if r["test_bpd"] is None else f"{r['test_bpd']:.3f}",
+             max(r["curve"], default="—"), r["fit_minutes"] or "—",
+             f"`python cli.py fit --config mnist_cpu_{r['method']}.yaml` + `test ... --ckpt_path best`"] for r in results]
+    (RESULTS / "mnist_table1.md").write_text(
+        "# Table 1 at CPU scale: MNIST bits/dim\n\n"
+        f"{info['cpu']}, {info['logical_cpus']} logical CPUs, torch {versions['torch']}, {time.strftime('%Y-%m-%d')}; "
+        f"`python benchmarks/paper/mnist_table1.py {' '.join(args.argv)}`. Training: one torch thread per model, "
+        f"{args.parallel} models at a time. Test bits/dim: all 784 sub-pixels of the 10,000 test images, best checkpoint "
+        "by validation bits/dim (512 validation images). The paper: 8 x 256 models, 250 epochs on a GPU; ours: "
+        "4 x 128, batch 16, the updates below.\n\n"
+        + markdown_table(["method", "paper bits/dim", "ours, test bits/dim", "updates", "training minutes", "command"], rows)
+        + "\n\nValidation bits/dim against updates: [mnist_table1.png](mnist_table1.png). Samples and completions "
+        "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results))
+        + ".\n"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per training run")
+    parser.add_argument("--eval-threads", type=int, default=2, help="torch threads for test and predict")
+    parser.add_argument("--skip-train", action="store_true", help="evaluate the runs as they are")
+    parser.add_argument("--skip-predict", action="store_true")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report from the newest test run of each method (nothing is run)")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+
+    if args.report_only:
+        write_report([collect(m, newest_test_dir(m)) for m in args.methods], args)
+        return 0
+    if not args.skip_train:
+        train(args.methods, args)
+    results = []
+    for method in args.methods:
+        test_dir = run_cli("test", method, "--ckpt_path", "best", threads=args.eval_threads)
+        if not args.skip_predict:
+            predict_dir = run_cli("predict", method, "--ckpt_path", "best", "--trainer.limit_predict_batches", "1",
+                                  threads=args.eval_threads)
+            print(method, "PNGs:", copy_pngs(method, predict_dir), flush=True)
+        results.append(collect(method, test_dir))
+        print(results[-1]["method"], results[-1]["test_bpd"], flush=True)
+    write_report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
