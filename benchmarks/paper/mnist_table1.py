@@ -169,7 +169,7 @@ def write_report(results: list[dict], args) -> None:
         + markdown_table(["method", "paper bits/dim", "ours, test bits/dim", "updates", "training minutes", "command"], rows)
         + "\n\nValidation bits/dim against updates: [mnist_table1.png](mnist_table1.png). Samples and completions "
         "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results))
-        + ".\n"
+        + ".\n" + (f"\n{args.note}\n" if args.note else "")
     )
 
 
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads for test and predict")
     parser.add_argument("--skip-train", action="store_true", help="evaluate the runs as they are")
     parser.add_argument("--skip-predict", action="store_true")
+    parser.add_argument("--note", default="", help="what was seen (the PNGs looked at, the machine's load), for the report")
     parser.add_argument("--report-only", action="store_true",
                         help="write the report from the newest test run of each method (nothing is run)")
     args = parser.parse_args(argv)
