@@ -55,7 +55,7 @@ from linformer_lab.checkpoints import (
     resolve_checkpoint_path,
     resumed_run_dir,
 )
-from linformer_lab.cli_args import COUNT_OR_FRACTION, resolve_config_args
+from linformer_lab.cli_args import COUNT_OR_FRACTION, resolve_config_args, with_ckpt_path
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
 from linformer_lab.validation import ConfigurationError
@@ -228,7 +228,7 @@ class LinformerCLI(LightningCLI):
             # (the newest run could change between the ranks' starts). The saved config keeps
             # what the user wrote, so re-running it means the same thing.
             self.config_init[self.subcommand]["ckpt_path"] = path
-            sys.argv = _with_ckpt_path(sys.argv, path)
+            sys.argv = with_ckpt_path(sys.argv, path)
             if rank_zero_only.rank == 0:
                 found = path or f"no checkpoint under {settings.dirpath or root} yet; training from scratch"
                 print(f"--ckpt_path {ckpt_path}: {found}")
@@ -321,22 +321,6 @@ def default_logger(save_dir: str, version: int | None = None):
     if importlib.util.find_spec("tensorboard") is not None:
         loggers.append(TensorBoardLogger(save_dir=save_dir, name="", version=version))
     return loggers
-
-
-def _with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
-    """``argv`` with every ``--ckpt_path last|best`` replaced by ``path`` (removed when None)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == "--ckpt_path" and i + 1 < len(argv) and argv[i + 1] in ("last", "best"):
-            out += ["--ckpt_path", path] if path else []
-            i += 2
-            continue
-        if argv[i] in ("--ckpt_path=last", "--ckpt_path=best"):
-            out += [f"--ckpt_path={path}"] if path else []
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
 
 
 def _init_defaults(cls) -> dict:

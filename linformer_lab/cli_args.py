@@ -1,4 +1,5 @@
-"""The command line before parsing: ``--config NAME`` lookup under configs/, and the names of the
+"""The command line around parsing: ``--config NAME`` lookup under configs/, ``--ckpt_path last|best``
+replaced by the file it resolved to (for DDP ranks), and the names of the
 count-or-fraction trainer arguments (:data:`COUNT_OR_FRACTION`)."""
 
 from __future__ import annotations
@@ -49,5 +50,21 @@ def resolve_config_args(argv: list[str]) -> list[str]:
         if arg.startswith("--config="):
             arg = "--config=" + find_config(arg[len("--config="):])
         out.append(arg)
+        i += 1
+    return out
+
+
+def with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
+    """``argv`` with every ``--ckpt_path last|best`` replaced by ``path`` (removed when None)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--ckpt_path" and i + 1 < len(argv) and argv[i + 1] in ("last", "best"):
+            out += ["--ckpt_path", path] if path else []
+            i += 2
+            continue
+        if argv[i] in ("--ckpt_path=last", "--ckpt_path=best"):
+            out += [f"--ckpt_path={path}"] if path else []
+        else:
+            out.append(argv[i])
         i += 1
     return out

@@ -273,3 +273,15 @@ def test_time_based_validation_interval_is_still_accepted(tmp_path):
                               "--print_config"])
     assert code == 0, err
     assert yaml.safe_load(out)["trainer"]["val_check_interval"] == "00:00:10:00"
+
+
+def test_resolved_checkpoint_replaces_the_keyword_for_other_ranks():
+    """DDP's other ranks re-run sys.argv: they get the file rank 0 resolved, not the keyword."""
+    from linformer_lab.cli_args import with_ckpt_path
+
+    argv = ["cli.py", "fit", "--config", "c.yaml", "--ckpt_path", "last", "--trainer.max_steps=3"]
+    assert with_ckpt_path(argv, "/runs/v0/checkpoints/last.ckpt") == [
+        "cli.py", "fit", "--config", "c.yaml", "--ckpt_path", "/runs/v0/checkpoints/last.ckpt", "--trainer.max_steps=3"]
+    assert with_ckpt_path(["fit", "--ckpt_path=best"], "/b.ckpt") == ["fit", "--ckpt_path=/b.ckpt"]
+    assert with_ckpt_path(argv, None) == ["cli.py", "fit", "--config", "c.yaml", "--trainer.max_steps=3"]
+    assert with_ckpt_path(["fit", "--ckpt_path", "x.ckpt"], "/y") == ["fit", "--ckpt_path", "x.ckpt"]
