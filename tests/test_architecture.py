@@ -97,16 +97,24 @@ def test_no_upward_imports():
     assert not bad, "imports against the layer order (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
 
 
-def test_the_checker_sees_nested_and_relative_imports(tmp_path):
+def fake_package(tmp_path, files: dict[str, str]):
+    """A ``linformer_lab`` package under ``tmp_path`` holding ``files`` (path -> source), with
+    an empty ``__init__.py`` in every folder that lacks one: input for the checkers' self-tests."""
     pkg = tmp_path / "linformer_lab"
-    (pkg / "ops").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ops" / "__init__.py").write_text("")
-    (pkg / "ops" / "a.py").write_text(
-        "def f():\n    from linformer_lab.tasks import x\n    import linformer_lab\n    from ..models import y\n"
-    )
-    (pkg / "data").mkdir()
-    (pkg / "data" / "__init__.py").write_text("from linformer_lab.models import z\n")
+    for name, source in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(source)
+    for folder in [pkg, *(p for p in pkg.rglob("*") if p.is_dir())]:
+        if not (folder / "__init__.py").exists():
+            (folder / "__init__.py").write_text("")
+    return pkg
+
+
+def test_the_checker_sees_nested_and_relative_imports(tmp_path):
+    pkg = fake_package(tmp_path, {
+        "ops/a.py": "def f():\n    from linformer_lab.tasks import x\n    import linformer_lab\n    from ..models import y\n",
+        "data/__init__.py": "from linformer_lab.models import z\n",
+    })
     bad = upward_imports(pkg)
     assert len(bad) == 4, bad
     assert any("linformer_lab.tasks" in b for b in bad)
@@ -174,17 +182,13 @@ def test_no_module_reads_another_modules_private_names():
 
 
 def test_the_private_check_sees_attribute_reads_and_imports(tmp_path):
-    pkg = tmp_path / "linformer_lab"
-    (pkg / "ops").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ops" / "__init__.py").write_text("")
-    (pkg / "ops" / "tool.py").write_text("_hidden = 1\n")
-    (pkg / "ops" / "user.py").write_text(
-        "from linformer_lab.ops import tool\nfrom linformer_lab.ops.tool import _hidden\n"
-        "import linformer_lab.ops.tool as t\nimport torch\n"
-        "x = tool._hidden + t._hidden + torch._C + tool.__name__\n"
-        "def f(self):\n    return self._own\n"
-    )
+    pkg = fake_package(tmp_path, {
+        "ops/tool.py": "_hidden = 1\n",
+        "ops/user.py": "from linformer_lab.ops import tool\nfrom linformer_lab.ops.tool import _hidden\n"
+                       "import linformer_lab.ops.tool as t\nimport torch\n"
+                       "x = tool._hidden + t._hidden + torch._C + tool.__name__\n"
+                       "def f(self):\n    return self._own\n",
+    })
     bad = private_reads(pkg)
     assert len(bad) == 3, bad
 
