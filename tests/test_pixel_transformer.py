@@ -224,3 +224,45 @@ def test_attention_argument_forms():
         assert model.attention_config.backend == "softmax"
     with pytest.raises(ll.PluginError, match="Valid choices"):
         PixelTransformer("no_such_backend", image_shape=IMAGE, **TINY)
+
+
+# ---------------------------------------------------------------- position embeddings
+
+
+def test_row_column_position_table_is_row_plus_column_plus_channel():
+    """``position_embedding="row_column"``: sub-pixel (c, h, w) at sequence index
+    (h W + w) C + c gets row[h] + column[w] + channel[c]; H + W position vectors in all."""
+    c_, h_, w_ = 3, 4, 5
+    model = PixelTransformer("linear", image_shape=(c_, h_, w_), position_embedding="row_column", **TINY)
+    table = model.position_table()
+    assert table.shape == (c_ * h_ * w_, TINY["d_model"])
+    for c in range(c_):
+        for h in range(h_):
+            for w in range(w_):
+                expected = model.row_embedding.weight[h] + model.column_embedding.weight[w] + model.channel_embedding.weight[c]
+                torch.testing.assert_close(table[(h * w_ + w) * c_ + c], expected)
+    assert not hasattr(model, "pixel_position_embedding")
+    assert model.row_embedding.num_embeddings == h_ and model.column_embedding.num_embeddings == w_
+
+
+@pytest.mark.parametrize("backend", ["linear", "softmax"])
+def test_row_column_step_params_equal_forward_params(backend):
+    """Both paths read the one position table: the RNN steps equal the parallel forward."""
+    torch.manual_seed(0)
+    model = PixelTransformer(backend, image_shape=IMAGE, position_embedding="row_column", **TINY).double().eval()
+    sequence = images_to_sequence(torch.randint(0, 256, (2, *IMAGE), dtype=torch.uint8))
+    expected = _parallel_params(model, sequence, prefix_by_prefix=False)
+    state, previous, stepped = None, None, []
+    with torch.inference_mode():
+        for t in range(model.seq_len):
+            params, state = model.step(previous, t, state, batch_size=2)
+            stepped.append(params)
+            previous = sequence[:, t]
+    torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=0, atol=1e-10)
+
+
+def test_unknown_position_embedding_names_the_choices():
+    from linformer_lab.validation import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="position_embedding must be one of 'pixel', 'row_column', got 'rows'"):
+        PixelTransformer("linear", image_shape=IMAGE, position_embedding="rows", **TINY)

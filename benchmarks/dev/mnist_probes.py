@@ -31,6 +31,9 @@ PROBES = {
     "base": ("4 x 128 (d_ff 512), batch 16, RAdam 3e-3, 100 warm-up, cosine", []),
     "lr_1e-3": ("learning rate 1e-3", ["--model.lr=0.001"]),
     "lr_1e-2": ("learning rate 1e-2", ["--model.lr=0.01"]),
+    "row_column": ("row + column position embeddings", ["--model.position_embedding=row_column"]),
+    "row_column_lr_1e-2": ("row + column position embeddings, learning rate 1e-2",
+                           ["--model.position_embedding=row_column", "--model.lr=0.01"]),
     "constant_lr": ("constant learning rate (the paper's schedule), no warm-up",
                     ["--model.lr_schedule=constant", "--model.warmup_steps=0"]),
     "shallow": ("2 layers x 128", ["--model.n_layers=2"]),
@@ -38,15 +41,33 @@ PROBES = {
     "deep_narrow": ("6 layers x 96 (3 heads, d_ff 384)",
                     ["--model.n_layers=6", "--model.d_model=96", "--model.n_heads=3", "--model.d_ff=384"]),
     "batch8": ("8 images per batch", ["--data.batch_size=8"]),
+    "row_column_batch8": ("row + column position embeddings, 8 images per batch, twice the updates (the same images)",
+                          ["--model.position_embedding=row_column", "--data.batch_size=8"]),
+    "row_column_batch4": ("row + column position embeddings, 4 images per batch, 4x the updates (the same images)",
+                          ["--model.position_embedding=row_column", "--data.batch_size=4"]),
+    "row_column_deep_narrow": ("row + column position embeddings, 6 layers x 96 (3 heads, d_ff 384)",
+                               ["--model.position_embedding=row_column", "--model.n_layers=6", "--model.d_model=96",
+                                "--model.n_heads=3", "--model.d_ff=384"]),
     "batch32": ("32 images per batch", ["--data.batch_size=32"]),
 }
+#: Images per batch of the probes that change it.
+BATCH = {name: int(arg.split("=")[1]) for name, (_, args) in PROBES.items()
+         for arg in args if arg.startswith("--data.batch_size=")}
+
+
+def updates_of(name: str, args) -> tuple[int, int]:
+    """(updates, evaluation interval) of a probe: a probe with B images per batch runs 16 / B times
+    the updates, so every probe sees the same images."""
+    scale = 16 / BATCH.get(name, 16)
+    return round(args.updates * scale), max(1, round(args.eval_every * scale))
 
 
 def run_probe(name: str, args, out: Path) -> subprocess.Popen:
     root = out / name
+    updates, eval_every = updates_of(name, args)
     command = [
         sys.executable, str(REPO / "cli.py"), "fit", "--config", "mnist_cpu_linear.yaml", *PROBES[name][1],
-        f"--trainer.max_steps={args.updates}", f"--trainer.val_check_interval={args.eval_every}",
+        f"--trainer.max_steps={updates}", f"--trainer.val_check_interval={eval_every}",
         f"--data.limit_val={args.val_images}", f"--trainer.default_root_dir={root}",
         "--trainer.enable_progress_bar=false", "--checkpoint.enabled=false",
     ]
@@ -87,7 +108,7 @@ def main(argv=None) -> int:
     if args.collect:  # the tables from finished probes in --workdir, nothing run
         for name in args.probes:
             seconds = float((workdir / name / "seconds.txt").read_text())
-            rows.append(summarize(name, workdir / name, seconds, args.updates))
+            rows.append(summarize(name, workdir / name, seconds, updates_of(name, args)[0]))
     while pending or running:
         while pending and len(running) < args.parallel:
             name = pending.pop(0)
@@ -101,7 +122,7 @@ def main(argv=None) -> int:
                     print(f"{name}: exit {proc.returncode}, see {workdir / name}.log", flush=True)
                     continue
                 (workdir / name / "seconds.txt").write_text(f"{seconds:.1f}\n")
-                rows.append(summarize(name, workdir / name, seconds, args.updates))
+                rows.append(summarize(name, workdir / name, seconds, updates_of(name, args)[0]))
                 print(rows[-1], flush=True)
 
     write_csv(f"{args.out}.csv", rows)
@@ -114,7 +135,8 @@ def main(argv=None) -> int:
         f"# MNIST CPU probes\n\n{info['cpu']}, {info['logical_cpus']} logical CPUs, torch {versions['torch']}, "
         f"{time.strftime('%Y-%m-%d')}, load average at the end {info['loadavg']}.\n\n"
         f"Command: `python benchmarks/dev/mnist_probes.py {' '.join(argv or sys.argv[1:])}`; "
-        f"{args.updates} updates each, one torch thread, {args.parallel} probes at a time; validation bits/dim on the "
+        f"{args.updates} updates each (probes with B images per batch: 16 / B times as many, the same images), "
+        f"one torch thread, {args.parallel} probes at a time; validation bits/dim on the "
         f"first {args.val_images} validation images (seconds per update include validation and start-up).\n\n"
         + markdown_table(header, table) + "\n" + (f"\n{args.note}\n" if args.note else "")
     )

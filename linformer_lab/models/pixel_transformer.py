@@ -16,10 +16,14 @@ right), and position 0 gets a learned start vector instead, so the first sub-pix
 too (from nothing) and all ``N`` dimensions enter bits/dim. Each input is
 
     value_embedding[x_{i-1}]  (or the start vector at i = 0)
-    + pixel_position_embedding[i // C]  + channel_embedding[i % C]  (the latter only if C > 1)
+    + position(i // C)  + channel_embedding[i % C]  (the latter only if C > 1)
 
 i.e. the position and channel embeddings describe the sub-pixel *being predicted*, which is
-what the query at that position needs to know. The output head is a discretized mixture of
+what the query at that position needs to know. ``position`` is one learned vector per pixel
+(``position_embedding="pixel"``, ``H * W`` vectors: the paper's setting), or the sum of a row
+and a column vector (``"row_column"``, ``H + W`` vectors): every image row then trains the same
+column vectors, so "the same column, one row up" is learned from 28 times more examples, which
+counts when a CPU affords a few thousand updates. The output head is a discretized mixture of
 logistics over the 256 levels (:class:`DiscretizedMixtureOfLogistics`).
 
 Two paths through the same weights
@@ -43,12 +47,15 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes, weight_copies_for_steps
-from linformer_lab.validation import check_transformer_shape
+from linformer_lab.validation import ConfigurationError, check_transformer_shape
 
 __all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
 
 #: Number of intensity levels of an 8-bit image.
 NUM_LEVELS = 256
+
+#: How the position of a pixel is embedded (see the module docstring).
+POSITION_EMBEDDINGS = ("pixel", "row_column")
 
 
 def images_to_sequence(images: torch.Tensor) -> torch.Tensor:
@@ -75,6 +82,8 @@ class PixelTransformer(nn.Module):
         num_mixtures: logistic components of the output head (paper: 10).
         image_shape: ``(C, H, W)``, e.g. ``(1, 28, 28)`` or ``(3, 32, 32)``.
         dropout: dropout in the transformer layers.
+        position_embedding: ``"pixel"`` (a learned vector per pixel, the default) or
+            ``"row_column"`` (a learned row vector plus a learned column vector).
 
     Shapes: ``forward(images uint8 (B, C, H, W)) -> params (B, N, 3K)`` fp32, with
     ``N = C * H * W`` in the order documented in this module.
@@ -90,9 +99,13 @@ class PixelTransformer(nn.Module):
         num_mixtures: int = 10,
         image_shape: Sequence[int] = (1, 28, 28),
         dropout: float = 0.0,
+        position_embedding: str = "pixel",
     ):
         super().__init__()
         check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ConfigurationError(f"position_embedding must be one of {', '.join(map(repr, POSITION_EMBEDDINGS))}, "
+                             f"got {position_embedding!r}")
         image_shape = tuple(int(s) for s in image_shape)
         if len(image_shape) != 3 or min(image_shape) < 1:
             raise ValueError(f"image_shape must be (channels, height, width) with positive sizes, got {image_shape}")
@@ -105,7 +118,12 @@ class PixelTransformer(nn.Module):
 
         self.value_embedding = nn.Embedding(NUM_LEVELS, d_model)
         self.start = nn.Parameter(torch.empty(d_model))
-        self.pixel_position_embedding = nn.Embedding(height * width, d_model)
+        self.position_embedding = position_embedding
+        if position_embedding == "pixel":
+            self.pixel_position_embedding = nn.Embedding(height * width, d_model)
+        else:
+            self.row_embedding = nn.Embedding(height, d_model)
+            self.column_embedding = nn.Embedding(width, d_model)
         # One channel gives a constant vector that the biases can absorb: leave it out.
         self.channel_embedding = nn.Embedding(channels, d_model) if channels > 1 else None
         self.transformer = Transformer(
@@ -118,7 +136,9 @@ class PixelTransformer(nn.Module):
     def reset_embeddings(self) -> None:
         # Small embeddings (GPT-style 0.02) keep the residual stream from being dominated by
         # the input at initialisation; nn.Embedding's default N(0, 1) is ~16x larger per vector.
-        for table in (self.value_embedding.weight, self.pixel_position_embedding.weight, self.start):
+        position_tables = ([self.pixel_position_embedding.weight] if self.position_embedding == "pixel"
+                           else [self.row_embedding.weight, self.column_embedding.weight])
+        for table in (self.value_embedding.weight, self.start, *position_tables):
             nn.init.normal_(table, std=0.02)
         if self.channel_embedding is not None:
             nn.init.normal_(self.channel_embedding.weight, std=0.02)
@@ -139,7 +159,11 @@ class PixelTransformer(nn.Module):
 
     def position_table(self) -> torch.Tensor:
         """``(N, d_model)``: pixel-position (+ channel) embedding of every sequence position."""
-        table = self.pixel_position_embedding.weight.repeat_interleave(self.channels, dim=0)  # row i -> pixel i // C
+        if self.position_embedding == "pixel":
+            pixels = self.pixel_position_embedding.weight  # (H * W, d_model)
+        else:  # pixel h * W + w gets row[h] + column[w]
+            pixels = (self.row_embedding.weight[:, None] + self.column_embedding.weight[None]).flatten(0, 1)
+        table = pixels.repeat_interleave(self.channels, dim=0)  # row i -> pixel i // C
         if self.channel_embedding is not None:
             table = table + self.channel_embedding.weight.repeat(self.seq_len // self.channels, 1)  # row i -> channel i % C
         return table

@@ -65,7 +65,7 @@ class ImageGenerationTask(Task):
         attention: which attention (see :class:`AttentionConfig`; YAML:
             ``attention: {backend: lsh, kwargs: {n_hashes: 4, bucket_size: 29}}``).
         image_shape: ``(C, H, W)`` of the data: MNIST ``[1, 28, 28]``, CIFAR-10 ``[3, 32, 32]``.
-        n_layers, n_heads, d_model, d_ff, num_mixtures, dropout: :class:`PixelTransformer`.
+        n_layers, n_heads, d_model, d_ff, num_mixtures, dropout, position_embedding: :class:`PixelTransformer`.
         lr: RAdam learning rate (paper: 1e-4).
         weight_decay: RAdam weight decay (paper: none).
         warmup_steps: the learning rate rises linearly to ``lr`` over this many updates (0: none).
@@ -109,6 +109,7 @@ class ImageGenerationTask(Task):
         d_ff: int = 1024,
         num_mixtures: int = 10,
         dropout: float = 0.0,
+        position_embedding: str = "pixel",
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -136,7 +137,7 @@ class ImageGenerationTask(Task):
         self.save_hyperparameters()
         self.model = PixelTransformer(  # coerces the attention argument: the one place on this path
             attention=attention, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
-            num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout,
+            num_mixtures=num_mixtures, image_shape=image_shape, dropout=dropout, position_embedding=position_embedding,
         )
         config = self.store_attention(self.model.attention_config)
         self.model.check_step_weights(step_weights)  # a bad config fails here, not at predict time
