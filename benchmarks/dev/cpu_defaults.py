@@ -1,13 +1,16 @@
-"""The micro-benchmarks behind two CPU defaults of the library, timed as the library runs them.
+"""Two CPU micro-benchmarks: the one behind a CPU default of the library, and one of an idea
+it dropped.
 
     uv run python benchmarks/dev/cpu_defaults.py
 
 1. ``CPU_MATMUL_MIN_ROWS`` (``ops/linear_attention/recurrent.py``): ``phi(q)^T [S | Z]`` of one
    RNN step as a broadcast product + sum against a batched matmul, H = 8, C = 32, M + 1 = 33,
    batch 1 ... 256, with one and two intra-op threads.
-2. ``FEEDFORWARD_BLOCK_BYTES`` (``models/transformer.py``): the MNIST model's feed-forward
-   (256 -> 1024 -> GELU -> 256) over 25,088 rows (64 images x 392 positions) as one call and in
-   row blocks, without autograd; and GELU over the whole intermediate against a plain copy of it.
+2. The feed-forward in row blocks: the MNIST model's feed-forward (256 -> 1024 -> GELU -> 256)
+   over 25,088 rows (64 images x 392 positions) as one call and in row blocks, without autograd;
+   and GELU over the whole intermediate against a plain copy of it. The library no longer runs
+   the prefill in row blocks: the gain end to end (0.956x the time of a batch-64 completion) was
+   below what a change to a core file must pay (docs/ARCHITECTURE.md, "Where speed code goes").
 
 Medians of ``--repeats`` timed calls after warm-up. Results: ``benchmarks/dev/results/cpu_defaults.{csv,md}``
 (reading: benchmarks/NOTES.md, "Measurements behind library defaults").

@@ -19,10 +19,6 @@ from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.fast_step import step_linear
 from linformer_lab.ops.state import detach_state
 
-#: Size of the feed-forward intermediate that :meth:`TransformerLayer.forward` computes at a
-#: time on CPU when nothing needs its activations (see ``TransformerLayer._feedforward``).
-FEEDFORWARD_BLOCK_BYTES = 8 * 2**20
-
 
 class TransformerLayer(nn.Module):
     """One layer: ``(B, N, d_model) -> (B, N, d_model)``; ``attention`` as for
@@ -57,25 +53,8 @@ class TransformerLayer(nn.Module):
                                   cu_seqlens=cu_seqlens)
         attended, state = attended if return_state else (attended, None)
         x = x + self.dropout(attended)
-        x = x + self.dropout(self._feedforward(self.norm_ff(x)))
+        x = x + self.dropout(self.feedforward(self.norm_ff(x)))
         return (x, state) if return_state else x
-
-    def _feedforward(self, x: torch.Tensor) -> torch.Tensor:
-        """``self.feedforward(x)`` for ``x (B, N, d_model)``; on CPU without autograd (evaluation,
-        a prefill pass) in blocks of rows whose ``(rows, d_ff)`` intermediate fills about
-        :data:`FEEDFORWARD_BLOCK_BYTES`. The whole intermediate of a large batch (100 MB for 64
-        MNIST images of 392 positions) is written and read back through main memory twice,
-        and freshly allocated at every layer; a block of it stays in cache, which is faster
-        (figures: benchmarks/NOTES.md, "Measurements behind library defaults"). Same
-        arithmetic row by row; forward hooks on ``feedforward`` then see each block."""
-        if torch.is_grad_enabled() or x.device.type != "cpu":  # training keeps the one call
-            return self.feedforward(x)
-        rows = max(1, FEEDFORWARD_BLOCK_BYTES // (self.feedforward[0].out_features * x.element_size()))
-        if x.numel() // x.shape[-1] <= rows:
-            return self.feedforward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        blocks = [self.feedforward(flat[start:start + rows]) for start in range(0, flat.shape[0], rows)]
-        return torch.cat(blocks).view(x.shape)  # cat, not a preallocated x-like buffer: autocast may change the dtype
 
     def step(self, x_t: torch.Tensor, state=None):
         """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``.
