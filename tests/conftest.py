@@ -33,6 +33,35 @@ def assert_close(name: str, reference: torch.Tensor, got: torch.Tensor, rtol: fl
         )
 
 
+def attention_configs(lsh_kwargs: dict | None = None, feature_map_kwargs: dict | None = None) -> list:
+    """Every registered attention backend that runs here as an ``AttentionConfig``; a backend with
+    a feature map once per registered map (``feature_map_kwargs``: name -> kwargs of that map).
+    ``lsh_kwargs``: lsh's arguments (by default 4 chunks of 4 over 16 positions, so hashing
+    really decides who sees whom)."""
+    import linformer_lab as ll
+    from linformer_lab.attention.config import AttentionConfig
+
+    configs = []
+    for backend in ll.list_attention():
+        cls = ll.ATTENTION.get(backend)
+        if backend == "linear_cuda" and not torch.cuda.is_available():
+            continue  # CUDA-only backend; tests/test_linear_cuda_gpu.py covers it on GPUs
+        if getattr(cls, "uses_feature_map", False):
+            map_kwargs = feature_map_kwargs or {}
+            configs += [AttentionConfig(backend=backend, feature_map=fm, feature_map_kwargs=map_kwargs.get(fm, {}))
+                        for fm in ll.list_feature_maps()]
+        elif backend == "lsh":
+            configs.append(AttentionConfig(backend="lsh", kwargs=lsh_kwargs or {"n_hashes": 2, "bucket_size": 4, "n_buckets": 4}))
+        else:
+            configs.append(AttentionConfig(backend=backend))
+    return configs
+
+
+def config_id(config) -> str:
+    """A test id for an ``AttentionConfig``: ``backend`` or ``backend-feature_map``."""
+    return config.backend + (f"-{config.feature_map}" if config.feature_map else "")
+
+
 def tiny_copy_args(root: Path, backend: str = "linear", *extra: str) -> list[str]:
     """Arguments for a copy-task run small enough for CPU tests (about 10 ms a step).
 

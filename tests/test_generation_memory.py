@@ -3,7 +3,7 @@
 
 tests/test_pixel_transformer.py already checks the linear state's size and buffers along a
 hand-written ``model.step`` loop (elu, one grey image size) and that the softmax cache
-grows. This file extends that to ``generate`` itself (with its CPU fast path: one thread,
+grows. This file extends that to ``generate`` itself (with its fast step: one thread,
 transposed weights), every linear feature map, colour images, a completion prefix, and an
 image size that changes nothing; plus the clear errors that the step path still gives after
 a sequence's first step, where the full input checks no longer run.
@@ -16,9 +16,10 @@ import torch
 
 import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.models import generation
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
-from linformer_lab.ops.fast_step import state_nbytes
 from linformer_lab.ops.linear_attention import LinearState
+from linformer_lab.ops.state import state_nbytes
 
 TINY = dict(n_layers=2, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)
 HEAD_DIM = TINY["d_model"] // TINY["n_heads"]
@@ -33,25 +34,24 @@ def _model(feature_map="elu", image_shape=(1, 6, 6), seed=0) -> PixelTransformer
 
 
 class _Recorder:
-    """Stands in for ``model.transformer.step`` during ``generate`` and records, after every
-    sub-pixel, the state's bytes and the data pointers of its tensors."""
+    """Wraps ``generation.fast_step`` (the step ``generate`` runs) inside its ``with`` block and
+    records, after every sub-pixel, the state's bytes and the data pointers of its tensors."""
 
-    def __init__(self, model):
-        self.model, self.step = model, model.transformer.step
+    def __init__(self):
         self.sizes, self.pointers = [], []
 
-    def __call__(self, x_t, state=None):
-        out, state = self.step(x_t, state)
+    def __call__(self, transformer, x_t, state=None):
+        out, state = self.step(transformer, x_t, state)
         self.sizes.append(state_nbytes(state))
         self.pointers.append([t.data_ptr() for layer in state for t in layer])
         return out, state
 
     def __enter__(self):
-        self.model.transformer.step = self  # instance attribute: generate() looks it up there
+        self.step, generation.fast_step = generation.fast_step, self  # generate() looks it up on the module
         return self
 
     def __exit__(self, *exc):
-        del self.model.transformer.step
+        generation.fast_step = self.step
 
 
 def _feature_dim(model) -> int:
@@ -67,7 +67,7 @@ def _expected_bytes(model, batch) -> int:
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 def test_generate_keeps_linear_state_constant(feature_map):
     model = _model(feature_map)
-    with _Recorder(model) as rec:
+    with _Recorder() as rec:
         images = model.generate(3, generator=torch.Generator().manual_seed(0))
     assert images.shape == (3, 1, 6, 6)
     assert len(rec.sizes) == model.seq_len
@@ -81,7 +81,7 @@ def test_colour_images_and_a_prefix_keep_the_state_constant(prefill):
     way the state the steps update is the same size throughout, updated in place."""
     model = _model(image_shape=(3, 4, 4))
     prefix = torch.randint(0, 256, (2, 3, 2, 4), dtype=torch.uint8)  # the top two rows
-    with _Recorder(model) as rec:
+    with _Recorder() as rec:
         completed = model.generate(2, prefix=prefix, generator=torch.Generator().manual_seed(1), prefill=prefill)
     assert torch.equal(completed[:, :, :2], prefix)
     assert model.seq_len == 48
@@ -94,7 +94,7 @@ def test_state_size_does_not_depend_on_the_image_length():
     sizes = {}
     for side in (3, 9):  # 9 and 81 sub-pixels
         model = _model(image_shape=(1, side, side))
-        with _Recorder(model) as rec:
+        with _Recorder() as rec:
             model.generate(1)
         sizes[side] = set(rec.sizes)
     assert sizes[3] == sizes[9] == {_expected_bytes(model, 1)}
@@ -116,21 +116,18 @@ def test_linear_state_is_one_buffer_seen_as_s_and_z():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory counters need a GPU")
-def test_cuda_memory_is_the_same_at_the_first_and_last_pixel():
+def test_cuda_memory_is_the_same_at_the_first_and_last_pixel(monkeypatch):
     model = _model(image_shape=(1, 8, 8)).cuda()
     allocated = []
-    step = model.transformer.step
+    step = generation.fast_step
 
-    def recording_step(x_t, state=None):
-        out, state = step(x_t, state)
+    def recording_step(transformer, x_t, state=None):
+        out, state = step(transformer, x_t, state)
         allocated.append(torch.cuda.memory_allocated())
         return out, state
 
-    model.transformer.step = recording_step
-    try:
-        model.generate(4, generator=torch.Generator(device="cuda").manual_seed(0))
-    finally:
-        del model.transformer.step
+    monkeypatch.setattr(generation, "fast_step", recording_step)
+    model.generate(4, generator=torch.Generator(device="cuda").manual_seed(0))
     assert allocated[1] == allocated[-1]  # after the first step nothing is allocated for good
 
 
@@ -142,12 +139,12 @@ def test_generate_restores_threads_and_leaves_no_weight_copies():
     assert not any("_step_weight" in m.__dict__ for m in model.modules())
 
 
-def test_completion_prefill_keeps_the_threads_and_steps_take_one():
+def test_completion_prefill_keeps_the_threads_and_steps_take_one(monkeypatch):
     """The prefix pass is a large parallel forward: it runs with the process's threads; the
     steps after it run a batch of one with a single thread (generation_kernels)."""
     model = _model()
     seen = {"forward": [], "step": []}
-    forward, step = model.transformer.forward, model.transformer.step
+    forward = model.transformer.forward
 
     def recording(name, fn):
         def call(*args, **kwargs):
@@ -156,37 +153,23 @@ def test_completion_prefill_keeps_the_threads_and_steps_take_one():
         return call
 
     model.transformer.forward = recording("forward", forward)
-    model.transformer.step = recording("step", step)
+    monkeypatch.setattr(generation, "fast_step", recording("step", generation.fast_step))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         model.generate(1, prefix=torch.zeros(1, 1, 2, model.image_shape[2], dtype=torch.uint8))
     finally:
         torch.set_num_threads(threads)
-        del model.transformer.forward, model.transformer.step
+        del model.transformer.forward
     assert seen["forward"] == [2]
     assert seen["step"] and set(seen["step"]) == {1}
-
-
-def test_generate_result_does_not_depend_on_the_fast_path():
-    """The CPU fast path (transposed weights, one thread) draws the same images as stepping
-    through the modules by hand (float64, greedy, so rounding cannot flip a bin)."""
-    model = _model(image_shape=(1, 4, 4)).double()
-    fast = images_to_sequence(model.generate(2, temperature=0.0))
-    values, previous, state = [], None, None
-    with torch.inference_mode():
-        for t in range(model.seq_len):
-            params, state = model.step(previous, t, state, batch_size=2)
-            previous = model.head.sample(params, temperature=0.0)
-            values.append(previous)
-    assert torch.equal(fast, torch.stack(values, 1))
 
 
 def test_generate_samples_with_noise_drawn_per_block():
     """At T = 1 generate draws the sampling noise NOISE_BLOCK positions per call: the images
     equal a hand-written loop of model.step that draws it the same way, here over 144 sampled
     positions, so a block boundary is crossed and each image of the batch has its own noise."""
-    from linformer_lab.models.pixel_transformer import NOISE_BLOCK
+    from linformer_lab.models.generation import NOISE_BLOCK
 
     model = _model(image_shape=(1, 12, 12)).double()
     assert NOISE_BLOCK < model.seq_len

@@ -7,40 +7,17 @@ import math
 
 import pytest
 import torch
+from conftest import attention_configs, config_id
 
 import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models.pixel_transformer import (
-    PixelTransformer,
-    images_to_sequence,
-    sequence_to_images,
-    state_nbytes,
-)
-from linformer_lab.registry import ATTENTION
+from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence, sequence_to_images
+from linformer_lab.ops.state import state_nbytes
 
 IMAGE = (1, 4, 4)  # 16 positions: long enough for 4 lsh chunks, short enough to be fast
 TINY = dict(n_layers=2, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)
-
-
-def _attention_configs() -> list[AttentionConfig]:
-    """Every registered backend that runs here; the linear ones once per feature map."""
-    configs = []
-    for backend in ll.list_attention():
-        cls = ATTENTION.get(backend)
-        if backend == "linear_cuda" and not torch.cuda.is_available():
-            continue  # CUDA-only backend; tests/test_linear_cuda_gpu.py covers it on GPUs
-        if getattr(cls, "uses_feature_map", False):
-            configs += [AttentionConfig(backend=backend, feature_map=fm) for fm in ll.list_feature_maps()]
-        elif backend == "lsh":
-            # 4 chunks of 4 over 16 positions, so hashing really decides who sees whom
-            configs.append(AttentionConfig(backend="lsh", kwargs={"n_hashes": 2, "bucket_size": 4, "n_buckets": 4}))
-        else:
-            configs.append(AttentionConfig(backend=backend))
-    return configs
-
-
-CONFIGS = _attention_configs()
-IDS = [c.backend + (f"-{c.feature_map}" if c.feature_map else "") for c in CONFIGS]
+CONFIGS = attention_configs()
+IDS = [config_id(c) for c in CONFIGS]
 
 
 def _model(config, image_shape=IMAGE, dtype=torch.float32, seed=0) -> PixelTransformer:

@@ -1,11 +1,11 @@
-"""The weight copies that the RNN-mode step reads (linformer_lab.ops.fast_step) and
+"""The weight copies that the fast RNN-mode step reads (linformer_lab.models.generation) and
 ``PixelTransformer.generate(step_weights=...)``.
 
 Each format is checked against an independent float64 product of the values it is meant to
 use: the model's weights (``model``), bf16-rounded input and weights (``bfloat16``), and the
 bf16-rounded input times the dequantized int8 weights (``int8``). The lossy formats are also
 bounded against the exact product, and generate() is checked to run exactly the library's
-step with the copy in place.
+fast step with the copy in place.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
-from linformer_lab.ops.fast_step import (
+from linformer_lab.models import generation
+from linformer_lab.models.generation import (
     STEP_WEIGHT_FORMATS,
+    fast_step,
     generation_kernels,
     quantize_int8,
     step_linear,
     weight_copies_for_steps,
 )
+from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 
 TINY = dict(n_layers=2, n_heads=2, d_model=32, d_ff=64, num_mixtures=3)
 
@@ -126,25 +128,29 @@ def _model(backend="linear") -> PixelTransformer:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 
 
+def _fast_params(model: PixelTransformer, previous, t: int, state, batch_size: int):
+    """``model.step`` with :func:`fast_step` in place of ``Transformer.step``: the step that
+    generate() runs, and the one that reads the weight copies."""
+    x_t = model.step_input(previous, t, model.position_table(), batch_size)
+    hidden, state = fast_step(model.transformer, x_t, state)
+    return model.head(hidden), state
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["linear", "softmax"])
 @pytest.mark.parametrize("format", ["bfloat16", "int8"])
-def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
-    """generate(step_weights=F) draws what a hand-written loop of ``model.step`` draws inside
+def test_generate_runs_the_library_step_with_the_copy(backend, format, device, monkeypatch):
+    """generate(step_weights=F) draws what a hand-written loop of the fast step draws inside
     ``weight_copies_for_steps(model.transformer, F)`` (greedy: a pure function of the params)."""
     model = _model(backend).to(device)
-    step, formats_seen = model.transformer.step, set()
+    formats_seen = set()
 
-    def recording_step(x_t, state=None):  # which copy every linear layer holds during generate()
-        formats_seen.update(m.__dict__["_step_weight"].format for m in model.transformer.modules()
-                            if isinstance(m, nn.Linear))
-        return step(x_t, state)
+    def recording_step(transformer, x_t, state=None):  # which copy every linear layer holds during generate()
+        formats_seen.update(m.__dict__["_step_weight"].format for m in transformer.modules() if isinstance(m, nn.Linear))
+        return fast_step(transformer, x_t, state)
 
-    model.transformer.step = recording_step
-    try:
-        images = model.generate(2, temperature=0.0, step_weights=format)
-    finally:
-        del model.transformer.step
+    monkeypatch.setattr(generation, "fast_step", recording_step)
+    images = model.generate(2, temperature=0.0, step_weights=format)
     assert formats_seen == {format}
     assert images.dtype == torch.uint8 and images.shape == (2, 1, 4, 4)
     values, previous, state = [], None, None
@@ -152,7 +158,7 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format, device):
     with torch.inference_mode(), generation_kernels(torch.device(device), batch_size=2), \
             weight_copies_for_steps(model.transformer, format):
         for t in range(model.seq_len):
-            params, state = model.step(previous, t, state, batch_size=2)
+            params, state = _fast_params(model, previous, t, state, batch_size=2)
             previous = model.head.sample(params, temperature=0.0)
             values.append(previous)
     assert torch.equal(images_to_sequence(images), torch.stack(values, 1).to(images.device))
@@ -171,7 +177,7 @@ def test_lossy_step_params_stay_close_to_the_exact_ones(format):
         out, state, previous = [], None, None
         with torch.inference_mode(), weight_copies_for_steps(model.transformer, fmt):
             for t in range(model.seq_len):
-                p, state = model.step(previous, t, state, batch_size=2)
+                p, state = _fast_params(model, previous, t, state, batch_size=2)
                 out.append(p)
                 previous = sequence[:, t]
         return torch.stack(out, 1)

@@ -112,24 +112,3 @@ def test_sequence_buffer_grows_and_names_a_misfit():
     assert cache.keys.shape == (1, 2, 3, 4) and cache.values.shape == (1, 2, 3, 3) and cache.length == 3
     assert cache.nbytes == (2 * 3 * 4 + 2 * 3 * 3) * 4
 
-
-def test_feedforward_in_row_blocks_without_autograd_equals_the_whole(monkeypatch):
-    """On CPU without autograd the feed-forward runs in row blocks of FEEDFORWARD_BLOCK_BYTES;
-    its output equals the one-call feed-forward of the autograd path (float64), with a ragged
-    last block, and the blocks really run (several calls of the feed-forward)."""
-    from linformer_lab.models import transformer as transformer_module
-
-    model = _model("linear", None)
-    d_ff = model.layers[0].feedforward[0].out_features
-    monkeypatch.setattr(transformer_module, "FEEDFORWARD_BLOCK_BYTES", 5 * d_ff * 8)  # 5 float64 rows
-    x = torch.randn(3, 13, 16, dtype=torch.float64)  # 39 rows: 7 blocks of 5 and one of 4
-    calls = []
-    model.layers[0].feedforward.register_forward_hook(
-        lambda module, args, out: calls.append(args[0].numel() // args[0].shape[-1]))
-    want = model(x.requires_grad_())
-    assert calls == [39]
-    calls.clear()
-    with torch.no_grad():
-        got = model(x)
-    assert calls == [5] * 7 + [4]
-    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)

@@ -1,13 +1,15 @@
-"""The micro-benchmarks behind two CPU defaults of the library, timed as the library runs them.
+"""Two CPU micro-benchmarks of the generation path, timed as the library would run them.
 
     uv run python benchmarks/dev/cpu_defaults.py
 
-1. ``CPU_MATMUL_MIN_ROWS`` (``ops/linear_attention/recurrent.py``): ``phi(q)^T [S | Z]`` of one
-   RNN step as a broadcast product + sum against a batched matmul, H = 8, C = 32, M + 1 = 33,
-   batch 1 ... 256, with one and two intra-op threads.
-2. ``FEEDFORWARD_BLOCK_BYTES`` (``models/transformer.py``): the MNIST model's feed-forward
-   (256 -> 1024 -> GELU -> 256) over 25,088 rows (64 images x 392 positions) as one call and in
-   row blocks, without autograd; and GELU over the whole intermediate against a plain copy of it.
+1. ``CPU_MATMUL_MIN_ROWS`` (``models/generation.py``): ``phi(q)^T [S | Z]`` of one fast RNN step
+   as a broadcast product + sum against a batched matmul, H = 8, C = 32, M + 1 = 33, batch
+   1 ... 256, with one and two intra-op threads.
+2. The feed-forward in row blocks: the MNIST model's feed-forward (256 -> 1024 -> GELU -> 256)
+   over 25,088 rows (64 images x 392 positions) as one call and in row blocks, without autograd;
+   and GELU over the whole intermediate against a plain copy of it. The library no longer runs
+   the prefill in row blocks: the gain end to end (0.956x the time of a batch-64 completion) was
+   below what a change to a core file must pay (docs/ARCHITECTURE.md, "Where speed code goes").
 
 Medians of ``--repeats`` timed calls after warm-up. Results: ``benchmarks/dev/results/cpu_defaults.{csv,md}``
 (reading: benchmarks/NOTES.md, "Measurements behind library defaults").
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import machine_info, markdown_table, median_seconds, write_csv  # noqa: E402
@@ -79,6 +82,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from linformer_lab.models.generation import CPU_MATMUL_MIN_ROWS
+
     with torch.inference_mode():
         products = step_product(args.repeats)
         blocks = feedforward_blocks(max(3, args.repeats // 10), args.threads)
@@ -89,6 +94,8 @@ def main() -> None:
         f"`benchmarks/dev/cpu_defaults.py --repeats {args.repeats} --threads {args.threads}` ({time.strftime('%Y-%m-%d')}); "
         f"{info['cpu']}, {os.cpu_count()} cores, torch {torch.__version__}. Medians.", "",
         "## phi(q)^T [S | Z] of one RNN step (H = 8, C = 32, M + 1 = 33), µs per call", "",
+        f"The library's threshold: the batched matmul from CPU_MATMUL_MIN_ROWS = {CPU_MATMUL_MIN_ROWS} "
+        "(batch x head) rows on.", "",
         markdown_table(["batch", "threads", "product + sum", "batched matmul"],
                        [[r["batch"], r["threads"], f"{r['product_sum_us']:.1f}", f"{r['matmul_us']:.1f}"] for r in products]), "",
         f"## MNIST feed-forward without autograd, {args.threads} threads, ms", "",

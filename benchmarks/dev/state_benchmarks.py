@@ -40,8 +40,8 @@ from common import Timer, interleaved_medians, machine_info, markdown_table, pea
 def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> list[dict]:
     import torch
 
+    from linformer_lab.models.generation import fast_step, generation_kernels, weight_copies_for_steps
     from linformer_lab.models.pixel_transformer import PixelTransformer
-    from linformer_lab.ops.fast_step import generation_kernels, weight_copies_for_steps
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -57,11 +57,11 @@ def completion(batch: int, repeats: int, threads: int, device: str = "cpu") -> l
 
     @torch.inference_mode()
     def prefix_stepped():
-        # as generate(prefill=False) steps: its kernels and its transposed weight copies
+        # as generate(prefill=False) steps: its fast step, kernels and transposed weight copies
         with generation_kernels(sequence.device, batch, True), weight_copies_for_steps(model.transformer, "model"):
             inputs, state = model.embed(sequence[:, :known]), None  # the step inputs, made in one go
             for position in range(known):
-                _, state = model.transformer.step(inputs[:, position], state)
+                _, state = fast_step(model.transformer, inputs[:, position], state)
 
     def whole(prefill):
         return lambda: model.generate(batch, 1.0, prefix=prefix, prefill=prefill,

@@ -27,23 +27,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import common  # noqa: E402
 
 from linformer_lab.data.images import MNISTDataModule  # noqa: E402
+from linformer_lab.models.generation import STEP_WEIGHT_FORMATS, fast_step, weight_copies_for_steps  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
-from linformer_lab.ops.fast_step import STEP_WEIGHT_FORMATS, weight_copies_for_steps  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 @torch.inference_mode()
 def step_nll(model: PixelTransformer, images: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Negative log-likelihood in nats per sub-pixel ``(B, N)`` through ``model.step`` with
-    the ``fmt`` weight copy, each step fed the true previous value."""
+    """Negative log-likelihood in nats per sub-pixel ``(B, N)`` through the step ``generate`` runs
+    (``fast_step``) with the ``fmt`` weight copy, each step fed the true previous value."""
     sequence = model.to_sequence(images)
     nll, state, previous = [], None, None
     table = model.position_table()
     with weight_copies_for_steps(model.transformer, fmt):
         for t in range(model.seq_len):
-            params, state = model.step(previous, t, state, batch_size=len(images), position_table=table)
-            nll.append(-model.head.log_prob(params, sequence[:, t]))
+            hidden, state = fast_step(model.transformer, model.step_input(previous, t, table, len(images)), state)
+            nll.append(-model.head.log_prob(model.head(hidden), sequence[:, t]))
             previous = sequence[:, t]
     return torch.stack(nll, 1)
 

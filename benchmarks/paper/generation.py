@@ -67,11 +67,10 @@ from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdo
 
 from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
+from linformer_lab.models import generation  # noqa: E402
+from linformer_lab.models.generation import STEP_WEIGHT_FORMATS  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
-from linformer_lab.ops.fast_step import (
-    STEP_WEIGHT_FORMATS,  # noqa: E402
-    state_nbytes,  # noqa: E402
-)
+from linformer_lab.ops.state import state_nbytes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -118,8 +117,8 @@ def generate_recompute(model: PixelTransformer, batch_size: int, generator=None)
 @torch.inference_mode()
 def lsh_step_at(model: PixelTransformer, batch_size: int, t: int):
     """A zero-argument call that runs exactly the generation loop's step at position ``t`` for
-    a backend without a recurrent form (lsh): ``Transformer.step`` on a prefix state holding
-    ``t`` earlier inputs, then the output head and sampling. Each call starts from a fresh
+    a backend without a recurrent form (lsh): ``fast_step`` (here ``Transformer.step``) on a
+    prefix state holding ``t`` earlier inputs, then the output head and sampling. Each call starts from a fresh
     copy of the state (built outside the call)."""
     device = model.start.device
     gen = torch.Generator(device=device).manual_seed(t)
@@ -135,24 +134,24 @@ def lsh_step_at(model: PixelTransformer, batch_size: int, t: int):
 
     def call():
         with torch.inference_mode():
-            hidden, _ = model.transformer.step(x_t, states.pop())
+            hidden, _ = generation.fast_step(model.transformer, x_t, states.pop())
             model.head.sample(model.head(hidden))
 
     return prepare, call
 
 
 class StateRecorder:
-    """Stands in for ``model.transformer.step`` during one ``generate`` call and records the
-    recurrent state's size after the first and after the last sub-pixel (and on GPU the
-    allocated memory at those two points)."""
+    """Wraps ``generation.fast_step`` (the step ``generate`` runs) during one ``generate`` call
+    and records the recurrent state's size after the first and after the last sub-pixel (and on
+    GPU the allocated memory at those two points)."""
 
     def __init__(self, model: PixelTransformer):
-        self.model, self.step, self.position = model, model.transformer.step, 0
+        self.model, self.step, self.position = model, generation.fast_step, 0
         self.first_bytes = self.last_bytes = self.first_alloc = self.last_alloc = None
         self.cuda = model.start.is_cuda
 
-    def __call__(self, x_t, state=None):
-        out, state = self.step(x_t, state)
+    def __call__(self, transformer, x_t, state=None):
+        out, state = self.step(transformer, x_t, state)
         if self.position == 0 or self.position == self.model.seq_len - 1:
             nbytes = _state_bytes(state)
             alloc = torch.cuda.memory_allocated() if self.cuda else None
@@ -164,11 +163,11 @@ class StateRecorder:
         return out, state
 
     def __enter__(self):
-        self.model.transformer.step = self  # an instance attribute: generate() picks it up
+        generation.fast_step = self  # generate() looks it up on the module at every step
         return self
 
     def __exit__(self, *exc):
-        del self.model.transformer.step
+        generation.fast_step = self.step
 
 
 def _state_bytes(state) -> int:
@@ -263,7 +262,7 @@ def matvec_floor(model: PixelTransformer, batch: int, repeats: int, timer: commo
     through the same kernels and weight copy as ``generate`` (``step_linear`` inside
     ``weight_copies_for_steps(..., fmt)``), once per sub-pixel. At batch 1 they read every weight
     once per step, so this is the memory-bandwidth floor of RNN-mode generation here."""
-    from linformer_lab.ops.fast_step import generation_kernels, step_linear, weight_copies_for_steps
+    from linformer_lab.models.generation import generation_kernels, step_linear, weight_copies_for_steps
 
     device = model.start.device
     x = torch.randn(batch, model.d_model, device=device)

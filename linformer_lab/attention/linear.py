@@ -82,22 +82,14 @@ class LinearAttention(Attention):
             self.check_step_inputs(q_t, k_t, v_t)
         elif not isinstance(state, (tuple, list)):  # a LinearState, or (S, Z) built by hand
             raise state_type_error(f"{type(self).__name__}.step", state, "a LinearState (S, Z) or None")
-        feature_map = self.feature_map
-        if type(feature_map).forward_queries is FeatureMap.forward_queries:
-            # the base class's forward_queries is ``self(q)``; skip the module-call machinery
-            phi_q = feature_map.forward(q_t)
-        else:
-            phi_q = feature_map.forward_queries(q_t)
-        if type(feature_map).forward_keys is FeatureMap.forward_keys:
-            phi_k = feature_map.forward(k_t)
-        else:
-            phi_k = feature_map.forward_keys(k_t)
+        phi_q = self.feature_map.forward_queries(q_t)
+        phi_k = self.feature_map.forward_keys(k_t)
         if state is None:
             b, h, c = phi_k.shape
             state_dtype = torch.float64 if v_t.dtype == torch.float64 else torch.float32
             state = ops.new_linear_state(b, h, c, v_t.shape[-1], v_t.device, state_dtype)
         out, state = ops.linear_attention_step(phi_q, phi_k, v_t, state, eps=self.eps)
-        return (out if out.dtype == v_t.dtype else out.to(v_t.dtype)), state
+        return out.to(v_t.dtype), state
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}, eps={self.eps}, chunk_size={self.chunk_size}"

@@ -7,7 +7,6 @@ from torch import nn
 
 from linformer_lab.attention.base import Attention, check_state
 from linformer_lab.attention.config import AttentionConfig, require_config
-from linformer_lab.ops.fast_step import step_linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -22,9 +21,10 @@ class MultiHeadAttention(nn.Module):
             :meth:`AttentionConfig.coerce` (this is a building block; see ``attention/config.py``).
         causal: passed to the backend when it is built here.
 
-    Queries, keys and values come from one fused projection (one matmul per call, which
-    matters for the one-token RNN step). For shared-QK backends (lsh) there is no key
-    projection: keys are the queries.
+    Queries, keys and values come from one fused projection ``qkv``, laid out as
+    ``[queries | keys | values]`` (``[queries | values]`` for shared-QK backends (lsh), which have
+    no key projection: keys are the queries), each ``n_heads`` blocks of ``query_dim`` or
+    ``value_dim``.
     """
 
     def __init__(
@@ -51,9 +51,6 @@ class MultiHeadAttention(nn.Module):
         self._split = [hq, hv] if self.shares_query_key else [hq, hq, hv]
         self.qkv = nn.Linear(d_model, sum(self._split))
         self.out = nn.Linear(hv, d_model)
-        # With equal query and value sizes the fused projection is (..., parts, heads, dim):
-        # ``step`` splits it with one view + unbind instead of split + three views.
-        self._step_parts = (len(self._split), n_heads, self.query_dim) if self.query_dim == self.value_dim else None
 
     def _project(self, x: torch.Tensor):
         """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
@@ -84,24 +81,11 @@ class MultiHeadAttention(nn.Module):
         return (out, state) if return_state else out
 
     def step(self, x_t: torch.Tensor, state=None):
-        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``.
-
-        Same weights and result as :meth:`forward` at one position, with as few tensor
-        operations as possible (generation runs this once per position and layer): the
-        projections go through :func:`~linformer_lab.ops.fast_step.step_linear` (module
-        hooks on ``qkv`` / ``out`` do not run here) and q, k, v come out of the fused
-        projection as views.
-        """
-        qkv = step_linear(x_t, self.qkv)
-        if self._step_parts is None:
-            q, k, v = self._split_projection(qkv)
-        elif self.shares_query_key:
-            q, v = qkv.view(qkv.shape[:-1] + self._step_parts).unbind(-3)  # (B, H, dim) each
-            k = q
-        else:
-            q, k, v = qkv.view(qkv.shape[:-1] + self._step_parts).unbind(-3)
-        out, state = self.attention.step(q, k, v, state)
-        return step_linear(out.flatten(1), self.out), state
+        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``; :meth:`forward` at
+        one position, with the backend's state."""
+        q, k, v = self._project(x_t)  # (B, H, dim) each; k is q for shared-QK backends
+        out, state = self.attention.step(q, k, v, state)  # (B, H, value_dim)
+        return self.out(out.flatten(1)), state
 
     def _split_projection(self, qkv: torch.Tensor):
         """The fused projection ``(..., sum(split))`` -> q, k, v each ``(..., heads, dim)``."""

@@ -26,15 +26,8 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if x.requires_grad and torch.is_grad_enabled():
-            # clamp keeps exp() of the unused branch finite so its (discarded) gradient is not NaN
-            out = torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
-        else:
-            # The same values in 4 tensor ops instead of 5 plus 3 conversions of Python
-            # scalars (this runs twice per layer and position when generating): for x > 0,
-            # exp(0) + x = 1 + x; for x <= 0, exp(x) + 0. Not used under autograd, whose
-            # gradient at exactly 0 would differ (2 instead of 1).
-            out = torch.exp(x.clamp_max(0.0)).add_(x.clamp_min(0.0))
+        # clamp keeps exp() of the unused branch finite, so its (discarded) gradient is not NaN
+        out = torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
         if x.dtype in (torch.float16, torch.bfloat16):
             out = out.clamp_min(torch.finfo(x.dtype).tiny)
         return out

@@ -29,14 +29,15 @@ logistics over the 256 levels (:class:`DiscretizedMixtureOfLogistics`).
 Two paths through the same weights
 ----------------------------------
 :meth:`PixelTransformer.forward` evaluates all positions in parallel (training, bits/dim);
-:meth:`PixelTransformer.generate` runs the transformer as an RNN (paper §3.4), one sub-pixel
-per :meth:`Transformer.step` call, with a per-layer state that is fixed-size ``(S, Z)`` for
-linear attention and a growing KV cache for softmax (and lsh).
+:meth:`PixelTransformer.step` runs the transformer as an RNN (paper §3.4), one sub-pixel per
+:meth:`Transformer.step` call, with a per-layer state that is fixed-size ``(S, Z)`` for linear
+attention and a growing KV cache for softmax (lsh: its input prefix).
+:meth:`PixelTransformer.generate` samples through the same recurrence with
+:func:`~linformer_lab.models.generation.fast_step`, which is tested equal to ``Transformer.step``.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -44,12 +45,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.models import generation
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops.fast_step import check_step_weight_format, generation_kernels, state_nbytes, weight_copies_for_steps
 from linformer_lab.validation import ConfigurationError, check_transformer_shape
 
-__all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images", "state_nbytes"]
+__all__ = ["PixelTransformer", "images_to_sequence", "sequence_to_images"]
 
 #: Number of intensity levels of an 8-bit image.
 NUM_LEVELS = 256
@@ -229,13 +230,14 @@ class PixelTransformer(nn.Module):
                 optimisation for loops; computed here if None).
         Returns: ``(params (B, 3K) fp32, state)``.
 
-        :meth:`generate` is this in a loop, plus sampling, under ``torch.inference_mode()``
-        (in-place state updates) and with oneDNN off on CPU (see :func:`~linformer_lab.ops.fast_step.generation_kernels`).
+        The readable form of what :meth:`generate` does in a loop, plus sampling, with
+        :func:`~linformer_lab.models.generation.fast_step` in place of ``Transformer.step``
+        (:mod:`linformer_lab.models.generation`: the same numbers, faster).
         """
         if previous is None and batch_size is None:
             raise ValueError("step at position 0 needs batch_size (there is no previous value to take it from)")
         table = self.position_table() if position_table is None else position_table
-        hidden, state = self.transformer.step(self._step_input(previous, position, table, batch_size), state)
+        hidden, state = self.transformer.step(self.step_input(previous, position, table, batch_size), state)
         return self.head(hidden), state
 
     @torch.inference_mode()
@@ -259,7 +261,7 @@ class PixelTransformer(nn.Module):
                 ``prefill``), and the rest is sampled.
             generator: a ``torch.Generator`` on the model's device, for reproducible samples.
             step_weights: the copy of the transformer's linear weights that the steps read
-                (:mod:`linformer_lab.ops.fast_step`): ``"model"`` (default) the model's own
+                (:mod:`linformer_lab.models.generation`): ``"model"`` (default) the model's own
                 values; ``"bfloat16"`` or ``"int8"`` (weight-only, per-output-channel scales)
                 a lossy copy with 1/2 or 1/4 of the bytes, for small-batch latency, where
                 every step reads every weight. Recurrent backends only.
@@ -271,13 +273,14 @@ class PixelTransformer(nn.Module):
 
         The model is put in eval mode for the call (dropout off) and restored afterwards.
         Memory per image is the per-layer state: constant for ``linear``, O(position) for
-        softmax's KV cache. On CPU,
-        recurrent steps of a batch of at most :data:`SINGLE_THREAD_MAX_BATCH` run with one
-        intra-op thread (the process setting is restored afterwards; the prefill pass keeps
-        the process's threads), and with
-        ``step_weights="model"`` the transformer's linear layers read a transposed copy of
-        their weights made for the call (:func:`~linformer_lab.ops.fast_step.weight_copies_for_steps`;
-        one more copy of those weights in memory while generating, as with the other formats).
+        softmax's KV cache. The steps are :func:`~linformer_lab.models.generation.fast_step`
+        (equal to :meth:`step`'s ``Transformer.step`` up to summation order) under
+        :func:`~linformer_lab.models.generation.generation_kernels`: on CPU a batch of at most
+        :data:`~linformer_lab.models.generation.SINGLE_THREAD_MAX_BATCH` steps with one intra-op
+        thread (restored afterwards; the prefill pass keeps the process's threads), and with
+        ``step_weights="model"`` the linear layers read a transposed copy of their weights made
+        for the call (:func:`~linformer_lab.models.generation.weight_copies_for_steps`; one more
+        copy of those weights in memory while generating, as with the other formats).
         """
         device = self.start.device
         self.check_step_weights(step_weights)
@@ -292,7 +295,7 @@ class PixelTransformer(nn.Module):
         try:
             table = self.position_table()  # computed once: the embeddings are fixed while sampling
             state, first = None, 0
-            x_t = self._step_input(None, 0, table, batch_size)
+            x_t = self.step_input(None, 0, table, batch_size)
             if known and prefill:
                 # positions 0..known-1 in one parallel pass; its state is what the steps through
                 # them would have left. Outside generation_kernels: this pass is large enough to
@@ -301,17 +304,18 @@ class PixelTransformer(nn.Module):
                 _, state = self.transformer(self.embed(values[:, :known]), return_state=True)
                 first = known
                 if first < self.seq_len:
-                    x_t = self._step_input(values[:, first - 1], first, table, batch_size)
-            with generation_kernels(device, batch_size, recurrent), \
-                    weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
-                step, head = self.transformer.step, self.head
-                noise = _noise_per_position(head, batch_size, self.seq_len - known, temperature, generator, device)
+                    x_t = self.step_input(values[:, first - 1], first, table, batch_size)
+            with generation.generation_kernels(device, batch_size, recurrent), \
+                    generation.weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
+                head = self.head
+                noise = generation.noise_per_position(head, batch_size, self.seq_len - known, temperature, generator, device)
                 for position in range(first, self.seq_len):
-                    hidden, state = step(x_t, state)
+                    # looked up on the module at every call, so a test or benchmark can wrap it
+                    hidden, state = generation.fast_step(self.transformer, x_t, state)
                     if position >= known:  # a prefix position only sets the state: no output head
                         values[:, position] = head.sample(head(hidden), temperature, noise=next(noise))
                     if position + 1 < self.seq_len:
-                        x_t = self._step_input(values[:, position], position + 1, table, batch_size)
+                        x_t = self.step_input(values[:, position], position + 1, table, batch_size)
         finally:
             self.train(was_training)
         return self.to_images(values)
@@ -319,7 +323,7 @@ class PixelTransformer(nn.Module):
     def check_step_weights(self, step_weights: str) -> None:
         """Raise a ValueError unless ``step_weights`` is a known format this model can use: a
         lossy copy needs a backend with a recurrent step."""
-        check_step_weight_format(step_weights)
+        generation.check_step_weight_format(step_weights)
         if step_weights != "model" and not self.transformer.has_recurrent_form:
             raise ValueError(
                 f"step_weights={step_weights!r} applies to the recurrent step, but attention backend "
@@ -327,8 +331,10 @@ class PixelTransformer(nn.Module):
                 f"forward over the prefix); use step_weights='model'"
             )
 
-    def _step_input(self, previous: torch.Tensor | None, position: int, table: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """The input vector of ``position``: ``(B, d_model)``."""
+    def step_input(self, previous: torch.Tensor | None, position: int, table: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The transformer's input at ``position``: ``(B, d_model)`` from the value at
+        ``position - 1`` (int64 ``(B,)``; None at position 0: the start vector) and the
+        :meth:`position_table` ``table``."""
         if previous is None:
             return (self.start + table[0]).expand(batch_size, self.d_model)
         return F.embedding(previous, self.value_embedding.weight) + table[position]
@@ -355,22 +361,3 @@ class PixelTransformer(nn.Module):
             raise ValueError(f"prefix values must lie in [0, {NUM_LEVELS - 1}], got [{int(prefix.min())}, {int(prefix.max())}]")
         return prefix.to(device=device, dtype=torch.long)
 
-
-#: :meth:`PixelTransformer.generate` draws the sampling noise of this many positions per call
-#: (``B x block x (K + 1)`` fp32 numbers, about 360 KB for 64 images and 10 logistics).
-NOISE_BLOCK = 128
-
-
-def _noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, positions: int, temperature: float,
-                        generator: torch.Generator | None, device: torch.device):
-    """Yields, per sampled position, the ``noise`` argument of ``head.sample``: slices of noise
-    drawn :data:`NOISE_BLOCK` positions at a time, None at temperature 0 (which draws nothing).
-    The same distribution as drawing per position, not the same stream: a generator seeded
-    alike gives other images than position-by-position calls of ``head.sample`` would."""
-    if temperature == 0:
-        yield from itertools.repeat(None, positions)
-        return
-    for start in range(0, positions, NOISE_BLOCK):
-        gumbel, logistic = head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
-        for i in range(gumbel.shape[1]):
-            yield gumbel[:, i], logistic[:, i]

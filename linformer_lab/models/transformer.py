@@ -9,19 +9,13 @@ they agree for every backend.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from linformer_lab.attention.base import Attention, SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig, require_config
 from linformer_lab.attention.multihead import MultiHeadAttention
-from linformer_lab.ops.fast_step import step_linear
 from linformer_lab.ops.state import detach_state
-
-#: Size of the feed-forward intermediate that :meth:`TransformerLayer.forward` computes at a
-#: time on CPU when nothing needs its activations (see ``TransformerLayer._feedforward``).
-FEEDFORWARD_BLOCK_BYTES = 8 * 2**20
 
 
 class TransformerLayer(nn.Module):
@@ -46,9 +40,6 @@ class TransformerLayer(nn.Module):
             nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
         )
         self.dropout = nn.Dropout(dropout)
-        # The feed-forward's parts for step() as a plain tuple (not registered twice): unpacking
-        # it is cheaper than iterating the Sequential at every position.
-        self._feedforward_parts = tuple(self.feedforward)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state=None, return_state: bool = False,
                 cu_seqlens: torch.Tensor | None = None):
@@ -57,50 +48,15 @@ class TransformerLayer(nn.Module):
                                   cu_seqlens=cu_seqlens)
         attended, state = attended if return_state else (attended, None)
         x = x + self.dropout(attended)
-        x = x + self.dropout(self._feedforward(self.norm_ff(x)))
+        x = x + self.dropout(self.feedforward(self.norm_ff(x)))
         return (x, state) if return_state else x
 
-    def _feedforward(self, x: torch.Tensor) -> torch.Tensor:
-        """``self.feedforward(x)`` for ``x (B, N, d_model)``; on CPU without autograd (evaluation,
-        a prefill pass) in blocks of rows whose ``(rows, d_ff)`` intermediate fills about
-        :data:`FEEDFORWARD_BLOCK_BYTES`. The whole intermediate of a large batch (100 MB for 64
-        MNIST images of 392 positions) is written and read back through main memory twice,
-        and freshly allocated at every layer; a block of it stays in cache, which is faster
-        (figures: benchmarks/NOTES.md, "Measurements behind library defaults"). Same
-        arithmetic row by row; forward hooks on ``feedforward`` then see each block."""
-        if torch.is_grad_enabled() or x.device.type != "cpu":  # training keeps the one call
-            return self.feedforward(x)
-        rows = max(1, FEEDFORWARD_BLOCK_BYTES // (self.feedforward[0].out_features * x.element_size()))
-        if x.numel() // x.shape[-1] <= rows:
-            return self.feedforward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        blocks = [self.feedforward(flat[start:start + rows]) for start in range(0, flat.shape[0], rows)]
-        return torch.cat(blocks).view(x.shape)  # cat, not a preallocated x-like buffer: autocast may change the dtype
-
     def step(self, x_t: torch.Tensor, state=None):
-        """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``.
-
-        Written with functional calls (``torch.layer_norm`` directly -- ``F.layer_norm`` also
-        reads a backend flag property on every call -- and :func:`step_linear`) instead of
-        module calls: the step runs once per position and layer on one row per sequence, where
-        the module-call machinery is a large part of the time. Same weights and arithmetic as
-        :meth:`forward`, in training mode (dropout) and eval mode alike; module hooks on the
-        sub-modules do not run here.
-        """
-        norm = self.norm_attention
-        attended, state = self.attention.step(
-            torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), state
-        )
-        x_t = x_t + self._dropout(attended, self.dropout)
-        norm = self.norm_ff
-        up, activation, inner_dropout, down = self._feedforward_parts
-        hidden = step_linear(torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), up)
-        hidden = self._dropout(F.gelu(hidden, approximate=activation.approximate), inner_dropout)
-        return x_t + self._dropout(step_linear(hidden, down), self.dropout), state
-
-    def _dropout(self, x: torch.Tensor, dropout: nn.Dropout) -> torch.Tensor:
-        # the identity in eval mode (generation) and at p = 0, without a call
-        return F.dropout(x, dropout.p, training=True) if self.training and dropout.p > 0 else x
+        """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``, with the
+        attention's state (None at a sequence's first position)."""
+        attended, state = self.attention.step(self.norm_attention(x_t), state)
+        x_t = x_t + self.dropout(attended)
+        return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
 
 
 class Transformer(nn.Module):
@@ -179,23 +135,19 @@ class Transformer(nn.Module):
         return all(layer.attention.attention.has_recurrent_form for layer in self.layers)
 
     def step(self, x_t: torch.Tensor, state: list | None = None):
-        # whether the stack has a recurrent form is decided on a sequence's first step; the
-        # kind of state says it afterwards (saves walking the layers at every step)
-        recurrent = self.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
-        if not recurrent:
+        """One position: ``x_t (B, d_model) -> (out (B, d_model), state)``; see the class docstring.
+        The readable form that :func:`~linformer_lab.models.generation.fast_step` is tested equal to."""
+        if not self.has_recurrent_form:
             # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
             # paper's generation baseline); the state is the prefix of inputs
             state = state if state is not None else SequenceBuffer(x_t, dim=1)
             state.append(x_t)
             return self.forward(state.filled)[:, -1], state
-        if state is None:
-            state = [None] * len(self.layers)
         new_state = []
-        for layer, layer_state in zip(self.layers, state):
+        for layer, layer_state in zip(self.layers, state or [None] * len(self.layers)):
             x_t, layer_state = layer.step(x_t, layer_state)
             new_state.append(layer_state)
-        norm = self.norm
-        return torch.layer_norm(x_t, norm.normalized_shape, norm.weight, norm.bias, norm.eps), new_state
+        return self.norm(x_t), new_state
 
 
 def segmented_forward(run_segment, length: int, segment_length: int, detach: bool = False) -> list:

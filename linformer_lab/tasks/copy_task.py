@@ -179,7 +179,9 @@ class CopyTask(Task):
 
     @torch.no_grad()
     def generate_copy(self, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-        """Autoregressive greedy decoding with ``Transformer.step`` (paper §3.4).
+        """Autoregressive greedy decoding with ``Transformer.step`` (paper §3.4): the readable step,
+        as a task is a core file and decoding a copy sequence is no benchmark
+        (:mod:`linformer_lab.models.generation` holds the fast one).
 
         The model reads each sequence up to and including its separator; from there on it is fed
         its own argmax predictions. Returns int64 (B, N): ``tokens`` with the copy positions

@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, causal_dot_product, compute_dtype, default_chunk_size
-from linformer_lab.ops.linear_attention.recurrent import LinearState, linear_attention_step, new_linear_state
+from linformer_lab.ops.linear_attention.recurrent import (
+    LinearState,
+    check_step_fits_state,
+    linear_attention_step,
+    new_linear_state,
+)
 from linformer_lab.ops.masks import length_mask
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "causal_dot_product",
     "causal_linear_attention",
     "check_linear_state",
+    "check_step_fits_state",
     "dot_product_with_state",
     "joint_state",
     "default_chunk_size",

@@ -41,11 +41,15 @@ def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, d
     return LinearState(torch.zeros(batch, heads, feature_dim, value_dim + 1, device=device, dtype=dtype))
 
 
-#: On CPU, :func:`linear_attention_step` computes ``phi(q)^T [S | Z]`` as a batched matmul when the
-#: state has at least this many (batch x head) rows, and as a broadcast product + sum below: from
-#: there on the product's (B, H, C, M + 1) temporary costs more than the BLAS set-up (figures:
-#: benchmarks/NOTES.md, "Measurements behind library defaults").
-CPU_MATMUL_MIN_ROWS = 32
+def check_step_fits_state(phi_k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
+    """Raise a ValueError unless a step's ``phi_k (B, H, C)`` and ``v (B, H, M)`` fit the state
+    ``S (B, H, C, M)``, ``Z (B, H, C)``: the in-place updates would broadcast a misfit silently."""
+    if phi_k.shape != z.shape or v.shape[-1] != s.shape[-1]:
+        raise ValueError(
+            f"linear_attention_step: phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} do not fit the state "
+            f"S {tuple(s.shape)}, Z {tuple(z.shape)} (batch, heads, feature dim, value dim must match the "
+            f"sequence's first step)"
+        )
 
 
 def linear_attention_step(
@@ -61,26 +65,15 @@ def linear_attention_step(
     in fp32 (fp64 for fp64 inputs), e.g. from :func:`new_linear_state`. Returns
     ``(out (B, H, M), state)`` with ``out`` in the state's dtype.
 
-    Without autograd the state is updated in place: no allocation per step beyond the output,
-    which is what makes generation fast. With autograd enabled a new :class:`LinearState` is
-    returned so gradients can flow through time.
-
-    The step runs once per position and layer with tiny tensors, so its cost is the number of
-    tensor operations, not arithmetic: in place it is two element-wise updates (S += phi(k)
-    v^T as a broadcast ``addcmul_``, which needs no BLAS call, and Z += phi(k)), one product
-    with ``[S | Z]`` for numerator and normaliser together (when ``state`` is a
-    :class:`LinearState`) and one division.
+    Without autograd the state is updated in place (no allocation per step beyond the output);
+    with autograd enabled a new :class:`LinearState` is returned so gradients can flow through
+    time. For a :class:`LinearState` the numerator and the normaliser of eq. 20 come out of one
+    product ``phi(q)^T [S | Z]``.
     """
     s, z = state
-    if phi_k.shape != z.shape or v.shape[-1] != s.shape[-1]:
-        raise ValueError(
-            f"linear_attention_step: phi_k {tuple(phi_k.shape)} and v {tuple(v.shape)} do not fit the state "
-            f"S {tuple(s.shape)}, Z {tuple(z.shape)} (batch, heads, feature dim, value dim must match the "
-            f"sequence's first step)"
-        )
+    check_step_fits_state(phi_k, v, s, z)
     compute = s.dtype
-    if phi_q.dtype != compute or phi_k.dtype != compute or v.dtype != compute:
-        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+    phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
     if torch.is_grad_enabled() and (phi_q.requires_grad or phi_k.requires_grad or v.requires_grad or s.requires_grad):
         # out of place, so gradients flow through time; the new state keeps the [S | Z] layout:
         # [S + phi(k) v^T | Z + phi(k)] = [S | Z] + phi(k) [v | 1]^T
@@ -100,28 +93,8 @@ def linear_attention_step(
         numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
         denominator = (phi_q * z).sum(-1, keepdim=True) + eps
         return numerator / denominator, state
-    if not joint.is_cuda and joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
-        # on CPU, for a few (batch, head) rows a broadcast product + sum: a batched matmul of
-        # (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at these sizes
-        both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
-    elif torch.is_autocast_enabled(joint.device.type):  # keep the product with the fp32 state in fp32
-        with torch.autocast(joint.device.type, enabled=False):
-            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
-    else:
-        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1)
+    # the product with the fp32 state stays in fp32 under autocast (it would round to bf16/fp16)
+    with torch.autocast(joint.device.type, enabled=False):
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
     m = s.shape[-1]
-    # eps as a cached 0-d tensor: a Python float would be converted to a tensor at every call
-    return both[..., :m] / both[..., m:].add_(_scalar(eps, both)), state
-
-
-_SCALARS: dict = {}
-
-
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d tensor holding ``value`` with ``like``'s dtype and device, made once and cached."""
-    key = (value, like.dtype, like.device)
-    scalar = _SCALARS.get(key)
-    if scalar is None:
-        with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
-            scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return scalar
+    return both[..., :m] / (both[..., m:] + eps), state

@@ -1,12 +1,22 @@
-"""What makes the one-position RNN step (paper §3.4) fast at small batch sizes, in one place.
+"""Generation speed, in one place: what makes the one-position RNN step (paper §3.4) fast at
+small batch sizes, beside the readable step it is tested equal to.
 
+:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>` is the readable
+recurrent path: module calls and each backend's own ``step``. At small batch sizes a generation
+step is a few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs
+(module calls, argument handling, thread start-up, reading the weights), not arithmetic. What
+cuts those costs lives here and nowhere else (docs/ARCHITECTURE.md, "Where speed code goes"):
+
+* :func:`fast_step`: ``Transformer.step`` for inference, with fewer operations and no module
+  calls; ``tests/test_generation.py`` checks it equals ``Transformer.step`` for every backend
+  and feature map;
 * :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of
   the step reads (below);
-* :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off, one
-  intra-op thread for small batches);
-* :func:`state_nbytes`: how much memory a recurrent state holds (constant for linear attention,
-  growing for softmax); defined with the state contract in :mod:`linformer_lab.ops.state` and
-  re-exported here.
+* :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off,
+  one intra-op thread for small batches);
+* :func:`noise_per_position`: the sampling noise drawn per block of positions.
+
+Figures behind the constants: benchmarks/NOTES.md, "Measurements behind library defaults".
 
 Weight copies
 -------------
@@ -25,8 +35,7 @@ one. The formats (:data:`STEP_WEIGHT_FORMATS`):
     The model's own weights, dtype and values; the product is the same up to summation
     order. On CPU the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the
     ``(out, in)`` parameter markedly slower at one row than ``x @ W^T`` with ``W^T``
-    contiguous (benchmarks/NOTES.md, "Measurements behind library defaults"). Elsewhere no
-    copy is made.
+    contiguous. Elsewhere no copy is made.
 ``"bfloat16"``
     A bfloat16 copy; the layer's input is rounded to bfloat16, the product accumulated in
     fp32 and rounded to bfloat16 by the BLAS, the bias added in the model's dtype. Half the
@@ -47,23 +56,167 @@ dtype.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.ops.state import state_nbytes
+from linformer_lab.attention.base import SequenceBuffer
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
+from linformer_lab.models.transformer import Transformer, TransformerLayer
+from linformer_lab.ops.linear_attention import LinearState, check_step_fits_state
 
 __all__ = [
+    "CPU_MATMUL_MIN_ROWS",
+    "NOISE_BLOCK",
     "SINGLE_THREAD_MAX_BATCH",
     "STEP_WEIGHT_FORMATS",
     "check_step_weight_format",
+    "fast_step",
     "generation_kernels",
+    "noise_per_position",
     "quantize_int8",
-    "state_nbytes",
     "step_linear",
     "weight_copies_for_steps",
 ]
+
+# ---------------------------------------------------------------- the fast step
+
+#: On CPU, :func:`fast_step` computes linear attention's ``phi(q)^T [S | Z]`` as a batched matmul
+#: when the state has at least this many (batch x head) rows, and as a broadcast product + sum
+#: below: a batched matmul of (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at
+#: a few rows, and from here on the product's (B, H, C, M + 1) temporary costs more than that set-up.
+CPU_MATMUL_MIN_ROWS = 32
+
+
+def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | SequenceBuffer | None = None):
+    """:meth:`Transformer.step` for inference: ``x_t (B, d_model) -> (out (B, d_model), state)``,
+    the same weights and arithmetic up to summation order (the weight copies of
+    :func:`weight_copies_for_steps` aside), in fewer tensor operations.
+
+    Needs eval mode (it applies no dropout) and no autograd (``torch.no_grad()`` or
+    ``torch.inference_mode()``: linear attention's state is updated in place). Per layer:
+    ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a backend flag on every
+    call), the linear layers through :func:`step_linear`, q, k, v as views of the fused
+    projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
+    not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
+    in-place step. Other backends step through their ``step``; a stack without a recurrent form
+    (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix.
+    """
+    if transformer.training:
+        raise RuntimeError("fast_step applies no dropout: call it on a model in eval mode (model.eval()); "
+                           "Transformer.step is the step for training mode")
+    if torch.is_grad_enabled():
+        raise RuntimeError("fast_step updates the attention state in place, without autograd: call it under "
+                           "torch.no_grad() or torch.inference_mode(); Transformer.step is the step with gradients")
+    # whether the stack has a recurrent form is decided on a sequence's first step; the kind of
+    # state says it afterwards (saves walking the layers at every step)
+    recurrent = transformer.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
+    if not recurrent:
+        return transformer.step(x_t, state)
+    new_state = []
+    for layer, layer_state in zip(transformer.layers, state or [None] * len(transformer.layers)):
+        x_t, layer_state = _layer_step(layer, x_t, layer_state)
+        new_state.append(layer_state)
+    return _layer_norm(x_t, transformer.norm), new_state
+
+
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
+    """``TransformerLayer.step`` in eval mode, where every dropout is the identity:
+    ``(B, d_model) -> ((B, d_model), state)``."""
+    attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
+    x_t = x_t + attended
+    up, activation, _, down = layer.feedforward  # Linear, GELU, Dropout, Linear
+    hidden = F.gelu(step_linear(_layer_norm(x_t, layer.norm_ff), up), approximate=activation.approximate)
+    return x_t + step_linear(hidden, down), state
+
+
+def _attention_step(attention: MultiHeadAttention, x_t: torch.Tensor, state):
+    """``MultiHeadAttention.step``: ``(B, d_model) -> ((B, d_model), state)``."""
+    q, k, v = _heads(attention, step_linear(x_t, attention.qkv))
+    backend = attention.attention
+    if isinstance(backend, LinearAttention) and type(backend).step is LinearAttention.step:
+        out, state = _linear_attention_step(backend, q, k, v, state)
+    else:
+        out, state = backend.step(q, k, v, state)
+    return step_linear(out.flatten(1), attention.out), state
+
+
+def _heads(attention: MultiHeadAttention, qkv: torch.Tensor):
+    """The fused projection ``(B, parts x heads x dim)``, laid out as ``MultiHeadAttention``
+    documents, -> q, k, v each ``(B, heads, dim)``, as views; k is q for shared-QK backends."""
+    batch, heads = qkv.shape[0], attention.n_heads
+    if attention.query_dim == attention.value_dim:  # one view (B, parts, H, dim) instead of split + views
+        parts = qkv.view(batch, -1, heads, attention.query_dim).unbind(1)
+    else:
+        queries, values = heads * attention.query_dim, heads * attention.value_dim
+        sizes = [queries, values] if attention.shares_query_key else [queries, queries, values]
+        parts = [part.view(batch, heads, -1) for part in qkv.split(sizes, dim=-1)]
+    if attention.shares_query_key:
+        q, v = parts
+        return q, q, v
+    return parts
+
+
+def _linear_attention_step(backend: LinearAttention, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, state):
+    """``LinearAttention.step`` (eq. 18-20) on the :class:`LinearState`'s ``[S | Z]`` buffer, in
+    place: q_t, k_t ``(B, H, D)``, v_t ``(B, H, M)`` -> ``(out (B, H, M), state)``."""
+    if not isinstance(state, LinearState):
+        # a sequence's first step (the backend checks the inputs and makes the state), or (S, Z) built by hand
+        return backend.step(q_t, k_t, v_t, state)
+    phi_q, phi_k = _features(backend.feature_map, q_t, k_t)
+    joint, (s, z) = state.joint, state
+    check_step_fits_state(phi_k, v_t, s, z)
+    v = v_t
+    if phi_q.dtype != joint.dtype or v.dtype != joint.dtype:
+        phi_q, phi_k, v = phi_q.to(joint.dtype), phi_k.to(joint.dtype), v.to(joint.dtype)
+    s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T
+    z.add_(phi_k)
+    if joint.device.type == "cpu" and joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
+        both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
+    elif torch.is_autocast_enabled(joint.device.type):  # the product with the fp32 state stays fp32
+        with torch.autocast(joint.device.type, enabled=False):
+            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+    else:  # the autocast context costs time of its own: entered only when autocast is on
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+    m = s.shape[-1]
+    out = both[..., :m] / both[..., m:].add_(_scalar(backend.eps, both))
+    return (out if out.dtype == v_t.dtype else out.to(v_t.dtype)), state
+
+
+def _features(feature_map: FeatureMap, q_t: torch.Tensor, k_t: torch.Tensor):
+    """``(feature_map.forward_queries(q_t), feature_map.forward_keys(k_t))``; where the map keeps
+    the base class's versions (which are ``self(x)``), ``forward`` is called without the
+    module-call machinery."""
+    cls = type(feature_map)
+    phi_q = feature_map.forward(q_t) if cls.forward_queries is FeatureMap.forward_queries else feature_map.forward_queries(q_t)
+    phi_k = feature_map.forward(k_t) if cls.forward_keys is FeatureMap.forward_keys else feature_map.forward_keys(k_t)
+    return phi_q, phi_k
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor holding ``value`` with ``like``'s dtype and device, made once and cached: a
+    Python float would be converted to a tensor at every call."""
+    key = (value, like.dtype, like.device)
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+            scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return scalar
+
+
+# ---------------------------------------------------------------- weight copies
 
 #: The weight formats :func:`weight_copies_for_steps` can make (see the module docstring).
 STEP_WEIGHT_FORMATS = ("model", "bfloat16", "int8")
@@ -234,8 +387,7 @@ def _native_cpu_kernels(device: torch.device):
 
     With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
     every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
-    small tensor inline, many times faster (benchmarks/NOTES.md, "Measurements behind library
-    defaults"). Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
+    small tensor inline, many times faster. Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
     fp32 results are identical; a bf16 step copy does go through oneDNN's bf16 matmul when
     oneDNN is on, which rounds differently. The flag is process-global; it is restored on exit.
     """
@@ -251,8 +403,7 @@ def _native_cpu_kernels(device: torch.device):
 
 #: On CPU, :func:`generation_kernels` runs recurrent steps of at most this many sequences with
 #: one intra-op thread (restored afterwards). Such a step is a few dozen operations on
-#: (B, d_model) rows; a thread-parallel region costs more than the work in it
-#: (benchmarks/NOTES.md, "Measurements behind library defaults").
+#: (B, d_model) rows; a thread-parallel region costs more than the work in it.
 SINGLE_THREAD_MAX_BATCH = 16
 
 
@@ -270,3 +421,25 @@ def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurr
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- sampling noise
+
+#: :meth:`PixelTransformer.generate` draws the sampling noise of this many positions per call
+#: (``B x block x (K + 1)`` fp32 numbers, about 360 KB for 64 images and 10 logistics).
+NOISE_BLOCK = 128
+
+
+def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, positions: int, temperature: float,
+                       generator: torch.Generator | None, device: torch.device):
+    """Yields, per sampled position, the ``noise`` argument of ``head.sample``: slices of noise
+    drawn :data:`NOISE_BLOCK` positions at a time, None at temperature 0 (which draws nothing).
+    The same distribution as drawing per position, not the same stream: a generator seeded
+    alike gives other images than position-by-position calls of ``head.sample`` would."""
+    if temperature == 0:
+        yield from itertools.repeat(None, positions)
+        return
+    for start in range(0, positions, NOISE_BLOCK):
+        gumbel, logistic = head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
+        for i in range(gumbel.shape[1]):
+            yield gumbel[:, i], logistic[:, i]
