@@ -18,6 +18,7 @@ from conftest import attention_configs, config_id
 from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.models import generation
 from linformer_lab.models.generation import CPU_MATMUL_MIN_ROWS, fast_step, weight_copies_for_steps
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.models.transformer import Transformer
@@ -163,3 +164,18 @@ def test_generate_equals_a_loop_of_the_readable_step(config, prefix_rows):
             previous = originals[:, t] if t < known else model.head.sample(params, temperature=0.0)
             values.append(previous)
     assert torch.equal(fast, torch.stack(values, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_elu_features_equal_the_feature_map(dtype):
+    """fast_step's elu + 1 (exp(min(x, 0)) + max(x, 0)) gives EluFeatureMap's values bit for bit,
+    from deep negatives (where phi stays > 0 in half precision) to large positives."""
+    from linformer_lab.feature_maps.elu import EluFeatureMap
+
+    x = torch.cat([torch.linspace(-40, 40, 801), torch.tensor([0.0, -0.0])]).to(dtype).view(1, 1, -1)
+    feature_map = EluFeatureMap(x.shape[-1])
+    with torch.inference_mode():
+        expected = feature_map(x)
+        phi_q, phi_k = generation._features(feature_map, x, x)
+    assert torch.equal(phi_q, expected) and torch.equal(phi_k, expected)
+    assert bool((phi_q > 0).all())
