@@ -4,9 +4,11 @@
     uv run python benchmarks/dev/mnist_probes.py --probes base lr_1e-3 --updates 300
     uv run python benchmarks/dev/mnist_probes.py --probes base lr_1e-3 --updates 300 --collect   # tables only
 
-Each probe is ``cli.py fit --config mnist_cpu_linear.yaml`` with one change (the ``base`` is the
-config as committed, except for the number of updates: every probe runs ``--updates`` with the
-cosine schedule ending there), on one torch thread, two probes at a time. Recorded: validation
+Each probe is ``cli.py fit --config mnist_cpu_linear.yaml`` with the first recipe's settings
+(:data:`BASE_ARGS`: the ``base`` probe) and one or two changes, for ``--updates`` updates with the
+cosine schedule ending there, on one torch thread, two probes at a time. The base is fixed here,
+not read from the config, so a row of the results keeps its meaning when the recipe moves on
+(the recipe as committed is ``row_column_batch4``). Recorded: validation
 bits/dim (first ``--val-images`` validation images) every ``--eval-every`` updates, the training
 bits/dim over the last 50 logged updates, and seconds per update. The levers: learning rate,
 width against depth, batch size, schedule. Results: ``benchmarks/dev/results/mnist_probes.{csv,md}``.
@@ -26,6 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import machine_info, markdown_table, torch_info, write_csv  # noqa: E402
+
+#: The first recipe (4 x 128, d_ff 512, batch 16, one position vector per pixel, RAdam 3e-3, 100
+#: warm-up updates, cosine): every probe starts from it.
+BASE_ARGS = ["--model.position_embedding=pixel", "--data.batch_size=16", "--model.lr=0.003",
+             "--model.warmup_steps=100", "--model.lr_schedule=cosine", "--model.n_layers=4", "--model.d_model=128",
+             "--model.n_heads=4", "--model.d_ff=512"]
 
 PROBES = {
     "base": ("4 x 128 (d_ff 512), batch 16, RAdam 3e-3, 100 warm-up, cosine", []),
@@ -66,7 +74,7 @@ def run_probe(name: str, args, out: Path) -> subprocess.Popen:
     root = out / name
     updates, eval_every = updates_of(name, args)
     command = [
-        sys.executable, str(REPO / "cli.py"), "fit", "--config", "mnist_cpu_linear.yaml", *PROBES[name][1],
+        sys.executable, str(REPO / "cli.py"), "fit", "--config", "mnist_cpu_linear.yaml", *BASE_ARGS, *PROBES[name][1],
         f"--trainer.max_steps={updates}", f"--trainer.val_check_interval={eval_every}",
         f"--data.limit_val={args.val_images}", f"--trainer.default_root_dir={root}",
         "--trainer.enable_progress_bar=false", "--checkpoint.enabled=false",
