@@ -11,8 +11,8 @@ Every step is the README's command for one method M of ``configs/mnist_cpu_M.yam
    under ``logs/mnist_cpu_M`` (the config's own root). Skipped with ``--skip-train``.
 2. ``cli.py test --config mnist_cpu_M.yaml --ckpt_path best``: bits/dim over all 784 sub-pixels
    of the 10,000 test images.
-3. ``cli.py predict --config mnist_cpu_M.yaml --ckpt_path best --trainer.limit_predict_batches 1``:
-   unconditional samples and completions of the top half of the first test batch, as PNGs,
+3. ``cli.py predict --config mnist_cpu_M.yaml --ckpt_path best --trainer.limit_predict_batches K``:
+   unconditional samples and completions of the top half of the first 16 test images (K batches), as PNGs,
    copied to ``benchmarks/paper/results/mnist_cpu_M_{samples,completions}.png``.
 
 Read back from the runs' ``metrics.csv``: validation bits/dim against updates (one plot, all
@@ -42,6 +42,14 @@ LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh
 #: The paper's Table 1 (8 layers x 256, 250 epochs, on a GPU): bits/dim.
 PAPER_BITS_PER_DIM = {"softmax": 0.621, "lsh1": 0.745, "lsh4": 0.676, "linear": 0.644}
 RESULTS = REPO / "benchmarks" / "paper" / "results"
+
+
+def recipe(method: str) -> dict:
+    """The model and data settings of ``configs/mnist_cpu_M.yaml``."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "configs" / f"mnist_cpu_{method}.yaml").read_text())
+    return {**config["model"]["init_args"], **config["data"]["init_args"]}
 
 
 def root(method: str) -> Path:
@@ -156,6 +164,9 @@ def write_report(results: list[dict], args) -> None:
     ])
     plot(results, RESULTS / "mnist_table1.png")
     info, versions = machine_info(), torch_info()
+    r0 = recipe(results[0]["method"])
+    ours = (f"{r0['n_layers']} x {r0['d_model']}, batch {r0['batch_size']}, "
+            f"{r0.get('position_embedding', 'pixel').replace('_', ' ')} position embeddings")
     rows = [[LABELS[r["method"]], PAPER_BITS_PER_DIM[r["method"]], "—" if r["test_bpd"] is None else f"{r['test_bpd']:.3f}",
              max(r["curve"], default="—"), r["fit_minutes"] or "—",
              f"`python cli.py fit --config mnist_cpu_{r['method']}.yaml` + `test ... --ckpt_path best`"] for r in results]
@@ -165,7 +176,7 @@ def write_report(results: list[dict], args) -> None:
         f"`python benchmarks/paper/mnist_table1.py {' '.join(args.argv)}`. Training: one torch thread per model, "
         f"{args.parallel} models at a time. Test bits/dim: all 784 sub-pixels of the 10,000 test images, best checkpoint "
         "by validation bits/dim (512 validation images). The paper: 8 x 256 models, 250 epochs on a GPU; ours: "
-        "4 x 128, batch 16, the updates below.\n\n"
+        f"{ours}, the updates below.\n\n"
         + markdown_table(["method", "paper bits/dim", "ours, test bits/dim", "updates", "training minutes", "command"], rows)
         + "\n\nValidation bits/dim against updates: [mnist_table1.png](mnist_table1.png). Samples and completions "
         "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results))
@@ -196,7 +207,8 @@ def main(argv=None) -> int:
     for method in args.methods:
         test_dir = run_cli("test", method, "--ckpt_path", "best", threads=args.eval_threads)
         if not args.skip_predict:
-            predict_dir = run_cli("predict", method, "--ckpt_path", "best", "--trainer.limit_predict_batches", "1",
+            batches = str(-(-16 // recipe(method)["batch_size"]))  # the first 16 test images
+            predict_dir = run_cli("predict", method, "--ckpt_path", "best", "--trainer.limit_predict_batches", batches,
                                   threads=args.eval_threads)
             print(method, "PNGs:", copy_pngs(method, predict_dir), flush=True)
         results.append(collect(method, test_dir))
