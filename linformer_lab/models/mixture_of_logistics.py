@@ -28,7 +28,6 @@ of all bins sum to one for any parameters.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -276,10 +275,7 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        # Autocast off (the sample is computed in fp32); entering the context only when autocast
-        # is on keeps a batch-1 generation step free of its cost.
-        autocast_on = torch.is_autocast_enabled(params.device.type)
-        with torch.autocast(device_type=params.device.type, enabled=False) if autocast_on else contextlib.nullcontext():
+        with torch.autocast(device_type=params.device.type, enabled=False):  # the sample is computed in fp32
             logits, means, log_scales = self._unpack(params)
             if temperature == 0:
                 component = logits.argmax(dim=-1, keepdim=True)
