@@ -86,6 +86,37 @@ def test_compare_revisions_generate_reports_medians_and_ratios(tmp_path):
     assert "--out" not in compare_revisions.command_line(args, "")
 
 
+def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
+    """figure2_copy.py --merge: a second invocation (other methods) rewrites the results with the first
+    invocation's runs read back from its CSVs, curves and commands intact; --max-minutes reaches the
+    command line as Lightning's max_time, and a run stopped by it is reported so."""
+    sys.path.insert(0, str(BENCHMARKS / "paper"))
+    try:
+        import figure2_copy
+    finally:
+        sys.path.remove(str(BENCHMARKS / "paper"))
+    first = figure2_copy.parse_args(["--methods", "softmax", "--steps", "30", "--max-minutes", "90"])
+    assert "--trainer.max_time=00:01:30:00" in figure2_copy.run_command("softmax", first, tmp_path)
+
+    def run(method, steps, loss):
+        rows = [{"step": s - 1, "train/loss": loss / s} for s in range(10, steps + 1, 10)]
+        rows.append({"step": steps - 1, "val/loss": loss, "val/accuracy": 0.5})
+        return {"method": method, "command": ["python", "cli.py", "fit", f"--x={method} a"], "seconds": 60.0 * steps,
+                "rows": rows}
+
+    figure2_copy.write_results([run("softmax", 30, 2.0)], first, tmp_path)
+    second = figure2_copy.parse_args(["--methods", "linear", "--steps", "30", "--merge"])
+    kept = figure2_copy.earlier_runs(tmp_path, "figure2_copy", skip=["linear"])
+    assert [k["method"] for k in kept] == ["softmax"] and kept[0]["command"][-1] == "--x=softmax a"
+    figure2_copy.write_results(kept, first, tmp_path / "again")  # read back as written: the same files
+    for name in ("figure2_copy.csv", "figure2_copy_runs.csv"):
+        assert (tmp_path / "again" / name).read_text() == (tmp_path / name).read_text()
+    figure2_copy.write_results(kept + [run("linear", 20, 3.0)], second, tmp_path)
+    text = (tmp_path / "figure2_copy.md").read_text()
+    assert "| softmax | 30 | 30 updates | 2.0000 |" in text and "| linear | 20 | time limit (20 min) | 3.0000 |" in text
+    assert "softmax (2.000) < linear (3.000)" in text
+
+
 @pytest.mark.parametrize("doc", ["README.md", "NOTES.md"])
 def test_the_benchmark_docs_name_files_that_exist(doc):
     """Every markdown link and every backquoted ``paper/...``, ``dev/...`` or ``results/...`` path of

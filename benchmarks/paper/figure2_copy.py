@@ -15,12 +15,21 @@ runs; only the scale is reduced so that all four runs fit in ~5-10 minutes on a 
     lsh: chunks of 32, 64 buckets         chunks of 4, 4 buckets: as in the paper ~4 positions per
                                           bucket and several chunks (4; paper 8) per sequence
 
-Writes benchmarks/paper/results/figure2_copy.{csv,png,md}: the logged training loss every 10 updates,
-the validation loss/accuracy every 100, and the exact commands. Run logs go to
---log-root/<method> (default logs/figure2_copy/, emptied first).
+Writes benchmarks/paper/results/<--name>.{csv,png,md} (default figure2_copy): the logged training
+loss every 10 updates, the validation loss/accuracy every --val-every, and the exact commands; and
+<name>_runs.csv (updates, seconds and command of each run). Run logs go to --log-root/<method>
+(default logs/figure2_copy/, emptied first).
 
     uv run python benchmarks/paper/figure2_copy.py               # the defaults above, 2 runs at a time
     uv run python benchmarks/paper/figure2_copy.py --steps 100   # smoke run
+
+The paper's length, two methods at a time (each invocation adds its methods to the same results
+with --merge; --max-minutes stops a run at a wall-clock limit and keeps its curve):
+
+    uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 --max-length 128 \
+        --batch-size 64 --steps 10000 --decay-at 3000 --val-every 500 --val-batches 20 \
+        --bucket-size 32 --n-buckets 64 --methods linear softmax --max-minutes 80
+    uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 ... --methods lsh1 lsh4 --merge
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
         f"--trainer.default_root_dir={root}", f"--trainer.logger={json.dumps(logger)}",
         "--checkpoint.enabled=false",
     ]
+    if args.max_minutes:
+        # Lightning's wall-clock limit: the run stops at the first update past it, its curve kept
+        hours, minutes = divmod(int(args.max_minutes), 60)
+        command.append(f"--trainer.max_time=00:{hours:02d}:{minutes:02d}:00")
     if method.startswith("lsh"):
         lsh = {"n_hashes": int(method[3:]), "bucket_size": args.bucket_size, "n_buckets": args.n_buckets}
         command.append(f"--model.attention.kwargs={json.dumps(lsh)}")
@@ -82,10 +95,33 @@ def train(method: str, args, log_root: Path) -> dict:
     return {"method": method, "command": command, "seconds": seconds, "rows": rows}
 
 
+def updates(run: dict) -> int:
+    return max(int(r["step"]) + 1 for r in run["rows"])
+
+
+KEYS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy"}
+
+
+def earlier_runs(out: Path, name: str, skip: list[str]) -> list[dict]:
+    """The runs of other methods in ``<name>.csv`` / ``<name>_runs.csv`` (a previous invocation's), for --merge."""
+    if not (out / f"{name}_runs.csv").exists():
+        return []
+    with open(out / f"{name}_runs.csv") as f:
+        runs = {r["method"]: {"method": r["method"], "command": shlex.split(r["command"]), "seconds": float(r["seconds"]),
+                              "rows": []} for r in csv.DictReader(f) if r["method"] not in skip}
+    with open(out / f"{name}.csv") as f:
+        for r in csv.DictReader(f):
+            if r["method"] in runs:
+                row = {KEYS[k]: float(r[k]) for k in KEYS if r[k] != ""}
+                runs[r["method"]]["rows"].append({"step": float(r["step"]) - 1, **row})
+    return list(runs.values())
+
+
 def write_results(runs: list[dict], args, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    name = args.name
     # CSV: one row per (method, step) with whatever was logged at that step.
-    with open(out / "figure2_copy.csv", "w", newline="") as f:
+    with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["method", "step", "train_loss", "val_loss", "val_accuracy"])
         for run in runs:
@@ -96,6 +132,11 @@ def write_results(runs: list[dict], args, out: Path) -> None:
                 r = merged[step]
                 values = (f"{r[k]:.5f}" if k in r else "" for k in ("train/loss", "val/loss", "val/accuracy"))
                 writer.writerow([run["method"], step, *values])
+    with open(out / f"{name}_runs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["method", "updates", "seconds", "command"])
+        for run in runs:
+            writer.writerow([run["method"], updates(run), f"{run['seconds']:.0f}", shlex.join(run["command"])])
 
     import matplotlib
 
@@ -121,7 +162,7 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     fig.suptitle(f"Copy task (Fig. 2 at CPU scale): max length {args.max_length}, d_model {args.d_model}, "
                  f"batch {args.batch_size}")
     fig.tight_layout()
-    fig.savefig(out / "figure2_copy.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
 
     def last(run, key):
         values = [r[key] for r in run["rows"] if key in r]
@@ -131,37 +172,47 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         values = [r["train/loss"] for r in run["rows"] if "train/loss" in r][-n:]
         return sum(values) / len(values)
 
+    def stopped_by(run):
+        if updates(run) >= args.steps:
+            return f"{args.steps} updates"
+        return f"time limit ({run['seconds'] / 60:.0f} min)"
+
     lines = [
         "# Figure 2 (copy task) at CPU scale",
         "",
-        "Produced by `" + " ".join(["uv run python benchmarks/paper/figure2_copy.py", *map(shlex.quote, sys.argv[1:])]) + "`.",
+        "Produced by `" + " ".join(["uv run python benchmarks/paper/figure2_copy.py", *map(shlex.quote, sys.argv[1:])]) + "`"
+        + (" with the runs of the other methods kept from an earlier invocation (--merge)" if args.merge else "") + ".",
         "",
         "Paper §4.1.1: sequences of up to 128 symbols (10 symbols + separator), 4 layers x 8 heads, batch 64,",
         "RAdam lr 1e-3 -> 1e-4 after 3000 updates; linear converges smoothly to softmax's loss, lsh stays above.",
-        f"Here: up to {args.max_length} symbols, d_model {args.d_model}, batch {args.batch_size}, {args.steps} updates, "
+        f"Here: up to {args.max_length} symbols, d_model {args.d_model}, batch {args.batch_size}, at most {args.steps} updates"
+        + (f" or {args.max_minutes:g} minutes" if args.max_minutes else "") + ", "
         f"lr drop after {args.decay_at}; lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; "
         "fp32 on CPU, one thread per run.",
         "",
-        "| method | final val loss | final val copy accuracy | train loss (mean of last 5 logged) | wall time |",
-        "|---|---|---|---|---|",
+        "Copy accuracy: the share of the symbols of the copied half predicted exactly (argmax).",
+        "",
+        "| method | updates | stopped by | final val loss | final val copy accuracy | train loss (mean of last 5 logged) "
+        "| wall time |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
-        lines.append(f"| {run['method']} | {last(run, 'val/loss'):.4f} | {last(run, 'val/accuracy'):.4f} | "
-                     f"{mean_last_train(run):.4f} | {run['seconds']:.0f} s |")
+        lines.append(f"| {run['method']} | {updates(run)} | {stopped_by(run)} | {last(run, 'val/loss'):.4f} | "
+                     f"{last(run, 'val/accuracy'):.4f} | {mean_last_train(run):.4f} | {run['seconds']:.0f} s |")
     ranking = sorted(runs, key=lambda run: last(run, "val/loss"))
     lines += [
         "",
         "Final validation loss, lowest first: " + " < ".join(f"{r['method']} ({last(r, 'val/loss'):.3f})" for r in ranking) + ".",
         "Wall times are of runs sharing the machine with other work (two runs at a time), not a speed benchmark.",
     ]
-    lines += ["", "![curves](figure2_copy.png)", "", "Exact commands (run from the repository root, OMP_NUM_THREADS=1):", ""]
+    lines += ["", f"![curves]({name}.png)", "", "Exact commands (run from the repository root, OMP_NUM_THREADS=1):", ""]
     for run in runs:
         shown = ["python", *[a for a in run["command"][1:]]]
         lines += ["```", " ".join(shlex.quote(a) for a in shown), "```"]
-    (out / "figure2_copy.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--steps", type=int, default=800)
@@ -177,8 +228,18 @@ def main(argv=None) -> None:
     parser.add_argument("--log-root", type=Path, default=Path("logs/figure2_copy"),
                         help="where the runs log, relative to the repository root; <root>/<method> is emptied first")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="figure2_copy", help="results are <out>/<name>.{csv,md,png} and <name>_runs.csv")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop each run after this much wall clock (Lightning's max_time), keeping its curve")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other methods' runs already in <name>.csv (runs of an earlier invocation)")
     args = parser.parse_args(argv)
     args.val_every = min(args.val_every, args.steps)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     log_root = args.log_root
     for method in args.methods:  # a fresh version_0 per method: our own scratch space
@@ -189,8 +250,11 @@ def main(argv=None) -> None:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         finished = {r["method"]: r for r in pool.map(lambda m: train(m, args, log_root), order)}
     runs = [finished[m] for m in args.methods]
+    if args.merge:
+        kept = earlier_runs(args.out, args.name, skip=args.methods)
+        runs = sorted(kept + runs, key=lambda run: METHODS.index(run["method"]))
     write_results(runs, args, args.out)
-    print((args.out / "figure2_copy.md").read_text())
+    print((args.out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":
