@@ -13,6 +13,10 @@ it cannot be built (no C++ compiler).
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from linformer_lab.models.generation import fast_step, weight_copies_for_steps
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops import cpu
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(n_layers=2, d_model=16, n_heads=4, d_ff=32)
 MNIST = dict(n_layers=8, d_model=256, n_heads=8, d_ff=1024)  # the paper's MNIST stack
 #: tolerances against the readable step: summation order only
@@ -214,3 +219,14 @@ def test_the_build_folder_is_keyed_by_source_torch_and_flags(monkeypatch):
                cpu.build_dir({**info, "cflags": ["-O2"]}), cpu.build_dir({**info, "compiler": "clang++ 18"})}
     assert len(folders) == 4
     assert all(torch.__version__ in folder.name for folder in folders)
+
+
+def test_a_cached_build_loads_without_a_compiler(extension):
+    """A later process loads the cached library without compiling: no compiler needed then."""
+    code = "from linformer_lab.ops import cpu; print(cpu.load().__file__)"
+    env = {**os.environ, "CXX": "no-such-compiler-linformer-lab", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    library = Path(done.stdout.strip())
+    assert library.is_file() and (library.parent / "build_info.json").is_file()
+    assert library.parent.parent == cpu.cache_root()

@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -125,11 +126,20 @@ def _build(verbose: bool) -> ModuleType:
     info = _build_info(compiler)
     out_dir = build_dir(info)
     out_dir.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(out_dir),
-                                with_cuda=False, is_python_module=True, verbose=verbose)
-    tmp = out_dir / f"build_info.json.{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, out_dir / "build_info.json")  # last and atomic: marks a complete build
+    # Built in a folder of this process's own, then moved into place: processes building at once
+    # do not wait on each other, and an interrupted build leaves no lock behind (torch's
+    # build-folder lock file would make every later build wait for it forever).
+    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=out_dir))
+    try:
+        module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                                    build_directory=str(scratch), with_cuda=False, is_python_module=True, verbose=verbose)
+        if module.__name__ == _NAME:  # torch renames a second build in one process (name_v1): not cached
+            os.replace(Path(module.__file__), out_dir / f"{_NAME}.so")  # the loaded library stays mapped
+            tmp = out_dir / f"build_info.json.{os.getpid()}"
+            tmp.write_text(json.dumps(info, indent=2))
+            os.replace(tmp, out_dir / "build_info.json")  # last and atomic: marks a complete build
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return module
 
 
