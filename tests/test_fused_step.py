@@ -118,6 +118,22 @@ def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, dtyp
     torch.testing.assert_close(fused, python, **TOLERANCE[dtype])
 
 
+def test_under_no_grad_the_state_is_a_normal_tensor_whose_version_moves(extension, taken):
+    """Outside inference mode (no_grad) the fused step updates the state in place as an in-place
+    ATen op would, version counter included."""
+    model = _model()
+    x = _inputs(model, 2, 5)
+    with torch.no_grad():
+        want, _ = _run(_readable, model, x)
+        with weight_copies_for_steps(model, "model"):
+            _, state = fast_step(model, x[:, 0])
+            versions = [s.joint._version for s in state]
+            got, _ = _run(fast_step, model, x, state, start=1)
+    assert taken == [True] * 4
+    assert all(s.joint._version > v for s, v in zip(state, versions))
+    torch.testing.assert_close(got, want[:, 1:], **TOLERANCE[torch.float64])
+
+
 def test_the_fused_step_continues_a_prefilled_state(extension, taken):
     """``generate`` steps from the state of a parallel prefill: the fused step continues it."""
     model = _model()
