@@ -4,10 +4,10 @@ applies and the weights it reads (generation-side speed code, docs/ARCHITECTURE.
 At batch 1 a step of the paper's MNIST model (8 layers, d_model 256) runs about 40 small tensor
 operations per layer, each costing microseconds of dispatch besides its arithmetic.
 ``linformer_lab/ops/cpu/fused_step.cpp`` runs the whole stack's step in one call: per layer
-the norms, linear attention's state update and readout and the residuals as plain loops, the
-four weight products through ATen's CPU ``addmm`` on the same transposed weights
-``fast_step`` reads, and the GELU through ATen's kernel. Same arithmetic up to summation order
-(``tests/test_fused_step.py`` holds it to ``Transformer.step``).
+the norms, linear attention's state update and readout, the biases and the residuals as plain
+loops, the four weight products through ATen's CPU ``mm`` (the BLAS of the ``addmm`` that
+``fast_step`` calls) on the same transposed weights, and the GELU through ATen's kernel. Same
+arithmetic up to summation order (``tests/test_fused_step.py`` holds it to ``Transformer.step``).
 
 :func:`step` takes it when all of these hold, and otherwise leaves the step to ``fast_step``'s
 Python path (the reference, which also raises the errors for states that do not fit):

@@ -9,16 +9,16 @@
 //   x = x + (GELU(LayerNorm_2(x) W_up^T + b_up) W_down^T + b_down)
 // and the stack's final LayerNorm: what linformer_lab.models.generation.fast_step computes with
 // a few dozen tensor operations per layer, here with no per-operation dispatch except the four
-// weight products (ATen's CPU addmm, the BLAS fast_step uses, on the same transposed weights)
-// and the GELU (ATen's CPU kernel) per layer.
+// weight products (ATen's CPU mm, the BLAS that fast_step's addmm uses, on the same transposed
+// weights) and the GELU (ATen's CPU kernel) per layer.
 //
 // The caller (linformer_lab/models/fused_step.py) checks that the stack has this form; this
 // file checks shapes, dtypes and layouts. Built by linformer_lab/ops/cpu/__init__.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -51,6 +51,19 @@ void layer_norm(const scalar_t* x, scalar_t* y, const scalar_t* w, const scalar_
       for (int64_t i = 0; i < d; ++i) yr[i] = (xr[i] - m) * rstd * w[i] + b[i];
     }
   });
+}
+
+// out = in W^T + b for W^T stored (in, out): ATen's CPU mm (the BLAS that addmm calls), then the
+// bias in a loop (addmm would copy the bias into out through one more dispatched operation first)
+template <typename scalar_t>
+void linear(at::Tensor& out, const at::Tensor& in, const at::Tensor& weight_t, const at::Tensor& bias) {
+  at::cpu::mm_out(out, in, weight_t);
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const scalar_t* b = bias.data_ptr<scalar_t>();
+  const int64_t rows = out.size(0), n = out.size(1);
+  for (int64_t r = 0; r < rows; ++r, o += n) {
+    for (int64_t i = 0; i < n; ++i) o[i] += b[i];
+  }
 }
 
 template <typename scalar_t>
@@ -155,16 +168,16 @@ class FusedStack {
         const at::Tensor* w = &weights_[l * kPerLayer];
         layer_norm(xs, normed.data_ptr<scalar_t>(), w[kNorm1W].data_ptr<scalar_t>(), w[kNorm1B].data_ptr<scalar_t>(),
                    batch, d_model_, norm_eps_[2 * l]);
-        at::cpu::addmm_out(qkv, w[kQkvB], normed, w[kQkvWT]);
+        linear<scalar_t>(qkv, normed, w[kQkvWT], w[kQkvB]);
         linear_attention_step(qkv.data_ptr<scalar_t>(), joints[l].data_ptr<scalar_t>(), attended.data_ptr<scalar_t>(),
                               batch, heads_, qdim_, vdim_, static_cast<scalar_t>(eps_));
-        at::cpu::addmm_out(added, w[kOutB], attended, w[kOutWT]);
+        linear<scalar_t>(added, attended, w[kOutWT], w[kOutB]);
         add_into(xs, added.data_ptr<scalar_t>(), n);
         layer_norm(xs, normed.data_ptr<scalar_t>(), w[kNorm2W].data_ptr<scalar_t>(), w[kNorm2B].data_ptr<scalar_t>(),
                    batch, d_model_, norm_eps_[2 * l + 1]);
-        at::cpu::addmm_out(hidden, w[kUpB], normed, w[kUpWT]);
+        linear<scalar_t>(hidden, normed, w[kUpWT], w[kUpB]);
         at::cpu::gelu_(hidden, approximate_);
-        at::cpu::addmm_out(added, w[kDownB], hidden, w[kDownWT]);
+        linear<scalar_t>(added, hidden, w[kDownWT], w[kDownB]);
         add_into(xs, added.data_ptr<scalar_t>(), n);
       }
       const at::Tensor* w = &weights_[layers_ * kPerLayer];
