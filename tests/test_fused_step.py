@@ -92,7 +92,7 @@ def _fast(model, x, state=None, start=0, copies="model"):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("batch", [1, 3, 9])
+@pytest.mark.parametrize("batch", [1, 3, fused_step.FUSED_MAX_BATCH])
 @pytest.mark.parametrize("shape", [SMALL, MNIST], ids=["small", "mnist"])
 def test_the_fused_step_equals_the_readable_step(extension, taken, shape, batch, dtype):
     model = _model(shape, dtype)
@@ -159,12 +159,12 @@ def test_switched_off_by_the_environment(extension, taken, monkeypatch):
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float64])
 
 
-@pytest.mark.parametrize("case", ["no-copies", "bfloat16-copies", "softmax", "favor", "autocast"])
+@pytest.mark.parametrize("case", ["no-copies", "bfloat16-copies", "softmax", "favor", "autocast", "large-batch"])
 def test_other_cases_keep_to_the_python_path(extension, taken, case):
     attention = {"softmax": AttentionConfig("softmax"),
                  "favor": AttentionConfig("linear", feature_map="favor", feature_map_kwargs={"num_features": 8})}
     model = _model(dtype=torch.float32, attention=attention.get(case))
-    x = _inputs(model, 2, 6)
+    x = _inputs(model, fused_step.FUSED_MAX_BATCH + 1 if case == "large-batch" else 2, 6)
     copies = {"no-copies": None, "bfloat16-copies": "bfloat16"}.get(case, "model")
     with torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext():
         got, _ = _fast(model, x, copies=copies)

@@ -14,7 +14,8 @@ fp32, under the kernels and ``"model"`` weight copies ``generate`` steps with:
   ``matvec_floor``), the same number of times. Reported per step.
 * **image**: a whole ``generate`` call (784 sub-pixels, temperature 1), fused and Python.
 
-Rounds alternate the variants, so a change of machine load hits all alike; reported are the
+Above ``FUSED_MAX_BATCH`` (16) rows ``fast_step`` keeps to the Python path, so there "fused"
+times the Python step too. Rounds alternate the variants, so a change of machine load hits all alike; reported are the
 medians over rounds and the ratios. Results: ``benchmarks/dev/results/fused_step.{csv,md}``.
 """
 

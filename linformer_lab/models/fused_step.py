@@ -21,6 +21,7 @@ Python path (the reference, which also raises the errors for states that do not 
   feed-forward, the same head sizes in every layer, float32 or float64 weights on CPU;
 * a state from an earlier step or a prefill (a list of ``LinearState``; a sequence's first step
   makes it on the Python path), inputs of the weights' dtype, CPU autocast off;
+* at most :data:`FUSED_MAX_BATCH` rows;
 * the extension is built or can be built (:func:`linformer_lab.ops.cpu.fused_module`).
 
 It needs no autograd and eval mode, which ``fast_step`` checks before.
@@ -41,10 +42,15 @@ from linformer_lab.models.transformer import Transformer, TransformerLayer
 from linformer_lab.ops import cpu
 from linformer_lab.ops.linear_attention import LinearState
 
-__all__ = ["ENV_VARIABLE", "enabled", "release", "step"]
+__all__ = ["ENV_VARIABLE", "FUSED_MAX_BATCH", "enabled", "release", "step"]
 
 #: ``LINFORMER_LAB_FUSED_STEP=0`` keeps every step on ``fast_step``'s Python path.
 ENV_VARIABLE = "LINFORMER_LAB_FUSED_STEP"
+
+#: The fused step runs batches of at most this many rows: its gain, the per-operation cost, shrinks
+#: as a batch spreads it over more arithmetic, and its plain loops are not vectorized as ATen's
+#: kernels are (figures: benchmarks/NOTES.md, "Measurements behind library defaults").
+FUSED_MAX_BATCH = 16
 
 
 class _Plan:
@@ -70,7 +76,8 @@ def step(transformer: Transformer, x_t: torch.Tensor, state, copy_attribute: str
     state's ``[S | Z]`` buffers updated in place; None where it does not apply (module docstring).
     ``copy_attribute``: the attribute under which ``weight_copies_for_steps`` gives a linear layer
     its weight copy."""
-    if state is None or x_t.device.type != "cpu" or not enabled() or torch.is_autocast_enabled("cpu"):
+    if state is None or x_t.device.type != "cpu" or x_t.shape[0] > FUSED_MAX_BATCH or not enabled() \
+            or torch.is_autocast_enabled("cpu"):
         return None
     plan = _PLANS.get(transformer)
     if plan is None or plan.qkv.__dict__.get(copy_attribute) is not plan.marker:

@@ -110,7 +110,7 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     in-place step. Other backends step through their ``step``; a stack without a recurrent form
     (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix. Where
     :func:`linformer_lab.models.fused_step.step` applies (CPU, linear attention with elu, inside
-    a ``"model"`` weight-copy block, after the first step), the whole stack is one C++ call.
+    a ``"model"`` weight-copy block, small batches, after the first step), it is one C++ call.
     """
     if transformer.training:
         raise RuntimeError("fast_step applies no dropout: call it on a model in eval mode (model.eval()); "
