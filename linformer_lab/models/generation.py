@@ -9,7 +9,8 @@ cuts those costs lives here and nowhere else (docs/ARCHITECTURE.md, "Where speed
 
 * :func:`fast_step`: ``Transformer.step`` for inference, with fewer operations and no module
   calls; ``tests/test_generation.py`` checks it equals ``Transformer.step`` for every backend
-  and feature map;
+  and feature map. On CPU, inside a ``"model"`` weight-copy block, a stack of the paper's form
+  (linear attention, elu) steps in one C++ call (:mod:`linformer_lab.models.fused_step`);
 * :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of
   the step reads (below);
 * :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off,
@@ -67,6 +68,7 @@ from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps import FeatureMap
 from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.models import fused_step
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer, TransformerLayer
 from linformer_lab.ops.linear_attention import LinearState, check_step_fits_state
@@ -106,7 +108,9 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
     not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
     in-place step. Other backends step through their ``step``; a stack without a recurrent form
-    (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix.
+    (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix. Where
+    :func:`linformer_lab.models.fused_step.step` applies (CPU, linear attention with elu, inside
+    a ``"model"`` weight-copy block, small batches, after the first step), it is one C++ call.
     """
     if transformer.training:
         raise RuntimeError("fast_step applies no dropout: call it on a model in eval mode (model.eval()); "
@@ -114,11 +118,12 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     if torch.is_grad_enabled():
         raise RuntimeError("fast_step updates the attention state in place, without autograd: call it under "
                            "torch.no_grad() or torch.inference_mode(); Transformer.step is the step with gradients")
-    # whether the stack has a recurrent form is decided on a sequence's first step; the kind of
-    # state says it afterwards (saves walking the layers at every step)
+    # a recurrent form is decided on a sequence's first step, by the kind of state afterwards (no walk over the layers)
     recurrent = transformer.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
     if not recurrent:
         return transformer.step(x_t, state)
+    if (fused := fused_step.step(transformer, x_t, state, _ATTRIBUTE)) is not None:
+        return fused
     new_state = []
     for layer, layer_state in zip(transformer.layers, state or [None] * len(transformer.layers)):
         x_t, layer_state = _layer_step(layer, x_t, layer_state)
@@ -131,8 +136,7 @@ def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
 
 
 def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
-    """``TransformerLayer.step`` in eval mode, where every dropout is the identity:
-    ``(B, d_model) -> ((B, d_model), state)``."""
+    """``TransformerLayer.step`` in eval mode (every dropout the identity): ``(B, d_model) -> ((B, d_model), state)``."""
     attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
     x_t = x_t + attended
     up, activation, _, down = layer.feedforward  # Linear, GELU, Dropout, Linear
@@ -218,8 +222,7 @@ _SCALARS: dict = {}
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d tensor holding ``value`` with ``like``'s dtype and device, made once and cached: a
-    Python float would be converted to a tensor at every call."""
+    """A 0-d tensor of ``value`` in ``like``'s dtype and device, cached (a float becomes a tensor at every call)."""
     key = (value, like.dtype, like.device)
     scalar = _SCALARS.get(key)
     if scalar is None:
@@ -241,9 +244,8 @@ _ATTRIBUTE = "_step_weight"
 
 
 def step_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(x)`` for ``x (B, in)``, through the weight copy that
-    :func:`weight_copies_for_steps` holds, if any (no module-call machinery: hooks do not run).
-    Returns ``x``'s dtype."""
+    """``linear(x)`` for ``x (B, in)``, through the weight copy that :func:`weight_copies_for_steps`
+    holds, if any (no module-call machinery: hooks do not run). Returns ``x``'s dtype."""
     copy = linear.__dict__.get(_ATTRIBUTE)
     if copy is None:
         return F.linear(x, linear.weight, linear.bias)
@@ -374,6 +376,7 @@ def weight_copies_for_steps(module: nn.Module, format: str = "model", enabled: b
     finally:
         for linear in added:
             linear.__dict__.pop(_ATTRIBUTE, None)
+        fused_step.release(module)  # and the fused steps that read the copies
 
 
 # ---------------------------------------------------------------- kernels
