@@ -148,8 +148,15 @@ def test_the_fused_step_continues_a_prefilled_state(extension, taken):
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float64])
 
 
-def test_switched_off_by_the_environment(extension, taken, monkeypatch):
-    monkeypatch.setenv(fused_step.ENV_VARIABLE, "0")
+@pytest.mark.parametrize("off", ["environment", "no-extension"])
+def test_switched_off_the_python_step_runs(request, taken, monkeypatch, off):
+    """LINFORMER_LAB_FUSED_STEP=0 (with the extension there), or an extension that cannot be had: the
+    Python step, the same numbers."""
+    if off == "environment":
+        request.getfixturevalue("extension")
+        monkeypatch.setenv(fused_step.ENV_VARIABLE, "0")
+    else:
+        monkeypatch.setattr(cpu, "fused_module", lambda: None)
     model = _model()
     x = _inputs(model, 2, 6)
     with torch.no_grad():
@@ -201,17 +208,6 @@ def test_the_plan_follows_the_weight_copies(extension, taken):
     assert taken == [True] * 6
     torch.testing.assert_close(second, want, **TOLERANCE[torch.float64])
     assert not torch.allclose(first, second)
-
-
-def test_without_the_extension_the_python_step_runs(monkeypatch, taken):
-    monkeypatch.setattr(cpu, "fused_module", lambda: None)
-    model = _model()
-    x = _inputs(model, 2, 6)
-    with torch.no_grad():
-        want, _ = _run(_readable, model, x)
-    got, _ = _fast(model, x)
-    assert taken == [False] * 5
-    torch.testing.assert_close(got, want, **TOLERANCE[torch.float64])
 
 
 def test_no_compiler_means_unavailable_with_one_warning(monkeypatch, tmp_path):
