@@ -115,6 +115,9 @@ def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
     text = (tmp_path / "figure2_copy.md").read_text()
     assert "| softmax | 30 | 30 updates | 2.0000 |" in text and "| linear | 20 | time limit (20 min) | 3.0000 |" in text
     assert "softmax (2.000) < linear (3.000)" in text
+    (tmp_path / "figure2_copy.md").unlink()
+    figure2_copy.main(["--report-only", "--steps", "30", "--out", str(tmp_path)])  # the report again, from the CSVs
+    assert (tmp_path / "figure2_copy.md").read_text().count("| softmax | 30 | 30 updates | 2.0000 |") == 1
 
 
 @pytest.mark.parametrize("doc", ["README.md", "NOTES.md"])

@@ -47,6 +47,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import machine_info  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "paper" / "results"
 METHODS = ("softmax", "linear", "lsh1", "lsh4")
 COLORS = {"softmax": "tab:blue", "linear": "tab:orange", "lsh1": "tab:green", "lsh4": "tab:red"}
@@ -95,6 +99,12 @@ def train(method: str, args, log_root: Path) -> dict:
     return {"method": method, "command": command, "seconds": seconds, "rows": rows}
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def updates(run: dict) -> int:
     return max(int(r["step"]) + 1 for r in run["rows"])
 
@@ -136,7 +146,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(["method", "updates", "seconds", "command"])
         for run in runs:
-            writer.writerow([run["method"], updates(run), f"{run['seconds']:.0f}", shlex.join(run["command"])])
+            command = shlex.join(["python", *run["command"][1:]])  # the interpreter's path says nothing of the run
+            writer.writerow([run["method"], updates(run), f"{run['seconds']:.0f}", command])
 
     import matplotlib
 
@@ -182,6 +193,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         "",
         "Produced by `" + " ".join(["uv run python benchmarks/paper/figure2_copy.py", *map(shlex.quote, sys.argv[1:])]) + "`"
         + (" with the runs of the other methods kept from an earlier invocation (--merge)" if args.merge else "") + ".",
+        f"Written on {machine_info()['cpu']}, {os.cpu_count()} logical CPUs, torch {torch_version()}, "
+        f"{time.strftime('%Y-%m-%d')}.",
         "",
         "Paper §4.1.1: sequences of up to 128 symbols (10 symbols + separator), 4 layers x 8 heads, batch 64,",
         "RAdam lr 1e-3 -> 1e-4 after 3000 updates; linear converges smoothly to softmax's loss, lsh stays above.",
@@ -231,6 +244,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--name", default="figure2_copy", help="results are <out>/<name>.{csv,md,png} and <name>_runs.csv")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop each run after this much wall clock (Lightning's max_time), keeping its curve")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite <name>.{md,png} from <name>.csv and <name>_runs.csv (nothing is trained)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other methods' runs already in <name>.csv (runs of an earlier invocation)")
     args = parser.parse_args(argv)
@@ -240,6 +255,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.report_only:
+        runs = sorted(earlier_runs(args.out, args.name, skip=[]), key=lambda run: METHODS.index(run["method"]))
+        write_results(runs, args, args.out)
+        print((args.out / f"{args.name}.md").read_text())
+        return
 
     log_root = args.log_root
     for method in args.methods:  # a fresh version_0 per method: our own scratch space
