@@ -137,3 +137,47 @@ def test_links_into_the_notes_name_a_section():
     slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
     anchors = re.findall(r"\]\(NOTES\.md#([^)\s]+)\)", (BENCHMARKS / "README.md").read_text())
     assert anchors and not [a for a in anchors if a not in slugs], (anchors, sorted(slugs))
+
+
+def _import_paper_script(name: str):
+    sys.path.insert(0, str(BENCHMARKS / "paper"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS / "paper"))
+
+
+def test_generation_times_the_trained_checkpoints(tmp_path):
+    """generation.py --trained RUNS loads each method's newest best checkpoint of mnist_table1.py's runs
+    (both softmax methods the softmax run's), refuses a run of the wrong backend or a missing one, and
+    says in the report which models it timed."""
+    import lightning
+    import torch
+
+    from linformer_lab.tasks.image_generation import ImageGenerationTask
+
+    generation = _import_paper_script("generation")
+
+    def save(run: str, backend: str, name: str, d_model: int) -> None:
+        torch.manual_seed(0)
+        task = ImageGenerationTask(attention={"backend": backend}, n_layers=1, n_heads=2, d_model=d_model, d_ff=16,
+                                   num_mixtures=2)
+        folder = tmp_path / f"mnist_cpu_{run}" / "version_0" / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"state_dict": task.state_dict(), "hyper_parameters": dict(task.hparams),
+                    "pytorch-lightning_version": lightning.__version__}, folder / name)
+
+    save("linear", "linear", "best-epoch=0-step=1.ckpt", 8)
+    save("linear", "linear", "best-epoch=0-step=2.ckpt", 16)  # written last: the newest best
+    save("softmax", "linear", "best-epoch=0-step=1.ckpt", 8)  # a run of the wrong backend
+    model = generation.trained_model("linear", str(tmp_path), "cpu")
+    assert model.d_model == 16 and model.attention_config.backend == "linear" and not model.training
+    with pytest.raises(SystemExit, match="is a linear model, not stateful-softmax"):
+        generation.trained_model("stateful-softmax", str(tmp_path), "cpu")
+    with pytest.raises(SystemExit, match="no best-.*mnist_cpu_lsh1.*--methods lsh1"):
+        generation.trained_model("lsh-1", str(tmp_path), "cpu")
+
+    generation.main(["--trained", str(tmp_path), "--quick", "--methods", "linear", "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "generation_cpu_quick_mnist_trained.md").read_text()
+    assert f"trained CPU-recipe checkpoints of benchmarks/paper/mnist_table1.py under `{tmp_path}`" in text
+    assert "| linear |" in text and "## CIFAR-10" not in text

@@ -36,17 +36,17 @@ A timed step is exactly the step the generation loop runs at that position: for 
 the forward over the prefix ``0..t`` plus head and sampling; for ``lsh-*`` the library's
 ``Transformer.step`` on a prefix state holding ``t`` earlier inputs, plus head and sampling.
 
-CPU runs use ``--threads`` intra-op threads for every method (default 1: on this 2-core
-shared machine two threads made every method several times slower, e.g. the recompute step
-at t = 400 took 1.1 s with 2 threads against 0.09 s with one, at load average ~3.5).
+CPU runs use ``--threads`` intra-op threads for every method (default 1: on a loaded 2-core machine
+two threads made the recompute step at t = 400 take 1.1 s against 0.09 s with one).
 GPU runs (``--device cuda``) time with CUDA events and also search the largest batch of
 MNIST images that ``linear`` generates at once (``--max-batch``; paper: 10,000 on an 11 GB GPU).
 
     uv run python benchmarks/paper/generation.py                 # full CPU run (~30-40 min on 2 cores)
     uv run python benchmarks/paper/generation.py --quick         # smoke run (~1-2 min)
     uv run python benchmarks/paper/generation.py --device cuda   # GPU: CUDA events, max linear batch
+    uv run python benchmarks/paper/generation.py --trained logs  # Tables 4, 5 on the trained CPU-recipe MNIST models
 
-Writes ``benchmarks/paper/results/generation_<device>[_quick].{csv,md,png}``; ``--replot CSV`` only redraws the PNG.
+Writes ``benchmarks/paper/results/generation_<device>[_quick][_tag].{csv,md,png}``; ``--replot CSV`` redraws the PNG.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
 import common  # noqa: E402
 from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdown, plot  # noqa: E402
+from mnist_table1 import best_checkpoint  # noqa: E402
 
 from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
@@ -71,6 +72,7 @@ from linformer_lab.models import generation  # noqa: E402
 from linformer_lab.models.generation import STEP_WEIGHT_FORMATS  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
 from linformer_lab.ops.state import state_nbytes  # noqa: E402
+from linformer_lab.tasks.image_generation import ImageGenerationTask  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -86,13 +88,28 @@ def attention_config(method: str, dataset: str) -> AttentionConfig:
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def build_model(method: str, dataset: str, device: str, seed: int = 0) -> PixelTransformer:
+def build_model(method: str, dataset: str, device: str, seed: int = 0, trained: str | None = None) -> PixelTransformer:
+    if trained:
+        return trained_model(method, trained, device)
     spec = DATASETS[dataset]
     torch.manual_seed(seed)
     model = PixelTransformer(
         attention_config(method, dataset), n_layers=spec["n_layers"], n_heads=8, d_model=256, d_ff=1024,
         num_mixtures=10, image_shape=spec["image_shape"],
     )
+    return model.to(device).eval()
+
+
+#: --trained: the run of benchmarks/paper/mnist_table1.py behind each method (both softmaxes time one model)
+TRAINED_RUN = {"linear": "linear", "softmax": "softmax", "stateful-softmax": "softmax", "lsh-1": "lsh1", "lsh-4": "lsh4"}
+
+
+def trained_model(method: str, runs: str, device: str) -> PixelTransformer:
+    """The model that Table 1 at CPU scale reports for ``method``: its run's best checkpoint."""
+    path = best_checkpoint(TRAINED_RUN[method], runs)
+    model = ImageGenerationTask.load_from_checkpoint(path, map_location=device).model
+    if model.attention_config.backend != attention_config(method, "mnist").backend:
+        raise SystemExit(f"--trained: {path} is a {model.attention_config.backend} model, not {method}")
     return model.to(device).eval()
 
 
@@ -153,7 +170,7 @@ class StateRecorder:
     def __call__(self, transformer, x_t, state=None):
         out, state = self.step(transformer, x_t, state)
         if self.position == 0 or self.position == self.model.seq_len - 1:
-            nbytes = _state_bytes(state)
+            nbytes = state_nbytes(state)  # lsh's state: its prefix of inputs, a SequenceBuffer
             alloc = torch.cuda.memory_allocated() if self.cuda else None
             if self.position == 0:
                 self.first_bytes, self.first_alloc = nbytes, alloc
@@ -168,10 +185,6 @@ class StateRecorder:
 
     def __exit__(self, *exc):
         generation.fast_step = self.step
-
-
-def _state_bytes(state) -> int:
-    return state_nbytes(state)  # lsh's state is its prefix of inputs, a SequenceBuffer
 
 
 def fit_total(positions: list[int], seconds: list[float], n: int) -> tuple[float, list[float]]:
@@ -328,7 +341,7 @@ def run(args) -> tuple[list[dict], dict]:
         args.positions)) + 1) for d, b in plan) + (1 if device == "cuda" else 0)
     bar = _progress(total)
     for dataset, batch in plan:
-        built = {m: build_model(m, dataset, device) for m in args.methods if m in RECURRENT}
+        built = {m: build_model(m, dataset, device, trained=args.trained) for m in args.methods if m in RECURRENT}
         recurrent = {(m, fmt): model for m, model in built.items() for fmt in formats(batch)}
         load_before = os.getloadavg()[0]
         repeats = args.repeats if batch == 1 else args.repeats_batch
@@ -343,7 +356,7 @@ def run(args) -> tuple[list[dict], dict]:
                 bar.update()
         del recurrent, built
         for method in [m for m in args.methods if m not in RECURRENT]:
-            model = build_model("softmax" if method == "softmax" else method, dataset, device)
+            model = build_model(method, dataset, device, trained=args.trained)
             positions = spread_positions(model.seq_len, args.positions)
             results[method, "model"] = measure_recompute(method, model, batch, positions,
                                                          args.step_repeats if batch == 1 else args.step_repeats_batch,
@@ -396,6 +409,7 @@ def main(argv=None):
                    help="weight copies the recurrent methods' steps read (generate(step_weights=...)); formats other "
                         "than model are timed at batch 1 only (they are a latency measure)")
     p.add_argument("--latency-only", action="store_true", help="batch 1 only (no throughput batch)")
+    p.add_argument("--trained", metavar="RUNS", help="time mnist_table1.py's trained MNIST models (runs under RUNS: logs)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--quick", action="store_true", help="smoke run: MNIST, batch 1 and 8, 1 repeat, 3 positions")
     p.add_argument("--out", default=RESULTS)
@@ -418,6 +432,8 @@ def main(argv=None):
         args.batch["mnist"] = args.batch_mnist or 8
         args.full_budget = min(args.full_budget, 0.0)
         args.max_batch = args.max_batch[:2]
+    if args.trained:  # only MNIST has a CPU recipe
+        args.datasets, args.tag = ["mnist"], args.tag or "mnist_trained"
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

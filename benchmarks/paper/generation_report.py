@@ -161,9 +161,10 @@ def markdown(rows, extra, args, header_lines) -> str:
         out.append(common.markdown_table(
             ["Dataset", "step weights", "linear, s / image", "its linear layers alone, s / image", "share"], body))
         out += ["", "The linear layers alone: the 4 weight products of every layer, once per sub-pixel, with the same "
-                "kernels and weight copy as generate(). At batch 1 a step reads every weight once (MNIST 25 MB, "
-                "CIFAR-10 50 MB in fp32; half in bfloat16, a quarter in int8), so this is a memory-bandwidth floor "
-                "that no change to the attention can remove."]
+                "kernels and weight copy as generate(). At batch 1 a step reads every weight once ("
+                + ("the 4 x 128 model: 3 MB in fp32" if getattr(args, "trained", None) else
+                   "MNIST 25 MB, CIFAR-10 50 MB in fp32; half in bfloat16, a quarter in int8")
+                + "), so this is the floor that no change to the attention can remove."]
     out += ["", "## Memory per image during generation (state after the first and the last sub-pixel)", ""]
     out += memory_lines(rows, args.datasets)
     if extra.get("max_batch"):
@@ -227,10 +228,14 @@ def header_lines(args, device: str, wall: float, load_start: str) -> list[str]:
     return [
         f"# Image generation throughput and latency ({args.device}; paper Tables 1, 2, 4, 5)", "",
         f"- device: {device}",
-        "- models: random weights (speed does not depend on training; bits/dim \"—\"); d_model 256, 8 heads, d_ff 1024, "
-        "10 logistics; MNIST 8 layers / 784 sub-pixels, CIFAR-10 16 layers / 3072; fp32; temperature 1",
+        (f"- models: the trained CPU-recipe checkpoints of benchmarks/paper/mnist_table1.py under `{args.trained}` "
+         "(configs/mnist_cpu_*.yaml: 4 layers x 128, 4 heads; bits/dim in mnist_table1.md); fp32; temperature 1"
+         if getattr(args, "trained", None) else
+         "- models: random weights (speed does not depend on training; bits/dim \"—\"); d_model 256, 8 heads, d_ff 1024, "
+         "10 logistics; MNIST 8 layers / 784 sub-pixels, CIFAR-10 16 layers / 3072; fp32; temperature 1"),
         ("- batch 1 only (--latency-only)" if args.latency_only else
-         f"- throughput batch: MNIST {args.batch['mnist']}, CIFAR-10 {args.batch['cifar10']} (the same for every method; "
+         "- throughput batch: " + ", ".join(f"{DATASETS[d]['title']} {args.batch[d]}" for d in args.datasets)
+         + " (the same for every method; "
          + ("chosen, not the largest that fits: on CPU memory is no limit at these sizes" if not gpu
             else "see the max-batch table for linear")
          + "); latency: batch 1"),

@@ -56,6 +56,16 @@ def root(method: str) -> Path:
     return REPO / "logs" / f"mnist_cpu_{method}"
 
 
+def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
+    """The newest ``best-*.ckpt`` of ``cli.py fit --config mnist_cpu_M.yaml`` under ``runs/mnist_cpu_M``."""
+    run_dir = Path(runs) / f"mnist_cpu_{method}"
+    found = sorted(run_dir.glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it first with "
+                         f"benchmarks/paper/mnist_table1.py --methods {method}")
+    return found[-1]
+
+
 def command(subcommand: str, method: str, *extra: str) -> list[str]:
     return [sys.executable, "cli.py", subcommand, "--config", f"mnist_cpu_{method}.yaml",
             "--trainer.enable_progress_bar=false", *extra]
