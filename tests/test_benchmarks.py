@@ -147,7 +147,7 @@ def _import_paper_script(name: str):
         sys.path.remove(str(BENCHMARKS / "paper"))
 
 
-def test_generation_times_the_trained_checkpoints(tmp_path):
+def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
     """generation.py --trained RUNS loads each method's newest best checkpoint of mnist_table1.py's runs
     (both softmax methods the softmax run's), refuses a run of the wrong backend or a missing one, and
     says in the report which models it timed."""
@@ -181,3 +181,12 @@ def test_generation_times_the_trained_checkpoints(tmp_path):
     text = (tmp_path / "out" / "generation_cpu_quick_mnist_trained.md").read_text()
     assert f"trained CPU-recipe checkpoints of benchmarks/paper/mnist_table1.py under `{tmp_path}`" in text
     assert "| linear |" in text and "## CIFAR-10" not in text
+
+    # mnist_table1.py's report shows those timings beside the paper's Tables 4 and 5
+    mnist_table1 = _import_paper_script("mnist_table1")
+    monkeypatch.setattr(mnist_table1, "TIMINGS", tmp_path / "out" / "generation_cpu_quick_mnist_trained.csv")
+    lines = mnist_table1.timing_lines()
+    assert lines[1] == "## Tables 4 and 5 on these models" and "images/s, batch 8" in lines[-1]
+    assert re.search(r"\| linear \| [\d.]+ \| 1x \| 5.5 \| 1x \| [\d.]+ \| 1x \| 142.8 \|", lines[-1]), lines[-1]
+    monkeypatch.setattr(mnist_table1, "TIMINGS", tmp_path / "none.csv")
+    assert mnist_table1.timing_lines() == []

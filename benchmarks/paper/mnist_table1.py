@@ -165,6 +165,40 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+#: The paper's Table 4 (images/s on a GPU, MNIST) and Table 5 (CPU seconds per image at batch 1).
+PAPER_TIMES = {"softmax": (0.45, 72.6), "stateful-softmax": (7.56, 7.4), "lsh-1": (0.68, 46.0), "lsh-4": (0.27, 112.0),
+               "linear": (142.8, 5.5)}
+TIMINGS = RESULTS / "generation_cpu_mnist_trained.csv"  # benchmarks/paper/generation.py --trained logs
+
+
+def timing_lines() -> list[str]:
+    """Tables 4 and 5 on the trained models, from ``generation.py --trained``'s CSV (none if not run)."""
+    if not TIMINGS.exists():
+        return []
+    with open(TIMINGS) as f:
+        rows = [r for r in csv.DictReader(f) if r["step_weights"] == "model"]
+    large = max(int(r["batch"]) for r in rows)
+    at = {(r["method"], int(r["batch"])): float(r["seconds_per_image"]) for r in rows}
+    lin1, lin_large = at.get(("linear", 1)), at.get(("linear", large))
+    body = []
+    for method, (paper_img_s, paper_cpu_s) in PAPER_TIMES.items():
+        if (method, 1) not in at:
+            continue
+        s1, s_large = at[method, 1], at.get((method, large))
+        body.append([method, f"{s1:.3g}", f"{s1 / lin1:.3g}x" if lin1 else "—", paper_cpu_s, f"{paper_cpu_s / 5.5:.3g}x",
+                     "—" if s_large is None else f"{1 / s_large:.3g}",
+                     "—" if s_large is None or not lin_large else f"{s_large / lin_large:.3g}x", paper_img_s])
+    fitted = sorted({r["method"] for r in rows if r["source"] == "fit"})
+    return ["", "## Tables 4 and 5 on these models", "",
+            "From `python benchmarks/paper/generation.py --trained logs` "
+            "([generation_cpu_mnist_trained.md](generation_cpu_mnist_trained.md): machine, threads, load, how each "
+            "method is timed). linear steps in RNN mode, stateful-softmax with a KV cache, softmax and lsh recompute the "
+            "prefix at every step" + (f" ({', '.join(fitted)}: a fit of timed steps, not whole images)" if fitted else "")
+            + ". The paper's images/s are on a GPU, its seconds on a CPU.", "",
+            markdown_table(["method", "s / image, batch 1", "÷ linear's", "paper CPU s", "paper ÷ linear's",
+                            f"images/s, batch {large}", "linear's ÷ this", "paper images/s (GPU)"], body)]
+
+
 def write_report(results: list[dict], args) -> None:
     write_csv(str(RESULTS / "mnist_table1.csv"), [
         {"method": r["method"], "test_bits_per_dim": r["test_bpd"], "paper_bits_per_dim": PAPER_BITS_PER_DIM[r["method"]],
@@ -190,7 +224,7 @@ def write_report(results: list[dict], args) -> None:
         + markdown_table(["method", "paper bits/dim", "ours, test bits/dim", "updates", "training minutes", "command"], rows)
         + "\n\nValidation bits/dim against updates: [mnist_table1.png](mnist_table1.png). Samples and completions "
         "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results))
-        + ".\n" + (f"\n{args.note}\n" if args.note else "")
+        + ".\n" + (f"\n{args.note}\n" if args.note else "") + "\n".join(timing_lines()) + "\n"
     )
 
 
