@@ -47,6 +47,27 @@ def test_elu_matches_definition_and_stays_positive_in_half_precision():
     torch.testing.assert_close(x.grad, torch.tensor([math.exp(-20.0), math.exp(-1.0), 1.0]))
 
 
+def test_elu_gradients_are_autograds_of_the_definition_to_second_order():
+    """EluPlusOne's written-out backward (min(phi, 1)) against float64 autograd of elu(x) + 1, first
+    and second order, at points on both sides of 0 and far out where exp(x) of the unused branch
+    overflows; and gradcheck/gradgradcheck of the map itself."""
+    fm = ll.build_feature_map("elu", query_dim=5)
+    x = torch.tensor([[-40.0, -3.0, -0.2, 0.3, 100.0], [-1.0, 0.01, -0.01, 5.0, 1000.0]], dtype=torch.float64,
+                     requires_grad=True)
+    weights = torch.randn(2, 5, dtype=torch.float64)
+    for phi in (fm, lambda t: torch.nn.functional.elu(t) + 1):
+        (grad,) = torch.autograd.grad((phi(x) * weights).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad(grad.pow(2).sum(), x)
+        if phi is fm:
+            ours = grad.detach(), second
+        else:
+            torch.testing.assert_close(ours[0], grad.detach(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(ours[1], second, rtol=1e-12, atol=0)
+    assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fm, (x,)) and torch.autograd.gradgradcheck(fm, (x,))
+
+
 def test_poly2_is_exactly_the_degree_two_polynomial_kernel():
     d = 7
     fm = ll.build_feature_map("poly2", query_dim=d)
