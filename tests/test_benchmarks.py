@@ -190,3 +190,20 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
     assert re.search(r"\| linear \| [\d.]+ \| 1x \| 5.5 \| 1x \| [\d.]+ \| 1x \| 142.8 \|", lines[-1]), lines[-1]
     monkeypatch.setattr(mnist_table1, "TIMINGS", tmp_path / "none.csv")
     assert mnist_table1.timing_lines() == []
+
+
+def test_cpu_floors_reports_every_path_against_its_floor(tmp_path):
+    """cpu_floors.py --quick: the GEMM rate, the causal op with its FLOP share, the training update with
+    images/s and a profile; the chunked algorithm's FLOP count is the sum of its matrix products."""
+    cpu_floors = _import_paper_script("cpu_floors")
+    n, c, m, chunk = 64, 8, 4, 16
+    forward = 2 * n * chunk * c + 2 * n * chunk * m + 2 * n * c * m + 2 * n * c * m  # scores, scores @ V, q S, k^T v
+    assert cpu_floors.causal_flops(2, 3, n, c, m, chunk) == 2 * 3 * 3 * forward
+    cpu_floors.main(["--quick", "--parts", "causal", "training", "--out", str(tmp_path)])
+    text = (tmp_path / "cpu_floors_quick.md").read_text()
+    assert re.search(r"GEMM rate \(fp32 mm 512\^2\): \*\*\d+ GFLOP/s\*\*", text)
+    assert "| B=1 H=2 N=256 D=M=16 |" in text and "| B=2 H=2 N=512 D=M=32 |" in text
+    assert "| mnist_cpu_linear.yaml, batch 4, fp32 |" in text and "aten::" in text
+    assert "## RNN step" not in text  # not asked for
+    rows = (tmp_path / "cpu_floors_quick.csv").read_text().splitlines()
+    assert len(rows) == 4 and all(float(r.split(",")[0]) > 0 for r in rows[1:])
