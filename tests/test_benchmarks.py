@@ -207,3 +207,17 @@ def test_cpu_floors_reports_every_path_against_its_floor(tmp_path):
     assert "## RNN step" not in text  # not asked for
     rows = (tmp_path / "cpu_floors_quick.csv").read_text().splitlines()
     assert len(rows) == 4 and all(float(r.split(",")[0]) > 0 for r in rows[1:])
+
+
+def test_compare_revisions_train_child_times_updates_of_the_configs_model():
+    """compare_revisions.py train's child: updates of configs/<config>'s model from the package it imported."""
+    sys.path.insert(0, str(BENCHMARKS / "dev"))
+    try:
+        import compare_revisions
+    finally:
+        sys.path.remove(str(BENCHMARKS / "dev"))
+    child = compare_revisions.train_child("mnist_cpu_linear.yaml", updates=1, threads=1)
+    assert Path(child["package"]).resolve() == REPO and child["update"] > 0
+    args = compare_revisions.parser().parse_args(["train", "--rev", "HEAD~1", "--updates", "2"])
+    assert (args.config, args.rounds, args.updates, args.out) == (
+        "mnist_cpu_linear.yaml", 5, 2, str(compare_revisions.DEFAULT_OUT["train"]))

@@ -3,6 +3,7 @@
     uv run python benchmarks/dev/compare_revisions.py generate --rev HEAD~1
     uv run python benchmarks/dev/compare_revisions.py generate --rev HEAD~1 --batch 64 --rounds 3
     uv run python benchmarks/dev/compare_revisions.py causal --rev HEAD~1
+    uv run python benchmarks/dev/compare_revisions.py train --rev HEAD~1 --config mnist_cpu_linear.yaml
 
 Both measurements resolve ``--rev`` to a commit once (HEAD may move on while they run) and put
 the package as it was there in a temporary folder (``git archive``); "old" is that copy, "new"
@@ -29,6 +30,11 @@ numerator at a few shapes:
 
 Calls rotate between the variants (interleaved_medians), so load changes hit all alike.
 Results: ``<--out>.{csv,md}`` (default ``benchmarks/dev/results/causal_state_overhead``).
+
+``train``: one training update (forward, backward, gradient clipping, RAdam) of the image model of
+``configs/<--config>`` at its batch size, fp32, random images; child processes per variant
+alternating, as ``generate``. Results: ``<--out>_<config stem>.{csv,md}`` (default
+``benchmarks/dev/results/train_revisions_<config stem>``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "dev" / "results"
-DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead"}
+DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead",
+               "train": RESULTS / "train_revisions"}
 VARIANTS = ("old", "new")
 MODES = ("prefill", "stepped")
 CHUNK_FILE = "linformer_lab/ops/linear_attention/chunk.py"
@@ -105,19 +112,71 @@ def generate_child(batch: int, calls: int, threads: int) -> dict:
     return {"package": package, **{mode: statistics.median(s) for mode, s in seconds.items()}}
 
 
+def train_child(config: str, updates: int, threads: int) -> dict:
+    """Runs in a process whose ``linformer_lab`` is one variant's; returns the median seconds per update."""
+    import torch
+    import yaml
+
+    from linformer_lab.tasks.image_generation import ImageGenerationTask
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    spec = yaml.safe_load((REPO / "configs" / config).read_text())
+    task = ImageGenerationTask(**spec["model"]["init_args"])
+    batch = spec["data"]["init_args"]["batch_size"]
+    images = torch.randint(0, 256, (batch, *task.model.image_shape), dtype=torch.uint8)
+    optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
+    seconds = []
+    for update in range(updates + 1):  # the first update warms up
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        task.model.nll(images).mean().backward()
+        torch.nn.utils.clip_grad_norm_(task.parameters(), 1.0)
+        optimizer.step()
+        if update:
+            seconds.append(time.perf_counter() - start)
+    import linformer_lab
+
+    return {"package": str(Path(linformer_lab.__file__).parents[1]), "update": statistics.median(seconds)}
+
+
 def run_generate(args) -> None:
     with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:
-        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)})
+        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)},
+                          ["--batch", str(args.batch), "--calls", str(args.calls)])
     write_generate_results(args, runs)
 
 
-def run_rounds(args, roots: dict[str, str]) -> dict[str, list[dict]]:
+def run_train(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:
+        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)},
+                          ["--config", args.config, "--updates", str(args.updates)])
+    median = {v: statistics.median(r["update"] for r in runs[v]) for v in VARIANTS}
+    info = machine_info()
+    out = Path(f"{args.out}_{Path(args.config).stem}")
+    write_csv(str(out.with_suffix(".csv")), [{"config": args.config, "old_s": median["old"], "new_s": median["new"],
+                                              "new_over_old": median["new"] / median["old"], "rounds": args.rounds}])
+    lines = [
+        f"# One training update at {args.rev} = {args.commit} (old) and the working tree (new), interleaved", "",
+        command_line(args, f" --config {args.config} --rounds {args.rounds} --updates {args.updates}")
+        + f" ({time.strftime('%Y-%m-%d')}); {info['cpu']}, {os.cpu_count()} cores, {args.threads} torch threads. "
+        f"configs/{args.config}'s model and batch, fp32, random images; seconds per update (median over rounds of each "
+        "child's median).", "",
+        markdown_table(["config", "old s", "new s", "new / old"],
+                       [[args.config, f"{median['old']:.3f}", f"{median['new']:.3f}", f"{median['new'] / median['old']:.3f}"]]),
+        "",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def run_rounds(args, roots: dict[str, str], child_options: list[str]) -> dict[str, list[dict]]:
+    """``--rounds`` rounds of one child process per variant (old, new), each with ``PYTHONPATH`` on its package."""
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for round_ in range(args.rounds):
         for variant in VARIANTS:
             env = {**os.environ, "PYTHONPATH": roots[variant]}
-            command = [sys.executable, __file__, "generate", "--child", "--batch", str(args.batch), "--calls", str(args.calls),
-                       "--threads", str(args.threads)]
+            command = [sys.executable, __file__, args.what, "--child", "--threads", str(args.threads), *child_options]
             out = subprocess.run(command, env=env, cwd=roots[variant], capture_output=True, text=True, check=True).stdout
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))
             if Path(runs[variant][-1]["package"]).resolve() != Path(roots[variant]).resolve():
@@ -235,16 +294,26 @@ def parser() -> argparse.ArgumentParser:
     causal.add_argument("--threads", type=int, default=2)
     causal.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the shapes to run (smallest first)")
     causal.add_argument("--out", default=str(DEFAULT_OUT["causal"]), help="prefix of the result files (.{csv,md})")
+    train = sub.add_parser("train", help="one training update of a config's image model, child processes alternating")
+    train.add_argument("--rev", default="HEAD", help="git revision of the 'old' variant")
+    train.add_argument("--config", default="mnist_cpu_linear.yaml", help="an image-generation config in configs/")
+    train.add_argument("--rounds", type=int, default=5, help="child processes per variant, alternating")
+    train.add_argument("--updates", type=int, default=5, help="timed updates in each child")
+    train.add_argument("--threads", type=int, default=2)
+    train.add_argument("--out", default=str(DEFAULT_OUT["train"]), help="prefix of the result files (_<config>.{csv,md})")
+    train.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if args.what == "generate" and args.child:
-        print(json.dumps(generate_child(args.batch, args.calls, args.threads)))
+    if getattr(args, "child", False):
+        child = (generate_child(args.batch, args.calls, args.threads) if args.what == "generate"
+                 else train_child(args.config, args.updates, args.threads))
+        print(json.dumps(child))
         return
     args.commit = resolve_commit(args.rev)
-    {"generate": run_generate, "causal": run_causal}[args.what](args)
+    {"generate": run_generate, "causal": run_causal, "train": run_train}[args.what](args)
 
 
 if __name__ == "__main__":
