@@ -1,0 +1,372 @@
+// The causal numerator of linear attention (eq. 9) on CPU, forward and backward (eq. 13-15):
+//
+//   out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T)      q, k (rows, N, C), v (rows, N, M)
+//
+// chunked as linformer_lab/ops/linear_attention/chunk.py (the pure-PyTorch reference): per chunk
+// of L positions an (L x L) masked product inside the chunk plus the product with the state S at
+// the chunk boundary. Unlike chunk.py every product here is a small cache-resident loop nest
+// (no per-op dispatch, no temporaries of input size), and the threads split either the rows
+// (rows >= threads: each row runs its chunks in order with a running state) or, when there are
+// fewer rows than threads, the chunks (pass 1: each chunk's K^T V in parallel; a prefix sum of
+// the chunk states; pass 2: the outputs in parallel). The backward is the same with suffix states
+// R = grad S_N + sum_{j >= i} q_j g_j^T. Memory: the inputs, the outputs and the (N / L, C, M)
+// chunk-boundary states kept for the backward, O(N max(C, M)) for L >= min(C, M).
+//
+// Built without -march (one cached build serves every x86 CPU), so the hot loops carry
+// target_clones: GCC compiles them for AVX-512, AVX2+FMA and the baseline, and the loader picks
+// the best the CPU has. Built by linformer_lab/ops/cpu/__init__.py; called from
+// linformer_lab/ops/linear_attention/cpu_kernel.py.
+
+// The 64-byte vectors below are always inlined, so no function passes one: their ABI note does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE inline __attribute__((always_inline))
+
+namespace {
+
+// A 64-byte vector (GCC's vector extension): one AVX-512 register, two AVX2 ones, four SSE ones;
+// each clone of the hot loops lowers it to its own instruction set.
+template <typename T>
+struct Vec {
+  typedef T type __attribute__((vector_size(64)));
+  static constexpr int kLanes = 64 / sizeof(T);
+};
+
+template <typename T>
+INLINE typename Vec<T>::type load(const T* p) {
+  typename Vec<T>::type x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+template <typename T>
+INLINE void store(T* p, typename Vec<T>::type x) {
+  std::memcpy(p, &x, sizeof(x));
+}
+
+constexpr int kRows = 6;  // output rows per register tile: 6 AVX-512 or 12 AVX2 accumulators
+
+// c[r][j] (+)= sum_{p in [p0, p1)} a[r * ar + p * ap] * b[p * ldb + j] for R rows and one vector
+// of columns: the R accumulators stay in registers over p.
+template <typename T, int R>
+INLINE void tile(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t p0,
+                 int64_t p1, bool accumulate) {
+  typename Vec<T>::type acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = accumulate ? load(c + r * ldc) : typename Vec<T>::type{};
+  for (int64_t p = p0; p < p1; ++p) {
+    const typename Vec<T>::type bp = load(b + p * ldb);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] += a[r * ar + p * ap] * bp;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store(c + r * ldc, acc[r]);
+}
+
+// The columns past the last full tile: the same sum with a run-time width.
+template <typename T, int R>
+INLINE void tail(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t p0,
+                 int64_t p1, int64_t w, bool accumulate) {
+  for (int r = 0; r < R; ++r) {
+    T* cr = c + r * ldc;
+    if (!accumulate)
+      for (int64_t j = 0; j < w; ++j) cr[j] = T(0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const T x = a[r * ar + p * ap];
+      const T* bp = b + p * ldb;
+      for (int64_t j = 0; j < w; ++j) cr[j] += x * bp[j];
+    }
+  }
+}
+
+template <typename T, int R>
+INLINE void row_block(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t n,
+                      int64_t p0, int64_t p1, bool accumulate) {
+  constexpr int lanes = Vec<T>::kLanes;
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) tile<T, R>(a, ar, ap, b + j, ldb, c + j, ldc, p0, p1, accumulate);
+  if (j < n) tail<T, R>(a, ar, ap, b + j, ldb, c + j, ldc, p0, p1, n - j, accumulate);
+}
+
+// Which p a block of rows [i, i + r) sums over: all, or (triangular operands) only p < i + r
+// (a lower-triangular left operand) or p >= i (an upper-triangular one, the transposed lower).
+enum Range { kAll, kLower, kUpper };
+
+// C (rows x n) (+)= A (rows x K) B (K x n), A(i, p) = a[i * ar + p * ap], B and C row-major.
+// With kLower / kUpper, A is triangular and its zero part is skipped.
+template <typename T>
+INLINE void gemm(int64_t rows, int64_t n, int64_t k, const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb,
+                 T* c, int64_t ldc, Range range, bool accumulate) {
+  for (int64_t i = 0; i < rows; i += kRows) {
+    const int r = static_cast<int>(std::min<int64_t>(kRows, rows - i));
+    const int64_t p0 = range == kUpper ? i : 0, p1 = range == kLower ? std::min(k, i + r) : k;
+    const T* ai = a + i * ar;
+    T* ci = c + i * ldc;
+    switch (r) {
+      case 6: row_block<T, 6>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 5: row_block<T, 5>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 4: row_block<T, 4>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 3: row_block<T, 3>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 2: row_block<T, 2>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      default: row_block<T, 1>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+    }
+  }
+}
+
+// dst (cols x rows) = src (rows x cols)^T: right operands must be row-major over their columns.
+template <typename T>
+INLINE void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
+// s (l x l) = tril(x y^T) for x, y (l x d); yt (d x l) is scratch. Only tiles on or below the
+// diagonal are computed; the entries above it are then zeroed.
+template <typename T>
+INLINE void masked_scores(const T* x, const T* y, int64_t l, int64_t d, T* yt, T* s) {
+  transpose(y, l, d, yt);
+  for (int64_t i = 0; i < l; i += kRows) {
+    const int64_t r = std::min<int64_t>(kRows, l - i);
+    // whole vectors of columns up to the diagonal (a run-time tail would be scalar code)
+    const int64_t cols = std::min(l, (i + r + Vec<T>::kLanes - 1) / Vec<T>::kLanes * Vec<T>::kLanes);
+    gemm(r, cols, d, x + i * d, d, 1, yt, l, s + i * l, l, kAll, false);
+    for (int64_t ii = i; ii < i + r; ++ii) std::fill(s + ii * l + ii + 1, s + (ii + 1) * l, T(0));
+  }
+}
+
+// The scratch of one thread: a few (L x L), (L x D) and (D x D) buffers, cache-resident.
+template <typename T>
+struct Scratch {
+  std::vector<T> t1, t2, s1, s2, m1, m2;
+  Scratch(int64_t l, int64_t c, int64_t m)
+      : t1(std::max(c, m) * l), t2(std::max(c, m) * l), s1(l * l), s2(l * l), m1(c * m), m2(c * m) {}
+};
+
+// out (l x M) = tril(Q K^T) V + Q S for one chunk; s (C x M) is the state before the chunk.
+template <typename T>
+INLINE void chunk_forward(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s, T* out,
+                          Scratch<T>& w) {
+  masked_scores(q, k, l, c, w.t1.data(), w.s1.data());
+  gemm(l, m, c, q, c, 1, s, m, out, m, kAll, false);
+  gemm(l, m, l, w.s1.data(), l, 1, v, m, out, m, kLower, true);
+}
+
+// u (C x M) (+)= x^T y for one chunk's x (l x C), y (l x M): K^T V (forward) or Q^T G (backward).
+template <typename T>
+INLINE void chunk_outer(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {
+  gemm(c, m, l, x, 1, c, y, m, u, m, kAll, accumulate);
+}
+
+// Gradients of one chunk (eq. 13-15), s = S before the chunk, r = R after it (C x M):
+//   grad q = tril(G V^T) K + G S^T,  grad k = tril(G V^T)^T Q + V R^T,  grad v = tril(Q K^T)^T G + K R.
+template <typename T>
+INLINE void chunk_backward(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g,
+                           const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {
+  T *gv_scores = w.s1.data(), *qk_scores = w.s2.data(), *st = w.m1.data(), *rt = w.m2.data();
+  masked_scores(g, v, l, m, w.t1.data(), gv_scores);
+  masked_scores(q, k, l, c, w.t2.data(), qk_scores);
+  transpose(s, c, m, st);
+  transpose(r, c, m, rt);
+  gemm(l, c, m, g, m, 1, st, c, gq, c, kAll, false);
+  gemm(l, c, l, gv_scores, l, 1, k, c, gq, c, kLower, true);
+  gemm(l, c, m, v, m, 1, rt, c, gk, c, kAll, false);
+  gemm(l, c, l, gv_scores, 1, l, q, c, gk, c, kUpper, true);
+  gemm(l, m, c, k, c, 1, r, m, gv, m, kAll, false);
+  gemm(l, m, l, qk_scores, 1, l, g, m, gv, m, kUpper, true);
+}
+
+// The entry points of the parallel loops, one machine-code version per instruction set.
+#define DEFINE_FOR(T)                                                                                         \
+  CLONES void forward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s,  \
+                            T* out, Scratch<T>& w) {                                                          \
+    chunk_forward(l, c, m, q, k, v, s, out, w);                                                               \
+  }                                                                                                           \
+  CLONES void outer_chunk(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {   \
+    chunk_outer(l, c, m, x, y, u, accumulate);                                                                \
+  }                                                                                                           \
+  CLONES void backward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g, \
+                             const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {                    \
+    chunk_backward(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);                                                 \
+  }
+DEFINE_FOR(float)
+DEFINE_FOR(double)
+#undef DEFINE_FOR
+
+// Rows run in parallel with their chunks in order when there are enough of them to share out
+// evenly; otherwise the chunks of all rows run in parallel (two passes and a scan).
+bool by_rows(int64_t rows) {
+  const int64_t threads = at::get_num_threads();
+  return rows >= 4 * threads || rows % threads == 0;
+}
+
+// An exclusive scan over chunks, in place, for all rows at once, in parallel over the C*M
+// entries: x (rows, n, size) holds each chunk's own sum (K^T V, or Q^T G) and becomes the sum of
+// `start` (rows, size; null: zero) and the chunks before it (after it, with `reverse`): the state
+// S before each chunk, or the suffix state R after it. `total` (rows, size) gets start + all.
+template <typename T>
+void scan(T* x, const T* start, T* total, int64_t rows, int64_t n, int64_t size, bool reverse) {
+  at::parallel_for(0, rows * size, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t row = e / size, i = e % size;
+      T* xr = x + row * n * size + i;
+      T running = start ? start[e] : T(0);
+      for (int64_t t = 0; t < n; ++t) {
+        T* cell = xr + (reverse ? n - 1 - t : t) * size;
+        const T own = *cell;
+        *cell = running;
+        running += own;
+      }
+      total[e] = running;
+    }
+  });
+}
+
+void check(const at::Tensor& t, const at::Tensor& like, int64_t dim, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == like.scalar_type(),
+              what, " must be a contiguous CPU tensor (rows, N, D) of q's dtype");
+  TORCH_CHECK(t.size(0) == like.size(0) && t.size(1) == like.size(1) && (dim < 0 || t.size(2) == dim), what,
+              " has the wrong shape");
+}
+
+// -> (out (rows, N, M), states (rows, ceil(N / L), C, M): S before each chunk, final S_N (rows, C, M))
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const c10::optional<at::Tensor>& initial, int64_t chunk) {
+  check(q, q, -1, "q");
+  check(k, q, q.size(2), "k");
+  check(v, q, -1, "v");
+  TORCH_CHECK(chunk > 0, "chunk must be positive");
+  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
+  auto out = at::empty({rows, n, m}, q.options());
+  auto states = at::empty({rows, chunks, c, m}, q.options());
+  at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone() : at::zeros({rows, c, m}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dot_forward", [&] {
+    using T = scalar_t;
+    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    T *op = out.data_ptr<T>(), *sp = states.data_ptr<T>(), *fp = final.data_ptr<T>();
+    const int64_t cm = c * m;
+    auto at_chunk = [&](int64_t row, int64_t t, int64_t& l, int64_t& off) {
+      off = row * n + t * chunk;
+      l = std::min(chunk, n - t * chunk);
+    };
+    if (by_rows(rows)) {
+      at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        Scratch<T> w(chunk, c, m);
+        for (int64_t row = begin; row < end; ++row) {
+          T* s = fp + row * cm;  // the running state, S_0 to start with
+          for (int64_t t = 0; t < chunks; ++t) {
+            int64_t l, off;
+            at_chunk(row, t, l, off);
+            std::memcpy(sp + (row * chunks + t) * cm, s, cm * sizeof(T));
+            forward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, s, op + off * m, w);
+            outer_chunk(l, c, m, kp + off * c, vp + off * m, s, true);
+          }
+        }
+      });
+    } else {
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 1: each chunk's K^T V
+        for (int64_t e = begin; e < end; ++e) {
+          int64_t l, off;
+          at_chunk(e / chunks, e % chunks, l, off);
+          outer_chunk(l, c, m, kp + off * c, vp + off * m, sp + e * cm, false);
+        }
+      });
+      const at::Tensor start = initial ? final.clone() : at::Tensor();
+      scan(sp, initial ? start.data_ptr<T>() : nullptr, fp, rows, chunks, cm, false);
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 2: outputs
+        Scratch<T> w(chunk, c, m);
+        for (int64_t e = begin; e < end; ++e) {
+          int64_t l, off;
+          at_chunk(e / chunks, e % chunks, l, off);
+          forward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, sp + e * cm, op + off * m, w);
+        }
+      });
+    }
+  });
+  return {out, states, final};
+}
+
+// -> (grad q, grad k, grad v, grad S_0 = R before position 0) from the forward's states and the
+// gradients of out (rows, N, M) and of the final state (rows, C, M) or None.
+std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& states, const c10::optional<at::Tensor>& grad_final, int64_t chunk) {
+  check(q, q, -1, "q");
+  check(k, q, q.size(2), "k");
+  check(v, q, -1, "v");
+  check(g, q, v.size(2), "grad");
+  TORCH_CHECK(chunk > 0, "chunk must be positive");
+  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
+  TORCH_CHECK(states.is_contiguous() && states.sizes() == at::IntArrayRef({rows, chunks, c, m}) &&
+                  states.scalar_type() == q.scalar_type(), "states do not fit the inputs");
+  auto gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+  at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone()
+                                : at::zeros({rows, c, m}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dot_backward", [&] {
+    using T = scalar_t;
+    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = g.data_ptr<T>();
+    const T* sp = states.data_ptr<T>();
+    T *gqp = gq.data_ptr<T>(), *gkp = gk.data_ptr<T>(), *gvp = gv.data_ptr<T>(), *rp = r_all.data_ptr<T>();
+    const int64_t cm = c * m;
+    auto run = [&](int64_t e, const T* r, Scratch<T>& w) {  // chunk e = row * chunks + t, R after it
+      const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk, l = std::min(chunk, n - t * chunk);
+      backward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, gp + off * m, sp + e * cm, r,
+                     gqp + off * c, gkp + off * c, gvp + off * m, w);
+    };
+    auto own = [&](int64_t e, T* u, bool accumulate) {  // u (+)= Q^T G of chunk e
+      const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk, l = std::min(chunk, n - t * chunk);
+      outer_chunk(l, c, m, qp + off * c, gp + off * m, u, accumulate);
+    };
+    if (by_rows(rows)) {
+      at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        Scratch<T> w(chunk, c, m);
+        for (int64_t row = begin; row < end; ++row) {
+          T* r = rp + row * cm;  // the running suffix state, grad S_N to start with
+          for (int64_t t = chunks - 1; t >= 0; --t) {
+            run(row * chunks + t, r, w);
+            own(row * chunks + t, r, true);
+          }
+        }
+      });
+    } else {
+      auto suffix = at::empty({rows, chunks, c, m}, q.options());
+      T* up = suffix.data_ptr<T>();
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 1: each chunk's Q^T G
+        for (int64_t e = begin; e < end; ++e) own(e, up + e * cm, false);
+      });
+      const at::Tensor start = grad_final ? r_all.clone() : at::Tensor();
+      scan(up, grad_final ? start.data_ptr<T>() : nullptr, rp, rows, chunks, cm, true);
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 2: gradients
+        Scratch<T> w(chunk, c, m);
+        for (int64_t e = begin; e < end; ++e) run(e, up + e * cm, w);
+      });
+    }
+  });
+  return {gq, gk, gv, r_all};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "Causal linear-attention numerator on CPU (linformer_lab/ops/cpu/causal_dot.cpp)";
+  module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, states, final_state]");
+  module.def("backward", &backward, "(q, k, v, grad_out, states, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
+  module.def("uses_clones", [] {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+    return true;
+#else
+    return false;
+#endif
+  });
+}
