@@ -195,3 +195,21 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
         warnings.simplefilter("error")
         chunk.causal_dot_product(q, k, v)  # not retried, not warned again
     assert taken == []
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_every_instruction_set_version_matches_the_reference(extension, threads, isa):
+    """The hot loops exist once per instruction set; the CPU's best runs by default, and every
+    version this CPU can run gives the reference (CI thus checks the ones its CPU has)."""
+    try:
+        before = extension.set_instruction_set(isa)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    try:
+        assert extension.instruction_set() == isa
+        for shape in [(1, 1, 100, 16, 48, 32), (2, 4, 70, 32, 32, 64)]:  # chunk schedule, row schedule
+            *bhncm, chunk_size = shape
+            tensors = _inputs(*bhncm)
+            _close(_kernel(*tensors, torch.float32, chunk_size), _reference(*tensors), torch.float32)
+    finally:
+        extension.set_instruction_set(before)

@@ -6,15 +6,15 @@
 // of L positions an (L x L) masked product inside the chunk plus the product with the state S at
 // the chunk boundary. Unlike chunk.py every product here is a small cache-resident loop nest
 // (no per-op dispatch, no temporaries of input size), and the threads split either the rows
-// (rows >= threads: each row runs its chunks in order with a running state) or, when there are
-// fewer rows than threads, the chunks (pass 1: each chunk's K^T V in parallel; a prefix sum of
+// (when they share out evenly: each row runs its chunks in order with a running state) or, as
+// when there are fewer rows than threads, the chunks (pass 1: each chunk's K^T V in parallel; a prefix sum of
 // the chunk states; pass 2: the outputs in parallel). The backward is the same with suffix states
 // R = grad S_N + sum_{j >= i} q_j g_j^T. Memory: the inputs, the outputs and the (N / L, C, M)
 // chunk-boundary states kept for the backward, O(N max(C, M)) for L >= min(C, M).
 //
-// Built without -march (one cached build serves every x86 CPU), so the hot loops carry
-// target_clones: GCC compiles them for AVX-512, AVX2+FMA and the baseline, and the loader picks
-// the best the CPU has. Built by linformer_lab/ops/cpu/__init__.py; called from
+// Built without -march (one cached build serves every x86-64 CPU), so the hot loops are compiled
+// three times, for AVX-512, AVX2 + FMA and the SSE2 baseline (target attributes), and the CPU's
+// best is picked when the library loads. Built by linformer_lab/ops/cpu/__init__.py; called from
 // linformer_lab/ops/linear_attention/cpu_kernel.py.
 
 // The 64-byte vectors below are always inlined, so no function passes one: their ABI note does not apply.
@@ -26,54 +26,65 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
 #define INLINE inline __attribute__((always_inline))
 
 namespace {
 
-// A 64-byte vector (GCC's vector extension): one AVX-512 register, two AVX2 ones, four SSE ones;
-// each clone of the hot loops lowers it to its own instruction set.
-template <typename T>
+// The hot loops are templates over B, the bytes of one SIMD register (GCC's vector extension):
+// compiled once per instruction set with B = 64 (AVX-512), 32 (AVX2 + FMA) and 16 (the x86-64
+// baseline, SSE2), each under its own target attribute, and picked at run time (`Isa`, below).
+// A register tile is 16 floats (8 doubles) wide in every version: one AVX-512 register, two AVX2
+// ones, four SSE ones per row. (64-byte vectors lowered to AVX2 ran 7x slower: spilled.)
+template <typename T, int B>
 struct Vec {
-  typedef T type __attribute__((vector_size(64)));
-  static constexpr int kLanes = 64 / sizeof(T);
+  typedef T type __attribute__((vector_size(B)));
+  static constexpr int kPerTile = 64 / B;             // registers per row of a tile
+  static constexpr int kWidth = 64 / sizeof(T);       // columns of a tile
+  static constexpr int kRows = B == 16 ? 3 : 6;       // rows of a tile: 6 (AVX-512), 12 (AVX2), 12 (SSE) accumulators
 };
 
-template <typename T>
-INLINE typename Vec<T>::type load(const T* p) {
-  typename Vec<T>::type x;
+template <typename T, int B>
+INLINE typename Vec<T, B>::type load(const T* p) {
+  typename Vec<T, B>::type x;
   std::memcpy(&x, p, sizeof(x));
   return x;
 }
 
-template <typename T>
-INLINE void store(T* p, typename Vec<T>::type x) {
+template <typename T, int B>
+INLINE void store(T* p, typename Vec<T, B>::type x) {
   std::memcpy(p, &x, sizeof(x));
 }
 
-constexpr int kRows = 6;  // output rows per register tile: 6 AVX-512 or 12 AVX2 accumulators
-
-// c[r][j] (+)= sum_{p in [p0, p1)} a[r * ar + p * ap] * b[p * ldb + j] for R rows and one vector
-// of columns: the R accumulators stay in registers over p.
-template <typename T, int R>
+// c[r][j] (+)= sum_{p in [p0, p1)} a[r * ar + p * ap] * b[p * ldb + j] for R rows and one tile
+// width of columns: the accumulators stay in registers over p.
+template <typename T, int B, int R>
 INLINE void tile(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t p0,
                  int64_t p1, bool accumulate) {
-  typename Vec<T>::type acc[R];
+  using V = typename Vec<T, B>::type;
+  constexpr int kPer = Vec<T, B>::kPerTile, kLanes = B / sizeof(T);
+  V acc[R][kPer];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = accumulate ? load(c + r * ldc) : typename Vec<T>::type{};
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < kPer; ++u) acc[r][u] = accumulate ? load<T, B>(c + r * ldc + u * kLanes) : V{};
   for (int64_t p = p0; p < p1; ++p) {
-    const typename Vec<T>::type bp = load(b + p * ldb);
+    V bp[kPer];
+#pragma GCC unroll 4
+    for (int u = 0; u < kPer; ++u) bp[u] = load<T, B>(b + p * ldb + u * kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] += a[r * ar + p * ap] * bp;
+    for (int r = 0; r < R; ++r) {
+      const T x = a[r * ar + p * ap];
+#pragma GCC unroll 4
+      for (int u = 0; u < kPer; ++u) acc[r][u] += x * bp[u];
+    }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) store(c + r * ldc, acc[r]);
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < kPer; ++u) store<T, B>(c + r * ldc + u * kLanes, acc[r][u]);
 }
 
 // The columns past the last full tile: the same sum with a run-time width.
@@ -92,12 +103,12 @@ INLINE void tail(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T*
   }
 }
 
-template <typename T, int R>
+template <typename T, int B, int R>
 INLINE void row_block(const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t n,
                       int64_t p0, int64_t p1, bool accumulate) {
-  constexpr int lanes = Vec<T>::kLanes;
+  constexpr int width = Vec<T, B>::kWidth;
   int64_t j = 0;
-  for (; j + lanes <= n; j += lanes) tile<T, R>(a, ar, ap, b + j, ldb, c + j, ldc, p0, p1, accumulate);
+  for (; j + width <= n; j += width) tile<T, B, R>(a, ar, ap, b + j, ldb, c + j, ldc, p0, p1, accumulate);
   if (j < n) tail<T, R>(a, ar, ap, b + j, ldb, c + j, ldc, p0, p1, n - j, accumulate);
 }
 
@@ -107,21 +118,22 @@ enum Range { kAll, kLower, kUpper };
 
 // C (rows x n) (+)= A (rows x K) B (K x n), A(i, p) = a[i * ar + p * ap], B and C row-major.
 // With kLower / kUpper, A is triangular and its zero part is skipped.
-template <typename T>
+template <typename T, int B>
 INLINE void gemm(int64_t rows, int64_t n, int64_t k, const T* a, int64_t ar, int64_t ap, const T* b, int64_t ldb,
                  T* c, int64_t ldc, Range range, bool accumulate) {
+  constexpr int64_t kRows = Vec<T, B>::kRows;
   for (int64_t i = 0; i < rows; i += kRows) {
     const int r = static_cast<int>(std::min<int64_t>(kRows, rows - i));
     const int64_t p0 = range == kUpper ? i : 0, p1 = range == kLower ? std::min(k, i + r) : k;
     const T* ai = a + i * ar;
     T* ci = c + i * ldc;
     switch (r) {
-      case 6: row_block<T, 6>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 5: row_block<T, 5>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 4: row_block<T, 4>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 3: row_block<T, 3>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 2: row_block<T, 2>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      default: row_block<T, 1>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 6: row_block<T, B, 6>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 5: row_block<T, B, 5>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 4: row_block<T, B, 4>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 3: row_block<T, B, 3>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      case 2: row_block<T, B, 2>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+      default: row_block<T, B, 1>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
     }
   }
 }
@@ -135,14 +147,15 @@ INLINE void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
 
 // s (l x l) = tril(x y^T) for x, y (l x d); yt (d x l) is scratch. Only tiles on or below the
 // diagonal are computed; the entries above it are then zeroed.
-template <typename T>
+template <typename T, int B>
 INLINE void masked_scores(const T* x, const T* y, int64_t l, int64_t d, T* yt, T* s) {
   transpose(y, l, d, yt);
+  constexpr int64_t kRows = Vec<T, B>::kRows, kWidth = Vec<T, B>::kWidth;
   for (int64_t i = 0; i < l; i += kRows) {
     const int64_t r = std::min<int64_t>(kRows, l - i);
-    // whole vectors of columns up to the diagonal (a run-time tail would be scalar code)
-    const int64_t cols = std::min(l, (i + r + Vec<T>::kLanes - 1) / Vec<T>::kLanes * Vec<T>::kLanes);
-    gemm(r, cols, d, x + i * d, d, 1, yt, l, s + i * l, l, kAll, false);
+    // whole tiles of columns up to the diagonal (a run-time tail would be scalar code)
+    const int64_t cols = std::min(l, (i + r + kWidth - 1) / kWidth * kWidth);
+    gemm<T, B>(r, cols, d, x + i * d, d, 1, yt, l, s + i * l, l, kAll, false);
     for (int64_t ii = i; ii < i + r; ++ii) std::fill(s + ii * l + ii + 1, s + (ii + 1) * l, T(0));
   }
 }
@@ -156,54 +169,112 @@ struct Scratch {
 };
 
 // out (l x M) = tril(Q K^T) V + Q S for one chunk; s (C x M) is the state before the chunk.
-template <typename T>
+template <typename T, int B>
 INLINE void chunk_forward(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s, T* out,
                           Scratch<T>& w) {
-  masked_scores(q, k, l, c, w.t1.data(), w.s1.data());
-  gemm(l, m, c, q, c, 1, s, m, out, m, kAll, false);
-  gemm(l, m, l, w.s1.data(), l, 1, v, m, out, m, kLower, true);
+  masked_scores<T, B>(q, k, l, c, w.t1.data(), w.s1.data());
+  gemm<T, B>(l, m, c, q, c, 1, s, m, out, m, kAll, false);
+  gemm<T, B>(l, m, l, w.s1.data(), l, 1, v, m, out, m, kLower, true);
 }
 
 // u (C x M) (+)= x^T y for one chunk's x (l x C), y (l x M): K^T V (forward) or Q^T G (backward).
-template <typename T>
+template <typename T, int B>
 INLINE void chunk_outer(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {
-  gemm(c, m, l, x, 1, c, y, m, u, m, kAll, accumulate);
+  gemm<T, B>(c, m, l, x, 1, c, y, m, u, m, kAll, accumulate);
 }
 
 // Gradients of one chunk (eq. 13-15), s = S before the chunk, r = R after it (C x M):
 //   grad q = tril(G V^T) K + G S^T,  grad k = tril(G V^T)^T Q + V R^T,  grad v = tril(Q K^T)^T G + K R.
-template <typename T>
+template <typename T, int B>
 INLINE void chunk_backward(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g,
                            const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {
   T *gv_scores = w.s1.data(), *qk_scores = w.s2.data(), *st = w.m1.data(), *rt = w.m2.data();
-  masked_scores(g, v, l, m, w.t1.data(), gv_scores);
-  masked_scores(q, k, l, c, w.t2.data(), qk_scores);
+  masked_scores<T, B>(g, v, l, m, w.t1.data(), gv_scores);
+  masked_scores<T, B>(q, k, l, c, w.t2.data(), qk_scores);
   transpose(s, c, m, st);
   transpose(r, c, m, rt);
-  gemm(l, c, m, g, m, 1, st, c, gq, c, kAll, false);
-  gemm(l, c, l, gv_scores, l, 1, k, c, gq, c, kLower, true);
-  gemm(l, c, m, v, m, 1, rt, c, gk, c, kAll, false);
-  gemm(l, c, l, gv_scores, 1, l, q, c, gk, c, kUpper, true);
-  gemm(l, m, c, k, c, 1, r, m, gv, m, kAll, false);
-  gemm(l, m, l, qk_scores, 1, l, g, m, gv, m, kUpper, true);
+  gemm<T, B>(l, c, m, g, m, 1, st, c, gq, c, kAll, false);
+  gemm<T, B>(l, c, l, gv_scores, l, 1, k, c, gq, c, kLower, true);
+  gemm<T, B>(l, c, m, v, m, 1, rt, c, gk, c, kAll, false);
+  gemm<T, B>(l, c, l, gv_scores, 1, l, q, c, gk, c, kUpper, true);
+  gemm<T, B>(l, m, c, k, c, 1, r, m, gv, m, kAll, false);
+  gemm<T, B>(l, m, l, qk_scores, 1, l, g, m, gv, m, kUpper, true);
 }
 
-// The entry points of the parallel loops, one machine-code version per instruction set.
-#define DEFINE_FOR(T)                                                                                         \
-  CLONES void forward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s,  \
-                            T* out, Scratch<T>& w) {                                                          \
-    chunk_forward(l, c, m, q, k, v, s, out, w);                                                               \
+// The entry points of the parallel loops: one machine-code version per instruction set, and a
+// run-time choice among them (a cached build runs on any x86-64 CPU).
+enum class Isa { kAvx512, kAvx2, kBaseline };
+
+Isa detect() {
+#if defined(__GNUC__) && defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kBaseline;
+}
+
+const Isa kBest = detect();
+Isa kIsa = kBest;  // the version in use: the best, or a lower one chosen by set_instruction_set (tests, benchmarks)
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "baseline";
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define TARGET(x) __attribute__((target(x)))
+#else
+#define TARGET(x)
+#endif
+
+#define DEFINE_FOR(NAME, ATTR, B)                                                                             \
+  template <typename T>                                                                                       \
+  ATTR void forward_##NAME(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s,   \
+                           T* out, Scratch<T>& w) {                                                           \
+    chunk_forward<T, B>(l, c, m, q, k, v, s, out, w);                                                         \
   }                                                                                                           \
-  CLONES void outer_chunk(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {   \
-    chunk_outer(l, c, m, x, y, u, accumulate);                                                                \
+  template <typename T>                                                                                       \
+  ATTR void outer_##NAME(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {    \
+    chunk_outer<T, B>(l, c, m, x, y, u, accumulate);                                                          \
   }                                                                                                           \
-  CLONES void backward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g, \
-                             const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {                    \
-    chunk_backward(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);                                                 \
+  template <typename T>                                                                                       \
+  ATTR void backward_##NAME(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g,  \
+                            const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {                     \
+    chunk_backward<T, B>(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);                                           \
   }
-DEFINE_FOR(float)
-DEFINE_FOR(double)
+DEFINE_FOR(avx512, TARGET("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"), 64)
+DEFINE_FOR(avx2, TARGET("avx2,fma"), 32)
+DEFINE_FOR(baseline, , 16)
 #undef DEFINE_FOR
+
+template <typename T>
+void forward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s, T* out,
+                   Scratch<T>& w) {
+  switch (kIsa) {
+    case Isa::kAvx512: return forward_avx512(l, c, m, q, k, v, s, out, w);
+    case Isa::kAvx2: return forward_avx2(l, c, m, q, k, v, s, out, w);
+    default: return forward_baseline(l, c, m, q, k, v, s, out, w);
+  }
+}
+
+template <typename T>
+void outer_chunk(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {
+  switch (kIsa) {
+    case Isa::kAvx512: return outer_avx512(l, c, m, x, y, u, accumulate);
+    case Isa::kAvx2: return outer_avx2(l, c, m, x, y, u, accumulate);
+    default: return outer_baseline(l, c, m, x, y, u, accumulate);
+  }
+}
+
+template <typename T>
+void backward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g, const T* s,
+                    const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {
+  switch (kIsa) {
+    case Isa::kAvx512: return backward_avx512(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
+    case Isa::kAvx2: return backward_avx2(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
+    default: return backward_baseline(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
+  }
+}
 
 // Asks for [p, p + n) in cache ahead of use: without it, inputs larger than the L2 cache
 // ran up to 1.4x slower (the backward walks the chunks from last to first, against the prefetchers).
@@ -387,11 +458,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "Causal linear-attention numerator on CPU (linformer_lab/ops/cpu/causal_dot.cpp)";
   module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, states, final_state]");
   module.def("backward", &backward, "(q, k, v, grad_out, states, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
-  module.def("uses_clones", [] {
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-    return true;
-#else
-    return false;
-#endif
-  });
+  module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
+  module.def("set_instruction_set", [](const std::string& name) {
+    const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
+    TORCH_CHECK(name == isa_name(want), "instruction set must be avx512, avx2 or baseline, not ", name);
+    TORCH_CHECK(static_cast<int>(want) >= static_cast<int>(kBest), "this CPU lacks ", name, " (best: ", isa_name(kBest), ")");
+    const char* before = isa_name(kIsa);
+    kIsa = want;
+    return std::string(before);
+  }, "use the hot loops for this instruction set (one the CPU has); returns the one used before");
 }
