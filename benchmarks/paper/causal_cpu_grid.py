@@ -134,7 +134,7 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "",
         f"- Machine: {env['cpu']} ({env['logical_cpus']} logical CPUs), {env['threads']} torch threads, "
         f"Python {env['python']}, torch {env['torch']}, fast-transformers {env['fast_transformers']}, "
-        f"OMP_WAIT_POLICY {env['omp_wait_policy']}.",
+        f"OMP_WAIT_POLICY {env['omp_wait_policy']}, kernel loops for {env['isa']}.",
         f"- Load average at the start {env['load_start']}, at the end {env['load_end']} (1 / 5 / 15 min).",
         f"- fp32 GEMM rate (torch.mm, {args.gemm_size}^2, {env['threads']} threads): "
         f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
@@ -173,6 +173,8 @@ def main(argv=None):
     p.add_argument("--max-elements", type=int, default=1 << 25, help="numbers per input tensor above which a shape "
                    "is skipped (default 2^25: 128 MiB each, ~1 GiB for inputs, outputs and gradients)")
     p.add_argument("--gemm-size", type=int, default=2048)
+    p.add_argument("--isa", choices=["avx512", "avx2", "baseline"], default=None,
+                   help="run the kernel's loops for this instruction set (default: the CPU's best)")
     p.add_argument("--quick", action="store_true", help="a few small shapes, 3 repeats: a smoke run of ~1 minute")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
@@ -190,11 +192,17 @@ def main(argv=None):
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "cpu": _lscpu_model() or machine["cpu"], "logical_cpus": machine["logical_cpus"], "python": platform.python_version(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "fast_transformers": _ft_version(),
-           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "isa": "—",
            "load_start": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
     args.gemm_flops = gemm_rate(torch, args.gemm_size)
     print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s; {common.load_line()}", flush=True)
     impls = implementations(torch)
+    if "kernel" in impls:
+        from linformer_lab.ops import cpu
+
+        if args.isa:
+            cpu.CAUSAL_DOT.load().set_instruction_set(args.isa)
+        env["isa"] = cpu.CAUSAL_DOT.load().instruction_set()
     print("implementations:", ", ".join(impls), flush=True)
     shapes, skipped = grid_shapes(args)
     rows = []
