@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #define INLINE inline __attribute__((always_inline))
@@ -247,34 +248,20 @@ DEFINE_FOR(avx2, TARGET("avx2,fma"), 32)
 DEFINE_FOR(baseline, , 16)
 #undef DEFINE_FOR
 
-template <typename T>
-void forward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s, T* out,
-                   Scratch<T>& w) {
-  switch (kIsa) {
-    case Isa::kAvx512: return forward_avx512(l, c, m, q, k, v, s, out, w);
-    case Isa::kAvx2: return forward_avx2(l, c, m, q, k, v, s, out, w);
-    default: return forward_baseline(l, c, m, q, k, v, s, out, w);
+// forward_chunk, outer_chunk, backward_chunk: the version of the CPU's instruction set.
+#define DISPATCH(NAME)                                                    \
+  template <typename... A>                                                \
+  void NAME##_chunk(A&&... a) {                                           \
+    switch (kIsa) {                                                       \
+      case Isa::kAvx512: return NAME##_avx512(std::forward<A>(a)...);     \
+      case Isa::kAvx2: return NAME##_avx2(std::forward<A>(a)...);         \
+      default: return NAME##_baseline(std::forward<A>(a)...);             \
+    }                                                                     \
   }
-}
-
-template <typename T>
-void outer_chunk(int64_t l, int64_t c, int64_t m, const T* x, const T* y, T* u, bool accumulate) {
-  switch (kIsa) {
-    case Isa::kAvx512: return outer_avx512(l, c, m, x, y, u, accumulate);
-    case Isa::kAvx2: return outer_avx2(l, c, m, x, y, u, accumulate);
-    default: return outer_baseline(l, c, m, x, y, u, accumulate);
-  }
-}
-
-template <typename T>
-void backward_chunk(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* g, const T* s,
-                    const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {
-  switch (kIsa) {
-    case Isa::kAvx512: return backward_avx512(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
-    case Isa::kAvx2: return backward_avx2(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
-    default: return backward_baseline(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);
-  }
-}
+DISPATCH(forward)
+DISPATCH(outer)
+DISPATCH(backward)
+#undef DISPATCH
 
 // Asks for [p, p + n) in cache ahead of use: without it, inputs larger than the L2 cache
 // ran up to 1.4x slower (the backward walks the chunks from last to first, against the prefetchers).
