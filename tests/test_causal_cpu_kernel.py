@@ -217,3 +217,11 @@ def test_every_instruction_set_version_matches_the_reference(extension, threads,
             _close(_kernel(*tensors, torch.float32, chunk_size), _reference(*tensors), torch.float32)
     finally:
         extension.set_instruction_set(before)
+
+
+def test_double_backward_is_an_error_not_a_wrong_answer(extension):
+    q, k, v, *_ = _inputs(1, 1, 8, 4, 4)
+    q.requires_grad_()
+    (grad_q,) = torch.autograd.grad(chunk.causal_dot_product(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad_q.sum().backward()
