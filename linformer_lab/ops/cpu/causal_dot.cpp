@@ -9,8 +9,10 @@
 // (when they share out evenly: each row runs its chunks in order with a running state) or, as
 // when there are fewer rows than threads, the chunks (pass 1: each chunk's K^T V in parallel; a prefix sum of
 // the chunk states; pass 2: the outputs in parallel). The backward is the same with suffix states
-// R = grad S_N + sum_{j >= i} q_j g_j^T. Memory: the inputs, the outputs and the (N / L, C, M)
-// chunk-boundary states kept for the backward, O(N max(C, M)) for L >= min(C, M).
+// R = grad S_N + sum_{j >= i} q_j g_j^T. Memory: the inputs and outputs, nothing else kept between
+// the passes (the backward recomputes the chunk states, one K^T V per chunk), and while a pass
+// runs, at most the (N / L, C, M) chunk states of one row per thread (of all rows when the
+// chunks run in parallel): O(N max(C, M)) for L >= min(C, M).
 //
 // Built without -march (one cached build serves every x86-64 CPU), so the hot loops are compiled
 // three times, for AVX-512, AVX2 + FMA and the SSE2 baseline (target attributes), and the CPU's
@@ -47,17 +49,11 @@ struct Vec {
   static constexpr int kRows = B == 16 ? 3 : 6;       // rows of a tile: 6 (AVX-512), 12 (AVX2), 12 (SSE) accumulators
 };
 
+// Unaligned loads and stores of one register (memcpy compiles to one move instruction).
 template <typename T, int B>
-INLINE typename Vec<T, B>::type load(const T* p) {
-  typename Vec<T, B>::type x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
+INLINE typename Vec<T, B>::type load(const T* p) { typename Vec<T, B>::type x; std::memcpy(&x, p, sizeof(x)); return x; }
 template <typename T, int B>
-INLINE void store(T* p, typename Vec<T, B>::type x) {
-  std::memcpy(p, &x, sizeof(x));
-}
+INLINE void store(T* p, typename Vec<T, B>::type x) { std::memcpy(p, &x, sizeof(x)); }
 
 // c[r][j] (+)= sum_{p in [p0, p1)} a[r * ar + p * ap] * b[p * ldb + j] for R rows and one tile
 // width of columns: the accumulators stay in registers over p.
@@ -312,7 +308,23 @@ void check(const at::Tensor& t, const at::Tensor& like, int64_t dim, const char*
               " has the wrong shape");
 }
 
-// -> (out (rows, N, M), states (rows, ceil(N / L), C, M): S before each chunk, final S_N (rows, C, M))
+// The state S before every chunk of every row, sp (rows, chunks, C, M), from S_0 = start (rows, C, M;
+// null: zero), in parallel over chunks: each chunk's K^T V, then the scan; total (rows, C, M) gets S_N.
+template <typename T>
+void all_states(const T* kp, const T* vp, const T* start, T* sp, T* total, int64_t rows, int64_t n, int64_t c,
+                int64_t m, int64_t chunk) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk;
+      outer_chunk(std::min(chunk, n - t * chunk), c, m, kp + off * c, vp + off * m, sp + e * c * m, false);
+    }
+  });
+  scan(sp, start, total, rows, chunks, c * m, false);
+}
+
+// -> (out (rows, N, M), final state S_N (rows, C, M)). Nothing but the inputs is needed again: the
+// backward recomputes the chunk states (one K^T V per chunk) instead of keeping (N / L) C M numbers.
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const c10::optional<at::Tensor>& initial, int64_t chunk) {
   check(q, q, -1, "q");
@@ -321,118 +333,108 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(chunk > 0, "chunk must be positive");
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
   auto out = at::empty({rows, n, m}, q.options());
-  auto states = at::empty({rows, chunks, c, m}, q.options());
   at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone() : at::zeros({rows, c, m}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dot_forward", [&] {
     using T = scalar_t;
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
-    T *op = out.data_ptr<T>(), *sp = states.data_ptr<T>(), *fp = final.data_ptr<T>();
+    T *op = out.data_ptr<T>(), *fp = final.data_ptr<T>();
     const int64_t cm = c * m;
-    auto at_chunk = [&](int64_t row, int64_t t, int64_t& l, int64_t& off) {
-      off = row * n + t * chunk;
-      l = std::min(chunk, n - t * chunk);
-    };
     if (by_rows(rows)) {
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         Scratch<T> w(chunk, c, m);
         for (int64_t row = begin; row < end; ++row) {
           T* s = fp + row * cm;  // the running state, S_0 to start with
           for (int64_t t = 0; t < chunks; ++t) {
-            int64_t l, off;
-            at_chunk(row, t, l, off);
-            if (t + 1 < chunks) {  // the next chunk, next
-              prefetch(qp + (off + chunk) * c, std::min(chunk, n - (t + 1) * chunk) * c);
-              prefetch(kp + (off + chunk) * c, std::min(chunk, n - (t + 1) * chunk) * c);
-              prefetch(vp + (off + chunk) * m, std::min(chunk, n - (t + 1) * chunk) * m);
-            }
-            std::memcpy(sp + (row * chunks + t) * cm, s, cm * sizeof(T));
+            const int64_t off = row * n + t * chunk, l = std::min(chunk, n - t * chunk);
+            const int64_t next = t + 1 < chunks ? std::min(chunk, n - (t + 1) * chunk) : 0;  // the next chunk, next
+            const int64_t at = t + 1 < chunks ? off + chunk : off;
+            prefetch(qp + at * c, next * c), prefetch(kp + at * c, next * c), prefetch(vp + at * m, next * m);
             forward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, s, op + off * m, w);
             outer_chunk(l, c, m, kp + off * c, vp + off * m, s, true);
           }
         }
       });
     } else {
-      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 1: each chunk's K^T V
-        for (int64_t e = begin; e < end; ++e) {
-          int64_t l, off;
-          at_chunk(e / chunks, e % chunks, l, off);
-          outer_chunk(l, c, m, kp + off * c, vp + off * m, sp + e * cm, false);
-        }
-      });
+      auto states = at::empty({rows, chunks, c, m}, q.options());
+      T* sp = states.data_ptr<T>();
       const at::Tensor start = initial ? final.clone() : at::Tensor();
-      scan(sp, initial ? start.data_ptr<T>() : nullptr, fp, rows, chunks, cm, false);
-      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 2: outputs
+      all_states(kp, vp, initial ? start.data_ptr<T>() : nullptr, sp, fp, rows, n, c, m, chunk);
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // the outputs
         Scratch<T> w(chunk, c, m);
         for (int64_t e = begin; e < end; ++e) {
-          int64_t l, off;
-          at_chunk(e / chunks, e % chunks, l, off);
+          const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk, l = std::min(chunk, n - t * chunk);
           forward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, sp + e * cm, op + off * m, w);
         }
       });
     }
   });
-  return {out, states, final};
+  return {out, final};
 }
 
-// -> (grad q, grad k, grad v, grad S_0 = R before position 0) from the forward's states and the
-// gradients of out (rows, N, M) and of the final state (rows, C, M) or None.
+// -> (grad q, grad k, grad v, grad S_0 = R before position 0) from the inputs, S_0 (rows, C, M) or
+// None, and the gradients of out (rows, N, M) and of the final state (rows, C, M) or None.
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                 const at::Tensor& states, const c10::optional<at::Tensor>& grad_final, int64_t chunk) {
+                                 const c10::optional<at::Tensor>& initial, const c10::optional<at::Tensor>& grad_final,
+                                 int64_t chunk) {
   check(q, q, -1, "q");
   check(k, q, q.size(2), "k");
   check(v, q, -1, "v");
   check(g, q, v.size(2), "grad");
   TORCH_CHECK(chunk > 0, "chunk must be positive");
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
-  TORCH_CHECK(states.is_contiguous() && states.sizes() == at::IntArrayRef({rows, chunks, c, m}) &&
-                  states.scalar_type() == q.scalar_type(), "states do not fit the inputs");
   auto gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
+  const at::Tensor start = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).contiguous() : at::Tensor();
   at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone()
                                 : at::zeros({rows, c, m}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dot_backward", [&] {
     using T = scalar_t;
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = g.data_ptr<T>();
-    const T* sp = states.data_ptr<T>();
+    const T* s0 = initial ? start.data_ptr<T>() : nullptr;
     T *gqp = gq.data_ptr<T>(), *gkp = gk.data_ptr<T>(), *gvp = gv.data_ptr<T>(), *rp = r_all.data_ptr<T>();
     const int64_t cm = c * m;
-    auto run = [&](int64_t e, const T* r, Scratch<T>& w) {  // chunk e = row * chunks + t, R after it
+    auto run = [&](int64_t e, const T* s, const T* r, Scratch<T>& w) {  // chunk e = row * chunks + t: S before, R after
       const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk, l = std::min(chunk, n - t * chunk);
-      backward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, gp + off * m, sp + e * cm, r,
-                     gqp + off * c, gkp + off * c, gvp + off * m, w);
+      backward_chunk(l, c, m, qp + off * c, kp + off * c, vp + off * m, gp + off * m, s, r, gqp + off * c,
+                     gkp + off * c, gvp + off * m, w);
     };
-    auto own = [&](int64_t e, T* u, bool accumulate) {  // u (+)= Q^T G of chunk e
+    auto own = [&](int64_t e, const T* x, const T* y, T* u, bool accumulate) {  // u (+)= X^T Y of chunk e
       const int64_t t = e % chunks, off = (e / chunks) * n + t * chunk, l = std::min(chunk, n - t * chunk);
-      outer_chunk(l, c, m, qp + off * c, gp + off * m, u, accumulate);
+      outer_chunk(l, c, m, x + off * c, y + off * m, u, accumulate);
     };
     if (by_rows(rows)) {
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         Scratch<T> w(chunk, c, m);
+        std::vector<T> states(chunks * cm), s(cm);  // one row's S before each chunk, recomputed
         for (int64_t row = begin; row < end; ++row) {
+          if (s0) std::copy(s0 + row * cm, s0 + (row + 1) * cm, s.begin());
+          else std::fill(s.begin(), s.end(), T(0));
+          for (int64_t t = 0; t < chunks; ++t) {
+            std::copy(s.begin(), s.end(), states.begin() + t * cm);
+            own(row * chunks + t, kp, vp, s.data(), true);
+          }
           T* r = rp + row * cm;  // the running suffix state, grad S_N to start with
           for (int64_t t = chunks - 1; t >= 0; --t) {
-            if (t > 0) {  // the chunk before this one, next
-              const int64_t prev = row * n + (t - 1) * chunk;
-              prefetch(qp + prev * c, chunk * c);
-              prefetch(kp + prev * c, chunk * c);
-              prefetch(vp + prev * m, chunk * m);
-              prefetch(gp + prev * m, chunk * m);
-            }
-            run(row * chunks + t, r, w);
-            own(row * chunks + t, r, true);
+            const int64_t prev = row * n + std::max<int64_t>(t - 1, 0) * chunk, size = t > 0 ? chunk : 0;  // the one before, next
+            prefetch(qp + prev * c, size * c), prefetch(kp + prev * c, size * c);
+            prefetch(vp + prev * m, size * m), prefetch(gp + prev * m, size * m);
+            run(row * chunks + t, states.data() + t * cm, r, w);
+            own(row * chunks + t, qp, gp, r, true);
           }
         }
       });
     } else {
-      auto suffix = at::empty({rows, chunks, c, m}, q.options());
-      T* up = suffix.data_ptr<T>();
-      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 1: each chunk's Q^T G
-        for (int64_t e = begin; e < end; ++e) own(e, up + e * cm, false);
+      auto states = at::empty({rows, chunks, c, m}, q.options()), suffix = at::empty_like(states);
+      auto total = at::empty({rows, c, m}, q.options());
+      T *sp = states.data_ptr<T>(), *up = suffix.data_ptr<T>();
+      all_states(kp, vp, s0, sp, total.data_ptr<T>(), rows, n, c, m, chunk);
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // each chunk's Q^T G
+        for (int64_t e = begin; e < end; ++e) own(e, qp, gp, up + e * cm, false);
       });
-      const at::Tensor start = grad_final ? r_all.clone() : at::Tensor();
-      scan(up, grad_final ? start.data_ptr<T>() : nullptr, rp, rows, chunks, cm, true);
-      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // pass 2: gradients
+      const at::Tensor end_grad = grad_final ? r_all.clone() : at::Tensor();
+      scan(up, grad_final ? end_grad.data_ptr<T>() : nullptr, rp, rows, chunks, cm, true);
+      at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // the gradients
         Scratch<T> w(chunk, c, m);
-        for (int64_t e = begin; e < end; ++e) run(e, up + e * cm, w);
+        for (int64_t e = begin; e < end; ++e) run(e, sp + e * cm, up + e * cm, w);
       });
     }
   });
@@ -443,8 +445,9 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "Causal linear-attention numerator on CPU (linformer_lab/ops/cpu/causal_dot.cpp)";
-  module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, states, final_state]");
-  module.def("backward", &backward, "(q, k, v, grad_out, states, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
+  module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, final_state]");
+  module.def("backward", &backward,
+             "(q, k, v, grad_out, initial_state or None, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
   module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
   module.def("set_instruction_set", [](const std::string& name) {
     const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
