@@ -13,9 +13,10 @@ it. FLOPs of one fwd+bwd, per row and chunk of l positions (C = D, M value dim; 
 product counts its lower triangle, l^2 X):
 
     forward  l^2 (C + M) + 4 l C M         (tril(Q K^T), its product with V, Q S, K^T V)
-    backward l^2 (3 C + 2 M) + 8 l C M     (tril(G V^T), tril(Q K^T) again, grad q, k, v, Q^T G)
+    backward l^2 (3 C + 2 M) + 10 l C M    (K^T V again for S, tril(G V^T), tril(Q K^T) again,
+                                            grad q, k, v, Q^T G)
 
-i.e. l^2 (4 C + 3 M) + 12 l C M. fast-transformers' recurrence does 14 C M per position.
+i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
 
 fast-transformers lives in a separate venv (benchmarks/README.md, "fast-transformers baseline
 venv"); without it the other two still run::
@@ -60,7 +61,7 @@ def grid_shapes(args) -> tuple[list[tuple], list[tuple]]:
 def flops(n: int, c: int, m: int, chunk: int) -> int:
     """FLOPs of one fwd+bwd of one row of the chunked algorithm (module docstring)."""
     lengths = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    return sum(l * l * (4 * c + 3 * m) + 12 * l * c * m for l in lengths)
+    return sum(l * l * (4 * c + 3 * m) + 14 * l * c * m for l in lengths)
 
 
 def gemm_rate(torch, size: int, repeats: int = 5) -> float:
@@ -140,7 +141,7 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (A, B, C, A, B, C, ...). "
         "Ratios > 1: the kernel is faster. GEMM fraction: the chunked algorithm's FLOPs "
-        "(l^2 (4C + 3M) + 12 l C M per chunk of l positions) per second over the GEMM rate at the start.",
+        "(l^2 (4C + 3M) + 14 l C M per chunk of l positions) per second over the GEMM rate at the start.",
         "",
     ]
     header = ["B", "H", "N", "D", "kernel ms", "chunk ms", "FT ms", "FT / kernel", "chunk / kernel", "kernel GFLOP/s",
