@@ -46,9 +46,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: to
 
 
 def default_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """The kernel's chunk length: 32 up to D = 32, else 64 (the fastest or within a few per
-    cent of it from D = 16 to 128 in benchmarks/paper/results/causal_linear_cpu_grid.md's
-    measurements). At least min(C, M) up to D = 64 keeps the (N / L, C, M) chunk states that the
+    """The kernel's chunk length: 32 up to D = 32, else 64 (the fastest or within 10 % of it
+    from D = 16 to 128 as measured: benchmarks/NOTES.md, "the causal numerator's C++ CPU
+    kernel"). At least min(C, M) up to D = 64 keeps the (N / L, C, M) chunk states that the
     backward recomputes (one row's per thread) no larger than an input row; at C = M = 128 they
     are twice its size, still O(N)."""
     return 32 if min(feature_dim, value_dim) <= 32 else 64
