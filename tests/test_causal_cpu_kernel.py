@@ -225,3 +225,20 @@ def test_double_backward_is_an_error_not_a_wrong_answer(extension):
     (grad_q,) = torch.autograd.grad(chunk.causal_dot_product(q, k, v).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         grad_q.sum().backward()
+
+
+@pytest.mark.parametrize("forward_threads,backward_threads", [(2, 1), (1, 2)])
+def test_thread_count_changing_between_forward_and_backward(extension, forward_threads, backward_threads):
+    """With 2 threads one row runs chunk-parallel (the forward keeps its chunk states), with 1 row
+    by row (the backward recomputes them): either pass may meet either schedule."""
+    tensors = _inputs(1, 1, 200, 16, 32)
+    before = torch.get_num_threads()
+    leaves = [t.detach().float().requires_grad_() for t in tensors[:4]]
+    try:
+        torch.set_num_threads(forward_threads)
+        out, final = cpu_kernel.CausalDotProductCPU.apply(*leaves[:3], 32, leaves[3], True)
+        torch.set_num_threads(backward_threads)
+        ((out * tensors[4].float()).sum() + (final * tensors[5].float()).sum()).backward()
+    finally:
+        torch.set_num_threads(before)
+    _close([out, final] + [t.grad for t in leaves], _reference(*tensors), torch.float32)

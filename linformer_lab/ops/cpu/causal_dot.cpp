@@ -2,17 +2,14 @@
 //
 //   out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T)      q, k (rows, N, C), v (rows, N, M)
 //
-// chunked as linformer_lab/ops/linear_attention/chunk.py (the pure-PyTorch reference): per chunk
-// of L positions an (L x L) masked product inside the chunk plus the product with the state S at
-// the chunk boundary. Unlike chunk.py every product here is a small cache-resident loop nest
-// (no per-op dispatch, no temporaries of input size), and the threads split either the rows
-// (when they share out evenly: each row runs its chunks in order with a running state) or, as
-// when there are fewer rows than threads, the chunks (pass 1: each chunk's K^T V in parallel; a prefix sum of
-// the chunk states; pass 2: the outputs in parallel). The backward is the same with suffix states
-// R = grad S_N + sum_{j >= i} q_j g_j^T. Memory: the inputs and outputs, nothing else kept between
-// the passes (the backward recomputes the chunk states, one K^T V per chunk), and while a pass
-// runs, at most the (N / L, C, M) chunk states of one row per thread (of all rows when the
-// chunks run in parallel): O(N max(C, M)) for L >= min(C, M).
+// chunked as linformer_lab/ops/linear_attention/chunk.py (the pure-PyTorch reference): per chunk of
+// L positions an (L x L) masked product inside the chunk plus the product with the state S before
+// it, each a small cache-resident loop nest. Threads split the rows when they share out evenly
+// (each row runs its chunks in order with a running state), else the chunks (each chunk's K^T V,
+// a prefix sum of chunk states, then the outputs, all in parallel). The backward is the same with
+// suffix states R = grad S_N + sum_{j >= i} q_j g_j^T. Kept between the passes: the inputs, and
+// the (N / L, C, M) chunk states only where chunks ran in parallel; otherwise the backward
+// recomputes one row's (one K^T V per chunk) per thread. O(N max(C, M)) for L >= min(C, M).
 //
 // Built without -march (one cached build serves every x86-64 CPU), so the hot loops are compiled
 // three times, for AVX-512, AVX2 + FMA and the SSE2 baseline (target attributes), and the CPU's
@@ -124,14 +121,9 @@ INLINE void gemm(int64_t rows, int64_t n, int64_t k, const T* a, int64_t ar, int
     const int64_t p0 = range == kUpper ? i : 0, p1 = range == kLower ? std::min(k, i + r) : k;
     const T* ai = a + i * ar;
     T* ci = c + i * ldc;
-    switch (r) {
-      case 6: row_block<T, B, 6>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 5: row_block<T, B, 5>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 4: row_block<T, B, 4>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 3: row_block<T, B, 3>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      case 2: row_block<T, B, 2>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-      default: row_block<T, B, 1>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
-    }
+#define ROWS(R) case R: row_block<T, B, R>(ai, ar, ap, b, ldb, ci, ldc, n, p0, p1, accumulate); break;
+    switch (r) { ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) default: ROWS(1) }  // R: a compile-time tile height
+#undef ROWS
   }
 }
 
@@ -323,8 +315,9 @@ void all_states(const T* kp, const T* vp, const T* start, T* sp, T* total, int64
   scan(sp, start, total, rows, chunks, c * m, false);
 }
 
-// -> (out (rows, N, M), final state S_N (rows, C, M)). Nothing but the inputs is needed again: the
-// backward recomputes the chunk states (one K^T V per chunk) instead of keeping (N / L) C M numbers.
+// -> (out (rows, N, M), final state S_N (rows, C, M), states). The backward needs only the inputs: it
+// recomputes the chunk states (one K^T V per chunk) where the forward ran rows in parallel, which
+// keeps none (states is empty); where chunks ran in parallel, states holds S before each chunk.
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const c10::optional<at::Tensor>& initial, int64_t chunk) {
   check(q, q, -1, "q");
@@ -334,6 +327,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
   auto out = at::empty({rows, n, m}, q.options());
   at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone() : at::zeros({rows, c, m}, q.options());
+  at::Tensor states = at::empty({0}, q.options());  // kept only where computed anyway (chunks in parallel)
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dot_forward", [&] {
     using T = scalar_t;
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
@@ -355,7 +349,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
         }
       });
     } else {
-      auto states = at::empty({rows, chunks, c, m}, q.options());
+      states = at::empty({rows, chunks, c, m}, q.options());
       T* sp = states.data_ptr<T>();
       const at::Tensor start = initial ? final.clone() : at::Tensor();
       all_states(kp, vp, initial ? start.data_ptr<T>() : nullptr, sp, fp, rows, n, c, m, chunk);
@@ -368,20 +362,23 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       });
     }
   });
-  return {out, final};
+  return {out, final, states};
 }
 
 // -> (grad q, grad k, grad v, grad S_0 = R before position 0) from the inputs, S_0 (rows, C, M) or
-// None, and the gradients of out (rows, N, M) and of the final state (rows, C, M) or None.
+// None, the forward's states (or empty), the gradients of out and of the final state (or None).
 std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                 const c10::optional<at::Tensor>& initial, const c10::optional<at::Tensor>& grad_final,
-                                 int64_t chunk) {
+                                 const c10::optional<at::Tensor>& initial, const at::Tensor& kept,
+                                 const c10::optional<at::Tensor>& grad_final, int64_t chunk) {
   check(q, q, -1, "q");
   check(k, q, q.size(2), "k");
   check(v, q, -1, "v");
   check(g, q, v.size(2), "grad");
   TORCH_CHECK(chunk > 0, "chunk must be positive");
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), chunks = (n + chunk - 1) / chunk;
+  const bool have = kept.numel() > 0;
+  TORCH_CHECK(!have || (kept.is_contiguous() && kept.sizes() == at::IntArrayRef({rows, chunks, c, m}) &&
+                        kept.scalar_type() == q.scalar_type()), "states do not fit the inputs");
   auto gq = at::empty_like(q), gk = at::empty_like(k), gv = at::empty_like(v);
   const at::Tensor start = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).contiguous() : at::Tensor();
   at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone()
@@ -404,29 +401,32 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
     if (by_rows(rows)) {
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         Scratch<T> w(chunk, c, m);
-        std::vector<T> states(chunks * cm), s(cm);  // one row's S before each chunk, recomputed
+        std::vector<T> states(have ? 0 : chunks * cm), s(cm);  // one row's S before each chunk, recomputed
         for (int64_t row = begin; row < end; ++row) {
           if (s0) std::copy(s0 + row * cm, s0 + (row + 1) * cm, s.begin());
           else std::fill(s.begin(), s.end(), T(0));
-          for (int64_t t = 0; t < chunks; ++t) {
+          for (int64_t t = 0; t < chunks && !have; ++t) {
             std::copy(s.begin(), s.end(), states.begin() + t * cm);
             own(row * chunks + t, kp, vp, s.data(), true);
           }
+          const T* row_states = have ? kept.data_ptr<T>() + row * chunks * cm : states.data();
           T* r = rp + row * cm;  // the running suffix state, grad S_N to start with
           for (int64_t t = chunks - 1; t >= 0; --t) {
             const int64_t prev = row * n + std::max<int64_t>(t - 1, 0) * chunk, size = t > 0 ? chunk : 0;  // the one before, next
             prefetch(qp + prev * c, size * c), prefetch(kp + prev * c, size * c);
             prefetch(vp + prev * m, size * m), prefetch(gp + prev * m, size * m);
-            run(row * chunks + t, states.data() + t * cm, r, w);
+            run(row * chunks + t, row_states + t * cm, r, w);
             own(row * chunks + t, qp, gp, r, true);
           }
         }
       });
     } else {
-      auto states = at::empty({rows, chunks, c, m}, q.options()), suffix = at::empty_like(states);
-      auto total = at::empty({rows, c, m}, q.options());
+      auto states = have ? kept : at::empty({rows, chunks, c, m}, q.options()), suffix = at::empty_like(states);
       T *sp = states.data_ptr<T>(), *up = suffix.data_ptr<T>();
-      all_states(kp, vp, s0, sp, total.data_ptr<T>(), rows, n, c, m, chunk);
+      if (!have) {
+        auto total = at::empty({rows, c, m}, q.options());
+        all_states(kp, vp, s0, sp, total.data_ptr<T>(), rows, n, c, m, chunk);
+      }
       at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {  // each chunk's Q^T G
         for (int64_t e = begin; e < end; ++e) own(e, qp, gp, up + e * cm, false);
       });
@@ -445,9 +445,9 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "Causal linear-attention numerator on CPU (linformer_lab/ops/cpu/causal_dot.cpp)";
-  module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, final_state]");
+  module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, final_state, states]");
   module.def("backward", &backward,
-             "(q, k, v, grad_out, initial_state or None, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
+             "(q, k, v, grad_out, initial_state or None, states, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
   module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
   module.def("set_instruction_set", [](const std::string& name) {
     const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;

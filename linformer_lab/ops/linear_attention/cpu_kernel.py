@@ -62,8 +62,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class CausalDotProductCPU(torch.autograd.Function):
     """``apply(q, k, v, chunk_size, initial_state=None, return_final_state=False)``: as
     :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct`. Saved for backward:
-    the inputs only (and S_0); the backward recomputes the chunk-boundary states, one K^T V per
-    chunk, where chunk.py keeps them."""
+    the inputs (and S_0); the backward recomputes the chunk-boundary states, one K^T V per chunk,
+    except where the forward ran chunks in parallel and has them anyway (chunk.py keeps them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, chunk_size: int, initial_state=None, return_final_state: bool = False):
@@ -72,11 +72,11 @@ class CausalDotProductCPU(torch.autograd.Function):
         ext = cpu.CAUSAL_DOT.load()
         initial = None if initial_state is None else initial_state.reshape(b * h, c, m)
         qr, kr, vr = _rows(q), _rows(k), _rows(v)
-        out, final = ext.forward(qr, kr, vr, initial, chunk_size)
+        out, final, states = ext.forward(qr, kr, vr, initial, chunk_size)
         ctx.chunk, ctx.shape4 = chunk_size, (b, h, q.shape[2])
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
-        ctx.save_for_backward(qr, kr, vr, initial)  # the backward recomputes the chunk states from these
+        ctx.save_for_backward(qr, kr, vr, initial, states)  # states: empty unless chunks ran in parallel
         out = out.view(b, h, q.shape[2], m)
         if not return_final_state:
             return out
@@ -85,12 +85,13 @@ class CausalDotProductCPU(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the C++ backward is not differentiable: say so, not wrong
     def backward(ctx, grad_out, grad_final=None):
-        qr, kr, vr, initial = ctx.saved_tensors
+        qr, kr, vr, initial, states = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(vr)
         grad_out = _rows(grad_out.to(qr.dtype)) if grad_out.dim() == 4 else grad_out.contiguous()
         final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2])
-        gq, gk, gv, grad_initial = cpu.CAUSAL_DOT.load().backward(qr, kr, vr, grad_out, initial, final, ctx.chunk)
+        gq, gk, gv, grad_initial = cpu.CAUSAL_DOT.load().backward(qr, kr, vr, grad_out, initial, states, final,
+                                                                   ctx.chunk)
         shape = ctx.shape4
         grad_initial = None if ctx.initial_dtype is None else grad_initial.view(*shape[:2], *grad_initial.shape[1:])
         if grad_initial is not None:
