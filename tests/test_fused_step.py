@@ -213,8 +213,8 @@ def test_the_plan_follows_the_weight_copies(extension, taken):
 def test_no_compiler_means_unavailable_with_one_warning(monkeypatch, tmp_path):
     """No cached build and no compiler: load() says so, fused_module() warns once and returns
     None, and fast_step keeps to the Python path (above)."""
-    monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_failure", None)
+    monkeypatch.setattr(cpu.FUSED_STEP, "_module", None)
+    monkeypatch.setattr(cpu.FUSED_STEP, "_failure", None)
     monkeypatch.setenv("LINFORMER_LAB_CPU_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-linformer-lab")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):

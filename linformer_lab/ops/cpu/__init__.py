@@ -1,6 +1,10 @@
-"""C++ CPU extension: the fused RNN step of a stack of linear-attention (elu + 1) layers
-(``fused_step.cpp``), which :mod:`linformer_lab.models.fused_step` calls from
-:func:`~linformer_lab.models.generation.fast_step`.
+"""C++ CPU extensions, each an :class:`Extension` (one source, one module):
+
+* :data:`FUSED_STEP` (``fused_step.cpp``): the fused RNN step of a stack of linear-attention
+  (elu + 1) layers, which :mod:`linformer_lab.models.fused_step` calls from
+  :func:`~linformer_lab.models.generation.fast_step`;
+* :data:`CAUSAL_DOT` (``causal_dot.cpp``): the causal numerator of linear attention, forward and
+  backward, which :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
@@ -9,11 +13,12 @@ architecture) and cached under ``$LINFORMER_LAB_CPU_BUILD_DIR`` or
 Python versions, the machine architecture, the compiler and the flags. A later process loads
 the cached library without compiling (no compiler needed then).
 
-Nothing here is required: :func:`fused_module` returns None (and warns once) where the
-extension cannot be built or loaded, and the caller keeps to the Python step.
+Nothing here is required: :meth:`Extension.module` returns None (and warns once) where the
+extension cannot be built or loaded, and the caller keeps to its Python path.
 
-Public API: :func:`load` (build if needed and import; raises RuntimeError saying why not),
-:func:`fused_module` (the same, None instead of an error), :func:`build_dir`,
+Public API: :class:`Extension` with :meth:`~Extension.load` (build if needed and import; raises
+RuntimeError saying why not) and :meth:`~Extension.module` (the same, None instead of an error);
+:func:`load` and :func:`fused_module`, the same for :data:`FUSED_STEP`; :func:`build_dir`,
 :func:`find_compiler`.
 """
 
@@ -37,16 +42,12 @@ import torch
 
 from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
 
-__all__ = ["build_dir", "cache_root", "find_compiler", "fused_module", "load"]
+__all__ = ["CAUSAL_DOT", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler", "fused_module", "load"]
 
-_NAME = "linformer_lab_fused_step"
-_SOURCE = Path(__file__).resolve().parent / "fused_step.cpp"
-#: Portable flags (no -march=native): one cached build serves every CPU of the architecture.
+#: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
+#: causal_dot.cpp reaches AVX2 / AVX-512 anyway through GCC's target_clones.
 _CFLAGS = ["-O3"]
-
-_lock = threading.RLock()
-_module: ModuleType | None = None
-_failure: str | None = None  # why the extension is unavailable in this process, once known
+_HERE = Path(__file__).resolve().parent
 
 
 def find_compiler() -> str | None:
@@ -70,109 +71,136 @@ def _compiler_identity(compiler: str | None) -> str:
     return f"{os.path.basename(compiler)} {version.splitlines()[0] if version else ''}".strip()
 
 
-def _build_info(compiler: str | None) -> dict:
-    return {
-        "source_sha256": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
-        "torch": torch.__version__,
-        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "machine": platform.machine(),
-        "compiler": _compiler_identity(compiler),
-        "cflags": _CFLAGS,
-    }
-
-
 def build_dir(info: dict | None = None) -> Path:
-    """The cache folder of the build for this source, torch, Python, machine, compiler and flags."""
-    info = info or _build_info(find_compiler())
+    """The cache folder of the build for this source, torch, Python, machine, compiler and flags
+    (``info`` from :meth:`Extension.build_info`; None: the fused step's with this compiler)."""
+    info = info or FUSED_STEP.build_info(find_compiler())
     digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / f"torch{info['torch']}-py{info['python']}-{info['machine']}-{digest}"
 
 
-def _cached_library() -> Path | None:
-    """A complete cached build (its build_info.json is written last) for this source, torch,
-    Python and machine, whatever the compiler that made it."""
-    root = cache_root()
-    if not root.is_dir():
+class Extension:
+    """One C++ source built into one importable module, cached, loaded once per process.
+
+    ``purpose`` finishes the sentence of the one warning :meth:`module` gives where the build
+    fails ("...; <purpose>"), saying what the caller does instead.
+    """
+
+    def __init__(self, name: str, source: str, purpose: str):
+        self.name, self.source, self.purpose = name, _HERE / source, purpose
+        self._lock = threading.RLock()
+        self._module: ModuleType | None = None
+        self._failure: str | None = None  # why it is unavailable in this process, once known
+
+    def build_info(self, compiler: str | None) -> dict:
+        return {
+            "source_sha256": hashlib.sha256(self.source.read_bytes()).hexdigest(),
+            "torch": torch.__version__,
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "machine": platform.machine(),
+            "compiler": _compiler_identity(compiler),
+            "cflags": _CFLAGS,
+        }
+
+    def build_dir(self) -> Path:
+        return build_dir(self.build_info(find_compiler()))
+
+    def _cached_library(self) -> Path | None:
+        """A complete cached build (its build_info.json is written last) for this source, torch,
+        Python and machine, whatever the compiler that made it."""
+        root = cache_root()
+        if not root.is_dir():
+            return None
+        want = self.build_info(None)
+        for info_path in sorted(root.glob("*/build_info.json")):
+            try:
+                info = json.loads(info_path.read_text())
+            except (OSError, ValueError):
+                continue
+            library = info_path.parent / f"{self.name}.so"
+            if all(info.get(key) == want[key] for key in ("source_sha256", "torch", "python", "machine", "cflags")) \
+                    and library.is_file():
+                return library
         return None
-    want = _build_info(None)
-    for info_path in sorted(root.glob("*/build_info.json")):
+
+    def _import(self, library: Path) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(self.name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def _build(self, verbose: bool) -> ModuleType:
+        compiler = find_compiler()
+        if compiler is None:
+            raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
+        ensure_ninja_on_path()
+        if shutil.which("ninja") is None:
+            raise RuntimeError("ninja is not on PATH (it is a Python dependency of the project: pip install ninja)")
+        from torch.utils import cpp_extension
+
+        info = self.build_info(compiler)
+        out_dir = build_dir(info)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Built in a folder of this process's own, then moved into place: processes building at once
+        # do not wait on each other, and an interrupted build leaves no lock behind (torch's
+        # build-folder lock file would make every later build wait for it forever).
+        scratch = Path(tempfile.mkdtemp(prefix="build-", dir=out_dir))
         try:
-            info = json.loads(info_path.read_text())
-        except (OSError, ValueError):
-            continue
-        library = info_path.parent / f"{_NAME}.so"
-        if all(info.get(key) == want[key] for key in ("source_sha256", "torch", "python", "machine", "cflags")) \
-                and library.is_file():
-            return library
-    return None
+            module = cpp_extension.load(name=self.name, sources=[str(self.source)], extra_cflags=_CFLAGS,
+                                        build_directory=str(scratch), with_cuda=False, is_python_module=True,
+                                        verbose=verbose)
+            if module.__name__ == self.name:  # torch renames a second build in one process (name_v1): not cached
+                os.replace(Path(module.__file__), out_dir / f"{self.name}.so")  # the loaded library stays mapped
+                tmp = out_dir / f"build_info.json.{os.getpid()}"
+                tmp.write_text(json.dumps(info, indent=2))
+                os.replace(tmp, out_dir / "build_info.json")  # last and atomic: marks a complete build
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return module
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The module: a cached build if there is one, else compiled now. Raises RuntimeError
+        saying why it cannot be had (no compiler, a failed build)."""
+        if self._module is not None:
+            return self._module
+        with self._lock:
+            if self._module is None:
+                try:
+                    library = self._cached_library()
+                    self._module = self._import(library) if library is not None else self._build(verbose)
+                except Exception as error:  # noqa: BLE001 - any build or import failure means: unavailable
+                    lines = str(error).strip().splitlines()
+                    raise RuntimeError(f"the {self.source.name} CPU extension is unavailable: "
+                                       f"{type(error).__name__}: {lines[-1] if lines else ''}") from error
+        return self._module
+
+    def module(self) -> ModuleType | None:
+        """:meth:`load`, or None where the extension cannot be had (warned once per process, and
+        not tried again in this process)."""
+        if self._module is not None:
+            return self._module
+        if self._failure is not None:
+            return None
+        try:
+            return self.load()
+        except RuntimeError as error:
+            self._failure = str(error)
+            warnings.warn(f"{error}; {self.purpose}", RuntimeWarning, stacklevel=3)
+            return None
 
 
-def _import(library: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_NAME, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _build(verbose: bool) -> ModuleType:
-    compiler = find_compiler()
-    if compiler is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
-    ensure_ninja_on_path()
-    if shutil.which("ninja") is None:
-        raise RuntimeError("ninja is not on PATH (it is a Python dependency of the project: pip install ninja)")
-    from torch.utils import cpp_extension
-
-    info = _build_info(compiler)
-    out_dir = build_dir(info)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Built in a folder of this process's own, then moved into place: processes building at once
-    # do not wait on each other, and an interrupted build leaves no lock behind (torch's
-    # build-folder lock file would make every later build wait for it forever).
-    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=out_dir))
-    try:
-        module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                                    build_directory=str(scratch), with_cuda=False, is_python_module=True, verbose=verbose)
-        if module.__name__ == _NAME:  # torch renames a second build in one process (name_v1): not cached
-            os.replace(Path(module.__file__), out_dir / f"{_NAME}.so")  # the loaded library stays mapped
-            tmp = out_dir / f"build_info.json.{os.getpid()}"
-            tmp.write_text(json.dumps(info, indent=2))
-            os.replace(tmp, out_dir / "build_info.json")  # last and atomic: marks a complete build
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return module
+FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
+                       "generation keeps to the Python step (linformer_lab.models.generation.fast_step)")
+CAUSAL_DOT = Extension("linformer_lab_causal_dot", "causal_dot.cpp",
+                       "the causal linear-attention numerator keeps to the pure-PyTorch chunk path "
+                       "(linformer_lab.ops.linear_attention.chunk)")
 
 
 def load(verbose: bool = False) -> ModuleType:
-    """The extension module (with the ``FusedStack`` class): a cached build if there is one, else
-    compiled now. Raises RuntimeError saying why it cannot be had (no compiler, a failed build)."""
-    global _module
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is None:
-            try:
-                library = _cached_library()
-                _module = _import(library) if library is not None else _build(verbose)
-            except Exception as error:  # noqa: BLE001 - any build or import failure means: unavailable
-                lines = str(error).strip().splitlines()
-                raise RuntimeError(f"the fused CPU step extension is unavailable: {type(error).__name__}: "
-                                   f"{lines[-1] if lines else ''}") from error
-    return _module
+    """The fused-step module (with the ``FusedStack`` class); see :meth:`Extension.load`."""
+    return FUSED_STEP.load(verbose)
 
 
 def fused_module() -> ModuleType | None:
-    """:func:`load`, or None where the extension cannot be had (warned once per process, and not
-    tried again in this process)."""
-    global _failure
-    if _module is not None:
-        return _module
-    if _failure is not None:
-        return None
-    try:
-        return load()
-    except RuntimeError as error:
-        _failure = str(error)
-        warnings.warn(f"{error}; generation keeps to the Python step (linformer_lab.models.generation.fast_step)",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    """The fused-step module, or None (warned once); see :meth:`Extension.module`."""
+    return FUSED_STEP.module()

@@ -220,5 +220,14 @@ def causal_dot_product(
 
     ``initial_state`` S_0 ``(B, H, C, M)`` (None = 0); with ``return_final_state`` returns
     ``(out, S_N (B, H, C, M))``, S_N in fp32 for half inputs. See :class:`CausalDotProduct`.
+
+    On CPU, for float32 / float64, the C++ kernel runs it when it can be built
+    (:mod:`.cpu_kernel`, ``LINFORMER_LAB_CPU_CAUSAL=0`` turns it off); this module's
+    :class:`CausalDotProduct` is the reference and the fallback.
     """
+    from linformer_lab.ops.linear_attention import cpu_kernel  # here: it imports the extension machinery
+
+    if q.device.type == "cpu" and cpu_kernel.applies(q, k, v, initial_state):
+        chunk = chunk_size or cpu_kernel.default_chunk_size(q.shape[-1], v.shape[-1])
+        return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk, initial_state, return_final_state)
     return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)

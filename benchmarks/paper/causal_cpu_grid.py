@@ -1,0 +1,240 @@
+"""The causal numerator on CPU, head-to-head over a grid of shapes (issue #23): our C++ kernel
+(``linformer_lab/ops/cpu/causal_dot.cpp``), our pure-PyTorch chunk path
+(``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's
+CPU kernel, forward+backward, fp32, 2 threads, timed interleaved in one process.
+
+Shapes: D = M in {16, 32, 64, 128} x B*H in {1, 8, 64, 512} (B = B*H / 8 with H = 8, or
+B = H = 1) x N in {256, 4096, 65536}, less those with more than ``--max-elements`` numbers
+per input tensor (memory and time: each is listed as skipped), plus the six shapes of the issue.
+
+Also measured: the machine's fp32 GEMM rate (``torch.mm`` of two square matrices, same
+threads), and per shape the FLOP rate of the chunked algorithm the kernel runs as a fraction of
+it. FLOPs of one fwd+bwd, per row and chunk of l positions (C = D, M value dim; a masked l x l
+product counts its lower triangle, l^2 X):
+
+    forward  l^2 (C + M) + 4 l C M         (tril(Q K^T), its product with V, Q S, K^T V)
+    backward l^2 (3 C + 2 M) + 10 l C M    (K^T V again for S, tril(G V^T), tril(Q K^T) again,
+                                            grad q, k, v, Q^T G)
+
+i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
+
+fast-transformers lives in a separate venv (benchmarks/README.md, "fast-transformers baseline
+venv"); without it the other two still run::
+
+    PYTHONPATH=. .bench_env/bin/python benchmarks/paper/causal_cpu_grid.py [--quick]
+
+Results: ``benchmarks/paper/results/causal_linear_cpu_grid{_quick}.{csv,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+import common  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HEADS = [16, 32, 64, 128]
+ROWS = [1, 8, 64, 512]
+LENGTHS = [256, 4096, 65536]
+#: (B, H, N, D = M) of issue #23
+ISSUE_SHAPES = [(4, 8, 4096, 64), (1, 8, 16384, 32), (1, 8, 4096, 32), (8, 8, 1024, 64), (2, 4, 8192, 128),
+                (16, 8, 512, 32)]
+
+
+def grid_shapes(args) -> tuple[list[tuple], list[tuple]]:
+    """(shapes to run, shapes skipped) as (B, H, N, D) with the issue's first."""
+    heads, rows, lengths = (HEADS, ROWS, LENGTHS) if not args.quick else ([16, 64], [1, 64], [256, 4096])
+    grid = [((r // 8, 8) if r >= 8 else (1, 1)) + (n, d) for d in heads for r in rows for n in lengths]
+    shapes = [s for s in ISSUE_SHAPES if not args.quick or s[0] * s[1] * s[2] <= 32 * 4096] + grid
+    run = [s for s in shapes if s[0] * s[1] * s[2] * s[3] <= args.max_elements]
+    return run, [s for s in shapes if s not in run]
+
+
+def flops(n: int, c: int, m: int, chunk: int) -> int:
+    """FLOPs of one fwd+bwd of one row of the chunked algorithm (module docstring)."""
+    lengths = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    return sum(l * l * (4 * c + 3 * m) + 14 * l * c * m for l in lengths)
+
+
+def gemm_rate(torch, size: int, repeats: int = 5) -> float:
+    """fp32 FLOP/s of torch.mm on two size x size matrices (median of repeats)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    t = common.median_seconds(lambda: torch.mm(a, b), repeats, warmup=2)
+    return 2 * size**3 / t
+
+
+def implementations(torch):
+    from linformer_lab.ops.linear_attention import chunk, cpu_kernel
+
+    impls = {}
+    if cpu_kernel.applies(*(torch.zeros(1, 1, 1, 1),) * 3, None):
+        impls["kernel"] = lambda q, k, v, L: cpu_kernel.CausalDotProductCPU.apply(q, k, v, L)
+    impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
+    try:
+        from fast_transformers.causal_product import causal_dot_product as ft
+
+        impls["fast_transformers"] = lambda q, k, v, L: ft(q, k, v)
+    except ImportError:
+        pass
+    return impls
+
+
+def measure(torch, impls, shape, args) -> dict:
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    b, h, n, d = shape
+    chunk = cpu_kernel.default_chunk_size(d, d)
+    gen = torch.Generator().manual_seed(0)
+    # feature-mapped (elu + 1, positive) queries and keys, as the numerator sees them
+    q, k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_() for _ in range(2))
+    v = torch.randn(b, h, n, d, generator=gen).requires_grad_()
+    grad = torch.randn(b, h, n, d, generator=gen)
+
+    def case(fn):
+        def run():
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, chunk).backward(grad)
+        return run
+
+    cases = {name: case(fn) for name, fn in impls.items()}
+    start = time.perf_counter()
+    for fn in cases.values():  # warm-up, and one call's time to size the repeats
+        fn()
+    once = time.perf_counter() - start
+    repeats = max(3, min(args.repeats, int(args.budget / max(once, 1e-6))))
+    times = common.interleaved_medians(cases, repeats, warmup=0, budget_s=args.budget)
+    row = {"B": b, "H": h, "N": n, "D": d, "M": d, "chunk": chunk, "repeats": len(next(iter(times.values()))["samples"]),
+           "loadavg_1min": round(os.getloadavg()[0], 2)}
+    for name, t in times.items():
+        row[f"{name}_ms"] = round(t["median"] * 1e3, 3)
+    work = b * h * flops(n, d, d, chunk)
+    if "kernel" in times:
+        row["kernel_gflops"] = round(work / times["kernel"]["median"] / 1e9, 2)
+        row["kernel_gemm_fraction"] = round(work / times["kernel"]["median"] / args.gemm_flops, 3)
+        if "fast_transformers" in times:
+            row["ft_over_kernel"] = round(times["fast_transformers"]["median"] / times["kernel"]["median"], 2)
+        row["chunk_over_kernel"] = round(times["chunk"]["median"] / times["kernel"]["median"], 2)
+    if "fast_transformers" in times:
+        row["ft_over_chunk"] = round(times["fast_transformers"]["median"] / times["chunk"]["median"], 2)
+    return row
+
+
+def write_report(args, rows, skipped, env, path_md) -> str:
+    lines = [
+        "# Causal linear-attention numerator on CPU: kernel vs chunk path vs fast-transformers",
+        "",
+        f"Generated by `{env['command']}` on {env['date']}.",
+        "",
+        f"- Machine: {env['cpu']} ({env['logical_cpus']} logical CPUs), {env['threads']} torch threads, "
+        f"Python {env['python']}, torch {env['torch']}, fast-transformers {env['fast_transformers']}, "
+        f"OMP_WAIT_POLICY {env['omp_wait_policy']}, kernel loops for {env['isa']}.",
+        f"- Load average at the start {env['load_start']}, at the end {env['load_end']} (1 / 5 / 15 min).",
+        f"- fp32 GEMM rate (torch.mm, {args.gemm_size}^2, {env['threads']} threads): "
+        f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
+        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (A, B, C, A, B, C, ...). "
+        "Ratios > 1: the kernel is faster. GEMM fraction: the chunked algorithm's FLOPs "
+        "(l^2 (4C + 3M) + 14 l C M per chunk of l positions) per second over the GEMM rate at the start.",
+        "",
+    ]
+    header = ["B", "H", "N", "D", "kernel ms", "chunk ms", "FT ms", "FT / kernel", "chunk / kernel", "kernel GFLOP/s",
+              "GEMM fraction", "load"]
+    table = [[r["B"], r["H"], r["N"], r["D"], common.fmt(r.get("kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
+              common.fmt(r.get("fast_transformers_ms"), 2), common.fmt(r.get("ft_over_kernel"), 2),
+              common.fmt(r.get("chunk_over_kernel"), 2), common.fmt(r.get("kernel_gflops"), 1),
+              common.fmt(r.get("kernel_gemm_fraction"), 2), r["loadavg_1min"]] for r in rows]
+    lines.append(common.markdown_table(header, table))
+    ratios = [r["ft_over_kernel"] for r in rows if "ft_over_kernel" in r]
+    if ratios:
+        lines += ["", f"FT / kernel: min {min(ratios):.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}, "
+                      f"max {max(ratios):.2f} over {len(ratios)} shapes; below 2: "
+                      + (", ".join(f"{r['B']}x{r['H']}x{r['N']}x{r['D']} ({r['ft_over_kernel']:.2f})"
+                                   for r in rows if r.get("ft_over_kernel", 9) < 2) or "none") + "."]
+    if skipped:
+        lines += ["", f"Skipped (more than {args.max_elements:,} numbers per input tensor): "
+                      + ", ".join("x".join(map(str, s)) for s in skipped) + " (B x H x N x D)."]
+    text = "\n".join(lines) + "\n"
+    with open(path_md, "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7, help="most timed fwd+bwd calls per implementation and shape")
+    p.add_argument("--budget", type=float, default=4.0, help="s of timed calls per shape (at least 3 rounds)")
+    p.add_argument("--max-elements", type=int, default=1 << 25, help="numbers per input tensor above which a shape "
+                   "is skipped (default 2^25: 128 MiB each, ~1 GiB for inputs, outputs and gradients)")
+    p.add_argument("--gemm-size", type=int, default=2048)
+    p.add_argument("--isa", choices=["avx512", "avx2", "baseline"], default=None,
+                   help="run the kernel's loops for this instruction set (default: the CPU's best)")
+    p.add_argument("--quick", action="store_true", help="a few small shapes, 3 repeats: a smoke run of ~1 minute")
+    p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--out", default=RESULTS)
+    common.add_omp_wait_policy_argument(p)
+    args = p.parse_args(argv)
+    common.apply_omp_wait_policy(args.omp_wait_policy)
+    if args.quick:
+        args.repeats, args.budget, args.gemm_size = 3, 1.0, 1024
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    machine = common.machine_info()
+    env = {"command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "cpu": _lscpu_model() or machine["cpu"], "logical_cpus": machine["logical_cpus"], "python": platform.python_version(),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "fast_transformers": _ft_version(),
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "isa": "—",
+           "load_start": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
+    args.gemm_flops = gemm_rate(torch, args.gemm_size)
+    print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s; {common.load_line()}", flush=True)
+    impls = implementations(torch)
+    if "kernel" in impls:
+        from linformer_lab.ops import cpu
+
+        if args.isa:
+            cpu.CAUSAL_DOT.load().set_instruction_set(args.isa)
+        env["isa"] = cpu.CAUSAL_DOT.load().instruction_set()
+    print("implementations:", ", ".join(impls), flush=True)
+    shapes, skipped = grid_shapes(args)
+    rows = []
+    for shape in shapes:
+        row = measure(torch, impls, shape, args)
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("M",)}, flush=True)
+    env["gemm_end"] = gemm_rate(torch, args.gemm_size)
+    env["load_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    suffix = ("_quick" if args.quick else "") + args.tag
+    os.makedirs(args.out, exist_ok=True)
+    common.write_csv(os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.csv"), rows)
+    print(write_report(args, rows, skipped, env, os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.md")))
+
+
+def _lscpu_model() -> str | None:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), None)
+
+
+def _ft_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pytorch-fast-transformers")
+    except Exception:
+        return "not installed"
+
+
+if __name__ == "__main__":
+    main()
