@@ -169,6 +169,8 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
 
     save("linear", "linear", "best-epoch=0-step=1.ckpt", 8)
     save("linear", "linear", "best-epoch=0-step=2.ckpt", 16)  # written last: the newest best
+    newest = tmp_path / "mnist_cpu_linear" / "version_0" / "checkpoints" / "best-epoch=0-step=2.ckpt"
+    os.utime(newest, (newest.stat().st_mtime + 10, newest.stat().st_mtime + 10))  # not within one clock tick
     save("softmax", "linear", "best-epoch=0-step=1.ckpt", 8)  # a run of the wrong backend
     model = generation.trained_model("linear", str(tmp_path), "cpu")
     assert model.d_model == 16 and model.attention_config.backend == "linear" and not model.training
