@@ -5,9 +5,9 @@ on a CPU, each beside the cheapest it could be here.
    ``--threads`` threads, GFLOP/s.
 2. **Causal op**: ``linformer_lab.ops.linear_attention.causal_dot_product`` forward + backward,
    fp32, at the shapes of the CPU-speed issue. FLOP rate = the chunked algorithm's FLOPs
-   (:func:`causal_flops`) / time, as a share of the GEMM rate; fast-transformers 0.4.0's CPU
-   kernel beside it, interleaved, when ``fast_transformers`` is importable (see
-   benchmarks/README.md, "fast-transformers baseline venv", for how it builds on CPU).
+   (``causal_cpu_grid.flops``, at the C++ kernel's chunk length) / time, as a share of the GEMM
+   rate; fast-transformers 0.4.0's CPU kernel beside it, interleaved, when ``fast_transformers``
+   is importable (benchmarks/README.md, "fast-transformers baseline venv": how it builds on CPU).
 3. **RNN step**: one MNIST image at batch 1 from the paper's model (8 x 256, random weights):
    linear in RNN mode and stateful softmax (KV cache), whole ``generate`` calls interleaved, beside
    the weight-product floor (``generation.matvec_floor``: only the four weight products of every
@@ -64,17 +64,10 @@ def gemm_rate(size: int, repeats: int) -> float:
 
 
 # ---------------------------------------------------------------- 2. causal op
-def causal_flops(b: int, h: int, n: int, c: int, m: int, chunk: int) -> float:
-    """FLOPs of the chunked causal numerator, forward + backward. Per position the forward makes
-    the intra-chunk scores (``chunk x C``) and their product with V (``chunk x M``), the product of
-    q with the state and the chunk's share of the state update (``C x M`` each); the backward
-    makes the same products twice (the grad of q from prefix states, of k and v from suffix
-    states): 3 x 2 x N (chunk (C + M) + 2 C M) per row."""
-    return 3 * 2 * b * h * n * (chunk * (c + m) + 2 * c * m)
-
-
 def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
-    from linformer_lab.ops.linear_attention import causal_dot_product, default_chunk_size
+    from causal_cpu_grid import flops
+
+    from linformer_lab.ops.linear_attention import causal_dot_product, cpu_kernel
 
     try:
         from fast_transformers.causal_product import causal_dot_product as ft_causal
@@ -97,10 +90,10 @@ def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
             fns["fast_transformers"] = fwd_bwd(ft_causal)
         times = common.interleaved_medians(fns, repeats)
         ours = times["ours"]["median"]
-        flops = causal_flops(b, h, n, d, d, default_chunk_size(d, d))
+        work = b * h * flops(n, d, d, cpu_kernel.default_chunk_size(d, d))  # the kernel's chunk length
         ft = times.get("fast_transformers", {}).get("median")
         rows.append(dict(path="causal op", case=f"B={b} H={h} N={n} D=M={d}", seconds=ours,
-                         floor_seconds=flops / (gemm * 1e9), gflops=flops / ours / 1e9, gemm_share=flops / ours / (gemm * 1e9),
+                         floor_seconds=work / (gemm * 1e9), gflops=work / ours / 1e9, gemm_share=work / ours / (gemm * 1e9),
                          fast_transformers_seconds=ft, speedup_vs_ft=ft / ours if ft else None))
     return rows
 
@@ -187,7 +180,8 @@ def report(rows: list[dict], profiles: dict, gemm: float, args, wall: float, loa
             [[r["case"], f"{1e3 * r['seconds']:.1f}", f"{r['gflops']:.3g}", f"{100 * r['gemm_share']:.2g} %",
               common.fmt(r["fast_transformers_seconds"] and 1e3 * r["fast_transformers_seconds"]),
               f"{r['speedup_vs_ft']:.2f}x" if r.get("speedup_vs_ft") else "—"] for r in rows if r["path"] == "causal op"]),
-        "", "FLOPs: 6 N (L (C + M) + 2 C M) per row, L the chunk length (`causal_flops`).",
+        "", "FLOPs per row: L^2 (4C + 3M) + 14 L C M per chunk of L positions, forward + backward (causal_cpu_grid.py's "
+        "`flops`; the backward recomputes the chunk states).",
     ]
     steps = [r for r in rows if r["path"] == "RNN step"]
     if steps:
