@@ -45,7 +45,8 @@ from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
 __all__ = ["CAUSAL_DOT", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler", "fused_module", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
-#: causal_dot.cpp reaches AVX2 / AVX-512 anyway through GCC's target_clones.
+#: causal_dot.cpp reaches AVX2 / AVX-512 anyway: its hot loops are compiled once per instruction set
+#: (GCC target attributes) and the CPU's best is chosen at load.
 _CFLAGS = ["-O3"]
 _HERE = Path(__file__).resolve().parent
 
