@@ -21,6 +21,7 @@ on a CPU, each beside the cheapest it could be here.
     uv run python benchmarks/paper/cpu_floors.py                 # ~5 min on 2 cores
     uv run python benchmarks/paper/cpu_floors.py --quick         # smoke run (~1 min)
     PYTHONPATH=. .bench_env/bin/python benchmarks/paper/cpu_floors.py   # with fast-transformers
+    OMP_WAIT_POLICY=PASSIVE ...   # on a loaded machine: waiting OpenMP threads sleep instead of spinning
 
 Writes ``benchmarks/paper/results/cpu_floors[_quick].{csv,md}``.
 """
@@ -168,7 +169,8 @@ def report(rows: list[dict], profiles: dict, gemm: float, args, wall: float, loa
     out = [
         "# CPU speed against its floors", "",
         f"- machine: {info['cpu']}, {info['logical_cpus']} logical CPUs; torch {versions['torch']}, "
-        f"{torch.get_num_threads()} threads; {time.strftime('%Y-%m-%d')}",
+        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+        f"{time.strftime('%Y-%m-%d')}",
         f"- command: `python benchmarks/paper/cpu_floors.py {' '.join(args.argv)}`; {wall / 60:.1f} min; "
         f"{load_start} at start, {common.load_line()} at end",
         f"- GEMM rate (fp32 mm {args.gemm_size}^2): **{gemm:.0f} GFLOP/s**; every floor below is FLOPs / this rate, "
