@@ -223,7 +223,8 @@ def write_report(results: list[dict], args) -> None:
         f"{ours}, the updates below.\n\n"
         + markdown_table(["method", "paper bits/dim", "ours, test bits/dim", "updates", "training minutes", "command"], rows)
         + "\n\nValidation bits/dim against updates: [mnist_table1.png](mnist_table1.png). Samples and completions "
-        "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results))
+        "(top half given): " + ", ".join(f"[{m}](mnist_cpu_{m}_completions.png)" for m in (r["method"] for r in results)
+                                          if (RESULTS / f"mnist_cpu_{m}_completions.png").exists())
         + ".\n" + (f"\n{args.note}\n" if args.note else "") + "\n".join(timing_lines()) + "\n"
     )
 
