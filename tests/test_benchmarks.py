@@ -220,3 +220,10 @@ def test_compare_revisions_train_child_times_updates_of_the_configs_model():
     args = compare_revisions.parser().parse_args(["train", "--rev", "HEAD~1", "--updates", "2"])
     assert (args.config, args.rounds, args.updates, args.out) == (
         "mnist_cpu_linear.yaml", 5, 2, str(compare_revisions.DEFAULT_OUT["train"]))
+
+
+def test_mnist_table1_report_shows_the_command_without_the_note_text():
+    mnist_table1 = _import_paper_script("mnist_table1")
+    assert mnist_table1.shown_argv(["--methods", "lsh4", "--note", "long text", "--report-only"]) == [
+        "--methods", "lsh4", "--note", '"..."', "--report-only"]
+    assert mnist_table1.shown_argv(["--methods", "lsh4"]) == ["--methods", "lsh4"]
