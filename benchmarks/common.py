@@ -237,6 +237,36 @@ def torch_info() -> dict:
 
 
 # ---------------------------------------------------------------- output
+def image_training_update(config: str, autocast: bool = False):
+    """One training update (forward, backward, gradient clipping at 1, RAdam) of the image model of
+    ``configs/<config>`` at its batch size on random images: ``(update, batch, task)``, ``update()``
+    a zero-argument call. ``autocast``: bf16 autocast on CPU around the forward. The model is built
+    from the config's ``model.init_args`` (seed 0) by whichever ``linformer_lab`` is importable."""
+    import torch
+    import yaml
+
+    from linformer_lab.tasks.image_generation import ImageGenerationTask
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "configs", config)) as f:
+        spec = yaml.safe_load(f)
+    torch.manual_seed(0)
+    task = ImageGenerationTask(**spec["model"]["init_args"])
+    batch = spec["data"]["init_args"]["batch_size"]
+    images = torch.randint(0, 256, (batch, *task.model.image_shape), dtype=torch.uint8)
+    optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
+
+    def update():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = task.model.nll(images).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(task.parameters(), 1.0)
+        optimizer.step()
+
+    return update, batch, task
+
+
 def write_csv(path: str, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fields: list[str] = []

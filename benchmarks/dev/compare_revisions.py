@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
+from common import Timer, image_training_update, interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "dev" / "results"
 DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead",
@@ -115,26 +115,11 @@ def generate_child(batch: int, calls: int, threads: int) -> dict:
 def train_child(config: str, updates: int, threads: int) -> dict:
     """Runs in a process whose ``linformer_lab`` is one variant's; returns the median seconds per update."""
     import torch
-    import yaml
-
-    from linformer_lab.tasks.image_generation import ImageGenerationTask
 
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    spec = yaml.safe_load((REPO / "configs" / config).read_text())
-    task = ImageGenerationTask(**spec["model"]["init_args"])
-    batch = spec["data"]["init_args"]["batch_size"]
-    images = torch.randint(0, 256, (batch, *task.model.image_shape), dtype=torch.uint8)
-    optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
-    seconds = []
-    for update in range(updates + 1):  # the first update warms up
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        task.model.nll(images).mean().backward()
-        torch.nn.utils.clip_grad_norm_(task.parameters(), 1.0)
-        optimizer.step()
-        if update:
-            seconds.append(time.perf_counter() - start)
+    update, _, _ = image_training_update(config)
+    update()  # warm-up
+    seconds = [Timer("cpu")(update) for _ in range(updates)]
     import linformer_lab
 
     return {"package": str(Path(linformer_lab.__file__).parents[1]), "update": statistics.median(seconds)}

@@ -38,9 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
 
+import causal_cpu_grid  # noqa: E402  (its FLOP count and GEMM rate)
 import common  # noqa: E402
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "paper" / "results"
 #: (B, H, N, D = M): the six shapes of the CPU-speed issue
@@ -56,18 +56,8 @@ class _NoBar:  # generation.py's measurement functions report progress to a bar
         pass
 
 
-# ---------------------------------------------------------------- 1. GEMM rate
-def gemm_rate(size: int, repeats: int) -> float:
-    """GFLOP/s of an fp32 ``size x size`` matrix product (2 size^3 FLOPs), median of ``repeats``."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    seconds = common.median_seconds(lambda: torch.mm(a, b), repeats, warmup=2)
-    return 2 * size**3 / seconds / 1e9
-
-
 # ---------------------------------------------------------------- 2. causal op
 def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
-    from causal_cpu_grid import flops
-
     from linformer_lab.ops.linear_attention import causal_dot_product, cpu_kernel
 
     try:
@@ -91,7 +81,7 @@ def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
             fns["fast_transformers"] = fwd_bwd(ft_causal)
         times = common.interleaved_medians(fns, repeats)
         ours = times["ours"]["median"]
-        work = b * h * flops(n, d, d, cpu_kernel.default_chunk_size(d, d))  # the kernel's chunk length
+        work = b * h * causal_cpu_grid.flops(n, d, d, cpu_kernel.default_chunk_size(d, d))  # the kernel's chunk length
         ft = times.get("fast_transformers", {}).get("median")
         rows.append(dict(path="causal op", case=f"B={b} H={h} N={n} D=M={d}", seconds=ours,
                          floor_seconds=work / (gemm * 1e9), gflops=work / ours / 1e9, gemm_share=work / ours / (gemm * 1e9),
@@ -117,34 +107,12 @@ def step_rows(repeats: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- 4. training
-def task_from_config(name: str):
-    """The ImageGenerationTask and batch size of ``configs/<name>.yaml``."""
-    from linformer_lab.tasks.image_generation import ImageGenerationTask
-
-    config = yaml.safe_load((REPO / "configs" / name).read_text())
-    init = dict(config["model"]["init_args"])
-    torch.manual_seed(0)
-    return ImageGenerationTask(**init), config["data"]["init_args"]["batch_size"], config["trainer"].get("precision")
-
-
 def training_rows(cases, repeats: int, gemm: float, profile_top: int) -> tuple[list[dict], dict]:
     from torch.utils.flop_counter import FlopCounterMode
 
     rows, profiles = [], {}
     for config, autocast in cases:
-        task, batch, _ = task_from_config(config)
-        images = torch.randint(0, 256, (batch, *task.model.image_shape), generator=torch.Generator().manual_seed(0),
-                               dtype=torch.uint8)
-        optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
-
-        def update():
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = task.model.nll(images).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(task.parameters(), 1.0)
-            optimizer.step()
-
+        update, batch, _ = common.image_training_update(config, autocast)
         update()
         with FlopCounterMode(display=False) as counter:
             update()
@@ -219,7 +187,7 @@ def main(argv=None) -> int:
         args.repeats, args.gemm_size = 1, 512
         shapes, cases = [(1, 2, 256, 16), (2, 2, 512, 32)], [("mnist_cpu_linear.yaml", False)]
     load_start, t0 = common.load_line(), time.perf_counter()
-    gemm = gemm_rate(args.gemm_size, max(args.repeats, 3))
+    gemm = causal_cpu_grid.gemm_rate(torch, args.gemm_size, max(args.repeats, 3)) / 1e9
     print(f"GEMM rate: {gemm:.0f} GFLOP/s", flush=True)
     rows, profiles = [], {}
     if "causal" in args.parts:

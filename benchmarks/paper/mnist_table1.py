@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import generation_report  # noqa: E402  (the paper's Tables 4 and 5)
 from common import machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
 
 METHODS = ("linear", "softmax", "lsh1", "lsh4")
@@ -165,9 +166,6 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-#: The paper's Table 4 (images/s on a GPU, MNIST) and Table 5 (CPU seconds per image at batch 1).
-PAPER_TIMES = {"softmax": (0.45, 72.6), "stateful-softmax": (7.56, 7.4), "lsh-1": (0.68, 46.0), "lsh-4": (0.27, 112.0),
-               "linear": (142.8, 5.5)}
 TIMINGS = RESULTS / "generation_cpu_mnist_trained.csv"  # benchmarks/paper/generation.py --trained logs
 
 
@@ -180,12 +178,15 @@ def timing_lines() -> list[str]:
     large = max(int(r["batch"]) for r in rows)
     at = {(r["method"], int(r["batch"])): float(r["seconds_per_image"]) for r in rows}
     lin1, lin_large = at.get(("linear", 1)), at.get(("linear", large))
+    paper = generation_report.PAPER["mnist"]  # Table 4: images/s on a GPU; Table 5: CPU seconds at batch 1
     body = []
-    for method, (paper_img_s, paper_cpu_s) in PAPER_TIMES.items():
+    for method in generation_report.METHODS:
         if (method, 1) not in at:
             continue
         s1, s_large = at[method, 1], at.get((method, large))
-        body.append([method, f"{s1:.3g}", f"{s1 / lin1:.3g}x" if lin1 else "—", paper_cpu_s, f"{paper_cpu_s / 5.5:.3g}x",
+        paper_img_s, paper_cpu_s = paper["img_s"][method], paper["cpu_s"][method]
+        body.append([method, f"{s1:.3g}", f"{s1 / lin1:.3g}x" if lin1 else "—", paper_cpu_s,
+                     f"{paper_cpu_s / paper['cpu_s']['linear']:.3g}x",
                      "—" if s_large is None else f"{1 / s_large:.3g}",
                      "—" if s_large is None or not lin_large else f"{s_large / lin_large:.3g}x", paper_img_s])
     fitted = sorted({r["method"] for r in rows if r["source"] == "fit"})
