@@ -11,10 +11,11 @@ class EluPlusOne(torch.autograd.Function):
     """``phi(x) = elu(x) + 1`` with a backward that needs only ``phi``: the derivative is 1 for
     x > 0 and exp(x) = phi(x) otherwise, i.e. ``min(phi(x), 1)``.
 
-    Autograd through the ``where`` / ``exp`` / ``clamp`` graph saves three tensors and runs about
-    six elementwise kernels over q and k per layer; this saves one and runs two. That was 10 % of
-    a CPU training step of the MNIST CPU recipe (benchmarks/NOTES.md). Twice differentiable: the
-    backward is made of differentiable operations on the saved output."""
+    Autograd through the ``where`` / ``exp`` / ``clamp`` graph keeps several tensors and runs
+    several elementwise kernels over q and k per layer; this keeps phi and runs a clamp and a
+    product. One training update of the MNIST CPU recipe took 0.91x the time (benchmarks/NOTES.md,
+    "Revision comparisons"). Twice differentiable: the backward is made of differentiable
+    operations on the saved output."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
