@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import csv
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -227,3 +229,51 @@ def test_mnist_table1_report_shows_the_command_without_the_note_text():
     assert mnist_table1.shown_argv(["--methods", "lsh4", "--note", "long text", "--report-only"]) == [
         "--methods", "lsh4", "--note", '"..."', "--report-only"]
     assert mnist_table1.shown_argv(["--methods", "lsh4"]) == ["--methods", "lsh4"]
+
+
+@pytest.mark.parametrize("method", ["softmax", "linear", "lsh1", "lsh4"])
+def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
+    """The exact ``cli.py fit`` command figure2_copy.py runs, at a tiny scale and with --n-heads, trains
+    and logs the curve the report reads (a flag that the CLI rejected or dropped would fail here)."""
+    sys.path.insert(0, str(BENCHMARKS / "paper"))
+    try:
+        import figure2_copy
+    finally:
+        sys.path.remove(str(BENCHMARKS / "paper"))
+    args = figure2_copy.parse_args(["--methods", method, "--steps", "4", "--val-every", "2", "--val-batches", "1",
+                                    "--max-length", "8", "--d-model", "16", "--n-heads", "2", "--batch-size", "4",
+                                    "--bucket-size", "4", "--n-buckets", "4"])
+    command = figure2_copy.run_command(method, args, tmp_path)
+    assert "--model.n_heads=2" in command
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / method / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert max(int(r["step"]) for r in rows) + 1 == 4
+    assert sum(1 for r in rows if r.get("val/loss")) == 2
+    config = yaml.safe_load((tmp_path / method / "version_0" / "hparams.yaml").read_text())
+    assert config["n_heads"] == 2 and config["d_model"] == 16
+
+
+def test_every_mnist_probe_parses_through_the_real_cli():
+    """Each probe of benchmarks/dev/mnist_probes.py is the README's MNIST command plus its flags: the
+    CLI must accept them and hand every value over as given (an int that arrived as a float, or a
+    flag the parser dropped, would make a probe measure something else)."""
+    from conftest import run_cli
+
+    sys.path.insert(0, str(BENCHMARKS / "dev"))
+    try:
+        import mnist_probes
+    finally:
+        sys.path.remove(str(BENCHMARKS / "dev"))
+    for name, (_, changes) in mnist_probes.PROBES.items():
+        flags = [*mnist_probes.BASE_ARGS, *changes]
+        code, out, err = run_cli(["fit", "--config", "mnist_cpu_linear.yaml", *flags, "--print_config"])
+        assert code == 0, f"{name}: {err[-2000:]}"
+        printed = yaml.safe_load(out)
+        sections = {"model": printed["model"]["init_args"], "data": printed["data"]["init_args"]}
+        given = dict(flag[2:].split("=", 1) for flag in flags)  # later flags win, as in the CLI
+        for key, value in given.items():
+            section, field = key.split(".", 1)
+            assert str(sections[section][field]) == value, f"{name}: {key} is {sections[section][field]!r}, given {value}"

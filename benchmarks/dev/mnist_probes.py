@@ -35,6 +35,9 @@ BASE_ARGS = ["--model.position_embedding=pixel", "--data.batch_size=16", "--mode
              "--model.warmup_steps=100", "--model.lr_schedule=cosine", "--model.n_layers=4", "--model.d_model=128",
              "--model.n_heads=4", "--model.d_ff=512"]
 
+#: The committed recipe's changes to BASE_ARGS (configs/mnist_cpu_linear.yaml).
+RECIPE_ARGS = ["--model.position_embedding=row_column", "--data.batch_size=4", "--model.lr=0.0015", "--model.warmup_steps=200"]
+
 PROBES = {
     "base": ("4 x 128 (d_ff 512), batch 16, RAdam 3e-3, 100 warm-up, cosine", []),
     "lr_1e-3": ("learning rate 1e-3", ["--model.lr=0.001"]),
@@ -57,6 +60,12 @@ PROBES = {
                                ["--model.position_embedding=row_column", "--model.n_layers=6", "--model.d_model=96",
                                 "--model.n_heads=3", "--model.d_ff=384"]),
     "batch32": ("32 images per batch", ["--data.batch_size=32"]),
+    # Head width at the committed recipe's settings: linear attention's memory of the past is one
+    # (head dim x head dim) state per head, so fewer, wider heads hold more at the same d_model.
+    "recipe": ("the committed recipe: row + column, 4 images per batch, RAdam 1.5e-3, 200 warm-up (4 heads of 32)",
+               RECIPE_ARGS),
+    "recipe_heads2": ("the committed recipe with 2 heads of 64", [*RECIPE_ARGS, "--model.n_heads=2"]),
+    "recipe_heads1": ("the committed recipe with 1 head of 128", [*RECIPE_ARGS, "--model.n_heads=1"]),
 }
 #: Images per batch of the probes that change it.
 BATCH = {name: int(arg.split("=")[1]) for name, (_, args) in PROBES.items()

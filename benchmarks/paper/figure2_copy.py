@@ -64,7 +64,7 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
         sys.executable, "cli.py", "fit", "--config", f"configs/copy_{method}.yaml",
         f"--data.max_length={args.max_length}", f"--data.batch_size={args.batch_size}",
         f"--data.train_batches_per_epoch={args.steps}", f"--data.val_batches={args.val_batches}",
-        f"--model.d_model={args.d_model}", f"--model.lr_decay_steps={args.decay_at}",
+        f"--model.d_model={args.d_model}", f"--model.n_heads={args.n_heads}", f"--model.lr_decay_steps={args.decay_at}",
         f"--trainer.max_steps={args.steps}", "--trainer.accelerator=cpu", "--trainer.devices=1",
         "--trainer.precision=32-true", f"--trainer.val_check_interval={args.val_every}",
         "--trainer.log_every_n_steps=10", "--trainer.enable_progress_bar=false",
@@ -170,7 +170,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Copy task (Fig. 2 at CPU scale): max length {args.max_length}, d_model {args.d_model}, "
+    fig.suptitle(f"Copy task (Fig. 2 at CPU scale): max length {args.max_length}, d_model {args.d_model} "
+                 f"({args.n_heads} heads of {args.d_model // args.n_heads}), "
                  f"batch {args.batch_size}")
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
@@ -198,7 +199,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         "",
         "Paper §4.1.1: sequences of up to 128 symbols (10 symbols + separator), 4 layers x 8 heads, batch 64,",
         "RAdam lr 1e-3 -> 1e-4 after 3000 updates; linear converges smoothly to softmax's loss, lsh stays above.",
-        f"Here: up to {args.max_length} symbols, d_model {args.d_model}, batch {args.batch_size}, at most {args.steps} updates"
+        f"Here: up to {args.max_length} symbols, d_model {args.d_model} ({args.n_heads} heads of "
+        f"{args.d_model // args.n_heads}), batch {args.batch_size}, at most {args.steps} updates"
         + (f" or {args.max_minutes:g} minutes" if args.max_minutes else "") + ", "
         f"lr drop after {args.decay_at}; lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; "
         "fp32 on CPU, one thread per run.",
@@ -232,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decay-at", type=int, default=500, help="update after which lr drops 1e-3 -> 1e-4")
     parser.add_argument("--max-length", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-heads", type=int, default=8,
+                        help="attention heads (the paper's 8); each head has d_model / n_heads dimensions")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--bucket-size", type=int, default=4)
     parser.add_argument("--n-buckets", type=int, default=4)
