@@ -42,7 +42,7 @@ import torch
 
 from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
 
-__all__ = ["CAUSAL_DOT", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler", "fused_module", "load"]
+__all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler", "fused_module", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
 #: causal_dot.cpp reaches AVX2 / AVX-512 anyway: its hot loops are compiled once per instruction set
@@ -195,6 +195,8 @@ FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
 CAUSAL_DOT = Extension("linformer_lab_causal_dot", "causal_dot.cpp",
                        "the causal linear-attention numerator keeps to the pure-PyTorch chunk path "
                        "(linformer_lab.ops.linear_attention.chunk)")
+CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
+                              "the causal linear-attention numerator keeps to the chunked C++ kernel (causal_dot.cpp)")
 
 
 def load(verbose: bool = False) -> ModuleType:
