@@ -154,7 +154,15 @@ const char* isa_name(Isa isa) {
   return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "baseline";
 }
 
-int width_bytes() { return kIsa == Isa::kAvx512 ? 64 : kIsa == Isa::kAvx2 ? 32 : 16; }
+// The register width (bytes) for (C, M) in elements of `size` bytes: the widest one of the
+// instruction set in use, or a narrower one (a version for a lower instruction set, which the CPU
+// also runs) that divides both, so that D = 24 runs 8-float registers on AVX-512; 0 for none (then
+// cpu_kernel.py keeps to causal_dot.cpp).
+int width_bytes(int64_t c, int64_t m, int64_t size) {
+  for (int b = kIsa == Isa::kAvx512 ? 64 : kIsa == Isa::kAvx2 ? 32 : 16; b >= 16; b /= 2)
+    if (c > 0 && m > 0 && c % (b / size) == 0 && m % (b / size) == 0) return b;
+  return 0;
+}
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define TARGET(x) __attribute__((target(x)))
@@ -173,11 +181,12 @@ DEFINE_FOR(avx2, TARGET("avx2,fma"), 32)
 DEFINE_FOR(baseline, , 16)
 #undef DEFINE_FOR
 
+// One pass in the version for registers of `bytes` (width_bytes).
 template <typename... A>
-void run_pass(A&&... a) {
-  switch (kIsa) {
-    case Isa::kAvx512: return pass_avx512(std::forward<A>(a)...);
-    case Isa::kAvx2: return pass_avx2(std::forward<A>(a)...);
+void run_pass(int bytes, A&&... a) {
+  switch (bytes) {
+    case 64: return pass_avx512(std::forward<A>(a)...);
+    case 32: return pass_avx2(std::forward<A>(a)...);
     default: return pass_baseline(std::forward<A>(a)...);
   }
 }
@@ -206,8 +215,7 @@ void check(const at::Tensor& t, const at::Tensor& like, int64_t dim, const char*
 
 // Whether (C, M) in this dtype runs here: whole registers in both dims.
 bool fits(int64_t c, int64_t m, at::ScalarType dtype) {
-  const int64_t w = width_bytes() / (dtype == at::kDouble ? 8 : 4);
-  return c > 0 && m > 0 && c % w == 0 && m % w == 0 && (dtype == at::kFloat || dtype == at::kDouble);
+  return (dtype == at::kFloat || dtype == at::kDouble) && width_bytes(c, m, dtype == at::kDouble ? 8 : 4) > 0;
 }
 
 // -> (out (rows, N, M), final state S_N (rows, C, M), states (rows, blocks, C, M): S before each block).
@@ -225,7 +233,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     using T = scalar_t;
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     T *op = out.data_ptr<T>(), *fp = final.data_ptr<T>(), *sp = states.data_ptr<T>();
-    const int64_t w = width_bytes() / sizeof(T), tiles = m / w;
+    const int bytes = width_bytes(c, m, sizeof(T));
+    const int64_t w = bytes / sizeof(T), tiles = m / w;
     at::parallel_for(0, rows * tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t e = begin; e < end; ++e) {
         const int64_t row = e / tiles, j = e % tiles * w;
@@ -234,7 +243,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
           T* saved = sp + (row * blocks + blk) * c * m;
           for (int64_t i = 0; i < c; ++i) std::memcpy(saved + i * m + j, s + i * m + j, w * sizeof(T));
           const int64_t t0 = row * n + blk * kBlock, t1 = row * n + std::min(n, (blk + 1) * kBlock);
-          run_pass(t0, t1, false, c, m, kp, vp, qp, op, s, j, j + w);
+          run_pass(bytes, t0, t1, false, c, m, kp, vp, qp, op, s, j, j + w);
         }
       }
     });
@@ -264,6 +273,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
     const T* sp = states.data_ptr<T>();
     T *gqp = gq.data_ptr<T>(), *gkp = gk.data_ptr<T>(), *gvp = gv.data_ptr<T>(), *rp = r_all.data_ptr<T>();
     const int64_t cm = c * m;
+    const int bytes = width_bytes(c, m, sizeof(T));
     const int64_t threads = at::get_num_threads();
     // Rows in parallel when they share out evenly: each row walks its blocks from last to first and
     // runs grad q (in order, from the saved S), then grad v and grad k (reversed) on one block while
@@ -288,11 +298,11 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
           }
           if (do_q) {
             transpose(sp + (row * blocks + blk) * cm, c, m, st.data());
-            run_pass(t0, t1, false, m, c, vp, kp, gp, gqp, st.data(), int64_t{0}, c);
+            run_pass(bytes, t0, t1, false, m, c, vp, kp, gp, gqp, st.data(), int64_t{0}, c);
           }
           if (do_kv) {
-            run_pass(t0, t1, true, c, m, qp, gp, kp, gvp, r, int64_t{0}, m);
-            run_pass(t0, t1, true, m, c, gp, qp, vp, gkp, rt.data(), int64_t{0}, c);
+            run_pass(bytes, t0, t1, true, c, m, qp, gp, kp, gvp, r, int64_t{0}, m);
+            run_pass(bytes, t0, t1, true, m, c, gp, qp, vp, gkp, rt.data(), int64_t{0}, c);
           }
         }
       }
@@ -310,6 +320,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("fits", [](int64_t c, int64_t m, const at::Tensor& like) { return fits(c, m, like.scalar_type()); },
              "whether (C, M) in like's dtype runs here (multiples of the register width)");
   module.def("block", [] { return kBlock; }, "positions per saved forward state");
+  module.def("width", [](int64_t c, int64_t m, const at::Tensor& like) { return width_bytes(c, m, like.element_size()); },
+             "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
   module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
   module.def("set_instruction_set", [](const std::string& name) {
     const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
