@@ -69,12 +69,15 @@ def ran(monkeypatch, extension):
     calls = []
     for name, ext in [("recurrence", cpu.CAUSAL_RECURRENCE.load()), ("chunk", cpu.CAUSAL_DOT.load())]:
         for fn in ("forward", "backward"):
-            def spy(*args, _original=getattr(ext, fn), _call=(name, fn)):
-                calls.append(_call)
-                return _original(*args)
-
-            monkeypatch.setattr(ext, fn, spy)
+            monkeypatch.setattr(ext, fn, _recording(getattr(ext, fn), (name, fn), calls))
     return calls
+
+
+def _recording(original, call, calls):
+    def spy(*args):
+        calls.append(call)
+        return original(*args)
+    return spy
 
 
 @pytest.fixture
