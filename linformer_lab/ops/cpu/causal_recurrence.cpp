@@ -191,17 +191,20 @@ void run_pass(int bytes, A&&... a) {
   }
 }
 
-// An uninitialised tensor whose whole 2 MiB pages are marked for transparent huge pages (Linux,
-// where THP is "madvise"; a hint, ignored elsewhere), before anything touches them. The outputs
-// are written once and at N = 65536 they are tens of MiB: first-touch faults of 4 KiB pages cost
-// more than the arithmetic (as measured on a 2-vCPU VM: fwd + bwd of 8 x 65536 x 16, 85 ms -> 32 ms).
+// An uninitialised tensor; from 32 MiB on, its whole 2 MiB pages marked for transparent huge pages
+// (Linux, where THP is "madvise"; a hint, ignored elsewhere) before anything touches them. Why:
+// glibc serves such sizes from fresh mmap pages on every call, and first-touch faults of 4 KiB
+// pages cost more than the arithmetic (fwd + bwd of 8 x 65536 x 16 on a 2-vCPU VM: 85 ms -> 32 ms).
+// Why not smaller: those come from the heap, mostly already faulted in, and there the hint made the
+// faults that remain dearer (the backward of 64 x 4096 x 16, 8 ms -> 41 ms when it faulted).
 at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20, kFresh = uintptr_t{32} << 20;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr()), end = begin + t.nbytes();
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // a hint: errors ignored
+  if (t.nbytes() >= kFresh && last > first)
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // a hint: errors ignored
 #endif
   return t;
 }
