@@ -209,6 +209,11 @@ at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options
   return t;
 }
 
+// The grain of a parallel loop over `tasks` that do `flops` in all: all of them (one thread, no
+// wake-up of the others) below ~4 MFLOP, some 25 us of one core here, about what waking the other
+// threads costs with OMP_WAIT_POLICY=PASSIVE; else 1.
+int64_t grain(int64_t tasks, int64_t flops) { return flops < (int64_t{4} << 20) ? std::max<int64_t>(tasks, 1) : 1; }
+
 void check(const at::Tensor& t, const at::Tensor& like, int64_t dim, const char* what) {
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == like.scalar_type(),
               what, " must be a contiguous CPU tensor (rows, N, D) of q's dtype");
@@ -238,7 +243,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     T *op = out.data_ptr<T>(), *fp = final.data_ptr<T>(), *sp = states.data_ptr<T>();
     const int bytes = width_bytes(c, m, sizeof(T));
     const int64_t w = bytes / sizeof(T), tiles = m / w;
-    at::parallel_for(0, rows * tiles, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows * tiles, grain(rows * tiles, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
       for (int64_t e = begin; e < end; ++e) {
         const int64_t row = e / tiles, j = e % tiles * w;
         T* s = fp + row * c * m;  // the running state, S_0 to start with; this task's columns j..j+w
@@ -283,7 +288,8 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
     // it is in cache. Otherwise (fewer rows than threads, say) 2 tasks per row, grad q and
     // (grad v, grad k), which read the inputs from memory twice but keep 2 threads busy on one row.
     const bool fused = rows >= 4 * threads || rows % threads == 0;
-    at::parallel_for(0, fused ? rows : 2 * rows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t tasks = fused ? rows : 2 * rows;
+    at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
       std::vector<T> st(cm), rt(cm);  // S' and R' (M x C)
       for (int64_t e = begin; e < end; ++e) {
         const int64_t row = fused ? e : e / 2;
