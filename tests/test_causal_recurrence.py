@@ -134,3 +134,15 @@ def test_states_kept_for_the_backward_are_one_per_block(recurrence):
     torch.testing.assert_close(states[:, 0], rows[3])
     torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :128].transpose(1, 2) @ rows[2][:, :128])
     torch.testing.assert_close(final, rows[3] + rows[1].transpose(1, 2) @ rows[2])
+
+
+def test_gradcheck(recurrence, ran):  # noqa: F811
+    """float64 finite differences, S_0 in and S_N out (C = 4, M = 2: registers of 2 doubles)."""
+    q, k, v, s0, _, _ = _inputs(1, 2, 11, 4, 2)
+    leaves = [t.requires_grad_() for t in (q, k, v, s0)]
+
+    def both(a, b, c, s):
+        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, 4, s, True)
+
+    assert torch.autograd.gradcheck(both, leaves)
+    assert {path for path, _ in ran} == {"recurrence"}

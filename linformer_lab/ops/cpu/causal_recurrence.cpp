@@ -3,7 +3,7 @@
 //
 //   out_t = q_t^T S_t,   S_t = S_0 + sum_{s <= t} k_s v_s^T      q, k (rows, N, C), v (rows, N, M)
 //
-// Every pass is one loop, `sweep`: a tile of a state (P rows of one register each) stays in
+// Every pass is one loop, `sweep`: a tile of a state (P <= 16 rows of one register each) stays in
 // registers while positions stream past; per position, a rank-1 update of the tile (one
 // broadcast FMA per row), then the tile's contribution to one output row (one broadcast FMA per
 // row). 2 P FMAs per position, no shuffles, no scratch: this is the plain recurrence's 4 C M
@@ -21,9 +21,13 @@
 // at every block start ((N / kBlock, C, M), O(N M C / kBlock), no larger than an input for
 // M <= kBlock), so the backward walks the blocks from last to first and runs all three passes
 // on one block while its inputs are in cache (one read of q, k, v, grad from memory).
-// Threads: the forward splits (row, column tile) pairs, the backward (row, pass) pairs (grad q;
-// grad k with grad v). Whole registers only: C and M must be multiples of the register width
-// (16 floats or 8 doubles on AVX-512); cpu_kernel.py sends other shapes to causal_dot.cpp.
+//
+// Threads: the forward splits (row, column tile) pairs; the backward splits rows where they
+// share out evenly, else (row, pass) pairs (grad q; grad v with grad k), and loops under ~4 MFLOP
+// run on one thread. Registers: the widest of the instruction set in use that divides C and M
+// (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2 doubles), so C and M must be multiples of 4 floats
+// or 2 doubles; cpu_kernel.py sends other shapes to causal_dot.cpp (the chunked algorithm).
+// Outputs of 32 MiB and more ask for transparent huge pages (empty_outputs, below).
 //
 // Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load,
 // as in causal_dot.cpp. Built by linformer_lab/ops/cpu/__init__.py; called from
@@ -50,7 +54,7 @@
 
 namespace {
 
-//: Positions per block: the unit of the saved forward states and of the backward's walk.
+// Positions per block: the unit of the saved forward states and of the backward's walk.
 constexpr int64_t kBlock = 128;
 
 // One SIMD register of B bytes (GCC's vector extension), and the tile height: a tile of
@@ -111,7 +115,8 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
   constexpr int W = Vec<T, B>::kWidth, kRows = Vec<T, B>::kRows;
   for (int64_t j = col0; j < col1; j += W) {
     for (int64_t p = 0, r; p < rows; p += r) {
-      // the tallest tile that fits: kRows, then 8, 4, 2 rows at the end (rows is a multiple of W >= 2)
+      // the tallest tile that fits: kRows, then 8, 4, 2 rows at the end (rows is a multiple of W >= 2;
+      // a tile of 16 rows runs only where kRows is 16)
       const int64_t left = rows - p;
       r = left >= kRows ? kRows : left >= 8 ? 8 : left >= 4 ? 4 : 2;
       const bool acc = p > 0;
