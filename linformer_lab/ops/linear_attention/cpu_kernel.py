@@ -5,15 +5,21 @@ state in, final state out, gradients into both). :class:`CausalDotProductCPU` is
 entry point; it runs one of two C++ algorithms (:func:`path`):
 
 * ``"recurrence"`` (``causal_recurrence.cpp``): the plain recurrence S_t = S_{t-1} + k_t v_t^T
-  with a tile of the state held in SIMD registers while the positions stream past; about
-  16 C M flops per position (fwd+bwd), all of them broadcast FMAs. Taken whenever C and M are
-  both multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks
-  use). Measured against the chunk kernel (fwd+bwd, fp32, 2 threads, a 2-vCPU AMD EPYC Zen 5
-  loaded by two one-thread trainings): 1.3-2.6x at the issue's shapes with D = 16 to 128, 1.9x
-  at 64x8x4096x16, 2.6x at 1x8x65536x16; 3-6x at D = 12, 24, 40 (whole registers of 4 or
-  8 floats, where the chunk kernel's column tails are scalar); one thread in cache, 1.9-3.5x.
-  Never slower at a measured shape (1.06x at the smallest, 1x1x256x16): hence no shape rule
-  beyond "fits". The chunk length is unused here.
+  with a tile of the state held in SIMD registers while the positions stream past; 16 C M
+  flops per position (fwd+bwd), all of them broadcast FMAs. Taken whenever C and M are both
+  multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks use).
+  Why no other rule: it was faster than the chunk kernel at every measured shape but the
+  smallest (fwd+bwd, fp32, 2 threads, medians of interleaved calls, a 2-vCPU AMD EPYC Zen 5
+  loaded by two one-thread trainings, load average 4-7): 1.5-2.5x at the issue's six shapes
+  (1x8x65536x16 2.5x, 64x8x4096x16 2.3x, 1x8x65536x32 2.0x, 1x8x4096x32 1.8x,
+  4x8x4096x64 1.5x, 2x4x8192x128 1.6x), 1.14-2.25x (median 1.62x) over the 14 shapes of
+  ``causal_cpu_grid.py --quick``, 3-6x at D = 12, 24, 40 (whole registers of 4 or 8 floats,
+  where the chunk kernel's column tails are scalar); one thread in cache 1.9-3.5x. With huge
+  pages for every allocation (``THP_MEM_ALLOC_ENABLE=1``, so that first-touch page faults
+  weigh alike) still 1.5-2.1x at the six shapes. At 1x1x256x16 (~0.1 ms, overheads) it is
+  within noise: 1.14x in the grid, 1.3x alone (48 vs 62 us), 0.6x right after
+  fast-transformers' calls. fp32 error at N = 65536 (D = 16, against float64) as the chunk
+  kernel's: 2e-6 to 5e-6 of the largest entry. The chunk length is unused here.
 * ``"chunk"`` (``causal_dot.cpp``): the chunked algorithm of
   :mod:`~linformer_lab.ops.linear_attention.chunk` (per chunk an L x L masked product plus the
   product with the state) in cache-resident C++ loops; for the other C, M (odd ones, D = 7),
