@@ -175,6 +175,17 @@ def test_without_states_and_non_contiguous_inputs(kernel, taken, threads):
     assert len(taken) == 1
 
 
+def test_non_contiguous_initial_state_and_final_gradient(kernel, ran, threads):
+    """A transposed S_0 and a transposed gradient of S_N: the kernels read raw rows, so the
+    Function hands them contiguous copies (before, both kernels read the transposed memory)."""
+    q, k, v, s0, grad, grad_final = _inputs(1, 2, 70, 16, 16)
+    s0, grad_final = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (s0, grad_final))
+    assert not s0.is_contiguous() and not grad_final.is_contiguous()
+    _close(_kernel(q, k, v, s0, grad, grad_final, torch.float64), _reference(q, k, v, s0, grad, grad_final),
+           torch.float64)
+    assert ran == [(kernel, "forward"), (kernel, "backward")]
+
+
 def test_gradcheck(extension, threads):
     q, k, v, s0, _, _ = _inputs(1, 2, 11, 3, 2)
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]

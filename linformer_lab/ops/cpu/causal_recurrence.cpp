@@ -245,7 +245,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
   auto out = empty_outputs({rows, n, m}, q.options());
-  at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone() : at::zeros({rows, c, m}, q.options());
+  // contiguous whatever the strides of S_0 (clone keeps a transposed one's)
+  at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone(at::MemoryFormat::Contiguous)
+                             : at::zeros({rows, c, m}, q.options());
   auto states = empty_outputs({rows, blocks, c, m}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_recurrence_forward", [&] {
     using T = scalar_t;
@@ -283,7 +285,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
               states.scalar_type() == q.scalar_type(), "states do not fit the inputs");
   auto gq = empty_outputs(q.sizes(), q.options()), gk = empty_outputs(k.sizes(), k.options());
   auto gv = empty_outputs(v.sizes(), v.options());
-  at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone()
+  at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone(at::MemoryFormat::Contiguous)
                                 : at::zeros({rows, c, m}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_recurrence_backward", [&] {
     using T = scalar_t;

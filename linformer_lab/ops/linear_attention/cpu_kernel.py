@@ -112,7 +112,8 @@ class CausalDotProductCPU(torch.autograd.Function):
         b, h, _, c = q.shape
         m = v.shape[-1]
         ctx.path = path(c, m, q.dtype)
-        initial = None if initial_state is None else initial_state.reshape(b * h, c, m)
+        # contiguous: the C++ kernels index raw rows, and causal_dot.cpp's clone of S_0 keeps a transposed one's strides
+        initial = None if initial_state is None else initial_state.reshape(b * h, c, m).contiguous()
         qr, kr, vr = _rows(q), _rows(k), _rows(v)
         if ctx.path == "recurrence":
             out, final, states = cpu.CAUSAL_RECURRENCE.load().forward(qr, kr, vr, initial)
@@ -135,7 +136,7 @@ class CausalDotProductCPU(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(vr)
         grad_out = _rows(grad_out.to(qr.dtype)) if grad_out.dim() == 4 else grad_out.contiguous()
-        final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2])
+        final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2]).contiguous()
         if ctx.path == "recurrence":
             gq, gk, gv, grad_initial = cpu.CAUSAL_RECURRENCE.load().backward(qr, kr, vr, grad_out, states, final)
         else:
