@@ -1,5 +1,9 @@
-"""The C++ CPU kernel of the causal numerator (linformer_lab/ops/cpu/causal_dot.cpp through
-linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64 O(N^2) reference.
+"""The C++ CPU kernels of the causal numerator (linformer_lab/ops/cpu/causal_recurrence.cpp and
+causal_dot.cpp through linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64
+O(N^2) reference. Each test that is not about one of them runs on both paths (the ``kernel``
+fixture: the recurrence, which these shapes fit, and the chunk kernel, forced with
+``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0``); tests/test_causal_recurrence.py covers the
+recurrence's own cases (register widths, blocks, thread splits).
 
 Checked: outputs, gradients of q, k, v, an initial state and a final state, at lengths below,
 at and past the chunk, C != M, C and M from 16 to 128, one row and many, both parallel
@@ -29,6 +33,7 @@ def extension():
     """The built extension. A skip only where there is no C++ compiler (and no cached build):
     where there is one, as in CI, a failed build fails the tests."""
     try:
+        cpu.CAUSAL_RECURRENCE.load()
         return cpu.CAUSAL_DOT.load()
     except RuntimeError as error:
         if cpu.find_compiler() is not None:
@@ -47,6 +52,32 @@ def taken(monkeypatch):
 
     monkeypatch.setattr(cpu_kernel.CausalDotProductCPU, "apply", spy)
     return calls
+
+
+@pytest.fixture(params=["recurrence", "chunk"])
+def kernel(request, monkeypatch, extension):
+    """Runs a test on each C++ path: the recurrence, and the chunk kernel (for every shape with
+    LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0)."""
+    if request.param == "chunk":
+        monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
+    return request.param
+
+
+@pytest.fixture
+def ran(monkeypatch, extension):
+    """(path, "forward" / "backward") of every call into the two extensions."""
+    calls = []
+    for name, ext in [("recurrence", cpu.CAUSAL_RECURRENCE.load()), ("chunk", cpu.CAUSAL_DOT.load())]:
+        for fn in ("forward", "backward"):
+            monkeypatch.setattr(ext, fn, _recording(getattr(ext, fn), (name, fn), calls))
+    return calls
+
+
+def _recording(original, call, calls):
+    def spy(*args):
+        calls.append(call)
+        return original(*args)
+    return spy
 
 
 @pytest.fixture
@@ -108,18 +139,21 @@ SHAPES = [  # (B, H, N, C, M, chunk): N below, at and past the chunk; C != M; C,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-L{s[5]}")
-def test_kernel_matches_the_float64_reference(extension, taken, threads, shape, dtype):
+def test_kernel_matches_the_float64_reference(kernel, ran, taken, threads, shape, dtype):
     *bhncm, chunk_size = shape
     tensors = _inputs(*bhncm)
     _close(_kernel(*tensors, dtype, chunk_size), _reference(*tensors), dtype)
     assert len(taken) == 1
+    assert ran == [(kernel, "forward"), (kernel, "backward")]
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 4), (8, 8)], ids=lambda r: f"BxH={r[0] * r[1]}")
-def test_row_and_chunk_schedules_agree_with_the_reference(extension, taken, rows, n_threads):
-    """One thread: rows in order. Two threads: rows in parallel (BxH = 8, 64) or chunks in
-    parallel (BxH = 1, 3), which then scans the chunk states: both give the reference."""
+def test_row_and_chunk_schedules_agree_with_the_reference(extension, monkeypatch, ran, taken, rows, n_threads):
+    """The chunk kernel's schedules. One thread: rows in order. Two threads: rows in parallel
+    (BxH = 8, 64) or chunks in parallel (BxH = 1, 3), which then scans the chunk states: both
+    give the reference."""
+    monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
     before = torch.get_num_threads()
     torch.set_num_threads(n_threads)
     try:
@@ -128,9 +162,10 @@ def test_row_and_chunk_schedules_agree_with_the_reference(extension, taken, rows
     finally:
         torch.set_num_threads(before)
     assert taken == [64]
+    assert set(ran) == {("chunk", "forward"), ("chunk", "backward")}
 
 
-def test_without_states_and_non_contiguous_inputs(extension, taken, threads):
+def test_without_states_and_non_contiguous_inputs(kernel, taken, threads):
     q, k, v, s0, grad, grad_final = _inputs(2, 3, 70, 16, 16)
     q, k, v = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k, v))  # same values, other strides
     assert not q.is_contiguous()
@@ -138,6 +173,17 @@ def test_without_states_and_non_contiguous_inputs(extension, taken, threads):
     want = _reference(q, k, v, torch.zeros_like(s0), grad, torch.zeros_like(grad_final))
     _close(got, [want[0]] + want[2:5], torch.float32)
     assert len(taken) == 1
+
+
+def test_non_contiguous_initial_state_and_final_gradient(kernel, ran, threads):
+    """A transposed S_0 and a transposed gradient of S_N: the kernels read raw rows, so the
+    Function hands them contiguous copies (before, both kernels read the transposed memory)."""
+    q, k, v, s0, grad, grad_final = _inputs(1, 2, 70, 16, 16)
+    s0, grad_final = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (s0, grad_final))
+    assert not s0.is_contiguous() and not grad_final.is_contiguous()
+    _close(_kernel(q, k, v, s0, grad, grad_final, torch.float64), _reference(q, k, v, s0, grad, grad_final),
+           torch.float64)
+    assert ran == [(kernel, "forward"), (kernel, "backward")]
 
 
 def test_gradcheck(extension, threads):
@@ -151,7 +197,7 @@ def test_gradcheck(extension, threads):
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4)], ids=["N=0", "B=0"])
-def test_empty_inputs(extension, taken, shape):
+def test_empty_inputs(kernel, taken, shape):
     tensors = _inputs(*shape)
     got = _kernel(*tensors, torch.float64, 4)
     want = _reference(*tensors)
@@ -160,7 +206,7 @@ def test_empty_inputs(extension, taken, shape):
     assert taken == [4]
 
 
-def test_same_result_as_the_chunk_path(extension, threads):
+def test_same_result_as_the_chunk_path(kernel, threads):
     """The kernel and the pure-PyTorch reference path agree with each other in float32 too."""
     q, k, v, s0, grad, grad_final = _inputs(2, 4, 257, 32, 32)
     args = [t.float() for t in (q, k, v)]
@@ -186,14 +232,20 @@ def test_other_cases_keep_to_the_chunk_path(monkeypatch, taken, case):
 
 
 def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
-    """No cached build and no compiler: the causal op warns once and keeps to the chunk path."""
-    fresh = cpu.Extension("linformer_lab_causal_dot", "causal_dot.cpp", cpu.CAUSAL_DOT.purpose)
-    monkeypatch.setattr(cpu, "CAUSAL_DOT", fresh)
+    """No cached build and no compiler: the causal op warns (once per extension) and keeps to the
+    pure-PyTorch chunk path."""
+    monkeypatch.setattr(cpu, "CAUSAL_DOT", cpu.Extension("linformer_lab_causal_dot", "causal_dot.cpp",
+                                                         cpu.CAUSAL_DOT.purpose))
+    monkeypatch.setattr(cpu, "CAUSAL_RECURRENCE", cpu.Extension("linformer_lab_causal_recurrence",
+                                                                "causal_recurrence.cpp", cpu.CAUSAL_RECURRENCE.purpose))
     monkeypatch.setenv("LINFORMER_LAB_CPU_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-linformer-lab")
     q, k, v, *_ = _inputs(1, 1, 20, 4, 4)
-    with pytest.warns(RuntimeWarning, match="keeps to the pure-PyTorch chunk path"):
+    with pytest.warns(RuntimeWarning) as record:
         out = chunk.causal_dot_product(q, k, v)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages  # one per extension
+    assert "keeps to the chunked C++ kernel" in messages[0] and "keeps to the pure-PyTorch chunk path" in messages[1]
     torch.testing.assert_close(out, naive.causal_dot_product_naive(q, k, v))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -202,9 +254,10 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
-def test_every_instruction_set_version_matches_the_reference(extension, threads, isa):
+def test_every_instruction_set_version_matches_the_reference(kernel, ran, threads, isa):
     """The hot loops exist once per instruction set; the CPU's best runs by default, and every
     version this CPU can run gives the reference (CI thus checks the ones its CPU has)."""
+    extension = cpu.CAUSAL_RECURRENCE.load() if kernel == "recurrence" else cpu.CAUSAL_DOT.load()
     try:
         before = extension.set_instruction_set(isa)
     except RuntimeError as error:
@@ -217,6 +270,7 @@ def test_every_instruction_set_version_matches_the_reference(extension, threads,
             _close(_kernel(*tensors, torch.float32, chunk_size), _reference(*tensors), torch.float32)
     finally:
         extension.set_instruction_set(before)
+    assert {path for path, _ in ran} == {kernel}
 
 
 def test_double_backward_is_an_error_not_a_wrong_answer(extension):
@@ -228,9 +282,10 @@ def test_double_backward_is_an_error_not_a_wrong_answer(extension):
 
 
 @pytest.mark.parametrize("forward_threads,backward_threads", [(2, 1), (1, 2)])
-def test_thread_count_changing_between_forward_and_backward(extension, forward_threads, backward_threads):
-    """With 2 threads one row runs chunk-parallel (the forward keeps its chunk states), with 1 row
-    by row (the backward recomputes them): either pass may meet either schedule."""
+def test_thread_count_changing_between_forward_and_backward(kernel, forward_threads, backward_threads):
+    """Chunk kernel: with 2 threads one row runs chunk-parallel (the forward keeps its chunk
+    states), with 1 row by row (the backward recomputes them): either pass may meet either
+    schedule. Recurrence: the backward splits one row's passes over 2 threads, or not."""
     tensors = _inputs(1, 1, 200, 16, 32)
     before = torch.get_num_threads()
     leaves = [t.detach().float().requires_grad_() for t in tensors[:4]]

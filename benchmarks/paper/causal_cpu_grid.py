@@ -1,25 +1,32 @@
 """The causal numerator on CPU, head-to-head over a grid of shapes (issue #23): our C++ kernel
-(``linformer_lab/ops/cpu/causal_dot.cpp``), our pure-PyTorch chunk path
-(``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's
-CPU kernel, forward+backward, fp32, 2 threads, timed interleaved in one process.
+(``CausalDotProductCPU``, which runs ``linformer_lab/ops/cpu/causal_recurrence.cpp`` where C and M
+fit whole registers and ``causal_dot.cpp`` otherwise), the same with the recurrence switched off
+(the chunk kernel, ``causal_dot.cpp``, at every shape: before / after), our pure-PyTorch chunk path
+(``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's CPU
+kernel, forward+backward, fp32, 2 threads, timed interleaved in one process.
 
 Shapes: D = M in {16, 32, 64, 128} x B*H in {1, 8, 64, 512} (B = B*H / 8 with H = 8, or
 B = H = 1) x N in {256, 4096, 65536}, less those with more than ``--max-elements`` numbers
 per input tensor (memory and time: each is listed as skipped), plus the six shapes of the issue.
 
 Also measured: the machine's fp32 GEMM rate (``torch.mm`` of two square matrices, same
-threads), and per shape the FLOP rate of the chunked algorithm the kernel runs as a fraction of
-it. FLOPs of one fwd+bwd, per row and chunk of l positions (C = D, M value dim; a masked l x l
-product counts its lower triangle, l^2 X):
+threads), and per shape the FLOP rate of the algorithm the kernel ran as a fraction of it
+(:func:`kernel_flops`). FLOPs of one fwd+bwd per row:
+
+* the recurrence (``path`` recurrence): 16 C M per position: per pass a rank-1 update of a
+  state and its product with one vector, 4 C M, for the forward and the three backward passes
+  (grad q, grad v, grad k);
+* the chunked algorithm (``path`` chunk), per chunk of l positions (C = D, M value dim; a masked
+  l x l product counts its lower triangle, l^2 X)::
 
     forward  l^2 (C + M) + 4 l C M         (tril(Q K^T), its product with V, Q S, K^T V)
     backward l^2 (3 C + 2 M) + 10 l C M    (K^T V again for S, tril(G V^T), tril(Q K^T) again,
                                             grad q, k, v, Q^T G)
 
-i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
+  i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
 
 fast-transformers lives in a separate venv (benchmarks/README.md, "fast-transformers baseline
-venv"); without it the other two still run::
+venv"); without it the others still run::
 
     PYTHONPATH=. .bench_env/bin/python benchmarks/paper/causal_cpu_grid.py [--quick]
 
@@ -64,6 +71,37 @@ def flops(n: int, c: int, m: int, chunk: int) -> int:
     return sum(l * l * (4 * c + 3 * m) + 14 * l * c * m for l in lengths)
 
 
+def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
+    """(FLOPs of one fwd+bwd of one row, path) of the algorithm ``CausalDotProductCPU`` runs for
+    fp32 (C, M): the recurrence's 16 C M per position, or the chunked algorithm's :func:`flops`."""
+    import torch
+
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    path = cpu_kernel.path(c, m, torch.float32)
+    if path == "recurrence":
+        return 16 * n * c * m, path
+    return flops(n, c, m, cpu_kernel.default_chunk_size(c, m)), path or "none"
+
+
+def _chunk_kernel(torch):
+    """``CausalDotProductCPU`` with the recurrence switched off (its environment variable is read
+    per forward; the backward follows the forward's path)."""
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    def run(q, k, v, chunk):
+        before = os.environ.get(cpu_kernel.RECURRENCE_VARIABLE)
+        os.environ[cpu_kernel.RECURRENCE_VARIABLE] = "0"
+        try:
+            return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk)
+        finally:
+            if before is None:
+                del os.environ[cpu_kernel.RECURRENCE_VARIABLE]
+            else:
+                os.environ[cpu_kernel.RECURRENCE_VARIABLE] = before
+    return run
+
+
 def gemm_rate(torch, size: int, repeats: int = 5) -> float:
     """fp32 FLOP/s of torch.mm on two size x size matrices (median of repeats)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -77,6 +115,8 @@ def implementations(torch):
     impls = {}
     if cpu_kernel.applies(*(torch.zeros(1, 1, 1, 1),) * 3, None):
         impls["kernel"] = lambda q, k, v, L: cpu_kernel.CausalDotProductCPU.apply(q, k, v, L)
+        if cpu_kernel.cpu.CAUSAL_DOT.module() is not None:
+            impls["chunk_kernel"] = _chunk_kernel(torch)
     impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
     try:
         from fast_transformers.causal_product import causal_dot_product as ft
@@ -115,13 +155,19 @@ def measure(torch, impls, shape, args) -> dict:
            "loadavg_1min": round(os.getloadavg()[0], 2)}
     for name, t in times.items():
         row[f"{name}_ms"] = round(t["median"] * 1e3, 3)
-    work = b * h * flops(n, d, d, chunk)
+    per_row, row["path"] = kernel_flops(n, d, d)
+    work = b * h * per_row
     if "kernel" in times:
         row["kernel_gflops"] = round(work / times["kernel"]["median"] / 1e9, 2)
         row["kernel_gemm_fraction"] = round(work / times["kernel"]["median"] / args.gemm_flops, 3)
         if "fast_transformers" in times:
             row["ft_over_kernel"] = round(times["fast_transformers"]["median"] / times["kernel"]["median"], 2)
         row["chunk_over_kernel"] = round(times["chunk"]["median"] / times["kernel"]["median"], 2)
+        if "chunk_kernel" in times:
+            row["chunk_kernel_over_kernel"] = round(times["chunk_kernel"]["median"] / times["kernel"]["median"], 2)
+            if "fast_transformers" in times:
+                row["ft_over_chunk_kernel"] = round(times["fast_transformers"]["median"] / times["chunk_kernel"]["median"],
+                                                    2)
     if "fast_transformers" in times:
         row["ft_over_chunk"] = round(times["fast_transformers"]["median"] / times["chunk"]["median"], 2)
     return row
@@ -129,7 +175,7 @@ def measure(torch, impls, shape, args) -> dict:
 
 def write_report(args, rows, skipped, env, path_md) -> str:
     lines = [
-        "# Causal linear-attention numerator on CPU: kernel vs chunk path vs fast-transformers",
+        "# Causal linear-attention numerator on CPU: kernel vs chunk kernel vs chunk path vs fast-transformers",
         "",
         f"Generated by `{env['command']}` on {env['date']}.",
         "",
@@ -140,14 +186,20 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- fp32 GEMM rate (torch.mm, {args.gemm_size}^2, {env['threads']} threads): "
         f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (A, B, C, A, B, C, ...). "
-        "Ratios > 1: the kernel is faster. GEMM fraction: the chunked algorithm's FLOPs "
-        "(l^2 (4C + 3M) + 14 l C M per chunk of l positions) per second over the GEMM rate at the start.",
+        "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
+        "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
+        "LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0 (causal_dot.cpp at every shape: the kernel before the recurrence); "
+        "chunk path: the pure-PyTorch chunk.py. GEMM fraction: the FLOPs of the path that ran per second over the "
+        "GEMM rate at the start: the recurrence's 16 C M per position, or the chunked algorithm's "
+        "l^2 (4C + 3M) + 14 l C M per chunk of l positions.",
         "",
     ]
-    header = ["B", "H", "N", "D", "kernel ms", "chunk ms", "FT ms", "FT / kernel", "chunk / kernel", "kernel GFLOP/s",
-              "GEMM fraction", "load"]
-    table = [[r["B"], r["H"], r["N"], r["D"], common.fmt(r.get("kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
+    header = ["B", "H", "N", "D", "path", "kernel ms", "chunk kernel ms", "chunk path ms", "FT ms", "FT / kernel",
+              "FT / chunk kernel", "chunk kernel / kernel", "chunk path / kernel", "kernel GFLOP/s", "GEMM fraction", "load"]
+    table = [[r["B"], r["H"], r["N"], r["D"], r["path"], common.fmt(r.get("kernel_ms"), 2),
+              common.fmt(r.get("chunk_kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
               common.fmt(r.get("fast_transformers_ms"), 2), common.fmt(r.get("ft_over_kernel"), 2),
+              common.fmt(r.get("ft_over_chunk_kernel"), 2), common.fmt(r.get("chunk_kernel_over_kernel"), 2),
               common.fmt(r.get("chunk_over_kernel"), 2), common.fmt(r.get("kernel_gflops"), 1),
               common.fmt(r.get("kernel_gemm_fraction"), 2), r["loadavg_1min"]] for r in rows]
     lines.append(common.markdown_table(header, table))
@@ -157,6 +209,10 @@ def write_report(args, rows, skipped, env, path_md) -> str:
                       f"max {max(ratios):.2f} over {len(ratios)} shapes; below 2: "
                       + (", ".join(f"{r['B']}x{r['H']}x{r['N']}x{r['D']} ({r['ft_over_kernel']:.2f})"
                                    for r in rows if r.get("ft_over_kernel", 9) < 2) or "none") + "."]
+    before = sorted(r["chunk_kernel_over_kernel"] for r in rows if "chunk_kernel_over_kernel" in r)
+    if before:
+        lines += ["", f"Chunk kernel / kernel (before / after the recurrence): min {before[0]:.2f}, "
+                      f"median {before[len(before) // 2]:.2f}, max {before[-1]:.2f} over {len(before)} shapes."]
     if skipped:
         lines += ["", f"Skipped (more than {args.max_elements:,} numbers per input tensor): "
                       + ", ".join("x".join(map(str, s)) for s in skipped) + " (B x H x N x D)."]
@@ -201,8 +257,9 @@ def main(argv=None):
     if "kernel" in impls:
         from linformer_lab.ops import cpu
 
-        if args.isa:
-            cpu.CAUSAL_DOT.load().set_instruction_set(args.isa)
+        for extension in (cpu.CAUSAL_RECURRENCE, cpu.CAUSAL_DOT):
+            if args.isa and extension.module() is not None:
+                extension.load().set_instruction_set(args.isa)
         env["isa"] = cpu.CAUSAL_DOT.load().instruction_set()
     print("implementations:", ", ".join(impls), flush=True)
     shapes, skipped = grid_shapes(args)

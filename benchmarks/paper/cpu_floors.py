@@ -4,8 +4,9 @@ on a CPU, each beside the cheapest it could be here.
 1. **GEMM rate** (the floor of everything below): fp32 ``torch.mm`` of two 2048 x 2048 matrices,
    ``--threads`` threads, GFLOP/s.
 2. **Causal op**: ``linformer_lab.ops.linear_attention.causal_dot_product`` forward + backward,
-   fp32, at the shapes of the CPU-speed issue. FLOP rate = the chunked algorithm's FLOPs
-   (``causal_cpu_grid.flops``, at the C++ kernel's chunk length) / time, as a share of the GEMM
+   fp32, at the shapes of the CPU-speed issue. FLOP rate = the FLOPs of the algorithm the C++
+   kernel runs (``causal_cpu_grid.kernel_flops``: the recurrence's 16 C M per position, or the
+   chunked algorithm's at the chunk kernel's chunk length) / time, as a share of the GEMM
    rate; fast-transformers 0.4.0's CPU kernel beside it, interleaved, when ``fast_transformers``
    is importable (benchmarks/README.md, "fast-transformers baseline venv": how it builds on CPU).
 3. **RNN step**: one MNIST image at batch 1 from the paper's model (8 x 256, random weights):
@@ -58,7 +59,7 @@ class _NoBar:  # generation.py's measurement functions report progress to a bar
 
 # ---------------------------------------------------------------- 2. causal op
 def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
-    from linformer_lab.ops.linear_attention import causal_dot_product, cpu_kernel
+    from linformer_lab.ops.linear_attention import causal_dot_product
 
     try:
         from fast_transformers.causal_product import causal_dot_product as ft_causal
@@ -81,7 +82,7 @@ def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
             fns["fast_transformers"] = fwd_bwd(ft_causal)
         times = common.interleaved_medians(fns, repeats)
         ours = times["ours"]["median"]
-        work = b * h * causal_cpu_grid.flops(n, d, d, cpu_kernel.default_chunk_size(d, d))  # the kernel's chunk length
+        work = b * h * causal_cpu_grid.kernel_flops(n, d, d)[0]  # the algorithm the kernel runs for (D, D)
         ft = times.get("fast_transformers", {}).get("median")
         rows.append(dict(path="causal op", case=f"B={b} H={h} N={n} D=M={d}", seconds=ours,
                          floor_seconds=work / (gemm * 1e9), gflops=work / ours / 1e9, gemm_share=work / ours / (gemm * 1e9),
@@ -150,8 +151,9 @@ def report(rows: list[dict], profiles: dict, gemm: float, args, wall: float, loa
             [[r["case"], f"{1e3 * r['seconds']:.1f}", f"{r['gflops']:.3g}", f"{100 * r['gemm_share']:.2g} %",
               common.fmt(r["fast_transformers_seconds"] and 1e3 * r["fast_transformers_seconds"]),
               f"{r['speedup_vs_ft']:.2f}x" if r.get("speedup_vs_ft") else "—"] for r in rows if r["path"] == "causal op"]),
-        "", "FLOPs per row: L^2 (4C + 3M) + 14 L C M per chunk of L positions, forward + backward (causal_cpu_grid.py's "
-        "`flops`; the backward recomputes the chunk states).",
+        "", "FLOPs per row, forward + backward, of the algorithm the kernel runs (causal_cpu_grid.py's `kernel_flops`): "
+        "16 C M per position for the recurrence (C and M multiples of a register width), else "
+        "L^2 (4C + 3M) + 14 L C M per chunk of L positions.",
     ]
     steps = [r for r in rows if r["path"] == "RNN step"]
     if steps:

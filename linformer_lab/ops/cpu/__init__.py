@@ -3,8 +3,11 @@
 * :data:`FUSED_STEP` (``fused_step.cpp``): the fused RNN step of a stack of linear-attention
   (elu + 1) layers, which :mod:`linformer_lab.models.fused_step` calls from
   :func:`~linformer_lab.models.generation.fast_step`;
-* :data:`CAUSAL_DOT` (``causal_dot.cpp``): the causal numerator of linear attention, forward and
-  backward, which :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls.
+* :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``) and :data:`CAUSAL_DOT`
+  (``causal_dot.cpp``): the causal numerator of linear attention, forward and backward, as a
+  register-resident recurrence and as the chunked algorithm, which
+  :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (the recurrence where C and M are
+  multiples of a register width, the chunk kernel for the rest).
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
@@ -42,10 +45,11 @@ import torch
 
 from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
 
-__all__ = ["CAUSAL_DOT", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler", "fused_module", "load"]
+__all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler",
+           "fused_module", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
-#: causal_dot.cpp reaches AVX2 / AVX-512 anyway: its hot loops are compiled once per instruction set
+#: the causal kernels reach AVX2 / AVX-512 anyway: their hot loops are compiled once per instruction set
 #: (GCC target attributes) and the CPU's best is chosen at load.
 _CFLAGS = ["-O3"]
 _HERE = Path(__file__).resolve().parent
@@ -195,6 +199,8 @@ FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
 CAUSAL_DOT = Extension("linformer_lab_causal_dot", "causal_dot.cpp",
                        "the causal linear-attention numerator keeps to the pure-PyTorch chunk path "
                        "(linformer_lab.ops.linear_attention.chunk)")
+CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
+                              "the causal linear-attention numerator keeps to the chunked C++ kernel (causal_dot.cpp)")
 
 
 def load(verbose: bool = False) -> ModuleType:

@@ -13,8 +13,8 @@
 //
 // Built without -march (one cached build serves every x86-64 CPU), so the hot loops are compiled
 // three times, for AVX-512, AVX2 + FMA and the SSE2 baseline (target attributes), and the CPU's
-// best is picked when the library loads. Built by linformer_lab/ops/cpu/__init__.py; called from
-// linformer_lab/ops/linear_attention/cpu_kernel.py.
+// best is picked when the library loads. Built by linformer_lab/ops/cpu/__init__.py; cpu_kernel.py calls it where
+// causal_recurrence.cpp does not run (C or M not a multiple of 4 floats / 2 doubles, or switched off).
 
 // The 64-byte vectors below are always inlined, so no function passes one: their ABI note does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"

@@ -7,9 +7,10 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
   8, 9) and the loop over t of eq. 10-12. Slow on purpose; the tests compare against it.
 * :mod:`.chunk` -- the causal numerator as a chunked ``autograd.Function`` (matmuls per chunk,
   eq. 13-15 backward), no ``(N, C, M)`` tensor: the reference and the fallback of
-* :mod:`.cpu_kernel` -- the same chunked algorithm as a C++ CPU kernel
-  (``linformer_lab/ops/cpu/causal_dot.cpp``), which :func:`causal_dot_product` takes on CPU
-  for float32 / float64 where it builds (``LINFORMER_LAB_CPU_CAUSAL=0`` turns it off).
+* :mod:`.cpu_kernel` -- the same Function over C++ CPU kernels: a register-resident recurrence
+  (``linformer_lab/ops/cpu/causal_recurrence.cpp``) where C and M fit whole SIMD registers, else
+  the same chunked algorithm (``causal_dot.cpp``), which :func:`causal_dot_product` takes on
+  CPU for float32 / float64 where they build (``LINFORMER_LAB_CPU_CAUSAL=0`` turns it off).
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs.

@@ -1,17 +1,42 @@
-"""The causal numerator on CPU through the C++ kernel ``linformer_lab/ops/cpu/causal_dot.cpp``.
+"""The causal numerator on CPU through the C++ kernels in ``linformer_lab/ops/cpu/``.
 
 Same contract as :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct` (initial
-state in, final state out, gradients into both), same chunked algorithm, but each chunk's
-products are cache-resident C++ loops (AVX2 / AVX-512 where the CPU has them) and the threads
-split rows or, for fewer rows than threads, chunks. :func:`causal_dot_product` in
-:mod:`linformer_lab.ops.linear_attention.chunk` takes it when all of these hold, and otherwise
-keeps to the pure-PyTorch chunk path (the reference; ``tests/test_causal_cpu_kernel.py`` holds
-the kernel to a float64 O(N^2) reference):
+state in, final state out, gradients into both). :class:`CausalDotProductCPU` is the single
+entry point; it runs one of two C++ algorithms (:func:`path`):
+
+* ``"recurrence"`` (``causal_recurrence.cpp``): the plain recurrence S_t = S_{t-1} + k_t v_t^T
+  with a tile of the state held in SIMD registers while the positions stream past; 16 C M
+  flops per position (fwd+bwd), all of them broadcast FMAs. Taken whenever C and M are both
+  multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks use).
+  Why no other rule: it was as fast as or faster than the chunk kernel at every measured shape
+  but, in one run, the smallest (fwd+bwd, fp32, 2 threads, medians of interleaved calls, a
+  2-vCPU AMD EPYC Zen 5 loaded by two one-thread trainings, load average 4-7): 1.3-2.5x at the
+  issue's six shapes over two runs (1x8x65536x16 2.5x / 2.4x, 64x8x4096x16 2.3x / 2.3x,
+  1x8x65536x32 2.0x / 2.1x, 1x8x4096x32 1.8x / 1.3x, 4x8x4096x64 1.5x / 1.6x, 2x4x8192x128
+  1.6x / 1.7x); over the 14 shapes of ``causal_cpu_grid.py --quick`` 1.14-2.25x (median 1.62x)
+  and 1.03-2.50x (median 1.53x; 1.03x at 1x1x4096x64, one row, whose backward splits 1 : 2
+  over the two threads); 3-6x at D = 12, 24, 40 (whole registers of 4 or 8 floats,
+  where the chunk kernel's column tails are scalar); one thread in cache 1.9-3.5x. With huge
+  pages for every allocation (``THP_MEM_ALLOC_ENABLE=1``, so that first-touch page faults
+  weigh alike) still 1.5-2.1x at the six shapes. At 1x1x256x16 (~0.1 ms, overheads) it is
+  within noise: 1.14x in the grid, 1.3x alone (48 vs 62 us), 0.6x right after
+  fast-transformers' calls. fp32 error at N = 65536 (D = 16, against float64) as the chunk
+  kernel's: 2e-6 to 5e-6 of the largest entry. The chunk length is unused here.
+* ``"chunk"`` (``causal_dot.cpp``): the chunked algorithm of
+  :mod:`~linformer_lab.ops.linear_attention.chunk` (per chunk an L x L masked product plus the
+  product with the state) in cache-resident C++ loops; for the other C, M (odd ones, D = 7),
+  or every shape with ``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0`` (before/after comparisons).
+
+Both use AVX2 / AVX-512 where the CPU has them. :func:`causal_dot_product` in
+:mod:`linformer_lab.ops.linear_attention.chunk` takes this module when all of these hold, and
+otherwise keeps to the pure-PyTorch chunk path (the reference;
+``tests/test_causal_cpu_kernel.py`` holds both kernels to a float64 O(N^2) reference):
 
 * the environment variable ``LINFORMER_LAB_CPU_CAUSAL`` is not ``0``;
 * q, k, v are CPU tensors of one dtype, float32 or float64, CPU autocast off;
-* the extension is built or can be built (:data:`linformer_lab.ops.cpu.CAUSAL_DOT`; where it
-  cannot, one RuntimeWarning per process says so).
+* the extension of the path that applies is built or can be built (:data:`linformer_lab.ops.cpu.CAUSAL_RECURRENCE`,
+  :data:`linformer_lab.ops.cpu.CAUSAL_DOT`; where one cannot, one RuntimeWarning per process
+  says so, and the other takes over where it can).
 """
 
 from __future__ import annotations
@@ -22,16 +47,30 @@ import torch
 
 from linformer_lab.ops import cpu
 
-__all__ = ["ENV_VARIABLE", "CausalDotProductCPU", "applies", "default_chunk_size", "enabled"]
+__all__ = ["ENV_VARIABLE", "RECURRENCE_VARIABLE", "CausalDotProductCPU", "applies", "default_chunk_size", "enabled",
+           "path"]
 
 #: ``LINFORMER_LAB_CPU_CAUSAL=0`` keeps the causal numerator on the pure-PyTorch chunk path.
 ENV_VARIABLE = "LINFORMER_LAB_CPU_CAUSAL"
+#: ``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0`` runs every shape on the chunk kernel (causal_dot.cpp).
+RECURRENCE_VARIABLE = "LINFORMER_LAB_CPU_CAUSAL_RECURRENCE"
 _DTYPES = (torch.float32, torch.float64)
 
 
 def enabled() -> bool:
     """False when ``LINFORMER_LAB_CPU_CAUSAL=0`` turns the kernel off."""
     return os.environ.get(ENV_VARIABLE, "1").strip() != "0"
+
+
+def path(feature_dim: int, value_dim: int, dtype: torch.dtype) -> str | None:
+    """The C++ algorithm :class:`CausalDotProductCPU` runs for (C, M) in ``dtype``:
+    ``"recurrence"``, ``"chunk"``, or None where neither extension can be had (module
+    docstring); builds the extensions on the first call that needs them."""
+    if os.environ.get(RECURRENCE_VARIABLE, "1").strip() != "0":
+        recurrence = cpu.CAUSAL_RECURRENCE.module()
+        if recurrence is not None and recurrence.fits(feature_dim, value_dim, torch.empty(0, dtype=dtype)):
+            return "recurrence"
+    return "chunk" if cpu.CAUSAL_DOT.module() is not None else None
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
@@ -42,11 +81,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: to
         return False
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES):
         return False
-    return cpu.CAUSAL_DOT.module() is not None
+    return path(q.shape[-1], v.shape[-1], q.dtype) is not None
 
 
 def default_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """The kernel's chunk length: 32 up to D = 32, else 64 (the fastest or within 10 % of it
+    """The chunk kernel's chunk length: 32 up to D = 32, else 64 (the fastest or within 10 % of it
     from D = 16 to 128 as measured: benchmarks/NOTES.md, "the causal numerator's C++ CPU
     kernel"). At least min(C, M) up to D = 64 keeps the (N / L, C, M) chunk states that the
     backward recomputes (one row's per thread) no larger than an input row; at C = M = 128 they
@@ -61,22 +100,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class CausalDotProductCPU(torch.autograd.Function):
     """``apply(q, k, v, chunk_size, initial_state=None, return_final_state=False)``: as
-    :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct`. Saved for backward:
-    the inputs (and S_0); the backward recomputes the chunk-boundary states, one K^T V per chunk,
-    except where the forward ran chunks in parallel and has them anyway (chunk.py keeps them)."""
+    :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct`, on the path
+    :func:`path` picks (the chunk length is the chunk kernel's; the recurrence ignores it).
+    Saved for backward: the inputs and states. The recurrence keeps the state at every block
+    start ((B H, N / 128, C, M), no larger than an input for M <= 128); the chunk kernel keeps S_0
+    and recomputes the chunk-boundary states, one K^T V per chunk, except where the forward ran
+    chunks in parallel and has them anyway (chunk.py keeps them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, chunk_size: int, initial_state=None, return_final_state: bool = False):
         b, h, _, c = q.shape
         m = v.shape[-1]
-        ext = cpu.CAUSAL_DOT.load()
-        initial = None if initial_state is None else initial_state.reshape(b * h, c, m)
+        ctx.path = path(c, m, q.dtype)
+        # contiguous: the C++ kernels index raw rows, and causal_dot.cpp's clone of S_0 keeps a transposed one's strides
+        initial = None if initial_state is None else initial_state.reshape(b * h, c, m).contiguous()
         qr, kr, vr = _rows(q), _rows(k), _rows(v)
-        out, final, states = ext.forward(qr, kr, vr, initial, chunk_size)
+        if ctx.path == "recurrence":
+            out, final, states = cpu.CAUSAL_RECURRENCE.load().forward(qr, kr, vr, initial)
+            initial = None  # states[:, 0] is S_0
+        else:
+            out, final, states = cpu.CAUSAL_DOT.load().forward(qr, kr, vr, initial, chunk_size)
         ctx.chunk, ctx.shape4 = chunk_size, (b, h, q.shape[2])
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
-        ctx.save_for_backward(qr, kr, vr, initial, states)  # states: empty unless chunks ran in parallel
+        ctx.save_for_backward(qr, kr, vr, initial, states)  # chunk kernel: states empty unless chunks ran in parallel
         out = out.view(b, h, q.shape[2], m)
         if not return_final_state:
             return out
@@ -89,9 +136,12 @@ class CausalDotProductCPU(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(vr)
         grad_out = _rows(grad_out.to(qr.dtype)) if grad_out.dim() == 4 else grad_out.contiguous()
-        final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2])
-        gq, gk, gv, grad_initial = cpu.CAUSAL_DOT.load().backward(qr, kr, vr, grad_out, initial, states, final,
-                                                                   ctx.chunk)
+        final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2]).contiguous()
+        if ctx.path == "recurrence":
+            gq, gk, gv, grad_initial = cpu.CAUSAL_RECURRENCE.load().backward(qr, kr, vr, grad_out, states, final)
+        else:
+            gq, gk, gv, grad_initial = cpu.CAUSAL_DOT.load().backward(qr, kr, vr, grad_out, initial, states, final,
+                                                                       ctx.chunk)
         shape = ctx.shape4
         grad_initial = None if ctx.initial_dtype is None else grad_initial.view(*shape[:2], *grad_initial.shape[1:])
         if grad_initial is not None:

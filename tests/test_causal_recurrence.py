@@ -1,0 +1,148 @@
+"""The register-resident recurrence (linformer_lab/ops/cpu/causal_recurrence.cpp) against the
+float64 O(N^2) reference: outputs, final state and the gradients of q, k, v and S_0, float32 and
+float64, every instruction-set version this CPU runs, C and M from 12 to 128 including ones that
+take narrower registers (12, 24, 40), N below, at and past the 128-position block and not a
+multiple of anything, an initial state given or not, one to three threads (so the backward runs
+rows in parallel and, for fewer rows than threads, the two passes of a row in parallel). A spy
+asserts that the recurrence is the path taken where C and M fit it, and the chunk kernel where
+they do not (D = 7). Helpers come from tests/test_causal_cpu_kernel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_causal_cpu_kernel import _close, _inputs, _reference, extension, ran  # noqa: F401 - fixtures
+
+from linformer_lab.ops import cpu
+from linformer_lab.ops.linear_attention import chunk, cpu_kernel
+
+ISAS = ["avx512", "avx2", "baseline"]
+
+
+@pytest.fixture
+def recurrence(extension):  # noqa: F811 - the fixture
+    return cpu.CAUSAL_RECURRENCE.load()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, recurrence):
+    """Each instruction-set version the CPU can run (skipped where it cannot), restored after."""
+    try:
+        before = recurrence.set_instruction_set(request.param)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    yield request.param
+    recurrence.set_instruction_set(before)
+
+
+def _run(tensors, dtype, with_state, n_threads):
+    """Out, final state and gradients through causal_dot_product (the public entry point)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in tensors[:4]]
+    grad, grad_final = (t.to(dtype) for t in tensors[4:])
+    before = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        out, final = chunk.causal_dot_product(*leaves[:3], initial_state=leaves[3] if with_state else None,
+                                              return_final_state=True)
+        ((out * grad).sum() + (final * grad_final).sum()).backward()
+    finally:
+        torch.set_num_threads(before)
+    return [out, final] + [t.grad for t in leaves]
+
+
+CASES = [  # (B, H, N, C, M): C = M over the benchmark dims, C != M, narrower registers, blocks
+    (1, 1, 1, 16, 16),
+    (1, 3, 129, 16, 16),
+    (2, 2, 300, 32, 32),
+    (1, 1, 257, 64, 64),
+    (1, 2, 131, 128, 128),
+    (2, 1, 77, 24, 24),
+    (1, 3, 140, 12, 40),
+    (3, 1, 255, 48, 16),
+]
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["S0", "no-S0"])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
+def test_recurrence_matches_the_float64_reference(isa, ran, shape, dtype, n_threads, with_state):  # noqa: F811
+    tensors = list(_inputs(*shape, seed=n_threads))
+    if not with_state:
+        tensors[3] = torch.zeros_like(tensors[3])
+    got = _run(tensors, dtype, with_state, n_threads)
+    want = _reference(*tensors)
+    _close(got if with_state else got[:5], want if with_state else want[:5], dtype)
+    assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
+
+
+@pytest.mark.parametrize("dims,dtype,path", [
+    ((7, 7), torch.float32, "chunk"),     # no register width divides 7
+    ((6, 10), torch.float32, "chunk"),    # 4 floats do not divide 6
+    ((6, 10), torch.float64, "recurrence"),  # 2 doubles do
+    ((16, 8), torch.float32, "recurrence"),
+])
+def test_dims_that_do_not_fit_take_the_chunk_kernel(recurrence, ran, dims, dtype, path):  # noqa: F811
+    c, m = dims
+    assert cpu_kernel.path(c, m, dtype) == path
+    tensors = _inputs(2, 1, 150, c, m)
+    _close(_run(tensors, dtype, True, 2), _reference(*tensors), dtype)
+    assert ran == [(path, "forward"), (path, "backward")]
+
+
+def test_register_width_per_shape(isa, recurrence):
+    """The widest register that divides C and M, at most the instruction set's."""
+    widest = {"avx512": 64, "avx2": 32, "baseline": 16}[isa]
+    fp32, fp64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
+    assert recurrence.width(16, 64, fp32) == min(64, widest)
+    assert recurrence.width(24, 24, fp32) == min(32, widest)
+    assert recurrence.width(12, 40, fp32) == 16
+    assert recurrence.width(8, 8, fp64) == min(64, widest)
+    assert recurrence.width(7, 16, fp32) == 0 and not recurrence.fits(7, 16, fp32)
+    assert recurrence.width(0, 16, fp32) == 0
+
+
+def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
+    """No gradient reaches the output (None into the backward): the gradients come from the final state alone."""
+    q, k, v, s0, _, grad_final = _inputs(1, 2, 200, 16, 32)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, s0)]
+    _, final = chunk.causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
+    (final * grad_final.float()).sum().backward()
+    want = _reference(q, k, v, s0, torch.zeros(1, 2, 200, 32, dtype=torch.float64), grad_final)
+    assert not leaves[0].grad.any()  # the final state does not depend on q
+    for got, expected in zip([final] + [t.grad for t in leaves[1:]], [want[1]] + want[3:]):
+        scale = expected.abs().max()
+        torch.testing.assert_close(got.double() / scale, expected / scale, rtol=2e-5, atol=2e-5)
+    assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
+
+
+def test_switched_off_runs_the_chunk_kernel(monkeypatch, recurrence, ran):  # noqa: F811
+    monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
+    assert cpu_kernel.path(16, 16, torch.float32) == "chunk"
+    tensors = _inputs(1, 2, 100, 16, 16)
+    _close(_run(tensors, torch.float32, True, 2), _reference(*tensors), torch.float32)
+    assert ran == [("chunk", "forward"), ("chunk", "backward")]
+
+
+def test_states_kept_for_the_backward_are_one_per_block(recurrence):
+    """Memory O(N): the forward keeps S before each block of 128 positions, S_0 first."""
+    q, k, v, s0, *_ = (t.float() for t in _inputs(2, 1, 300, 16, 32))
+    rows = [t.reshape(2, *t.shape[2:]).contiguous() for t in (q, k, v, s0)]
+    out, final, states = recurrence.forward(*rows)
+    assert recurrence.block() == 128 and states.shape == (2, 3, 16, 32)
+    torch.testing.assert_close(states[:, 0], rows[3])
+    torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :128].transpose(1, 2) @ rows[2][:, :128])
+    torch.testing.assert_close(final, rows[3] + rows[1].transpose(1, 2) @ rows[2])
+
+
+def test_gradcheck(recurrence, ran):  # noqa: F811
+    """float64 finite differences, S_0 in and S_N out (C = 4, M = 2: registers of 2 doubles)."""
+    q, k, v, s0, _, _ = _inputs(1, 2, 11, 4, 2)
+    leaves = [t.requires_grad_() for t in (q, k, v, s0)]
+
+    def both(a, b, c, s):
+        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, 4, s, True)
+
+    assert torch.autograd.gradcheck(both, leaves)
+    assert {path for path, _ in ran} == {"recurrence"}
