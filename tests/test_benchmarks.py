@@ -277,3 +277,22 @@ def test_every_mnist_probe_parses_through_the_real_cli():
         for key, value in given.items():
             section, field = key.split(".", 1)
             assert str(sections[section][field]) == value, f"{name}: {key} is {sections[section][field]!r}, given {value}"
+
+
+def test_causal_grid_shapes_option_runs_only_those_shapes():
+    """causal_cpu_grid.py --shapes: the named shapes and nothing else; a malformed one is a clear error."""
+    sys.path.insert(0, str(BENCHMARKS / "paper"))
+    try:
+        import causal_cpu_grid
+    finally:
+        sys.path.remove(str(BENCHMARKS / "paper"))
+    import argparse
+
+    args = argparse.Namespace(shapes=[causal_cpu_grid.parse_shape("8x8x4096x128"), causal_cpu_grid.parse_shape("1X8X65536X64")],
+                              quick=False, max_elements=1 << 25)
+    assert causal_cpu_grid.grid_shapes(args) == ([(8, 8, 4096, 128), (1, 8, 65536, 64)], [])
+    full, _ = causal_cpu_grid.grid_shapes(argparse.Namespace(shapes=None, quick=False, max_elements=1 << 25))
+    assert len(full) > 40 and full[:6] == causal_cpu_grid.ISSUE_SHAPES
+    for bad in ("8x8x4096", "8x8x0x16", "axbxcxd"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BxHxNxD"):
+            causal_cpu_grid.parse_shape(bad)

@@ -57,12 +57,22 @@ ISSUE_SHAPES = [(4, 8, 4096, 64), (1, 8, 16384, 32), (1, 8, 4096, 32), (8, 8, 10
 
 
 def grid_shapes(args) -> tuple[list[tuple], list[tuple]]:
-    """(shapes to run, shapes skipped) as (B, H, N, D) with the issue's first."""
+    """(shapes to run, shapes skipped) as (B, H, N, D) with the issue's first, or ``--shapes`` alone."""
+    if args.shapes:
+        return args.shapes, []
     heads, rows, lengths = (HEADS, ROWS, LENGTHS) if not args.quick else ([16, 64], [1, 64], [256, 4096])
     grid = [((r // 8, 8) if r >= 8 else (1, 1)) + (n, d) for d in heads for r in rows for n in lengths]
     shapes = [s for s in ISSUE_SHAPES if not args.quick or s[0] * s[1] * s[2] <= 32 * 4096] + grid
     run = [s for s in shapes if s[0] * s[1] * s[2] * s[3] <= args.max_elements]
     return run, [s for s in shapes if s not in run]
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``"8x8x4096x128"`` -> (8, 8, 4096, 128)."""
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is BxHxNxD of positive integers, e.g. 8x8x4096x128, not {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def flops(n: int, c: int, m: int, chunk: int) -> int:
@@ -233,6 +243,8 @@ def main(argv=None):
     p.add_argument("--isa", choices=["avx512", "avx2", "baseline"], default=None,
                    help="run the kernel's loops for this instruction set (default: the CPU's best)")
     p.add_argument("--quick", action="store_true", help="a few small shapes, 3 repeats: a smoke run of ~1 minute")
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=None, metavar="BxHxNxD",
+                   help="only these shapes (D = M), e.g. to rerun the slow ones with more --repeats and --budget")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     common.add_omp_wait_policy_argument(p)

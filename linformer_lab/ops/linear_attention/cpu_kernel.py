@@ -8,20 +8,15 @@ entry point; it runs one of two C++ algorithms (:func:`path`):
   with a tile of the state held in SIMD registers while the positions stream past; 16 C M
   flops per position (fwd+bwd), all of them broadcast FMAs. Taken whenever C and M are both
   multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks use).
-  Why no other rule: it was as fast as or faster than the chunk kernel at every measured shape
-  but, in one run, the smallest (fwd+bwd, fp32, 2 threads, medians of interleaved calls, a
-  2-vCPU AMD EPYC Zen 5 loaded by two one-thread trainings, load average 4-7): 1.3-2.5x at the
-  issue's six shapes over two runs (1x8x65536x16 2.5x / 2.4x, 64x8x4096x16 2.3x / 2.3x,
-  1x8x65536x32 2.0x / 2.1x, 1x8x4096x32 1.8x / 1.3x, 4x8x4096x64 1.5x / 1.6x, 2x4x8192x128
-  1.6x / 1.7x); over the 14 shapes of ``causal_cpu_grid.py --quick`` 1.14-2.25x (median 1.62x)
-  and 1.03-2.50x (median 1.53x; 1.03x at 1x1x4096x64, one row, whose backward splits 1 : 2
-  over the two threads); 3-6x at D = 12, 24, 40 (whole registers of 4 or 8 floats,
-  where the chunk kernel's column tails are scalar); one thread in cache 1.9-3.5x. With huge
-  pages for every allocation (``THP_MEM_ALLOC_ENABLE=1``, so that first-touch page faults
-  weigh alike) still 1.5-2.1x at the six shapes. At 1x1x256x16 (~0.1 ms, overheads) it is
-  within noise: 1.14x in the grid, 1.3x alone (48 vs 62 us), 0.6x right after
-  fast-transformers' calls. fp32 error at N = 65536 (D = 16, against float64) as the chunk
-  kernel's: 2e-6 to 5e-6 of the largest entry. The chunk length is unused here.
+  Why no other rule: on a quiet 2-vCPU AMD EPYC Zen 5 (fwd+bwd, fp32, 2 threads, medians of
+  interleaved calls, ``benchmarks/paper/results/causal_linear_cpu_grid_passive.md``) it was
+  1.2-2.0x the chunk kernel at the issue's six shapes and 1.7x at the median of 42 shapes; at the
+  two largest-memory shapes of the grid (134 MB per tensor) it measured 0.86x there and 1.00x and
+  1.55x in a 9-call rerun (``..._grid_passive_large.md``): there first-touch page faults of the
+  fresh outputs swing one call's time by 2-3x; 3-6x at D = 12, 24, 40 (whole registers of 4
+  or 8 floats, where the chunk kernel's column tails are scalar); one thread in cache 1.9-3.5x.
+  fp32 error at N = 65536 (D = 16, against float64) as the chunk kernel's: 2e-6 to 5e-6 of the
+  largest entry. The chunk length is unused here.
 * ``"chunk"`` (``causal_dot.cpp``): the chunked algorithm of
   :mod:`~linformer_lab.ops.linear_attention.chunk` (per chunk an L x L masked product plus the
   product with the state) in cache-resident C++ loops; for the other C, M (odd ones, D = 7),
