@@ -13,12 +13,14 @@ it cannot be built (no C++ compiler).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from linformer_lab.attention.config import AttentionConfig
@@ -231,6 +233,32 @@ def test_the_build_folder_is_keyed_by_source_torch_and_flags(monkeypatch):
                cpu.build_dir({**info, "cflags": ["-O2"]}), cpu.build_dir({**info, "compiler": "clang++ 18"})}
     assert len(folders) == 4
     assert all(torch.__version__ in folder.name for folder in folders)
+
+
+def test_the_source_digest_covers_the_headers_the_sources_include(monkeypatch, tmp_path):
+    """A header edit (simd.h) must rebuild every module, though no .cpp changed."""
+    monkeypatch.setattr(cpu, "_HERE", tmp_path)
+    (tmp_path / "kernel.cpp").write_text('#include "simd.h"\n')
+    (tmp_path / "simd.h").write_text("#define WIDTH 16\n")
+    extension = cpu.Extension("kernel", "kernel.cpp", "test")
+    before = extension.source_digest()
+    (tmp_path / "notes.txt").write_text("not compiled")
+    assert extension.source_digest() == before
+    (tmp_path / "simd.h").write_text("#define WIDTH 32\n")
+    assert extension.source_digest() != before
+    assert extension.build_info(None)["source_sha256"] == extension.source_digest()
+
+
+def test_every_source_the_builds_compile_ships_in_the_package():
+    """A wheel that lacked simd.h would build nothing: pyproject's package-data must cover every
+    C++ source and header of ops/cpu and ops/cuda."""
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package in ("linformer_lab.ops.cpu", "linformer_lab.ops.cuda"):
+        folder = REPO / package.replace(".", "/")
+        sources = [f.name for f in folder.iterdir() if f.suffix in (".cpp", ".h", ".cu", ".cuh")]
+        assert sources
+        unshipped = [name for name in sources if not any(fnmatch.fnmatch(name, g) for g in package_data[package])]
+        assert not unshipped, f"{package}: {unshipped} not in pyproject's package-data"
 
 
 def test_a_cached_build_loads_without_a_compiler(extension):

@@ -12,9 +12,10 @@
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
 architecture) and cached under ``$LINFORMER_LAB_CPU_BUILD_DIR`` or
-``~/.cache/linformer_lab/cpu``, in a folder named after a hash of the source, the torch and
-Python versions, the machine architecture, the compiler and the flags. A later process loads
-the cached library without compiling (no compiler needed then).
+``~/.cache/linformer_lab/cpu``, in a folder named after a hash of the source and of the headers
+it may include (``simd.h``), the torch and Python versions, the machine architecture, the
+compiler and the flags. A later process loads the cached library without compiling (no compiler
+needed then).
 
 Nothing here is required: :meth:`Extension.module` returns None (and warns once) where the
 extension cannot be built or loaded, and the caller keeps to its Python path.
@@ -97,9 +98,17 @@ class Extension:
         self._module: ModuleType | None = None
         self._failure: str | None = None  # why it is unavailable in this process, once known
 
+    def source_digest(self) -> str:
+        """SHA-256 of the source and of every header of this folder (simd.h, ...), which the
+        sources include: a header edit must rebuild the modules that include it."""
+        digest = hashlib.sha256(self.source.read_bytes())
+        for header in sorted(_HERE.glob("*.h")):
+            digest.update(header.name.encode() + b"\0" + header.read_bytes())
+        return digest.hexdigest()
+
     def build_info(self, compiler: str | None) -> dict:
         return {
-            "source_sha256": hashlib.sha256(self.source.read_bytes()).hexdigest(),
+            "source_sha256": self.source_digest(),
             "torch": torch.__version__,
             "python": f"{sys.version_info.major}.{sys.version_info.minor}",
             "machine": platform.machine(),

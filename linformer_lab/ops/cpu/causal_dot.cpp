@@ -16,41 +16,29 @@
 // best is picked when the library loads. Built by linformer_lab/ops/cpu/__init__.py; cpu_kernel.py calls it where
 // causal_recurrence.cpp does not run (C or M not a multiple of 4 floats / 2 doubles, or switched off).
 
-// The 64-byte vectors below are always inlined, so no function passes one: their ABI note does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <cstring>
-#include <string>
 #include <utility>
 #include <vector>
 
-#define INLINE inline __attribute__((always_inline))
+#include "simd.h"
 
 namespace {
 
 // The hot loops are templates over B, the bytes of one SIMD register (GCC's vector extension):
 // compiled once per instruction set with B = 64 (AVX-512), 32 (AVX2 + FMA) and 16 (the x86-64
-// baseline, SSE2), each under its own target attribute, and picked at run time (`Isa`, below).
+// baseline, SSE2), each under its own target attribute, and picked at run time (`Isa`, simd.h).
 // A register tile is 16 floats (8 doubles) wide in every version: one AVX-512 register, two AVX2
 // ones, four SSE ones per row. (64-byte vectors lowered to AVX2 ran 7x slower: spilled.)
 template <typename T, int B>
 struct Vec {
-  typedef T type __attribute__((vector_size(B)));
+  using type = typename Register<T, B>::type;
   static constexpr int kPerTile = 64 / B;             // registers per row of a tile
   static constexpr int kWidth = 64 / sizeof(T);       // columns of a tile
   static constexpr int kRows = B == 16 ? 3 : 6;       // rows of a tile: 6 (AVX-512), 12 (AVX2), 12 (SSE) accumulators
 };
-
-// Unaligned loads and stores of one register (memcpy compiles to one move instruction).
-template <typename T, int B>
-INLINE typename Vec<T, B>::type load(const T* p) { typename Vec<T, B>::type x; std::memcpy(&x, p, sizeof(x)); return x; }
-template <typename T, int B>
-INLINE void store(T* p, typename Vec<T, B>::type x) { std::memcpy(p, &x, sizeof(x)); }
 
 // c[r][j] (+)= sum_{p in [p0, p1)} a[r * ar + p * ap] * b[p * ldb + j] for R rows and one tile
 // width of columns: the accumulators stay in registers over p.
@@ -191,31 +179,7 @@ INLINE void chunk_backward(int64_t l, int64_t c, int64_t m, const T* q, const T*
 }
 
 // The entry points of the parallel loops: one machine-code version per instruction set, and a
-// run-time choice among them (a cached build runs on any x86-64 CPU).
-enum class Isa { kAvx512, kAvx2, kBaseline };
-
-Isa detect() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kBaseline;
-}
-
-const Isa kBest = detect();
-Isa kIsa = kBest;  // the version in use: the best, or a lower one chosen by set_instruction_set (tests, benchmarks)
-
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "baseline";
-}
-
-#if defined(__GNUC__) && defined(__x86_64__)
-#define TARGET(x) __attribute__((target(x)))
-#else
-#define TARGET(x)
-#endif
-
+// run-time choice among them (simd.h's kIsa).
 #define DEFINE_FOR(NAME, ATTR, B)                                                                             \
   template <typename T>                                                                                       \
   ATTR void forward_##NAME(int64_t l, int64_t c, int64_t m, const T* q, const T* k, const T* v, const T* s,   \
@@ -231,8 +195,8 @@ const char* isa_name(Isa isa) {
                             const T* s, const T* r, T* gq, T* gk, T* gv, Scratch<T>& w) {                     \
     chunk_backward<T, B>(l, c, m, q, k, v, g, s, r, gq, gk, gv, w);                                           \
   }
-DEFINE_FOR(avx512, TARGET("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"), 64)
-DEFINE_FOR(avx2, TARGET("avx2,fma"), 32)
+DEFINE_FOR(avx512, TARGET_AVX512, 64)
+DEFINE_FOR(avx2, TARGET_AVX2, 32)
 DEFINE_FOR(baseline, , 16)
 #undef DEFINE_FOR
 
@@ -251,12 +215,7 @@ DISPATCH(outer)
 DISPATCH(backward)
 #undef DISPATCH
 
-// Asks for [p, p + n) in cache ahead of use: without it, inputs larger than the L2 cache
-// ran up to 1.4x slower (the backward walks the chunks from last to first, against the prefetchers).
-template <typename T>
-void prefetch(const T* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 2);
-}
+// Inputs larger than the L2 cache ran up to 1.4x slower without prefetch (simd.h) in the loops below.
 
 // Rows run in parallel with their chunks in order when there are enough of them to share out
 // evenly; otherwise the chunks of all rows run in parallel (two passes and a scan).
@@ -448,13 +407,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "(q, k, v, initial_state or None, chunk) -> [out, final_state, states]");
   module.def("backward", &backward,
              "(q, k, v, grad_out, initial_state or None, states, grad_final or None, chunk) -> [gq, gk, gv, grad_initial]");
-  module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
-  module.def("set_instruction_set", [](const std::string& name) {
-    const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
-    TORCH_CHECK(name == isa_name(want), "instruction set must be avx512, avx2 or baseline, not ", name);
-    TORCH_CHECK(static_cast<int>(want) >= static_cast<int>(kBest), "this CPU lacks ", name, " (best: ", isa_name(kBest), ")");
-    const char* before = isa_name(kIsa);
-    kIsa = want;
-    return std::string(before);
-  }, "use the hot loops for this instruction set (one the CPU has); returns the one used before");
+  bind_instruction_set(module);
 }

@@ -29,20 +29,14 @@
 // or 2 doubles; cpu_kernel.py sends other shapes to causal_dot.cpp (the chunked algorithm).
 // Outputs of 32 MiB and more ask for transparent huge pages (empty_outputs, below).
 //
-// Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load,
-// as in causal_dot.cpp. Built by linformer_lab/ops/cpu/__init__.py; called from
+// Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load
+// (simd.h, shared with causal_dot.cpp). Built by linformer_lab/ops/cpu/__init__.py; called from
 // linformer_lab/ops/linear_attention/cpu_kernel.py.
-
-// The vectors below are always inlined, so no function passes one: their ABI note does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <cstring>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,7 +44,7 @@
 #include <sys/mman.h>
 #endif
 
-#define INLINE inline __attribute__((always_inline))
+#include "simd.h"
 
 namespace {
 
@@ -62,15 +56,10 @@ constexpr int64_t kBlock = 128;
 // register file (32 zmm on AVX-512: 16 + 5; 16 ymm / xmm otherwise: 8 + 5).
 template <typename T, int B>
 struct Vec {
-  typedef T type __attribute__((vector_size(B)));
+  using type = typename Register<T, B>::type;
   static constexpr int kWidth = B / sizeof(T);
   static constexpr int kRows = B == 64 ? 16 : 8;
 };
-
-template <typename T, int B>
-INLINE typename Vec<T, B>::type load(const T* p) { typename Vec<T, B>::type x; std::memcpy(&x, p, sizeof(x)); return x; }
-template <typename T, int B>
-INLINE void store(T* p, typename Vec<T, B>::type x) { std::memcpy(p, &x, sizeof(x)); }
 
 // Positions [t0, t1) (from t1 - 1 down with `reverse`) of one tile of P state rows x one register
 // of columns, x[p] = state[p * lds + (0..W)]:
@@ -140,30 +129,6 @@ void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
         for (int64_t j = j0; j < std::min(cols, j0 + kTile); ++j) dst[j * rows + i] = src[i * cols + j];
 }
 
-// Asks for [p, p + n) in cache ahead of use.
-template <typename T>
-void prefetch(const T* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 2);
-}
-
-enum class Isa { kAvx512, kAvx2, kBaseline };
-
-Isa detect() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kBaseline;
-}
-
-const Isa kBest = detect();
-Isa kIsa = kBest;  // the version in use: the best, or a lower one chosen by set_instruction_set (tests, benchmarks)
-
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "baseline";
-}
-
 // The register width (bytes) for (C, M) in elements of `size` bytes: the widest one of the
 // instruction set in use, or a narrower one (a version for a lower instruction set, which the CPU
 // also runs) that divides both, so that D = 24 runs 8-float registers on AVX-512; 0 for none (then
@@ -174,20 +139,14 @@ int width_bytes(int64_t c, int64_t m, int64_t size) {
   return 0;
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#define TARGET(x) __attribute__((target(x)))
-#else
-#define TARGET(x)
-#endif
-
 #define DEFINE_FOR(NAME, ATTR, B)                                                                               \
   template <typename T>                                                                                         \
   ATTR void pass_##NAME(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a,          \
                         const T* b, const T* c, T* out, T* state, int64_t col0, int64_t col1) {                 \
     pass<T, B>(t0, t1, reverse, rows, cols, a, b, c, out, state, col0, col1);                                   \
   }
-DEFINE_FOR(avx512, TARGET("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"), 64)
-DEFINE_FOR(avx2, TARGET("avx2,fma"), 32)
+DEFINE_FOR(avx512, TARGET_AVX512, 64)
+DEFINE_FOR(avx2, TARGET_AVX2, 32)
 DEFINE_FOR(baseline, , 16)
 #undef DEFINE_FOR
 
@@ -343,13 +302,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("block", [] { return kBlock; }, "positions per saved forward state");
   module.def("width", [](int64_t c, int64_t m, const at::Tensor& like) { return width_bytes(c, m, like.element_size()); },
              "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
-  module.def("instruction_set", [] { return isa_name(kIsa); }, "the version of the hot loops in use");
-  module.def("set_instruction_set", [](const std::string& name) {
-    const Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
-    TORCH_CHECK(name == isa_name(want), "instruction set must be avx512, avx2 or baseline, not ", name);
-    TORCH_CHECK(static_cast<int>(want) >= static_cast<int>(kBest), "this CPU lacks ", name, " (best: ", isa_name(kBest), ")");
-    const char* before = isa_name(kIsa);
-    kIsa = want;
-    return std::string(before);
-  }, "use the hot loops for this instruction set (one the CPU has); returns the one used before");
+  bind_instruction_set(module);
 }
