@@ -296,3 +296,23 @@ def test_causal_grid_shapes_option_runs_only_those_shapes():
     for bad in ("8x8x4096", "8x8x0x16", "axbxcxd"):
         with pytest.raises(argparse.ArgumentTypeError, match="BxHxNxD"):
             causal_cpu_grid.parse_shape(bad)
+
+
+def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
+    """causal_cpu_grid.py --before-revision: causal_recurrence.cpp as at a revision (here HEAD),
+    built under another module name, runs as 'kernel before', interleaved, with its ratio in the
+    report; a revision git cannot read is a clear error. Through the script's command line."""
+    command = [sys.executable, "benchmarks/paper/causal_cpu_grid.py", "--shapes", "1x2x256x16", "--repeats", "3",
+               "--budget", "0.05", "--gemm-size", "128", "--out", str(tmp_path), "--tag", "_t", "--before-revision"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command + ["HEAD"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = (tmp_path / "causal_linear_cpu_grid_t.md").read_text()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert f"causal_recurrence.cpp as at revision `{head}`" in report
+    assert "kernel before / kernel" in report and "Kernel before / kernel (`--before-revision`): min" in report
+    row = next(csv.DictReader((tmp_path / "causal_linear_cpu_grid_t.csv").open()))
+    assert float(row["kernel_before_ms"]) > 0 and float(row["kernel_before_over_kernel"]) > 0
+    assert "copy fraction" in report and 0 < float(row["kernel_copy_fraction"]) < 10  # a share of the memory bandwidth
+    missing = subprocess.run(command + ["no-such-revision"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode != 0 and "--before-revision: git cannot read linformer_lab/ops/cpu" in missing.stderr

@@ -1,7 +1,7 @@
 """The register-resident recurrence (linformer_lab/ops/cpu/causal_recurrence.cpp) against the
 float64 O(N^2) reference: outputs, final state and the gradients of q, k, v and S_0, float32 and
 float64, every instruction-set version this CPU runs, C and M from 12 to 128 including ones that
-take narrower registers (12, 24, 40), N below, at and past the 128-position block and not a
+take narrower registers (12, 24, 40), N below, at and past the 256-position block and not a
 multiple of anything, an initial state given or not, one to three threads (so the backward runs
 rows in parallel and, for fewer rows than threads, the two passes of a row in parallel). A spy
 asserts that the recurrence is the path taken where C and M fit it, and the chunk kernel where
@@ -10,14 +10,21 @@ they do not (D = 7). Helpers come from tests/test_causal_cpu_kernel.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
-from test_causal_cpu_kernel import _close, _inputs, _reference, extension, ran  # noqa: F401 - fixtures
+from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, extension, ran  # noqa: F401 - fixtures
 
 from linformer_lab.ops import cpu
 from linformer_lab.ops.linear_attention import chunk, cpu_kernel
 
 ISAS = ["avx512", "avx2", "baseline"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -53,13 +60,13 @@ def _run(tensors, dtype, with_state, n_threads):
 
 CASES = [  # (B, H, N, C, M): C = M over the benchmark dims, C != M, narrower registers, blocks
     (1, 1, 1, 16, 16),
-    (1, 3, 129, 16, 16),
-    (2, 2, 300, 32, 32),
-    (1, 1, 257, 64, 64),
-    (1, 2, 131, 128, 128),
+    (1, 3, 257, 16, 16),
+    (2, 2, 600, 32, 32),
+    (1, 1, 513, 64, 64),
+    (1, 2, 259, 128, 128),
     (2, 1, 77, 24, 24),
     (1, 3, 140, 12, 40),
-    (3, 1, 255, 48, 16),
+    (3, 1, 511, 48, 16),
 ]
 
 
@@ -126,14 +133,17 @@ def test_switched_off_runs_the_chunk_kernel(monkeypatch, recurrence, ran):  # no
 
 
 def test_states_kept_for_the_backward_are_one_per_block(recurrence):
-    """Memory O(N): the forward keeps S before each block of 128 positions, S_0 first."""
-    q, k, v, s0, *_ = (t.float() for t in _inputs(2, 1, 300, 16, 32))
+    """Memory O(N): the forward keeps S before each block of 256 positions, S_0 first."""
+    q, k, v, s0, *_ = (t.float() for t in _inputs(2, 1, 600, 16, 32))
     rows = [t.reshape(2, *t.shape[2:]).contiguous() for t in (q, k, v, s0)]
     out, final, states = recurrence.forward(*rows)
-    assert recurrence.block() == 128 and states.shape == (2, 3, 16, 32)
+    block = recurrence.block()
+    assert block == 256 and states.shape == (2, 3, 16, 32)
     torch.testing.assert_close(states[:, 0], rows[3])
-    torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :128].transpose(1, 2) @ rows[2][:, :128])
-    torch.testing.assert_close(final, rows[3] + rows[1].transpose(1, 2) @ rows[2])
+    torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :block].transpose(1, 2) @ rows[2][:, :block])
+    for got, length in ((states[:, 2], 2 * block), (final, 600)):  # float32 sums of up to 600 terms
+        want = rows[3].double() + rows[1][:, :length].double().transpose(1, 2) @ rows[2][:, :length].double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_gradcheck(recurrence, ran):  # noqa: F811
@@ -146,3 +156,80 @@ def test_gradcheck(recurrence, ran):  # noqa: F811
 
     assert torch.autograd.gradcheck(both, leaves)
     assert {path for path, _ in ran} == {"recurrence"}
+
+
+def _pooled_call(q, k, v, grad):
+    """(out, grad q, grad k, grad v) of the kernel in float32, and of the pure-PyTorch chunk path in float64."""
+    results = []
+    for dtype, fn in ((torch.float32, cpu_kernel.CausalDotProductCPU.apply), (torch.float64, chunk.CausalDotProduct.apply)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        args = (*leaves, 64) if dtype == torch.float32 else leaves
+        out = fn(*args)
+        out.backward(grad.to(dtype))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    return results
+
+
+def test_large_outputs_come_back_from_the_pool(recurrence, ran):  # noqa: F811
+    """Outputs of 32 MiB and more (output_pool.h) are handed out again once their tensors die. A
+    reused buffer holds the last call's numbers, so the second call checks that every element is
+    written; the pool then keeps no more than its limit, and none at limit 0."""
+    shape = (2, 4, 16384, 16, 64)  # out and grad v: 32 MiB each, pooled; grad q, grad k: 8 MiB, from torch
+
+    def call(seed):
+        q, k, v, _, grad, _ = _inputs(*shape, seed=seed)
+        return _pooled_call(q, k, v, grad)
+
+    before = recurrence.set_pool_limit(0)  # empty to start
+    try:
+        recurrence.set_pool_limit(1 << 30)
+        made = recurrence.pool_stats()[2]
+        call(1)  # its results die at once: their buffers go to the pool
+        held, reused, made_after_first = recurrence.pool_stats()
+        assert made_after_first - made == 2 and held == 2 * (32 << 20)
+        got, want = call(2)
+        assert recurrence.pool_stats() == [0, reused + 2, made_after_first]  # nothing fresh
+        for name, g, w in zip(["out", "grad q", "grad k", "grad v"], got, want):
+            scale = w.abs().max().item()
+            torch.testing.assert_close(g.double() / scale, w / scale, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        del got, want, g, w  # (g: the last, grad v)
+        assert recurrence.pool_stats()[0] == 2 * (32 << 20)
+        recurrence.set_pool_limit(40 << 20)
+        assert recurrence.pool_stats()[0] == 32 << 20
+        recurrence.set_pool_limit(0)
+        assert recurrence.pool_stats()[0] == 0
+    finally:
+        recurrence.set_pool_limit(before)
+    assert ran[:2] == [("recurrence", "forward"), ("recurrence", "backward")]
+
+
+def test_pool_limit_from_the_environment(recurrence):
+    """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
+    code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "
+            "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
+            "cpu_kernel.CausalDotProductCPU.apply(q, q, q, 64).sum().backward(); "
+            "print(*m.pool_stats(), m.set_pool_limit(0))")
+    # out, grad q, grad k, grad v: 32 MiB each (out dies before the backward: its buffer serves a
+    # gradient); all freed, the pool keeps one under a 48 MiB limit, none under 0
+    for value, held, limit in (("0", 0, 0), ("48", 32 << 20, 48 << 20)):
+        env = {**os.environ, "LINFORMER_LAB_CPU_POOL_MIB": value, "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        got_held, reused, made, got_limit = map(int, done.stdout.split())
+        assert (got_held, got_limit) == (held, limit)
+        assert reused + made == (4 if limit else 0)
+
+
+def test_another_build_substitutes_for_the_current_one(recurrence, ran):  # noqa: F811
+    """Extension.substituted (benchmarks time an earlier revision's build beside the current one):
+    within the block the kernel calls the given module, after it the process's own again. (A
+    stand-in records its calls and passes them to the current build.)"""
+    other_calls = []
+    other = types.SimpleNamespace(fits=recurrence.fits, **{fn: _recording(getattr(recurrence, fn), ("other", fn), other_calls)
+                                                           for fn in ("forward", "backward")})
+    tensors = _inputs(1, 2, 40, 16, 16)
+    with cpu.CAUSAL_RECURRENCE.substituted(other):
+        assert cpu.CAUSAL_RECURRENCE.load() is other and cpu.CAUSAL_RECURRENCE.module() is other
+        _close(_run(tensors, torch.float32, True, 1), _reference(*tensors), torch.float32)
+    assert other_calls == [("other", "forward"), ("other", "backward")]
+    assert cpu.CAUSAL_RECURRENCE.load() is recurrence

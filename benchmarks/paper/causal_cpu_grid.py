@@ -30,18 +30,24 @@ venv"); without it the others still run::
 
     PYTHONPATH=. .bench_env/bin/python benchmarks/paper/causal_cpu_grid.py [--quick]
 
-Results: ``benchmarks/paper/results/causal_linear_cpu_grid{_quick}.{csv,md}``.
+Before / after a change to causal_recurrence.cpp, in one run: ``--before-revision REV`` builds
+the source (and the headers beside it) as at git revision REV under another module name, and
+times it as "kernel before".
+
+Results: ``benchmarks/paper/results/causal_linear_cpu_grid{_quick}{tag}.{csv,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
@@ -119,12 +125,60 @@ def gemm_rate(torch, size: int, repeats: int = 5) -> float:
     return 2 * size**3 / t
 
 
-def implementations(torch):
+def _kernel_before(revision: str):
+    """``CausalDotProductCPU`` with causal_recurrence.cpp as it was at a git ``revision`` (with the
+    headers beside it then), built as a module of another name (Python keeps one module per name)
+    and put in place of the current one for the whole fwd + bwd (``context``): before / after a
+    change, interleaved in one process."""
+    from linformer_lab.ops import cpu
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    folder = "linformer_lab/ops/cpu"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], cwd=repo, capture_output=True, text=True)
+    if listed.returncode != 0:
+        raise SystemExit(f"--before-revision: git cannot read {folder} at {revision!r}: {listed.stderr.strip()}")
+    with tempfile.TemporaryDirectory(prefix="causal_recurrence_before-") as sources:  # the build is cached elsewhere
+        for name in listed.stdout.split():
+            if name.endswith((".cpp", ".h")):
+                text = subprocess.run(["git", "show", f"{revision}:{folder}/{name}"], cwd=repo, capture_output=True,
+                                      check=True).stdout
+                with open(os.path.join(sources, name), "wb") as f:
+                    f.write(text)
+        before = cpu.Extension("linformer_lab_causal_recurrence_before", os.path.join(sources, "causal_recurrence.cpp"),
+                               "no before / after").load()
+
+    def context():
+        return cpu.CAUSAL_RECURRENCE.substituted(before)
+
+    def run(q, k, v, chunk):
+        return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk)
+    run.context, run.module = context, before
+    return run
+
+
+def copy_rate(torch, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second that ``y.copy_(x)`` moves (read + write) on fp32 tensors of ``mib`` MiB,
+    far larger than the caches: the memory bandwidth the kernel can have."""
+    x, y = torch.randn(mib << 18), torch.empty(mib << 18)
+    t = common.median_seconds(lambda: y.copy_(x), repeats, warmup=2)
+    return 2 * x.numel() * 4 / t
+
+
+def traffic_bytes(b: int, h: int, n: int, d: int) -> int:
+    """The fewest bytes one fp32 fwd + bwd must move to and from memory: reading q, k, v and
+    writing out, then reading q, k, v, grad and writing three gradients: 11 tensors of B H N D."""
+    return 11 * b * h * n * d * 4
+
+
+def implementations(torch, before_revision: str | None = None):
     from linformer_lab.ops.linear_attention import chunk, cpu_kernel
 
     impls = {}
     if cpu_kernel.applies(*(torch.zeros(1, 1, 1, 1),) * 3, None):
         impls["kernel"] = lambda q, k, v, L: cpu_kernel.CausalDotProductCPU.apply(q, k, v, L)
+        if before_revision:
+            impls["kernel_before"] = _kernel_before(before_revision)
         if cpu_kernel.cpu.CAUSAL_DOT.module() is not None:
             impls["chunk_kernel"] = _chunk_kernel(torch)
     impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
@@ -151,7 +205,8 @@ def measure(torch, impls, shape, args) -> dict:
     def case(fn):
         def run():
             q.grad = k.grad = v.grad = None
-            fn(q, k, v, chunk).backward(grad)
+            with getattr(fn, "context", contextlib.nullcontext)():
+                fn(q, k, v, chunk).backward(grad)
         return run
 
     cases = {name: case(fn) for name, fn in impls.items()}
@@ -170,9 +225,15 @@ def measure(torch, impls, shape, args) -> dict:
     if "kernel" in times:
         row["kernel_gflops"] = round(work / times["kernel"]["median"] / 1e9, 2)
         row["kernel_gemm_fraction"] = round(work / times["kernel"]["median"] / args.gemm_flops, 3)
+        row["kernel_copy_fraction"] = round(traffic_bytes(b, h, n, d) / times["kernel"]["median"] / args.copy_bytes, 3)
         if "fast_transformers" in times:
             row["ft_over_kernel"] = round(times["fast_transformers"]["median"] / times["kernel"]["median"], 2)
         row["chunk_over_kernel"] = round(times["chunk"]["median"] / times["kernel"]["median"], 2)
+        if "kernel_before" in times:
+            row["kernel_before_over_kernel"] = round(times["kernel_before"]["median"] / times["kernel"]["median"], 2)
+            if "fast_transformers" in times:
+                row["ft_over_kernel_before"] = round(times["fast_transformers"]["median"] / times["kernel_before"]["median"],
+                                                     2)
         if "chunk_kernel" in times:
             row["chunk_kernel_over_kernel"] = round(times["chunk_kernel"]["median"] / times["kernel"]["median"], 2)
             if "fast_transformers" in times:
@@ -195,6 +256,9 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- Load average at the start {env['load_start']}, at the end {env['load_end']} (1 / 5 / 15 min).",
         f"- fp32 GEMM rate (torch.mm, {args.gemm_size}^2, {env['threads']} threads): "
         f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
+        f"- Memory: `y.copy_(x)` of 256 MiB moves {args.copy_bytes / 1e9:.1f} GB/s (read + write). Copy fraction: the "
+        "fewest bytes a fwd + bwd moves (11 tensors of B H N D: q, k, v, out; q, k, v, grad, three gradients) per "
+        "second over that rate: near 1, a shape is bound by memory, not arithmetic.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (A, B, C, A, B, C, ...). "
         "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
@@ -205,13 +269,22 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "",
     ]
     header = ["B", "H", "N", "D", "path", "kernel ms", "chunk kernel ms", "chunk path ms", "FT ms", "FT / kernel",
-              "FT / chunk kernel", "chunk kernel / kernel", "chunk path / kernel", "kernel GFLOP/s", "GEMM fraction", "load"]
+              "FT / chunk kernel", "chunk kernel / kernel", "chunk path / kernel", "kernel GFLOP/s", "GEMM fraction",
+              "copy fraction", "load"]
     table = [[r["B"], r["H"], r["N"], r["D"], r["path"], common.fmt(r.get("kernel_ms"), 2),
               common.fmt(r.get("chunk_kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
               common.fmt(r.get("fast_transformers_ms"), 2), common.fmt(r.get("ft_over_kernel"), 2),
               common.fmt(r.get("ft_over_chunk_kernel"), 2), common.fmt(r.get("chunk_kernel_over_kernel"), 2),
               common.fmt(r.get("chunk_over_kernel"), 2), common.fmt(r.get("kernel_gflops"), 1),
-              common.fmt(r.get("kernel_gemm_fraction"), 2), r["loadavg_1min"]] for r in rows]
+              common.fmt(r.get("kernel_gemm_fraction"), 2), common.fmt(r.get("kernel_copy_fraction"), 2),
+              r["loadavg_1min"]] for r in rows]
+    if any("kernel_before_ms" in r for r in rows):
+        header += ["kernel before ms", "FT / kernel before", "kernel before / kernel"]
+        for line, r in zip(table, rows):
+            line += [common.fmt(r.get("kernel_before_ms"), 2), common.fmt(r.get("ft_over_kernel_before"), 2),
+                     common.fmt(r.get("kernel_before_over_kernel"), 2)]
+        lines[-1:-1] = [f"- Kernel before: `CausalDotProductCPU` with causal_recurrence.cpp as at revision "
+                        f"`{args.before_revision_id}` (`--before-revision`), timed interleaved with the others."]
     lines.append(common.markdown_table(header, table))
     ratios = [r["ft_over_kernel"] for r in rows if "ft_over_kernel" in r]
     if ratios:
@@ -219,6 +292,10 @@ def write_report(args, rows, skipped, env, path_md) -> str:
                       f"max {max(ratios):.2f} over {len(ratios)} shapes; below 2: "
                       + (", ".join(f"{r['B']}x{r['H']}x{r['N']}x{r['D']} ({r['ft_over_kernel']:.2f})"
                                    for r in rows if r.get("ft_over_kernel", 9) < 2) or "none") + "."]
+    earlier = sorted(r["kernel_before_over_kernel"] for r in rows if "kernel_before_over_kernel" in r)
+    if earlier:
+        lines += ["", f"Kernel before / kernel (`--before-revision`): min {earlier[0]:.2f}, "
+                      f"median {earlier[len(earlier) // 2]:.2f}, max {earlier[-1]:.2f} over {len(earlier)} shapes."]
     before = sorted(r["chunk_kernel_over_kernel"] for r in rows if "chunk_kernel_over_kernel" in r)
     if before:
         lines += ["", f"Chunk kernel / kernel (before / after the recurrence): min {before[0]:.2f}, "
@@ -246,6 +323,9 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=None, metavar="BxHxNxD",
                    help="only these shapes (D = M), e.g. to rerun the slow ones with more --repeats and --budget")
     p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--before-revision", default=None, metavar="REV",
+                   help="also time causal_recurrence.cpp as at this git revision (built under another module name), "
+                        "as 'kernel before': before / after a change in one run")
     p.add_argument("--out", default=RESULTS)
     common.add_omp_wait_policy_argument(p)
     args = p.parse_args(argv)
@@ -264,14 +344,19 @@ def main(argv=None):
            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "isa": "—",
            "load_start": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
     args.gemm_flops = gemm_rate(torch, args.gemm_size)
-    print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s; {common.load_line()}", flush=True)
-    impls = implementations(torch)
+    args.copy_bytes = copy_rate(torch, 32 if args.quick else 256)
+    print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s, copy {args.copy_bytes / 1e9:.1f} GB/s; {common.load_line()}",
+          flush=True)
+    args.before_revision_id = _revision_id(args.before_revision) if args.before_revision else None
+    impls = implementations(torch, args.before_revision)
     if "kernel" in impls:
         from linformer_lab.ops import cpu
 
         for extension in (cpu.CAUSAL_RECURRENCE, cpu.CAUSAL_DOT):
             if args.isa and extension.module() is not None:
                 extension.load().set_instruction_set(args.isa)
+        if args.isa and "kernel_before" in impls:
+            impls["kernel_before"].module.set_instruction_set(args.isa)
         env["isa"] = cpu.CAUSAL_DOT.load().instruction_set()
     print("implementations:", ", ".join(impls), flush=True)
     shapes, skipped = grid_shapes(args)
@@ -286,6 +371,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     common.write_csv(os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.csv"), rows)
     print(write_report(args, rows, skipped, env, os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.md")))
+
+
+def _revision_id(revision: str) -> str:
+    """The short commit id of a revision (``HEAD~1`` -> ``2c7a04a``), as the report names it."""
+    done = subprocess.run(["git", "rev-parse", "--short", revision], cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else revision
 
 
 def _lscpu_model() -> str | None:

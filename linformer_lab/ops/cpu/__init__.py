@@ -28,6 +28,7 @@ RuntimeError saying why not) and :meth:`~Extension.module` (the same, None inste
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -88,21 +89,23 @@ def build_dir(info: dict | None = None) -> Path:
 class Extension:
     """One C++ source built into one importable module, cached, loaded once per process.
 
-    ``purpose`` finishes the sentence of the one warning :meth:`module` gives where the build
-    fails ("...; <purpose>"), saying what the caller does instead.
+    ``source``: a file name in this folder, or any path (a benchmark builds the source of an
+    earlier revision under another module name). ``purpose`` finishes the sentence of the one
+    warning :meth:`module` gives where the build fails ("...; <purpose>"), saying what the caller
+    does instead.
     """
 
-    def __init__(self, name: str, source: str, purpose: str):
+    def __init__(self, name: str, source: str | Path, purpose: str):
         self.name, self.source, self.purpose = name, _HERE / source, purpose
         self._lock = threading.RLock()
         self._module: ModuleType | None = None
         self._failure: str | None = None  # why it is unavailable in this process, once known
 
     def source_digest(self) -> str:
-        """SHA-256 of the source and of every header of this folder (simd.h, ...), which the
-        sources include: a header edit must rebuild the modules that include it."""
+        """SHA-256 of the source and of every header beside it (simd.h, ...), which the sources
+        include: a header edit must rebuild the modules that include it."""
         digest = hashlib.sha256(self.source.read_bytes())
-        for header in sorted(_HERE.glob("*.h")):
+        for header in sorted(self.source.parent.glob("*.h")):
             digest.update(header.name.encode() + b"\0" + header.read_bytes())
         return digest.hexdigest()
 
@@ -171,6 +174,20 @@ class Extension:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return module
+
+    @contextlib.contextmanager
+    def substituted(self, module: ModuleType):
+        """Within the block, :meth:`load` and :meth:`module` return ``module`` (another build of
+        this kernel, from the source before a change, say: benchmarks time the two in one run)
+        instead of this process's build."""
+        own = self.load()
+        with self._lock:
+            self._module = module
+        try:
+            yield module
+        finally:
+            with self._lock:
+                self._module = own
 
     def load(self, verbose: bool = False) -> ModuleType:
         """The module: a cached build if there is one, else compiled now. Raises RuntimeError

@@ -27,7 +27,7 @@
 // run on one thread. Registers: the widest of the instruction set in use that divides C and M
 // (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2 doubles), so C and M must be multiples of 4 floats
 // or 2 doubles; cpu_kernel.py sends other shapes to causal_dot.cpp (the chunked algorithm).
-// Outputs of 32 MiB and more ask for transparent huge pages (empty_outputs, below).
+// Outputs of 32 MiB and more come from a pool of reused buffers (output_pool.h): no page faults per call.
 //
 // Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load
 // (simd.h, shared with causal_dot.cpp). Built by linformer_lab/ops/cpu/__init__.py; called from
@@ -40,16 +40,16 @@
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
+#include "output_pool.h"
 #include "simd.h"
 
 namespace {
 
-// Positions per block: the unit of the saved forward states and of the backward's walk.
-constexpr int64_t kBlock = 128;
+// Positions per block: the unit of the saved forward states and of the backward's walk. 256, not
+// 128: half the saved states and half the per-block work (a state copy, a transpose), and a block's
+// q, k, v, grad still fit L2 at D = 128 (512 KiB). Fwd + bwd with 128 -> 256 (Zen 5, 2 threads):
+// 64 x 8 x 4096 x 16 111 -> 71 ms, 8 x 8 x 4096 x 128 467 -> 420 ms, 4 x 8 x 4096 x 64 72 -> 64 ms.
+constexpr int64_t kBlock = 256;
 
 // One SIMD register of B bytes (GCC's vector extension), and the tile height: a tile of
 // kRows state rows, one register each, plus the broadcast operand and 4 accumulators fit the
@@ -160,22 +160,9 @@ void run_pass(int bytes, A&&... a) {
   }
 }
 
-// An uninitialised tensor; from 32 MiB on, its whole 2 MiB pages marked for transparent huge pages
-// (Linux, where THP is "madvise"; a hint, ignored elsewhere) before anything touches them. Why:
-// glibc serves such sizes from fresh mmap pages on every call, and first-touch faults of 4 KiB
-// pages cost more than the arithmetic (fwd + bwd of 8 x 65536 x 16 on a 2-vCPU VM: 85 ms -> 32 ms).
-// Why not smaller: those come from the heap, mostly already faulted in, and there the hint made the
-// faults that remain dearer (the backward of 64 x 4096 x 16, 8 ms -> 41 ms when it faulted).
+// Outputs and saved states: large ones from this module's pool of reused buffers (output_pool.h).
 at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20, kFresh = uintptr_t{32} << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr()), end = begin + t.nbytes();
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
-  if (t.nbytes() >= kFresh && last > first)
-    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // a hint: errors ignored
-#endif
-  return t;
+  return OutputPool::get().empty(sizes, options);
 }
 
 // The grain of a parallel loop over `tasks` that do `flops` in all: all of them (one thread, no
@@ -300,6 +287,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("fits", [](int64_t c, int64_t m, const at::Tensor& like) { return fits(c, m, like.scalar_type()); },
              "whether (C, M) in like's dtype runs here (multiples of the register width)");
   module.def("block", [] { return kBlock; }, "positions per saved forward state");
+  module.def("set_pool_limit", [](int64_t bytes) { return OutputPool::get().set_limit(bytes); },
+             "the most bytes of freed large outputs kept for reuse (0: none); returns the limit before");
+  module.def("pool_stats", [] { return OutputPool::get().stats(); },
+             "[bytes held free, buffers handed out again, buffers made fresh] of the output pool");
   module.def("width", [](int64_t c, int64_t m, const at::Tensor& like) { return width_bytes(c, m, like.element_size()); },
              "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
   bind_instruction_set(module);

@@ -9,12 +9,12 @@ entry point; it runs one of two C++ algorithms (:func:`path`):
   flops per position (fwd+bwd), all of them broadcast FMAs. Taken whenever C and M are both
   multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks use).
   Why no other rule: on a quiet 2-vCPU AMD EPYC Zen 5 (fwd+bwd, fp32, 2 threads, medians of
-  interleaved calls, ``benchmarks/paper/results/causal_linear_cpu_grid_passive.md``) it was
-  1.2-2.0x the chunk kernel at the issue's six shapes and 1.7x at the median of 42 shapes; at the
-  two largest-memory shapes of the grid (134 MB per tensor) it measured 0.86x there and 1.00x and
-  1.55x in a 9-call rerun (``..._grid_passive_large.md``): there first-touch page faults of the
-  fresh outputs swing one call's time by 2-3x; 3-6x at D = 12, 24, 40 (whole registers of 4
-  or 8 floats, where the chunk kernel's column tails are scalar); one thread in cache 1.9-3.5x.
+  interleaved calls, ``benchmarks/paper/results/causal_linear_cpu_grid_passive_pool.md``) it was
+  1.1-3.9x the chunk kernel over 42 shapes (median 2.0x) and 1.9-6.2x fast-transformers' CPU
+  kernel (median 3.2x); 3-6x the chunk kernel at D = 12, 24, 40 (whole registers of 4 or 8
+  floats, where the chunk kernel's column tails are scalar). Its outputs of 32 MiB and more
+  come from a pool of reused buffers (``ops/cpu/output_pool.h``): fresh ones cost a page fault
+  per 4 KiB, which at the largest shapes took more time than the arithmetic.
   fp32 error at N = 65536 (D = 16, against float64) as the chunk kernel's: 2e-6 to 5e-6 of the
   largest entry. The chunk length is unused here.
 * ``"chunk"`` (``causal_dot.cpp``): the chunked algorithm of
@@ -98,7 +98,7 @@ class CausalDotProductCPU(torch.autograd.Function):
     :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct`, on the path
     :func:`path` picks (the chunk length is the chunk kernel's; the recurrence ignores it).
     Saved for backward: the inputs and states. The recurrence keeps the state at every block
-    start ((B H, N / 128, C, M), no larger than an input for M <= 128); the chunk kernel keeps S_0
+    start ((B H, N / 256, C, M), at most half an input for M <= 128); the chunk kernel keeps S_0
     and recomputes the chunk-boundary states, one K^T V per chunk, except where the forward ran
     chunks in parallel and has them anyway (chunk.py keeps them)."""
 
