@@ -121,18 +121,21 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, device:
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
                         budget_s: float | None = None, device: str = "cpu") -> dict[str, dict]:
-    """Time several callables in rounds A, B, C, A, B, C, ... so that a change of machine
+    """Time several callables in rounds A, B, C, B, C, A, C, A, B, ... so that a change of machine
     load hits all of them alike; returns per name the median, min and all samples (s).
+    Each round starts one further along, so no callable always runs right after the same other
+    one (with small inputs the one after another on the same tensors finds them in cache).
     ``budget_s`` stops early (after at least 3 rounds) when the rounds so far took longer."""
     timer = Timer(device)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     start = time.perf_counter()
     for r in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(timer(fn))
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(timer(fns[name]))
         if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
             break
     return {name: {"median": statistics.median(s), "min": min(s), "samples": s} for name, s in samples.items()}

@@ -316,3 +316,17 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     assert "copy fraction" in report and 0 < float(row["kernel_copy_fraction"]) < 10  # a share of the memory bandwidth
     missing = subprocess.run(command + ["no-such-revision"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert missing.returncode != 0 and "--before-revision: git cannot read linformer_lab/ops/cpu" in missing.stderr
+
+
+def test_interleaved_rounds_rotate_the_order():
+    """common.interleaved_medians: rounds A B C, B C A, C A B, ...: no callable always follows the same one."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = common.interleaved_medians(fns, repeats=4, warmup=0)
+    assert "".join(calls) == "abc" + "bca" + "cab" + "abc"
+    assert all(len(times[name]["samples"]) == 4 for name in "abc")

@@ -259,7 +259,7 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- Memory: `y.copy_(x)` of 256 MiB moves {args.copy_bytes / 1e9:.1f} GB/s (read + write). Copy fraction: the "
         "fewest bytes a fwd + bwd moves (11 tensors of B H N D: q, k, v, out; q, k, v, grad, three gradients) per "
         "second over that rate: near 1, a shape is bound by memory, not arithmetic.",
-        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (A, B, C, A, B, C, ...). "
+        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (rounds A B C, B C A, C A B, ...). "
         "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
         "LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0 (causal_dot.cpp at every shape: the kernel before the recurrence); "

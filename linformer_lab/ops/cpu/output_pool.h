@@ -1,17 +1,20 @@
 // Large output buffers that a kernel module keeps after their tensors die, to hand out again.
 //
-// Why: torch's CPU allocator has no cache, and glibc serves every allocation of 32 MiB and more
-// from fresh mmap pages, so each call of a kernel with large outputs first pays a page fault per
-// 4 KiB it writes: at 64 x 8 x 4096 x 16 (134 MB per tensor) that was half the time of a forward +
-// backward (AMD EPYC Zen 5, 2 vCPUs: 281 ms with fresh pages; fast-transformers 365 ms). A training
-// loop asks for the same sizes at every step, so reused buffers fault once per process.
+// Why: torch's CPU allocator has no cache. glibc serves every allocation of 32 MiB and more from
+// fresh mmap pages, and returns freed memory at the top of its heap to the system once it passes
+// a threshold, so a kernel's large outputs pay a page fault per 4 KiB they write, call after call.
+// At 64 x 8 x 4096 x 16 (134 MB per tensor) that was most of a forward + backward (AMD EPYC Zen 5,
+// 2 vCPUs, 2 threads: 281-317 ms with fresh pages, 71-88 ms with reused ones; fast-transformers
+// 365-388 ms); at 8 x 8 x 4096 x 32 (8 MiB per tensor) 50 -> 41 ms with buffers pooled from 4 MiB
+// rather than 32. A training loop asks for the same sizes at every step, so reused buffers fault
+// once per process.
 //
-// Buffers below kPooledBytes come from torch (glibc's heap keeps those already faulted in). Larger
-// ones are whole 2 MiB pages, marked for transparent huge pages on Linux (a hint), and go back to
-// the pool when their tensor's storage is freed, while the pool holds at most its limit
-// ($LINFORMER_LAB_CPU_POOL_MIB, default 1024; 0: no pool); past that, back to the system. A request
-// takes a free buffer of exactly its rounded size. Each module (kernel) has its own pool
-// (internal linkage), which set_pool_limit(0) empties.
+// Buffers below kPooledBytes come from torch. Larger ones are whole 2 MiB pages, marked for
+// transparent huge pages on Linux (a hint), and go back to the pool when their tensor's storage is
+// freed, while the pool holds at most its limit ($LINFORMER_LAB_CPU_POOL_MIB, default 1024; 0: no
+// pool); past that, the oldest free ones go back to the system. A request takes a free buffer of
+// exactly its rounded size. Each module (kernel) has its own pool (internal linkage), which
+// set_limit(0) empties.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -33,7 +36,7 @@ namespace {
 
 class OutputPool {
  public:
-  static constexpr int64_t kPooledBytes = int64_t{32} << 20, kPage = int64_t{2} << 20;
+  static constexpr int64_t kPooledBytes = int64_t{4} << 20, kPage = int64_t{2} << 20;
 
   // The one pool of this module; never destroyed, as tensors may free buffers during exit.
   static OutputPool& get() {
