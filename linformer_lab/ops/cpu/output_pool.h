@@ -24,7 +24,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
-#include <string>
 #include <utility>
 #include <vector>
 
