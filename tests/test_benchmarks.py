@@ -117,6 +117,9 @@ def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
     text = (tmp_path / "figure2_copy.md").read_text()
     assert "| softmax | 30 | 30 updates | 2.0000 |" in text and "| linear | 20 | time limit (20 min) | 3.0000 |" in text
     assert "softmax (2.000) < linear (3.000)" in text
+    assert "with the runs of softmax kept from an earlier invocation (--merge)" in text
+    figure2_copy.write_results([run("linear", 20, 3.0)], second, tmp_path / "all")  # --merge that kept nothing says nothing
+    assert "kept from an earlier invocation" not in (tmp_path / "all" / "figure2_copy.md").read_text()
     (tmp_path / "figure2_copy.md").unlink()
     figure2_copy.main(["--report-only", "--steps", "30", "--out", str(tmp_path)])  # the report again, from the CSVs
     assert (tmp_path / "figure2_copy.md").read_text().count("| softmax | 30 | 30 updates | 2.0000 |") == 1

@@ -189,11 +189,12 @@ def write_results(runs: list[dict], args, out: Path) -> None:
             return f"{args.steps} updates"
         return f"time limit ({run['seconds'] / 60:.0f} min)"
 
+    kept = [run["method"] for run in runs if run["method"] not in args.methods]  # by --merge, from an earlier invocation
     lines = [
         "# Figure 2 (copy task) at CPU scale",
         "",
         "Produced by `" + " ".join(["uv run python benchmarks/paper/figure2_copy.py", *map(shlex.quote, sys.argv[1:])]) + "`"
-        + (" with the runs of the other methods kept from an earlier invocation (--merge)" if args.merge else "") + ".",
+        + (f" with the runs of {', '.join(kept)} kept from an earlier invocation (--merge)" if kept else "") + ".",
         f"Written on {machine_info()['cpu']}, {os.cpu_count()} logical CPUs, torch {torch_version()}, "
         f"{time.strftime('%Y-%m-%d')}.",
         "",
