@@ -308,10 +308,10 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     command = [sys.executable, "benchmarks/paper/causal_cpu_grid.py", "--shapes", "1x2x256x16", "--repeats", "3",
                "--budget", "0.05", "--gemm-size", "128", "--out", str(tmp_path), "--tag", "_t", "--before-revision"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command + ["HEAD"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    done = subprocess.run(command + [head], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     report = (tmp_path / "causal_linear_cpu_grid_t.md").read_text()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert f"causal_recurrence.cpp as at revision `{head}`" in report
     assert "kernel before / kernel" in report and "Kernel before / kernel (`--before-revision`): min" in report
     row = next(csv.DictReader((tmp_path / "causal_linear_cpu_grid_t.csv").open()))

@@ -256,9 +256,9 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- Load average at the start {env['load_start']}, at the end {env['load_end']} (1 / 5 / 15 min).",
         f"- fp32 GEMM rate (torch.mm, {args.gemm_size}^2, {env['threads']} threads): "
         f"{args.gemm_flops / 1e9:.1f} GFLOP/s at the start, {env['gemm_end'] / 1e9:.1f} at the end.",
-        f"- Memory: `y.copy_(x)` of 256 MiB moves {args.copy_bytes / 1e9:.1f} GB/s (read + write). Copy fraction: the "
-        "fewest bytes a fwd + bwd moves (11 tensors of B H N D: q, k, v, out; q, k, v, grad, three gradients) per "
-        "second over that rate: near 1, a shape is bound by memory, not arithmetic.",
+        f"- Memory: `y.copy_(x)` of {args.copy_mib} MiB moves {args.copy_bytes / 1e9:.1f} GB/s (read + write). "
+        "Copy fraction: the fewest bytes a fwd + bwd moves (11 tensors of B H N D: q, k, v, out; q, k, v, grad, "
+        "three gradients) per second over that rate: near 1, a shape is bound by memory, not arithmetic.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (rounds A B C, B C A, C A B, ...). "
         "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
@@ -344,7 +344,8 @@ def main(argv=None):
            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "isa": "—",
            "load_start": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
     args.gemm_flops = gemm_rate(torch, args.gemm_size)
-    args.copy_bytes = copy_rate(torch, 32 if args.quick else 256)
+    args.copy_mib = 32 if args.quick else 256
+    args.copy_bytes = copy_rate(torch, args.copy_mib)
     print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s, copy {args.copy_bytes / 1e9:.1f} GB/s; {common.load_line()}",
           flush=True)
     args.before_revision_id = _revision_id(args.before_revision) if args.before_revision else None
