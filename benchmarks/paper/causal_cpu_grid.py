@@ -218,6 +218,8 @@ def measure(torch, impls, shape, args) -> dict:
     times = common.interleaved_medians(cases, repeats, warmup=0, budget_s=args.budget)
     row = {"B": b, "H": h, "N": n, "D": d, "M": d, "chunk": chunk, "repeats": len(next(iter(times.values()))["samples"]),
            "loadavg_1min": round(os.getloadavg()[0], 2)}
+    if "kernel" in cases:  # the kernel's calls back to back, as in a training loop: no other code between them
+        row["kernel_alone_ms"] = round(common.median_seconds(cases["kernel"], row["repeats"], warmup=1) * 1e3, 3)
     for name, t in times.items():
         row[f"{name}_ms"] = round(t["median"] * 1e3, 3)
     per_row, row["path"] = kernel_flops(n, d, d)
@@ -226,6 +228,7 @@ def measure(torch, impls, shape, args) -> dict:
         row["kernel_gflops"] = round(work / times["kernel"]["median"] / 1e9, 2)
         row["kernel_gemm_fraction"] = round(work / times["kernel"]["median"] / args.gemm_flops, 3)
         row["kernel_copy_fraction"] = round(traffic_bytes(b, h, n, d) / times["kernel"]["median"] / args.copy_bytes, 3)
+        row["kernel_alone_gemm_fraction"] = round(work / (row["kernel_alone_ms"] / 1e3) / args.gemm_flops, 3)
         if "fast_transformers" in times:
             row["ft_over_kernel"] = round(times["fast_transformers"]["median"] / times["kernel"]["median"], 2)
         row["chunk_over_kernel"] = round(times["chunk"]["median"] / times["kernel"]["median"], 2)
@@ -259,6 +262,8 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- Memory: `y.copy_(x)` of {args.copy_mib} MiB moves {args.copy_bytes / 1e9:.1f} GB/s (read + write). "
         "Copy fraction: the fewest bytes a fwd + bwd moves (11 tensors of B H N D: q, k, v, out; q, k, v, grad, "
         "three gradients) per second over that rate: near 1, a shape is bound by memory, not arithmetic.",
+        "- Kernel alone: the kernel's calls again, back to back after the interleaved rounds (as in a training loop: no "
+        "other implementation's allocations and cache traffic between them), and their GEMM fraction.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (rounds A B C, B C A, C A B, ...). "
         "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
@@ -270,13 +275,14 @@ def write_report(args, rows, skipped, env, path_md) -> str:
     ]
     header = ["B", "H", "N", "D", "path", "kernel ms", "chunk kernel ms", "chunk path ms", "FT ms", "FT / kernel",
               "FT / chunk kernel", "chunk kernel / kernel", "chunk path / kernel", "kernel GFLOP/s", "GEMM fraction",
-              "copy fraction", "load"]
+              "copy fraction", "kernel alone ms", "alone GEMM fraction", "load"]
     table = [[r["B"], r["H"], r["N"], r["D"], r["path"], common.fmt(r.get("kernel_ms"), 2),
               common.fmt(r.get("chunk_kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
               common.fmt(r.get("fast_transformers_ms"), 2), common.fmt(r.get("ft_over_kernel"), 2),
               common.fmt(r.get("ft_over_chunk_kernel"), 2), common.fmt(r.get("chunk_kernel_over_kernel"), 2),
               common.fmt(r.get("chunk_over_kernel"), 2), common.fmt(r.get("kernel_gflops"), 1),
               common.fmt(r.get("kernel_gemm_fraction"), 2), common.fmt(r.get("kernel_copy_fraction"), 2),
+              common.fmt(r.get("kernel_alone_ms"), 2), common.fmt(r.get("kernel_alone_gemm_fraction"), 2),
               r["loadavg_1min"]] for r in rows]
     if any("kernel_before_ms" in r for r in rows):
         header += ["kernel before ms", "FT / kernel before", "kernel before / kernel"]
