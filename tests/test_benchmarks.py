@@ -323,7 +323,9 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
 
 
 def test_interleaved_rounds_rotate_the_order():
-    """common.interleaved_medians: rounds A B C, B C A, C A B, ...: no callable always follows the same one."""
+    """common.interleaved_medians: rounds A B C, C B A, B C A, A C B, ...: each callable runs right
+    after each other one as often as right before it (a kernel timed right after another on the
+    same tensors finds them in cache)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import common
@@ -332,5 +334,7 @@ def test_interleaved_rounds_rotate_the_order():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
     times = common.interleaved_medians(fns, repeats=4, warmup=0)
-    assert "".join(calls) == "abc" + "bca" + "cab" + "abc"
+    assert "".join(calls) == "abc" + "cba" + "bca" + "acb"
+    pairs = ["".join(calls)[i:i + 2] for i in range(0, 12, 3)] + ["".join(calls)[i + 1:i + 3] for i in range(0, 12, 3)]
+    assert pairs.count("ab") == pairs.count("ba") and pairs.count("bc") == pairs.count("cb")
     assert all(len(times[name]["samples"]) == 4 for name in "abc")

@@ -264,7 +264,8 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "three gradients) per second over that rate: near 1, a shape is bound by memory, not arithmetic.",
         "- Kernel alone: the kernel's calls again, back to back after the interleaved rounds (as in a training loop: no "
         "other implementation's allocations and cache traffic between them), and their GEMM fraction.",
-        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls (rounds A B C, B C A, C A B, ...). "
+        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls "
+        "(rounds A B C, C B A, B C A, A C B, ...). "
         "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
         "LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0 (causal_dot.cpp at every shape: the kernel before the recurrence); "

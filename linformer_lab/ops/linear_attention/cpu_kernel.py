@@ -10,8 +10,8 @@ entry point; it runs one of two C++ algorithms (:func:`path`):
   multiples of a register width (4 floats / 2 doubles or more: every D the benchmarks use).
   Why no other rule: on a quiet 2-vCPU AMD EPYC Zen 5 (fwd+bwd, fp32, 2 threads, medians of
   interleaved calls, ``benchmarks/paper/results/causal_linear_cpu_grid_passive_pool.md``) it was
-  1.0-3.5x the chunk kernel over 42 shapes (median 2.0x) and 1.9-7.2x fast-transformers' CPU
-  kernel (median 3.1x); 3-6x the chunk kernel at D = 12, 24, 40 (whole registers of 4 or 8
+  1.5-3.9x the chunk kernel over 42 shapes (median 2.1x) and 2.3-8.3x fast-transformers' CPU
+  kernel (median 3.4x); 3-6x the chunk kernel at D = 12, 24, 40 (whole registers of 4 or 8
   floats, where the chunk kernel's column tails are scalar). Its outputs of 4 MiB and more
   come from a pool of reused buffers (``ops/cpu/output_pool.h``): fresh ones cost a page fault
   per 4 KiB, which at the largest shapes took more time than the arithmetic.
