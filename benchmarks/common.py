@@ -1,5 +1,6 @@
 """Small helpers shared by the benchmarks: timing, peak-RSS measurement, child processes,
-machine description and table output. Standard library only at import time; torch is
+machine description, table output, and a git revision's package for before / after runs.
+Standard library only at import time; torch is
 imported lazily so a driver process can stay small (its RSS would otherwise leak into the
 children's ``ru_maxrss`` through fork + exec)."""
 
@@ -11,12 +12,15 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 MIB = 1024 * 1024
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- memory (this process)
@@ -327,3 +331,21 @@ def pyplot():
         print("matplotlib not installed: no plot (uv sync --group dev)")
         return None
     return plt
+
+
+# ---------------------------------------------------------------- a git revision (before / after runs)
+def resolve_commit(rev: str) -> str:
+    """``rev`` as a short commit hash, resolved once (HEAD may move on during a run). Raises
+    ValueError naming the revision where git cannot resolve it."""
+    done = subprocess.run(["git", "rev-parse", "--short", "--verify", f"{rev}^{{commit}}"], cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"git cannot resolve the revision {rev!r}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def export_revision(rev: str, folder: str) -> str:
+    """The ``linformer_lab`` package as it was at ``rev``, extracted under ``folder``; returns ``folder``."""
+    archive = subprocess.run(["git", "archive", rev, "linformer_lab"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder

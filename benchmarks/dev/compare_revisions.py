@@ -53,7 +53,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import Timer, image_training_update, interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    Timer,
+    export_revision,
+    image_training_update,
+    interleaved_medians,
+    machine_info,
+    markdown_table,
+    resolve_commit,
+    write_csv,
+)
 
 RESULTS = REPO / "benchmarks" / "dev" / "results"
 DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead",
@@ -65,19 +74,6 @@ SHAPES = [(4, 8, 784, 32, 32), (1, 8, 4096, 32, 32), (4, 8, 4096, 64, 64), (1, 8
 
 
 # ---------------------------------------------------------------- the revision (shared)
-
-
-def resolve_commit(rev: str) -> str:
-    """``rev`` as a short commit hash, resolved once."""
-    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
-def export_revision(rev: str, folder: str) -> str:
-    """The ``linformer_lab`` package as it was at ``rev``, extracted under ``folder``; returns ``folder``."""
-    archive = subprocess.run(["git", "archive", rev, "linformer_lab"], cwd=REPO, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    return folder
 
 
 def command_line(args, options: str) -> str:

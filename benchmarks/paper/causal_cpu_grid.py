@@ -125,35 +125,23 @@ def gemm_rate(torch, size: int, repeats: int = 5) -> float:
     return 2 * size**3 / t
 
 
-def _kernel_before(revision: str):
-    """``CausalDotProductCPU`` with causal_recurrence.cpp as it was at a git ``revision`` (with the
+def _kernel_before(commit: str):
+    """``CausalDotProductCPU`` with causal_recurrence.cpp as it was at a git ``commit`` (with the
     headers beside it then), built as a module of another name (Python keeps one module per name)
     and put in place of the current one for the whole fwd + bwd (``context``): before / after a
     change, interleaved in one process."""
     from linformer_lab.ops import cpu
     from linformer_lab.ops.linear_attention import cpu_kernel
 
-    folder = "linformer_lab/ops/cpu"
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], cwd=repo, capture_output=True, text=True)
-    if listed.returncode != 0:
-        raise SystemExit(f"--before-revision: git cannot read {folder} at {revision!r}: {listed.stderr.strip()}")
-    with tempfile.TemporaryDirectory(prefix="causal_recurrence_before-") as sources:  # the build is cached elsewhere
-        for name in listed.stdout.split():
-            if name.endswith((".cpp", ".h")):
-                text = subprocess.run(["git", "show", f"{revision}:{folder}/{name}"], cwd=repo, capture_output=True,
-                                      check=True).stdout
-                with open(os.path.join(sources, name), "wb") as f:
-                    f.write(text)
-        before = cpu.Extension("linformer_lab_causal_recurrence_before", os.path.join(sources, "causal_recurrence.cpp"),
-                               "no before / after").load()
-
-    def context():
-        return cpu.CAUSAL_RECURRENCE.substituted(before)
+    with tempfile.TemporaryDirectory(prefix="causal_recurrence_before-") as folder:  # the build is cached elsewhere
+        source = os.path.join(common.export_revision(commit, folder), "linformer_lab", "ops", "cpu", "causal_recurrence.cpp")
+        if not os.path.isfile(source):
+            raise SystemExit(f"--before-revision: {commit} has no linformer_lab/ops/cpu/causal_recurrence.cpp")
+        before = cpu.Extension("linformer_lab_causal_recurrence_before", source, "no before / after").load()
 
     def run(q, k, v, chunk):
         return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk)
-    run.context, run.module = context, before
+    run.context, run.module = (lambda: cpu.CAUSAL_RECURRENCE.substituted(before)), before
     return run
 
 
@@ -355,8 +343,13 @@ def main(argv=None):
     args.copy_bytes = copy_rate(torch, args.copy_mib)
     print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s, copy {args.copy_bytes / 1e9:.1f} GB/s; {common.load_line()}",
           flush=True)
-    args.before_revision_id = _revision_id(args.before_revision) if args.before_revision else None
-    impls = implementations(torch, args.before_revision)
+    args.before_revision_id = None
+    if args.before_revision:
+        try:  # resolved once: HEAD may move on during the run
+            args.before_revision_id = common.resolve_commit(args.before_revision)
+        except ValueError as error:
+            raise SystemExit(f"--before-revision: {error}") from None
+    impls = implementations(torch, args.before_revision_id)
     if "kernel" in impls:
         from linformer_lab.ops import cpu
 
@@ -379,13 +372,6 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     common.write_csv(os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.csv"), rows)
     print(write_report(args, rows, skipped, env, os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.md")))
-
-
-def _revision_id(revision: str) -> str:
-    """The short commit id of a revision (``HEAD~1`` -> ``2c7a04a``), as the report names it."""
-    done = subprocess.run(["git", "rev-parse", "--short", revision], cwd=os.path.dirname(os.path.abspath(__file__)),
-                          capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else revision
 
 
 def _lscpu_model() -> str | None:
