@@ -300,6 +300,18 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def command_line(script: str, argv: list[str], folders: tuple[str, ...] = ("--out",)) -> str:
+    """``python SCRIPT ARGS`` as run, for a report's header; the folder arguments read ``DIR`` so no
+    machine's path lands in a committed result."""
+    shown, hide_next = [], False
+    for arg in argv:
+        shown.append("DIR" if hide_next else arg)
+        hide_next = arg in folders
+        if "=" in arg and arg.split("=", 1)[0] in folders:
+            shown[-1] = arg.split("=", 1)[0] + "=DIR"
+    return " ".join(["python", script, *shown])
+
+
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"

@@ -10,13 +10,23 @@ so there is a single discovery mechanism for everyone:
 Discovery is lazy: entry points are listed (cheap metadata reads) the first time a name is
 asked for, and a plugin's module is imported only when that plugin is built. A plugin that
 fails to import breaks only itself.
+
+A source checkout used without installing it (``PYTHONPATH=.`` on a GPU node without network,
+README) has no metadata for this project, so its built-ins are then read from the checkout's
+own ``pyproject.toml``: the same table, the same single source.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+PROJECT = "linformer-lab"
+#: Label of the built-ins read from pyproject.toml when the project is not installed.
+SOURCE_CHECKOUT = f"{PROJECT} (source checkout, not installed)"
 
 
 class PluginError(ValueError):
@@ -47,6 +57,8 @@ class Registry:
                 same = [e for e in found.get(ep.name, []) if _dist_name(e) == _dist_name(ep)]
                 if not same:
                     found.setdefault(ep.name, []).append(ep)
+            for ep in _source_checkout_entry_points(self.group):
+                found.setdefault(ep.name, []).append(ep)
             self._entry_points = found
         return self._entry_points
 
@@ -95,12 +107,41 @@ class Registry:
         return obj
 
 
+def _source_checkout_entry_points(group: str) -> list[metadata.EntryPoint]:
+    """This project's own entry points of ``group`` from the ``pyproject.toml`` beside the package,
+    when the project is not installed (no metadata); else nothing, the metadata has them."""
+    try:
+        metadata.distribution(PROJECT)
+        return []
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.is_file():
+        return []
+    return [metadata.EntryPoint(name=name, value=value, group=group)
+            for name, value in _entry_point_table(pyproject.read_text(), group).items()]
+
+
+def _entry_point_table(pyproject: str, group: str) -> dict[str, str]:
+    """The ``name = "module:attr"`` lines of ``[project.entry-points."GROUP"]``. A line reader, not a
+    TOML parser: Python 3.10 has no tomllib, and this one table is ours to keep simple (a test
+    compares it with tomllib's reading)."""
+    table, inside = {}, False
+    for line in pyproject.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("["):
+            inside = line == f'[project.entry-points."{group}"]'
+        elif inside and (match := re.fullmatch(r'([\w.-]+)\s*=\s*"([^"]+)"', line)):
+            table[match.group(1)] = match.group(2)
+    return table
+
+
 def _dist_name(ep: metadata.EntryPoint) -> str | None:
     return ep.dist.name if ep.dist is not None else None
 
 
 def _dist_label(ep: metadata.EntryPoint) -> str:
-    return f"{ep.dist.name}=={ep.dist.version}" if ep.dist is not None else "<unknown distribution>"
+    return f"{ep.dist.name}=={ep.dist.version}" if ep.dist is not None else SOURCE_CHECKOUT
 
 
 FEATURE_MAPS = Registry("linformer_lab.feature_maps", kind="feature map")

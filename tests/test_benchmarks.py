@@ -338,3 +338,15 @@ def test_interleaved_rounds_rotate_the_order():
     pairs = ["".join(calls)[i:i + 2] for i in range(0, 12, 3)] + ["".join(calls)[i + 1:i + 3] for i in range(0, 12, 3)]
     assert pairs.count("ab") == pairs.count("ba") and pairs.count("bc") == pairs.count("cb")
     assert all(len(times[name]["samples"]) == 4 for name in "abc")
+
+
+def test_command_line_shows_arguments_but_not_folders():
+    """Report headers quote the command as run, with --out as DIR: no machine path in a result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    shown = common.command_line("benchmarks/paper/gpu_check.py", ["--part", "kernel", "--out", "/tmp/x/r", "--budget-s", "230"])
+    assert shown == "python benchmarks/paper/gpu_check.py --part kernel --out DIR --budget-s 230"
+    assert common.command_line("g.py", ["--out=/srv/results", "--tag", "out"]) == "python g.py --out=DIR --tag out"

@@ -141,3 +141,37 @@ def test_registered_object_of_wrong_type_is_rejected(tmp_path):
             print(e)
     """)
     assert "not a linformer_lab.feature_maps.FeatureMap subclass" in result.stdout, result.stderr
+
+
+def test_source_checkout_without_metadata_reads_builtins_from_pyproject(monkeypatch):
+    """`PYTHONPATH=.` on a node without network (README): the project is not installed, so no
+    entry points of ours exist; the built-ins then come from the checkout's pyproject.toml."""
+    from importlib import metadata
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11: the reference reading of pyproject.toml
+    from linformer_lab import registry
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    real_entry_points = metadata.entry_points
+    monkeypatch.setattr(metadata, "distribution", not_installed)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [ep for ep in real_entry_points(group=group)
+                                                                  if ep.dist is None or ep.dist.name != "linformer_lab"])
+    tables = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    for group, kind in (("linformer_lab.attention", "attention backend"), ("linformer_lab.feature_maps", "feature map")):
+        fresh = registry.Registry(group, kind=kind)
+        assert fresh.names() == sorted(tables[group])
+        assert set(fresh.distributions()["linear" if kind.startswith("attention") else "elu"]) == {registry.SOURCE_CHECKOUT}
+    attention = registry.Registry("linformer_lab.attention", kind="attention backend")
+    assert attention.get("linear") is ll.attention.linear.LinearAttention
+    with pytest.raises(PluginError, match="Valid choices: linear, linear_cuda, lsh, softmax"):
+        attention.get("liner")
+
+
+def test_installed_project_is_not_also_read_from_pyproject():
+    """Installed (this test environment), each built-in comes from the metadata once."""
+    from linformer_lab import registry
+
+    assert registry._source_checkout_entry_points("linformer_lab.attention") == []
+    assert all(len(d) == 1 for d in registry.ATTENTION.distributions().values())

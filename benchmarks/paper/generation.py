@@ -38,16 +38,15 @@ the forward over the prefix ``0..t`` plus head and sampling; for ``lsh-*`` the l
 
 CPU runs use ``--threads`` intra-op threads for every method (default 1: on a loaded 2-core machine
 two threads made the recompute step at t = 400 take 1.1 s against 0.09 s with one).
-GPU runs (``--device cuda``) time with CUDA events and also search the largest batch of
-MNIST images that ``linear`` generates at once (``--max-batch``; paper: 10,000 on an 11 GB GPU).
+GPU runs (``--device cuda``) time with CUDA events and search the largest batch of MNIST images
+``linear`` generates at once (``--max-batch``; paper: 10,000 on an 11 GB GPU).
 
     uv run python benchmarks/paper/generation.py                 # full CPU run (~30-40 min on 2 cores)
     uv run python benchmarks/paper/generation.py --quick         # smoke run (~1-2 min)
     uv run python benchmarks/paper/generation.py --device cuda   # GPU: CUDA events, max linear batch
     uv run python benchmarks/paper/generation.py --trained logs  # Tables 4, 5 on the trained CPU-recipe MNIST models
 
-Writes ``benchmarks/paper/results/generation_<device>[_quick][_tag].{csv,md,png}``; ``--replot CSV`` redraws the PNG.
-"""
+Writes ``benchmarks/paper/results/generation_<device>[_quick][_tag].{csv,md,png}``; ``--replot CSV`` redraws the PNG."""
 
 from __future__ import annotations
 
@@ -415,6 +414,7 @@ def main(argv=None):
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an earlier run from its CSV, then exit")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.replot:
         import csv
 

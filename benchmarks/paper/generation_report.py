@@ -246,4 +246,5 @@ def header_lines(args, device: str, wall: float, load_start: str) -> list[str]:
         f"summed (**(fit)**), or a whole image when the fit predicts <= {args.full_budget:.0f} s",
         f"- total wall time {wall / 60:.1f} min; {load_start} at start, {common.load_line()} at end "
         "(per-row load averages in the CSV)",
+        f"- command: `{common.command_line('benchmarks/paper/generation.py', getattr(args, 'argv', []))}`",
     ]

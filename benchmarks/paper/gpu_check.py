@@ -7,10 +7,10 @@
 
 Runs from a repository checkout with ``PYTHONPATH=.`` on a node without network (README, "GPU
 node without internet"). Each part keeps its own time budget (``--budget-s``, default 540 s),
-checks it before every step, says what it skipped, writes at most six files under ``--out``
-(markdown, CSV, PNG) and prints a short summary. ``--dry-run`` runs the same code paths at toy
-sizes on the CPU (steps that need CUDA are reported as skipped), which the test suite runs so
-the script cannot rot. The kernel part's measurements live in ``gpu_check_kernel.py``.
+checks it before every step, says what it skipped, writes its files under ``--out`` (markdown,
+CSV, PNG: at most six per part, nine for ``speed`` on a GPU) and prints a short summary.
+``--dry-run`` runs the same code paths at toy sizes on the CPU (steps that need CUDA are reported
+as skipped), which the test suite runs so the script cannot rot. The kernel part's measurements live in ``gpu_check_kernel.py``.
 
 Targets (from the project's GPU issue, one H100, bf16): linear_cuda equals the PyTorch path
 (forward and the three gradients) at every size and dtype; its fwd+bwd is no slower than
@@ -80,7 +80,7 @@ def _header(part: str, args, device: str) -> list[str]:
     return [
         f"# GPU check: {part}{' (dry run, toy sizes on CPU)' if args.dry_run else ''}", "",
         f"Date {time.strftime('%Y-%m-%d %H:%M')}; machine: {info.get('cpu')}{gpu}; torch {torch_info.get('torch')}; "
-        f"command: `python benchmarks/paper/gpu_check.py --part {part}{' --dry-run' if args.dry_run else ''}`", "",
+        f"command: `{common.command_line('benchmarks/paper/gpu_check.py', args.argv)}`", "",
     ]
 
 
@@ -122,10 +122,16 @@ def part_speed(args, out: Path, budget: Budget) -> list[str]:
     else:
         scaling = [py, "benchmarks/paper/scaling.py", "--device", "cuda", "--time-budget", "150", "--repeats", "3",
                    "--out", str(out)]
+        # one command per data set, each writing its own files, so a run cut short by the budget loses one of them
         generation = [py, "benchmarks/paper/generation.py", "--device", "cuda", "--max-batch", "1024", "4096", "10000",
                       "--repeats", "2", "--out", str(out)]
+    steps = [("generation MNIST (Tables 1/2)", generation + ["--datasets", "mnist", "--tag", "mnist"], 0.35),
+             ("scaling (Fig. 1)", scaling, 0.45),
+             ("generation CIFAR-10 (Tables 4/5)", generation + ["--datasets", "cifar10", "--tag", "cifar10"], 1.0)]
+    if args.dry_run:
+        steps = [("scaling (Fig. 1)", scaling, 0.4), ("generation (Tables 1/2/4/5)", generation, 1.0)]
     summary = []
-    for name, command, share in (("scaling (Fig. 1)", scaling, 0.4), ("generation (Tables 1/2/4/5)", generation, 1.0)):
+    for name, command, share in steps:
         seconds = budget.left() * share - 10
         if not budget.allows(30, name):
             continue
@@ -247,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (what the tests run)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds per part (default 540)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if not args.dry_run:
         import torch
 
