@@ -358,7 +358,7 @@ def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     run = tmp_path / "runs" / "linear_lr"
     (run / "version_0").mkdir(parents=True)
     (run / "version_1").mkdir()
-    config = {"seed_everything": 3, "trainer": {"max_steps": 1000},
+    config = {"seed_everything": 3, "trainer": {"max_steps": 1000, "gradient_clip_val": 0.5},
               "model": {"init_args": {"lr": 0.0007, "attention": {"backend": "linear"}}}}
     (run / "version_0" / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "version_0" / "metrics.csv").write_text("epoch,step,val/bits_per_dim\n0,499,1.5\n0,999,1.25\n")
@@ -371,7 +371,7 @@ def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     row = next(csv.DictReader(open(f"{out}.csv")))
     assert (row["lr"], row["seed"], row["attention"], row["fit_minutes"]) == ("0.0007", "3", "linear", "30.0")
     assert (row["val_bpd_500"], row["val_bpd_1000"], row["test_bpd"]) == ("1.5", "1.25", "1.2345678")
-    assert "| linear_lr | linear | 0.0007 | 3 | 1000 | 30.0 | 1.2346 | 1.25 |" in open(f"{out}.md").read()
+    assert "| linear_lr | linear | 0.0007 | 0.5 | 3 | 1000 | 30.0 | 1.2346 | 1.25 |" in open(f"{out}.md").read()
     wrong = subprocess.run([sys.executable, str(BENCHMARKS / "dev" / "mnist_lr.py"), "--run", str(tmp_path), "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "config.yaml not found" in wrong.stderr

@@ -1,11 +1,11 @@
-"""Full-length MNIST CPU-recipe runs side by side: which learning rate, and how far apart two seeds are.
+"""Full-length MNIST CPU-recipe runs side by side: learning rate, gradient clipping, seed.
 
     uv run python benchmarks/dev/mnist_lr.py --run logs/r3_mnist_cpu_linear --run logs/mnist_cpu_linear ...
 
 Each ``--run DIR`` is the root of one ``cli.py fit --config configs/mnist_cpu_M.yaml`` (with its
 overrides) followed by ``cli.py test`` into the same root. What the run was is read from the config
-the CLI saved in ``DIR/version_0/config.yaml`` (attention, learning rate, seed, updates), not typed
-in: the table cannot claim a setting the run did not have. Recorded per run: validation bits/dim at
+the CLI saved in ``DIR/version_0/config.yaml`` (attention, learning rate, gradient clipping, seed,
+updates), not typed in: the table cannot claim a setting the run did not have. Recorded per run: validation bits/dim at
 every validation (the config's ``data.limit_val`` images), the last test bits/dim (all 10,000 test
 images), and the training minutes from ``DIR/fit_seconds.json`` when present. Results:
 ``benchmarks/dev/results/mnist_lr.{csv,md}``.
@@ -47,6 +47,7 @@ def read_run(root: Path) -> dict:
     spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
     return {"run": root.name, "attention": model["attention"]["backend"], "lr": model["lr"],
             "seed": config.get("seed_everything"), "updates": config["trainer"]["max_steps"],
+            "clip": config["trainer"].get("gradient_clip_val"),
             "test_bpd": test, "fit_minutes": round(sum(s["end"] - s["start"] for s in spans) / 60, 1) if spans else None,
             **{f"val_bpd_{step}": round(value, 3) for step, value in sorted(val.items())}}
 
@@ -61,8 +62,8 @@ def main(argv=None) -> int:
     write_csv(f"{args.out}.csv", rows)
     steps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("val_bpd_")})
     shown = [s for s in steps if s % 1000 == 0 or s == steps[-1]]
-    header = ["run", "attention", "lr", "seed", "updates", "minutes", "test bits/dim"] + [f"val @{s}" for s in shown]
-    table = [[r["run"], r["attention"], r["lr"], r["seed"], r["updates"], r["fit_minutes"] or "—",
+    header = ["run", "attention", "lr", "clip", "seed", "updates", "minutes", "test bits/dim"] + [f"val @{s}" for s in shown]
+    table = [[r["run"], r["attention"], r["lr"], r["clip"], r["seed"], r["updates"], r["fit_minutes"] or "—",
               "—" if r["test_bpd"] is None else f"{r['test_bpd']:.4f}"] + [r.get(f"val_bpd_{s}", "") for s in shown]
              for r in rows]
     info, versions = machine_info(), torch_info()
@@ -70,9 +71,10 @@ def main(argv=None) -> int:
     shown = ['"..."' if i and given[i - 1] == "--note" else a for i, a in enumerate(given)]  # the note follows the table
     command = " ".join(["python benchmarks/dev/mnist_lr.py", *shown])
     Path(f"{args.out}.md").write_text(
-        f"# MNIST CPU recipe: full-length runs by learning rate and seed\n\n{info['cpu']}, {info['logical_cpus']} "
+        f"# MNIST CPU recipe: full-length runs by learning rate, clipping and seed\n\n{info['cpu']}, {info['logical_cpus']} "
         f"logical CPUs, torch {versions['torch']}, {time.strftime('%Y-%m-%d')}. Command: `{command}`.\n\n"
-        "Every run is `cli.py fit --config configs/mnist_cpu_<attention>.yaml` with the learning rate and seed shown "
+        "Every run is `cli.py fit --config configs/mnist_cpu_<attention>.yaml` with the learning rate, gradient clipping "
+        "and seed shown "
         "(read from the config each run saved), then `cli.py test` on its best checkpoint (all 10,000 test images). "
         "Validation: the config's first 512 validation images. Minutes: wall clock of the fit, one torch thread, "
         "two or three processes at a time.\n\n"

@@ -10,7 +10,8 @@ node without internet"). Each part keeps its own time budget (``--budget-s``, de
 checks it before every step, says what it skipped, writes its files under ``--out`` (markdown,
 CSV, PNG: at most six per part, nine for ``speed`` on a GPU) and prints a short summary.
 ``--dry-run`` runs the same code paths at toy sizes on the CPU (steps that need CUDA are reported
-as skipped), which the test suite runs so the script cannot rot. The kernel part's measurements live in ``gpu_check_kernel.py``.
+as skipped), which the test suite runs so the script cannot rot. The kernel part's measurements
+live in ``gpu_check_kernel.py``.
 
 Targets (from the project's GPU issue, one H100, bf16): linear_cuda equals the PyTorch path
 (forward and the three gradients) at every size and dtype; its fwd+bwd is no slower than
@@ -127,9 +128,9 @@ def part_speed(args, out: Path, budget: Budget) -> list[str]:
         # H200 run's fits: lsh-4 at batch 100 92 s, which alone would eat the MNIST share of the budget)
         generation = [py, "benchmarks/paper/generation.py", "--device", "cuda", "--max-batch", "1024", "4096", "10000",
                       "--repeats", "2", "--full-budget", "20", "--out", str(out)]
-    steps = [("generation MNIST (Tables 1/2)", generation + ["--datasets", "mnist", "--tag", "mnist"], 0.35),
+    steps = [("generation MNIST (Tables 1/4/5)", generation + ["--datasets", "mnist", "--tag", "mnist"], 0.35),
              ("scaling (Fig. 1)", scaling, 0.45),
-             ("generation CIFAR-10 (Tables 4/5)", generation + ["--datasets", "cifar10", "--tag", "cifar10"], 1.0)]
+             ("generation CIFAR-10 (Tables 2/4/5)", generation + ["--datasets", "cifar10", "--tag", "cifar10"], 1.0)]
     if args.dry_run:
         steps = [("scaling (Fig. 1)", scaling, 0.4), ("generation (Tables 1/2/4/5)", generation, 1.0)]
     summary = []
