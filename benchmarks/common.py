@@ -300,13 +300,14 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def command_line(script: str, argv: list[str], folders: tuple[str, ...] = ("--out",)) -> str:
-    """``python SCRIPT ARGS`` as run, for a report's header; the folder arguments read ``DIR`` so no
-    machine's path lands in a committed result."""
-    shown, hide_next = [], False
+def command_line(script: str, argv: list[str], folders: tuple[str, ...] = ("--out",),
+                 elided: tuple[str, ...] = ("--note",)) -> str:
+    """``python SCRIPT ARGS`` as run, for a report's header: the folder arguments read ``DIR`` (no
+    machine's path in a committed result), the ``elided`` ones (a note printed below the table) ``"..."``."""
+    shown, replace_next = [], None
     for arg in argv:
-        shown.append("DIR" if hide_next else arg)
-        hide_next = arg in folders
+        shown.append(replace_next or arg)
+        replace_next = "DIR" if arg in folders else '"..."' if arg in elided else None
         if "=" in arg and arg.split("=", 1)[0] in folders:
             shown[-1] = arg.split("=", 1)[0] + "=DIR"
     return " ".join(["python", script, *shown])

@@ -227,11 +227,12 @@ def test_compare_revisions_train_child_times_updates_of_the_configs_model():
         "mnist_cpu_linear.yaml", 5, 2, str(compare_revisions.DEFAULT_OUT["train"]))
 
 
-def test_mnist_table1_report_shows_the_command_without_the_note_text():
+def test_report_commands_show_the_note_as_dots():
+    """mnist_table1.py and mnist_lr.py print their --note below the table: the command shows "..."."""
     mnist_table1 = _import_paper_script("mnist_table1")
-    assert mnist_table1.shown_argv(["--methods", "lsh4", "--note", "long text", "--report-only"]) == [
-        "--methods", "lsh4", "--note", '"..."', "--report-only"]
-    assert mnist_table1.shown_argv(["--methods", "lsh4"]) == ["--methods", "lsh4"]
+    assert mnist_table1.command_line("m.py", ["--methods", "lsh4", "--note", "long text", "--report-only"]) == (
+        'python m.py --methods lsh4 --note "..." --report-only')
+    assert mnist_table1.command_line("m.py", ["--methods", "lsh4"]) == "python m.py --methods lsh4"
 
 
 @pytest.mark.parametrize("method", ["softmax", "linear", "lsh1", "lsh4"])
@@ -347,9 +348,9 @@ def test_command_line_shows_arguments_but_not_folders():
         import common
     finally:
         sys.path.remove(str(BENCHMARKS))
-    shown = common.command_line("benchmarks/paper/gpu_check.py", ["--part", "kernel", "--out", "/tmp/x/r", "--budget-s", "230"])
+    shown = common.command_line("benchmarks/paper/gpu_check.py", ["--part", "kernel", "--out", "runs/k", "--budget-s", "230"])
     assert shown == "python benchmarks/paper/gpu_check.py --part kernel --out DIR --budget-s 230"
-    assert common.command_line("g.py", ["--out=/srv/results", "--tag", "out"]) == "python g.py --out=DIR --tag out"
+    assert common.command_line("g.py", ["--out=runs/results", "--tag", "out"]) == "python g.py --out=DIR --tag out"
 
 
 def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):

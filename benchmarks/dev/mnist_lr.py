@@ -25,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info, markdown_table, torch_info, write_csv  # noqa: E402
+from common import command_line, machine_info, markdown_table, torch_info, write_csv  # noqa: E402
 
 
 def read_run(root: Path) -> dict:
@@ -67,9 +67,7 @@ def main(argv=None) -> int:
               "—" if r["test_bpd"] is None else f"{r['test_bpd']:.4f}"] + [r.get(f"val_bpd_{s}", "") for s in shown]
              for r in rows]
     info, versions = machine_info(), torch_info()
-    given = list(argv if argv is not None else sys.argv[1:])
-    shown = ['"..."' if i and given[i - 1] == "--note" else a for i, a in enumerate(given)]  # the note follows the table
-    command = " ".join(["python benchmarks/dev/mnist_lr.py", *shown])
+    command = command_line("benchmarks/dev/mnist_lr.py", list(argv if argv is not None else sys.argv[1:]))
     Path(f"{args.out}.md").write_text(
         f"# MNIST CPU recipe: full-length runs by learning rate, clipping and seed\n\n{info['cpu']}, {info['logical_cpus']} "
         f"logical CPUs, torch {versions['torch']}, {time.strftime('%Y-%m-%d')}. Command: `{command}`.\n\n"

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import generation_report  # noqa: E402  (the paper's Tables 4 and 5)
-from common import machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
+from common import command_line, machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
 
 METHODS = ("linear", "softmax", "lsh1", "lsh4")
 LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh4": "LSH-4"}
@@ -200,14 +200,6 @@ def timing_lines() -> list[str]:
                             f"images/s, batch {large}", "linear's ÷ this", "paper images/s (GPU)"], body)]
 
 
-def shown_argv(argv: list[str]) -> list[str]:
-    """The command line for the report, the note (printed below it) left as ``"..."``."""
-    if "--note" not in argv:
-        return argv
-    i = argv.index("--note")
-    return [*argv[: i + 1], '"..."', *argv[i + 2:]]
-
-
 def write_report(results: list[dict], args) -> None:
     write_csv(str(RESULTS / "mnist_table1.csv"), [
         {"method": r["method"], "test_bits_per_dim": r["test_bpd"], "paper_bits_per_dim": PAPER_BITS_PER_DIM[r["method"]],
@@ -226,7 +218,7 @@ def write_report(results: list[dict], args) -> None:
     (RESULTS / "mnist_table1.md").write_text(
         "# Table 1 at CPU scale: MNIST bits/dim\n\n"
         f"{info['cpu']}, {info['logical_cpus']} logical CPUs, torch {versions['torch']}, {time.strftime('%Y-%m-%d')}; "
-        f"`python benchmarks/paper/mnist_table1.py {' '.join(shown_argv(args.argv))}`. Training: one torch thread per model, "
+        f"`{command_line('benchmarks/paper/mnist_table1.py', args.argv)}`. Training: one torch thread per model, "
         f"{args.parallel} models at a time. Test bits/dim: all 784 sub-pixels of the 10,000 test images, best checkpoint "
         "by validation bits/dim (512 validation images). The paper: 8 x 256 models, 250 epochs on a GPU; ours: "
         f"{ours}, the updates below.\n\n"
