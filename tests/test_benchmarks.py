@@ -235,6 +235,22 @@ def test_report_commands_show_the_note_as_dots():
     assert mnist_table1.command_line("m.py", ["--methods", "lsh4"]) == "python m.py --methods lsh4"
 
 
+def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch):
+    """A killed run logs updates past its last checkpoint; the resumed version logs them again and
+    wins, also past version_9 (version_10 sorts before version_2 as text)."""
+    mnist_table1 = _import_paper_script("mnist_table1")
+    monkeypatch.setattr(mnist_table1, "root", lambda method: tmp_path / method)
+    for version, rows in {2: [(499, 1.5), (999, 1.9)], 10: [(999, 1.4), (1499, 1.3)]}.items():
+        folder = tmp_path / "linear" / f"version_{version}"
+        folder.mkdir(parents=True)
+        lines = ["epoch,step,val/bits_per_dim", *(f"0,{step},{bpd}" for step, bpd in rows)]
+        (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "linear" / "fit_seconds.json").write_text('[{"start": 0, "end": 60}, {"start": 100, "end": 220}]')
+    result = mnist_table1.collect("linear", None)
+    assert result["curve"] == {500: 1.5, 1000: 1.4, 1500: 1.3}
+    assert result["fit_minutes"] == 3.0 and result["test_bpd"] is None
+
+
 @pytest.mark.parametrize("method", ["softmax", "linear", "lsh1", "lsh4"])
 def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
     """The exact ``cli.py fit`` command figure2_copy.py runs, at a tiny scale and with --n-heads, trains

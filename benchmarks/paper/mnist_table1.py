@@ -124,7 +124,8 @@ def rows_of(version: Path) -> list[dict]:
 def collect(method: str, test_dir: Path | None) -> dict:
     """Validation curve (fit versions), test bits/dim, training seconds of one method."""
     curve = {}
-    for version in sorted(root(method).glob("version_*")):
+    # numerically: a resumed run's later version overwrites the updates its killed one logged past the checkpoint
+    for version in sorted(root(method).glob("version_*"), key=lambda v: int(v.name.split("_")[1])):
         for r in rows_of(version):
             if "val/bits_per_dim" in r:
                 curve[int(r["step"]) + 1] = r["val/bits_per_dim"]
