@@ -215,14 +215,23 @@ def resolve_checkpoint_path(
             continue
         if ckpt_path == "last":
             return str(last)
-        best = _best_from_last(last)
-        if best is None:
+        recorded = _best_from_last(last)
+        if recorded is None:
             raise CheckpointMismatchError(
                 f"--ckpt_path best: {last} records no best checkpoint: the run kept none (checkpoint.save_top_k 0, "
                 f"or a task without a monitored metric) or has not validated yet. Pass a file, or use --ckpt_path last."
             )
-        check_checkpoint(best, model)
-        return best
+        # The callback writes best and last into one folder; a run folder that was renamed or
+        # copied (fetched from a cluster) keeps them together, while last.ckpt still names the best
+        # one by its old path, which may be gone or belong to the original run.
+        best = next((p for p in (last.parent / Path(recorded).name, Path(recorded)) if p.is_file()), None)
+        if best is None:
+            raise CheckpointMismatchError(
+                f"--ckpt_path best: {last} records {recorded} as the best checkpoint, but that file is gone and "
+                f"{last.parent} has none of its name. Pass a file, or use --ckpt_path last."
+            )
+        check_checkpoint(str(best), model)
+        return str(best)
     raise CheckpointMismatchError(
         f"--ckpt_path {ckpt_path}: none of the {len(candidates)} run(s) under {where} is of the configured model; "
         f"the newest: {mismatches[0]}"
@@ -230,9 +239,10 @@ def resolve_checkpoint_path(
 
 
 def _best_from_last(last_path: Path) -> str | None:
+    """The path last.ckpt's checkpoint callback recorded as its best (it may no longer exist)."""
     ckpt = load_checkpoint_header(str(last_path))
     for key, state in (ckpt.get("callbacks") or {}).items():
-        if key.startswith("ModelCheckpoint") and state.get("best_model_path") and Path(state["best_model_path"]).is_file():
+        if key.startswith("ModelCheckpoint") and state.get("best_model_path"):
             return state["best_model_path"]
     return None
 

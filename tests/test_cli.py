@@ -183,6 +183,27 @@ def test_default_checkpoints_and_best_resolution(trained):
     assert Path(cli.resolve_checkpoint_path("best", model, trained)).name.startswith("best-")
 
 
+def test_best_of_a_moved_run_folder(trained, tmp_path, monkeypatch):
+    """last.ckpt names the best checkpoint by the path it had when written. In a run folder that was
+    renamed or copied elsewhere, ``best`` is the file of that name beside last.ckpt (not the
+    original's); when neither exists, the error names the missing file (not "recorded none")."""
+    import shutil
+
+    from linformer_lab import checkpoints
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    moved = tmp_path / "moved"
+    shutil.copytree(trained, moved)
+    model = CopyTask(vocab_size=12, sequence_length=13, d_model=16, n_heads=2, n_layers=1)
+    original = Path(cli.resolve_checkpoint_path("best", model, trained))
+    found = Path(cli.resolve_checkpoint_path("best", model, moved))
+    assert found.parent == checkpoint_dir(moved) and found.name == original.name
+    gone = tmp_path / "gone" / "best-epoch=9-step=99.ckpt"  # not beside last.ckpt either
+    monkeypatch.setattr(checkpoints, "_best_from_last", lambda last: str(gone))
+    with pytest.raises(cli.CheckpointMismatchError, match="records .*gone.* as the best checkpoint, but that file is gone"):
+        cli.resolve_checkpoint_path("best", model, moved)
+
+
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
 def test_evaluate_a_checkpoint(trained, tmp_path, subcommand):
     code, _, err = run_cli([subcommand, *tiny_copy_args(trained), "--ckpt_path", str(checkpoint_dir(trained) / "last.ckpt")])
