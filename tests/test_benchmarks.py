@@ -339,6 +339,46 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     assert missing.returncode != 0 and "--before-revision: git cannot resolve the revision 'no-such-revision'" in missing.stderr
 
 
+def test_forward_backward_frees_its_own_gradients_inside_the_timed_call():
+    """common.forward_backward: the backward runs inside the context (a substituted kernel serves
+    forward and backward), and the inputs' gradients are gone when the call returns, so the next
+    implementation timed does not pay for freeing them."""
+    import contextlib
+
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    seen = {"inside": False, "backward_inside": None}
+
+    @contextlib.contextmanager
+    def context():
+        seen["inside"] = True
+        yield
+        seen["inside"] = False
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["backward_inside"] = seen["inside"]
+            return 2 * g
+
+    x = torch.ones(3, requires_grad=True)
+    grads = []
+    call = common.forward_backward(lambda: Double.apply(x), (x,), torch.ones(3), context)
+    x.register_post_accumulate_grad_hook(lambda t: grads.append(t.grad.clone()))
+    call()
+    assert seen["backward_inside"] is True and x.grad is None
+    assert torch.equal(grads[0], torch.full((3,), 2.0))
+
+
 def test_interleaved_rounds_rotate_the_order():
     """common.interleaved_medians: rounds A B C, C B A, B C A, A C B, ...: each callable runs right
     after each other one as often as right before it (a kernel timed right after another on the

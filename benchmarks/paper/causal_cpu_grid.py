@@ -191,11 +191,8 @@ def measure(torch, impls, shape, args) -> dict:
     grad = torch.randn(b, h, n, d, generator=gen)
 
     def case(fn):
-        def run():
-            q.grad = k.grad = v.grad = None
-            with getattr(fn, "context", contextlib.nullcontext)():
-                fn(q, k, v, chunk).backward(grad)
-        return run
+        return common.forward_backward(lambda: fn(q, k, v, chunk), (q, k, v), grad,
+                                       getattr(fn, "context", contextlib.nullcontext))
 
     cases = {name: case(fn) for name, fn in impls.items()}
     start = time.perf_counter()

@@ -131,10 +131,7 @@ def child_head_to_head(shape, threads, repeats, chunks, budget_s):
     q, k, v, grad = _numerator_inputs(torch, b, h, n, d, m)
 
     def fwd_bwd(fn):
-        def run():
-            q.grad = k.grad = v.grad = None
-            fn(q, k, v).backward(grad)
-        return run
+        return common.forward_backward(lambda: fn(q, k, v), (q, k, v), grad)
 
     def fwd(fn):
         def run():

@@ -72,10 +72,7 @@ def causal_rows(shapes, repeats: int, gemm: float) -> list[dict]:
         grad = torch.randn(b, h, n, d, generator=gen)
 
         def fwd_bwd(fn):
-            def call():
-                q.grad = k.grad = v.grad = None
-                fn(q, k, v).backward(grad)
-            return call
+            return common.forward_backward(lambda: fn(q, k, v), (q, k, v), grad)
 
         fns = {"ours": fwd_bwd(causal_dot_product)}
         if ft_causal is not None:
