@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -292,6 +293,27 @@ def image_training_update(config: str, autocast: bool = False):
         optimizer.step()
 
     return update, batch, task
+
+
+def fit_run(root: str | Path) -> dict:
+    """What one ``cli.py fit`` (and ``cli.py test``) run root logged: ``curve`` (update -> validation
+    bits/dim), ``test_bpd`` (the last test bits/dim) and ``fit_minutes`` (the spans of
+    ``root/fit_seconds.json``, or None). Versions are read in numeric order, so a resumed run's
+    version overwrites the updates its killed one logged past the checkpoint (and version_10 comes
+    after version_9)."""
+    root = Path(root)
+    curve, test = {}, None
+    for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+        with open(metrics) as f:
+            for row in csv.DictReader(f):
+                if row.get("val/bits_per_dim"):
+                    curve[int(row["step"]) + 1] = float(row["val/bits_per_dim"])
+                if row.get("test/bits_per_dim"):
+                    test = float(row["test/bits_per_dim"])
+    spans_path = root / "fit_seconds.json"
+    spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
+    return {"curve": dict(sorted(curve.items())), "test_bpd": test,
+            "fit_minutes": round(sum(s["end"] - s["start"] for s in spans) / 60, 1) if spans else None}
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -236,8 +236,9 @@ def test_report_commands_show_the_note_as_dots():
 
 
 def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch):
-    """A killed run logs updates past its last checkpoint; the resumed version logs them again and
-    wins, also past version_9 (version_10 sorts before version_2 as text)."""
+    """common.fit_run through mnist_table1.collect: a killed run logs updates past its last checkpoint;
+    the resumed version logs them again and wins, also past version_9 (version_10 sorts before
+    version_2 as text); the minutes add the fit's spans."""
     mnist_table1 = _import_paper_script("mnist_table1")
     monkeypatch.setattr(mnist_table1, "root", lambda method: tmp_path / method)
     for version, rows in {2: [(499, 1.5), (999, 1.9)], 10: [(999, 1.4), (1499, 1.3)]}.items():
@@ -246,7 +247,7 @@ def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch
         lines = ["epoch,step,val/bits_per_dim", *(f"0,{step},{bpd}" for step, bpd in rows)]
         (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
     (tmp_path / "linear" / "fit_seconds.json").write_text('[{"start": 0, "end": 60}, {"start": 100, "end": 220}]')
-    result = mnist_table1.collect("linear", None)
+    result = mnist_table1.collect("linear")
     assert result["curve"] == {500: 1.5, 1000: 1.4, 1500: 1.3}
     assert result["fit_minutes"] == 3.0 and result["test_bpd"] is None
 

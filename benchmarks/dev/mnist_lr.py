@@ -14,8 +14,6 @@ images), and the training minutes from ``DIR/fit_seconds.json`` when present. Re
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import command_line, machine_info, markdown_table, torch_info, write_csv  # noqa: E402
+from common import command_line, fit_run, machine_info, markdown_table, torch_info, write_csv  # noqa: E402
 
 
 def read_run(root: Path) -> dict:
@@ -35,21 +33,12 @@ def read_run(root: Path) -> dict:
         raise SystemExit(f"{config_path} not found: --run takes the root of a `cli.py fit` run (its version_0 holds config.yaml)")
     config = yaml.safe_load(config_path.read_text())
     model = config["model"]["init_args"]
-    val, test = {}, None
-    for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
-        with open(metrics) as f:
-            for r in csv.DictReader(f):
-                if r.get("val/bits_per_dim"):
-                    val[int(r["step"]) + 1] = float(r["val/bits_per_dim"])
-                if r.get("test/bits_per_dim"):
-                    test = float(r["test/bits_per_dim"])
-    spans_path = root / "fit_seconds.json"
-    spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
+    logged = fit_run(root)
     return {"run": root.name, "attention": model["attention"]["backend"], "lr": model["lr"],
             "seed": config.get("seed_everything"), "updates": config["trainer"]["max_steps"],
-            "clip": config["trainer"].get("gradient_clip_val"),
-            "test_bpd": test, "fit_minutes": round(sum(s["end"] - s["start"] for s in spans) / 60, 1) if spans else None,
-            **{f"val_bpd_{step}": round(value, 3) for step, value in sorted(val.items())}}
+            "clip": config["trainer"].get("gradient_clip_val"), "test_bpd": logged["test_bpd"],
+            "fit_minutes": logged["fit_minutes"],
+            **{f"val_bpd_{step}": round(value, 3) for step, value in logged["curve"].items()}}
 
 
 def main(argv=None) -> int:

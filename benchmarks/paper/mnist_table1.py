@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import generation_report  # noqa: E402  (the paper's Tables 4 and 5)
-from common import command_line, machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
+from common import command_line, fit_run, machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
 
 METHODS = ("linear", "softmax", "lsh1", "lsh4")
 LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh4": "LSH-4"}
@@ -113,32 +113,9 @@ def run_cli(subcommand: str, method: str, *extra: str, threads: int) -> Path:
     return new
 
 
-def rows_of(version: Path) -> list[dict]:
-    path = version / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-
-
-def collect(method: str, test_dir: Path | None) -> dict:
-    """Validation curve (fit versions), test bits/dim, training seconds of one method."""
-    curve = {}
-    # numerically: a resumed run's later version overwrites the updates its killed one logged past the checkpoint
-    for version in sorted(root(method).glob("version_*"), key=lambda v: int(v.name.split("_")[1])):
-        for r in rows_of(version):
-            if "val/bits_per_dim" in r:
-                curve[int(r["step"]) + 1] = r["val/bits_per_dim"]
-    test = [r["test/bits_per_dim"] for r in rows_of(test_dir) if "test/bits_per_dim" in r] if test_dir else []
-    spans_path = root(method) / "fit_seconds.json"
-    spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
-    return {"method": method, "curve": dict(sorted(curve.items())), "test_bpd": test[-1] if test else None,
-            "fit_minutes": round(sum(s["end"] - s["start"] for s in spans) / 60, 1) if spans else None}
-
-
-def newest_test_dir(method: str) -> Path | None:
-    tested = [v for v in root(method).glob("version_*") if any("test/bits_per_dim" in r for r in rows_of(v))]
-    return max(tested, key=lambda v: int(v.name.split("_")[1]), default=None)
+def collect(method: str) -> dict:
+    """Validation curve, test bits/dim (the newest test) and training minutes of one method's runs."""
+    return {"method": method, **fit_run(root(method))}
 
 
 def copy_pngs(method: str, predict_dir: Path) -> list[str]:
@@ -246,19 +223,19 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
 
     if args.report_only:
-        write_report([collect(m, newest_test_dir(m)) for m in args.methods], args)
+        write_report([collect(m) for m in args.methods], args)
         return 0
     if not args.skip_train:
         train(args.methods, args)
     results = []
     for method in args.methods:
-        test_dir = run_cli("test", method, "--ckpt_path", "best", threads=args.eval_threads)
+        run_cli("test", method, "--ckpt_path", "best", threads=args.eval_threads)
         if not args.skip_predict:
             batches = str(-(-16 // recipe(method)["batch_size"]))  # the first 16 test images
             predict_dir = run_cli("predict", method, "--ckpt_path", "best", "--trainer.limit_predict_batches", batches,
                                   threads=args.eval_threads)
             print(method, "PNGs:", copy_pngs(method, predict_dir), flush=True)
-        results.append(collect(method, test_dir))
+        results.append(collect(method))
         print(results[-1]["method"], results[-1]["test_bpd"], flush=True)
     write_report(results, args)
     return 0
