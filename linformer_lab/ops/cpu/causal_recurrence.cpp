@@ -27,7 +27,8 @@
 // grad v with grad k). Loops under ~4 MFLOP run on one thread. Registers: the widest of the
 // instruction set in use that divides C and M (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2
 // doubles), so C and M must be multiples of 4 floats or 2 doubles; cpu_kernel.py sends other
-// shapes to causal_dot.cpp (the chunked algorithm). Outputs of 4 MiB and more come from a pool of reused buffers (output_pool.h): no page faults per call.
+// shapes to causal_dot.cpp (the chunked algorithm). Outputs of 4 MiB and more come from a pool of
+// reused buffers (output_pool.h): no page faults per call.
 //
 // Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load
 // (simd.h, shared with causal_dot.cpp). Built by linformer_lab/ops/cpu/__init__.py; called from
