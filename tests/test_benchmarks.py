@@ -99,6 +99,8 @@ def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
         sys.path.remove(str(BENCHMARKS / "paper"))
     first = figure2_copy.parse_args(["--methods", "softmax", "--steps", "30", "--max-minutes", "90"])
     assert "--trainer.max_time=00:01:30:00" in figure2_copy.run_command("softmax", first, tmp_path)
+    days = figure2_copy.parse_args(["--max-minutes", "6000"])
+    assert "--trainer.max_time=04:04:00:00" in figure2_copy.run_command("softmax", days, tmp_path)
 
     def run(method, steps, loss):
         rows = [{"step": s - 1, "train/loss": loss / s} for s in range(10, steps + 1, 10)]
@@ -433,3 +435,31 @@ def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     wrong = subprocess.run([sys.executable, str(BENCHMARKS / "dev" / "mnist_lr.py"), "--run", str(tmp_path), "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "config.yaml not found" in wrong.stderr
+
+
+def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
+    """figure2_copy.py through the real CLI: a run writes last.ckpt every --save-every updates; --resume
+    continues it (a new version, the same checkpoint) to more updates; --from-logs reports the curve of
+    both versions with the seconds of Lightning's Timer from the checkpoint (over both invocations)."""
+    sys.path.insert(0, str(BENCHMARKS / "paper"))
+    try:
+        import figure2_copy
+    finally:
+        sys.path.remove(str(BENCHMARKS / "paper"))
+    small = ["--methods", "linear", "--max-length", "4", "--batch-size", "4", "--d-model", "16", "--val-batches", "1",
+             "--val-every", "2", "--decay-at", "2", "--max-minutes", "30", "--jobs", "1",
+             "--log-root", str(tmp_path / "logs"), "--out", str(tmp_path / "out")]
+    figure2_copy.main([*small, "--steps", "4", "--save-every", "3"])
+    root = tmp_path / "logs" / "linear"
+    assert (root / "version_0" / "checkpoints" / "last.ckpt").exists()
+    first = (tmp_path / "out" / "figure2_copy_runs.csv").read_text()
+    assert first.splitlines()[1].startswith("linear,4,") and "--ckpt_path" not in first
+    figure2_copy.main([*small, "--steps", "6", "--resume"])
+    assert not list(root.glob("version_1/checkpoints")), "a resumed run writes into the checkpoints it resumes"
+    steps = [int(line.split(",")[1]) for line in (tmp_path / "out" / "figure2_copy.csv").read_text().splitlines()[1:]]
+    assert max(steps) == 6 and 2 in steps and 4 in steps  # the first version's updates are kept
+    assert "--ckpt_path=last" in (tmp_path / "out" / "figure2_copy_runs.csv").read_text()
+    run = figure2_copy.logged_run("linear", [], tmp_path / "logs")
+    assert 0 < run["seconds"] < 600 and figure2_copy.updates(run) == 6
+    figure2_copy.main([*small, "--steps", "10", "--from-logs", "--name", "partial"])
+    assert "| linear | 6 | not finished (continues with --resume) |" in (tmp_path / "out" / "partial.md").read_text()

@@ -30,6 +30,18 @@ with --merge; --max-minutes stops a run at a wall-clock limit and keeps its curv
         --batch-size 64 --steps 10000 --decay-at 3000 --val-every 500 --val-batches 20 \
         --bucket-size 32 --n-buckets 64 --methods linear softmax --max-minutes 80
     uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 ... --methods lsh1 lsh4 --merge
+
+Runs longer than a sitting (lsh at length 128 on a CPU: hours to days): every run writes its
+``last.ckpt`` every --save-every updates (default --val-every); ``--resume`` continues each method
+from it (a new version in the same folder; a fresh run where there is none), and ``--from-logs``
+writes the results from the log folders as they stand, a run still going or killed included (its
+seconds: Lightning's Timer in the newest checkpoint, over all invocations; it exists with
+--max-minutes, which with --resume is the limit of the whole run):
+
+    uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 ... --methods lsh1 lsh4 \
+        --log-root logs/figure2_len128_lsh --save-every 50 --max-minutes 6000 --resume --merge
+    uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 ... --methods lsh1 lsh4 \
+        --log-root logs/figure2_len128_lsh --save-every 50 --max-minutes 6000 --resume --merge --from-logs
 """
 
 from __future__ import annotations
@@ -69,12 +81,17 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
         "--trainer.precision=32-true", f"--trainer.val_check_interval={args.val_every}",
         "--trainer.log_every_n_steps=10", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={root}", f"--trainer.logger={json.dumps(logger)}",
-        "--checkpoint.enabled=false",
+        # last.ckpt only (no best copies), every --save-every updates: the resume point of --resume
+        "--checkpoint.save_top_k=0", f"--checkpoint.every_n_train_steps={args.save_every}",
     ]
     if args.max_minutes:
-        # Lightning's wall-clock limit: the run stops at the first update past it, its curve kept
-        hours, minutes = divmod(int(args.max_minutes), 60)
-        command.append(f"--trainer.max_time=00:{hours:02d}:{minutes:02d}:00")
+        # Lightning's wall-clock limit: the run stops at the first update past it, its curve kept.
+        # Its Timer is restored from the checkpoint, so a resumed run's limit counts the earlier time too.
+        days, minutes = divmod(int(args.max_minutes), 24 * 60)
+        hours, minutes = divmod(minutes, 60)
+        command.append(f"--trainer.max_time={days:02d}:{hours:02d}:{minutes:02d}:00")
+    if args.resume and list((REPO / root).glob("version_*/checkpoints/last.ckpt")):
+        command.append("--ckpt_path=last")
     if method.startswith("lsh"):
         lsh = {"n_hashes": int(method[3:]), "bucket_size": args.bucket_size, "n_buckets": args.n_buckets}
         command.append(f"--model.attention.kwargs={json.dumps(lsh)}")
@@ -91,11 +108,35 @@ def train(method: str, args, log_root: Path) -> dict:
     seconds = time.monotonic() - start
     if result.returncode != 0:
         raise RuntimeError(f"{method} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    rows = []
-    with open(REPO / log_root / method / "version_0" / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.append({k: float(v) for k, v in row.items() if v != ""})
+    run = logged_run(method, command, log_root)
     print(f"{method}: {seconds:.0f} s", flush=True)
+    return {**run, "seconds": run["seconds"] if run["seconds"] is not None else seconds}
+
+
+def logged_run(method: str, command: list[str], log_root: Path) -> dict:
+    """One method's curve as its run folder holds it: the metrics of every version in numeric order
+    (a resumed version re-logs the updates its killed one made past the checkpoint, and wins), and
+    its training seconds from the Timer state in the newest ``last.ckpt`` (the time of the updates
+    that checkpoint holds, over all invocations; None without a checkpoint or a --max-minutes)."""
+    import torch
+
+    root = REPO / log_root / method
+    by_step: dict[tuple[int, str], dict] = {}
+    for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+        with open(metrics) as f:
+            for row in csv.DictReader(f):
+                values = {k: float(v) for k, v in row.items() if v != ""}
+                kind = "val" if "val/loss" in values else "train"  # a step logs its training loss and, some, a validation
+                by_step[(int(values["step"]), kind)] = values
+    if not by_step:
+        raise RuntimeError(f"{method}: no metrics under {root}")
+    rows = [by_step[key] for key in sorted(by_step)]
+    seconds = None
+    checkpoints = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=os.path.getmtime)
+    if checkpoints:
+        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False).get("callbacks", {})
+        timers = [v for k, v in state.items() if k.startswith("Timer")]
+        seconds = timers[0]["time_elapsed"]["train"] if timers else None
     return {"method": method, "command": command, "seconds": seconds, "rows": rows}
 
 
@@ -160,7 +201,7 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         train = [(int(r["step"]) + 1, r["train/loss"]) for r in run["rows"] if "train/loss" in r]
         val = [(int(r["step"]) + 1, r["val/loss"]) for r in run["rows"] if "val/loss" in r]
         label = {"lsh1": "lsh-1", "lsh4": "lsh-4"}.get(m, m)
-        ax_train.plot(*zip(*train), color=COLORS[m], label=label, linewidth=1)
+        ax_train.plot(*(zip(*train) if train else ([], [])), color=COLORS[m], label=label, linewidth=1)
         ax_val.plot(*zip(*val), "o-", color=COLORS[m], label=label)
     for ax, title in ((ax_train, "training loss (every 10 updates)"), (ax_val, f"validation loss ({args.val_batches} batches)")):
         ax.set_yscale("log")
@@ -182,11 +223,13 @@ def write_results(runs: list[dict], args, out: Path) -> None:
 
     def mean_last_train(run, n=5):
         values = [r["train/loss"] for r in run["rows"] if "train/loss" in r][-n:]
-        return sum(values) / len(values)
+        return sum(values) / len(values) if values else float("nan")  # a run shorter than the logging interval
 
     def stopped_by(run):
         if updates(run) >= args.steps:
             return f"{args.steps} updates"
+        if args.from_logs and not (args.max_minutes and run["seconds"] >= 60 * args.max_minutes - 60):
+            return "not finished (continues with --resume)"
         return f"time limit ({run['seconds'] / 60:.0f} min)"
 
     kept = [run["method"] for run in runs if run["method"] not in args.methods]  # by --merge, from an earlier invocation
@@ -253,8 +296,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="rewrite <name>.{md,png} from <name>.csv and <name>_runs.csv (nothing is trained)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other methods' runs already in <name>.csv (runs of an earlier invocation)")
+    parser.add_argument("--save-every", type=int, default=None,
+                        help="write each run's last.ckpt every this many updates (default: --val-every)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue each method's run from the last.ckpt in its log folder (a fresh run where "
+                             "there is none) instead of emptying the folder; --max-minutes then counts the earlier time")
+    parser.add_argument("--from-logs", action="store_true",
+                        help="write the results of --methods from their log folders as they stand (a run still "
+                             "going or killed: its updates and seconds up to its last checkpoint); nothing is trained")
     args = parser.parse_args(argv)
     args.val_every = min(args.val_every, args.steps)
+    args.save_every = args.save_every or args.val_every
     return args
 
 
@@ -267,14 +319,20 @@ def main(argv=None) -> None:
         return
 
     log_root = args.log_root
-    for method in args.methods:  # a fresh version_0 per method: our own scratch space
-        shutil.rmtree(REPO / log_root / method, ignore_errors=True)
-    print(f"logging runs under {REPO / log_root}", flush=True)
-    # The slowest runs first, so the two workers finish together.
-    order = sorted(args.methods, key=lambda m: ["lsh4", "linear", "lsh1", "softmax"].index(m))
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        finished = {r["method"]: r for r in pool.map(lambda m: train(m, args, log_root), order)}
-    runs = [finished[m] for m in args.methods]
+    if args.from_logs:
+        runs = [logged_run(m, run_command(m, args, log_root), log_root) for m in args.methods]
+        for run in runs:
+            run["seconds"] = run["seconds"] if run["seconds"] is not None else float("nan")
+    else:
+        if not args.resume:
+            for method in args.methods:  # a fresh version_0 per method: our own scratch space
+                shutil.rmtree(REPO / log_root / method, ignore_errors=True)
+        print(f"logging runs under {REPO / log_root}", flush=True)
+        # The slowest runs first, so the two workers finish together.
+        order = sorted(args.methods, key=lambda m: ["lsh4", "linear", "lsh1", "softmax"].index(m))
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            finished = {r["method"]: r for r in pool.map(lambda m: train(m, args, log_root), order)}
+        runs = [finished[m] for m in args.methods]
     if args.merge:
         kept = earlier_runs(args.out, args.name, skip=args.methods)
         runs = sorted(kept + runs, key=lambda run: METHODS.index(run["method"]))
