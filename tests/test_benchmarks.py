@@ -88,45 +88,6 @@ def test_compare_revisions_generate_reports_medians_and_ratios(tmp_path):
     assert "--out" not in compare_revisions.command_line(args, "")
 
 
-def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
-    """figure2_copy.py --merge: a second invocation (other methods) rewrites the results with the first
-    invocation's runs read back from its CSVs, curves and commands intact; --max-minutes reaches the
-    command line as Lightning's max_time, and a run stopped by it is reported so."""
-    sys.path.insert(0, str(BENCHMARKS / "paper"))
-    try:
-        import figure2_copy
-    finally:
-        sys.path.remove(str(BENCHMARKS / "paper"))
-    first = figure2_copy.parse_args(["--methods", "softmax", "--steps", "30", "--max-minutes", "90"])
-    assert "--trainer.max_time=00:01:30:00" in figure2_copy.run_command("softmax", first, tmp_path)
-    days = figure2_copy.parse_args(["--max-minutes", "6000"])
-    assert "--trainer.max_time=04:04:00:00" in figure2_copy.run_command("softmax", days, tmp_path)
-
-    def run(method, steps, loss):
-        rows = [{"step": s - 1, "train/loss": loss / s} for s in range(10, steps + 1, 10)]
-        rows.append({"step": steps - 1, "val/loss": loss, "val/accuracy": 0.5})
-        return {"method": method, "command": ["python", "cli.py", "fit", f"--x={method} a"], "seconds": 60.0 * steps,
-                "rows": rows}
-
-    figure2_copy.write_results([run("softmax", 30, 2.0)], first, tmp_path)
-    second = figure2_copy.parse_args(["--methods", "linear", "--steps", "30", "--merge"])
-    kept = figure2_copy.earlier_runs(tmp_path, "figure2_copy", skip=["linear"])
-    assert [k["method"] for k in kept] == ["softmax"] and kept[0]["command"][-1] == "--x=softmax a"
-    figure2_copy.write_results(kept, first, tmp_path / "again")  # read back as written: the same files
-    for name in ("figure2_copy.csv", "figure2_copy_runs.csv"):
-        assert (tmp_path / "again" / name).read_text() == (tmp_path / name).read_text()
-    figure2_copy.write_results(kept + [run("linear", 20, 3.0)], second, tmp_path)
-    text = (tmp_path / "figure2_copy.md").read_text()
-    assert "| softmax | 30 | 30 updates | 2.0000 |" in text and "| linear | 20 | time limit (20 min) | 3.0000 |" in text
-    assert "softmax (2.000) < linear (3.000)" in text
-    assert "with the runs of softmax kept from an earlier invocation (--merge)" in text
-    figure2_copy.write_results([run("linear", 20, 3.0)], second, tmp_path / "all")  # --merge that kept nothing says nothing
-    assert "kept from an earlier invocation" not in (tmp_path / "all" / "figure2_copy.md").read_text()
-    (tmp_path / "figure2_copy.md").unlink()
-    figure2_copy.main(["--report-only", "--steps", "30", "--out", str(tmp_path)])  # the report again, from the CSVs
-    assert (tmp_path / "figure2_copy.md").read_text().count("| softmax | 30 | 30 updates | 2.0000 |") == 1
-
-
 @pytest.mark.parametrize("doc", ["README.md", "NOTES.md"])
 def test_the_benchmark_docs_name_files_that_exist(doc):
     """Every markdown link and every backquoted ``paper/...``, ``dev/...`` or ``results/...`` path of
@@ -252,31 +213,6 @@ def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch
     result = mnist_table1.collect("linear")
     assert result["curve"] == {500: 1.5, 1000: 1.4, 1500: 1.3}
     assert result["fit_minutes"] == 3.0 and result["test_bpd"] is None
-
-
-@pytest.mark.parametrize("method", ["softmax", "linear", "lsh1", "lsh4"])
-def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
-    """The exact ``cli.py fit`` command figure2_copy.py runs, at a tiny scale and with --n-heads, trains
-    and logs the curve the report reads (a flag that the CLI rejected or dropped would fail here)."""
-    sys.path.insert(0, str(BENCHMARKS / "paper"))
-    try:
-        import figure2_copy
-    finally:
-        sys.path.remove(str(BENCHMARKS / "paper"))
-    args = figure2_copy.parse_args(["--methods", method, "--steps", "4", "--val-every", "2", "--val-batches", "1",
-                                    "--max-length", "8", "--d-model", "16", "--n-heads", "2", "--batch-size", "4",
-                                    "--bucket-size", "4", "--n-buckets", "4"])
-    command = figure2_copy.run_command(method, args, tmp_path)
-    assert "--model.n_heads=2" in command
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    with open(tmp_path / method / "version_0" / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert max(int(r["step"]) for r in rows) + 1 == 4
-    assert sum(1 for r in rows if r.get("val/loss")) == 2
-    config = yaml.safe_load((tmp_path / method / "version_0" / "hparams.yaml").read_text())
-    assert config["n_heads"] == 2 and config["d_model"] == 16
 
 
 def test_every_mnist_probe_parses_through_the_real_cli():
@@ -435,31 +371,3 @@ def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     wrong = subprocess.run([sys.executable, str(BENCHMARKS / "dev" / "mnist_lr.py"), "--run", str(tmp_path), "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "config.yaml not found" in wrong.stderr
-
-
-def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
-    """figure2_copy.py through the real CLI: a run writes last.ckpt every --save-every updates; --resume
-    continues it (a new version, the same checkpoint) to more updates; --from-logs reports the curve of
-    both versions with the seconds of Lightning's Timer from the checkpoint (over both invocations)."""
-    sys.path.insert(0, str(BENCHMARKS / "paper"))
-    try:
-        import figure2_copy
-    finally:
-        sys.path.remove(str(BENCHMARKS / "paper"))
-    small = ["--methods", "linear", "--max-length", "4", "--batch-size", "4", "--d-model", "16", "--val-batches", "1",
-             "--val-every", "2", "--decay-at", "2", "--max-minutes", "30", "--jobs", "1",
-             "--log-root", str(tmp_path / "logs"), "--out", str(tmp_path / "out")]
-    figure2_copy.main([*small, "--steps", "4", "--save-every", "3"])
-    root = tmp_path / "logs" / "linear"
-    assert (root / "version_0" / "checkpoints" / "last.ckpt").exists()
-    first = (tmp_path / "out" / "figure2_copy_runs.csv").read_text()
-    assert first.splitlines()[1].startswith("linear,4,") and "--ckpt_path" not in first
-    figure2_copy.main([*small, "--steps", "6", "--resume"])
-    assert not list(root.glob("version_1/checkpoints")), "a resumed run writes into the checkpoints it resumes"
-    steps = [int(line.split(",")[1]) for line in (tmp_path / "out" / "figure2_copy.csv").read_text().splitlines()[1:]]
-    assert max(steps) == 6 and 2 in steps and 4 in steps  # the first version's updates are kept
-    assert "--ckpt_path=last" in (tmp_path / "out" / "figure2_copy_runs.csv").read_text()
-    run = figure2_copy.logged_run("linear", [], tmp_path / "logs")
-    assert 0 < run["seconds"] < 600 and figure2_copy.updates(run) == 6
-    figure2_copy.main([*small, "--steps", "10", "--from-logs", "--name", "partial"])
-    assert "| linear | 6 | not finished (continues with --resume) |" in (tmp_path / "out" / "partial.md").read_text()
