@@ -184,6 +184,13 @@ at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options
 // threads costs with OMP_WAIT_POLICY=PASSIVE; else 1.
 int64_t grain(int64_t tasks, int64_t flops) { return flops < (int64_t{4} << 20) ? std::max<int64_t>(tasks, 1) : 1; }
 
+// Whether whole rows (each one thread's) keep every thread busy: many rows, or a multiple of the
+// threads. Both passes then give a task whole rows, which read each input from memory once.
+bool rows_share_out(int64_t rows) {
+  const int64_t threads = at::get_num_threads();
+  return rows >= 4 * threads || rows % threads == 0;
+}
+
 void check(const at::Tensor& t, const at::Tensor& like, int64_t dim, const char* what) {
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == like.scalar_type(),
               what, " must be a contiguous CPU tensor (rows, N, D) of q's dtype");
@@ -214,13 +221,11 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     T *op = out.data_ptr<T>(), *fp = final.data_ptr<T>(), *sp = states.data_ptr<T>();
     const int bytes = width_bytes(c, m, sizeof(T));
-    const int64_t w = bytes / sizeof(T), threads = at::get_num_threads();
-    // Tasks of whole rows where they share out evenly (the backward's rule), else of a row's columns
-    // in one piece per thread (or per register tile): a task runs its column tiles block by block, so
-    // only the first reads q and k from memory. One task per (row, tile) read them once per tile: at
-    // 1 x 8 x 65536 x 64, fwd + bwd took 1.32x as long.
-    const int64_t tiles = m / w;
-    const int64_t pieces = rows >= 4 * threads || rows % threads == 0 ? 1 : tiles % threads == 0 ? threads : tiles;
+    const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
+    // Tasks of whole rows, else of a row's columns in one piece per thread (or per register tile): a
+    // task runs its column tiles block by block, so only the first reads q and k from memory. One
+    // task per (row, tile) read them once per tile: at 1 x 8 x 65536 x 64, fwd + bwd took 1.33x as long.
+    const int64_t pieces = rows_share_out(rows) ? 1 : tiles % threads == 0 ? threads : tiles;
     const int64_t span = m / pieces;
     at::parallel_for(0, rows * pieces, grain(rows * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
       for (int64_t e = begin; e < end; ++e) {
@@ -261,12 +266,11 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
     T *gqp = gq.data_ptr<T>(), *gkp = gk.data_ptr<T>(), *gvp = gv.data_ptr<T>(), *rp = r_all.data_ptr<T>();
     const int64_t cm = c * m;
     const int bytes = width_bytes(c, m, sizeof(T));
-    const int64_t threads = at::get_num_threads();
     // Rows in parallel when they share out evenly: each row walks its blocks from last to first and
     // runs grad q (in order, from the saved S), then grad v and grad k (reversed) on one block while
     // it is in cache. Otherwise (fewer rows than threads, say) 2 tasks per row, grad q and
     // (grad v, grad k), which read the inputs from memory twice but keep 2 threads busy on one row.
-    const bool fused = rows >= 4 * threads || rows % threads == 0;
+    const bool fused = rows_share_out(rows);
     const int64_t tasks = fused ? rows : 2 * rows;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
       std::vector<T> st(cm), rt(cm);  // S' and R' (M x C)
