@@ -170,6 +170,14 @@ def _duplicate_counts(order, n_hashes, length, chunk_size, b, h, dtype) -> torch
     if n_chunks > 1:
         k_chunks = torch.cat([k_chunks, k_chunks.roll(1, dims=2)], dim=3)
     counts = torch.zeros(b, h, n_chunks, chunk_size, k_chunks.shape[3], dtype=torch.uint8, device=order.device)
+    # each comparison lands in one bool buffer, added as the uint8 it already is: `counts += a == b`
+    # would allocate the bools and convert them to uint8 in a second pass (2.5x the time at lsh-4)
+    hit = torch.empty(counts.shape, dtype=torch.bool, device=order.device)
+
+    def count(key_chunks: torch.Tensor, query_chunks: torch.Tensor) -> None:
+        torch.eq(key_chunks, query_chunks, out=hit)
+        counts.add_(hit.view(torch.uint8))
+
     # Round r's chunks are a contiguous range of ids, so a key's round-r chunk can only be the
     # query's round-r chunk or the one before it, or (at a round's first chunk, whose window
     # reaches back into the previous round) the previous round's last chunk: 3 comparisons per
@@ -177,11 +185,11 @@ def _duplicate_counts(order, n_hashes, length, chunk_size, b, h, dtype) -> torch
     for r in range(n_hashes):
         window = q_chunks[..., r].unsqueeze(-1)  # (B, H, chunks, chunk, 1)
         key_chunk = k_chunks[..., r].unsqueeze(-2)  # (B, H, chunks, 1, keys)
-        counts += key_chunk == window
+        count(key_chunk, window)
         if n_chunks > 1:
             previous = (window - 1) % n_chunks
-            counts += key_chunk == previous
-            counts += k_chunks[..., (r - 1) % n_hashes].unsqueeze(-2) == previous
+            count(key_chunk, previous)
+            count(k_chunks[..., (r - 1) % n_hashes].unsqueeze(-2), previous)
     return counts.clamp_min(1).to(dtype)
 
 
