@@ -29,23 +29,24 @@ def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
     days = figure2_copy.parse_args(["--max-minutes", "6000"])
     assert "--trainer.max_time=04:04:00:00" in figure2_copy.run_command("softmax", days, tmp_path)
 
-    def run(method, steps, loss):
+    def run(method, steps, loss):  # a run of 20 minutes' limit, at one update a minute
         rows = [{"step": s - 1, "train/loss": loss / s} for s in range(10, steps + 1, 10)]
         rows.append({"step": steps - 1, "val/loss": loss, "val/accuracy": 0.5})
-        return {"method": method, "command": ["python", "cli.py", "fit", f"--x={method} a"], "seconds": 60.0 * steps,
-                "rows": rows}
+        command = ["python", "cli.py", "fit", "--trainer.max_time=00:00:20:00", f"--x={method} a"]
+        return {"method": method, "command": command, "seconds": 60.0 * steps, "rows": rows}
 
     figure2_copy.write_results([run("softmax", 30, 2.0)], first, tmp_path)
-    second = figure2_copy.parse_args(["--methods", "linear", "--steps", "30", "--merge"])
-    kept = figure2_copy.earlier_runs(tmp_path, "figure2_copy", skip=["linear"])
+    second = figure2_copy.parse_args(["--methods", "linear", "lsh1", "--steps", "30", "--merge"])
+    kept = figure2_copy.earlier_runs(tmp_path, "figure2_copy", skip=["linear", "lsh1"])
     assert [k["method"] for k in kept] == ["softmax"] and kept[0]["command"][-1] == "--x=softmax a"
     figure2_copy.write_results(kept, first, tmp_path / "again")  # read back as written: the same files
     for name in ("figure2_copy.csv", "figure2_copy_runs.csv"):
         assert (tmp_path / "again" / name).read_text() == (tmp_path / name).read_text()
-    figure2_copy.write_results(kept + [run("linear", 20, 3.0)], second, tmp_path)
+    figure2_copy.write_results(kept + [run("linear", 20, 3.0), run("lsh1", 10, 4.0)], second, tmp_path)
     text = (tmp_path / "figure2_copy.md").read_text()
     assert "| softmax | 30 | 30 updates | 2.0000 |" in text and "| linear | 20 | time limit (20 min) | 3.0000 |" in text
-    assert "softmax (2.000) < linear (3.000)" in text
+    assert "| lsh1 | 10 | not finished (continues with --resume) |" in text  # stopped before its limit: a signal
+    assert "softmax (2.000) < linear (3.000) < lsh1 (4.000)" in text
     assert "with the runs of softmax kept from an earlier invocation (--merge)" in text
     figure2_copy.write_results([run("linear", 20, 3.0)], second, tmp_path / "all")  # --merge that kept nothing says nothing
     assert "kept from an earlier invocation" not in (tmp_path / "all" / "figure2_copy.md").read_text()

@@ -140,6 +140,15 @@ def logged_run(method: str, command: list[str], log_root: Path) -> dict:
     return {"method": method, "command": command, "seconds": seconds, "rows": rows}
 
 
+def time_limit_seconds(command: list[str]) -> float | None:
+    """The ``--trainer.max_time=DD:HH:MM:SS`` of a run's command in seconds, or None."""
+    for arg in command:
+        if arg.startswith("--trainer.max_time="):
+            days, hours, minutes, seconds = (int(x) for x in arg.split("=", 1)[1].split(":"))
+            return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    return None
+
+
 def torch_version() -> str:
     import torch
 
@@ -228,9 +237,10 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     def stopped_by(run):
         if updates(run) >= args.steps:
             return f"{args.steps} updates"
-        if args.from_logs and not (args.max_minutes and run["seconds"] >= 60 * args.max_minutes - 60):
-            return "not finished (continues with --resume)"
-        return f"time limit ({run['seconds'] / 60:.0f} min)"
+        limit = time_limit_seconds(run["command"])
+        if limit is not None and run["seconds"] >= limit - 60:  # stops at the first update past the limit
+            return f"time limit ({run['seconds'] / 60:.0f} min)"
+        return "not finished (continues with --resume)"  # still going, or stopped by a signal
 
     kept = [run["method"] for run in runs if run["method"] not in args.methods]  # by --merge, from an earlier invocation
     lines = [
