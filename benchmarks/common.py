@@ -295,6 +295,12 @@ def image_training_update(config: str, autocast: bool = False):
     return update, batch, task
 
 
+def version_metrics(root: str | Path) -> list[Path]:
+    """The ``version_N/metrics.csv`` files of a run root in numeric order (version_10 after
+    version_9), so that a resumed version's rows overwrite those its killed one logged."""
+    return sorted(Path(root).glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+
+
 def fit_run(root: str | Path) -> dict:
     """What one ``cli.py fit`` (and ``cli.py test``) run root logged: ``curve`` (update -> validation
     bits/dim), ``test_bpd`` (the last test bits/dim) and ``fit_minutes`` (the spans of
@@ -303,7 +309,7 @@ def fit_run(root: str | Path) -> dict:
     after version_9)."""
     root = Path(root)
     curve, test = {}, None
-    for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+    for metrics in version_metrics(root):
         with open(metrics) as f:
             for row in csv.DictReader(f):
                 if row.get("val/bits_per_dim"):

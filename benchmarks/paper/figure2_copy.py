@@ -61,7 +61,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info  # noqa: E402
+from common import machine_info, version_metrics  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "paper" / "results"
 METHODS = ("softmax", "linear", "lsh1", "lsh4")
@@ -122,7 +122,7 @@ def logged_run(method: str, command: list[str], log_root: Path) -> dict:
 
     root = REPO / log_root / method
     by_step: dict[tuple[int, str], dict] = {}
-    for metrics in sorted(root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+    for metrics in version_metrics(root):
         with open(metrics) as f:
             for row in csv.DictReader(f):
                 values = {k: float(v) for k, v in row.items() if v != ""}
