@@ -16,6 +16,7 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import os
 import sys
@@ -76,6 +77,13 @@ class LastCheckpoint(ModelCheckpoint):
     checkpoint *of that validation* (``--ckpt_path best`` reads it from there). Saving at the final
     batch rather than at ``on_train_end`` keeps the epoch open in the loop state, so extending
     ``max_steps`` continues the same epoch instead of starting the next.
+
+    A stop requested during a batch (``max_time``, a signal, a callback's ``should_stop``) is
+    written at that batch's end too, and every checkpoint written after it in the run (the
+    validation the stop runs, the best model) carries the loop state of that moment: the
+    resumed run continues the same epoch at the next batch and logs each update under its own
+    step. Lightning 2.6 would resume from the state after the stop instead, with the epoch
+    closed (the rest of its batches skipped) and the logged step one short of ``global_step``.
     """
 
     def __init__(self, dirpath: str | None, every_n_train_steps: int | None):
@@ -90,8 +98,18 @@ class LastCheckpoint(ModelCheckpoint):
         step = trainer.global_step
         periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
         final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
-        if (periodic or final) and self._can_save(trainer) and self._last_global_step_saved != step:
+        # Checkpoint callbacks run after all others, so a Timer's stop of this batch is seen here.
+        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if trainer.should_stop else None
+        stopping = self._loops_at_stop is not None
+        if (periodic or final or stopping) and self._can_save(trainer) and self._last_global_step_saved != step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
+        # Called for every checkpoint this trainer writes (best models too), not only ours.
+        loops_at_stop = getattr(self, "_loops_at_stop", None)
+        if loops_at_stop is not None and "loops" in checkpoint:
+            checkpoint["loops"]["fit_loop"] = copy.deepcopy(loops_at_stop)
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     # After every validation, once the best-model callback has seen it: that callback saves at
     # validation end, or at the epoch end when validation runs once per epoch (Lightning's
@@ -108,7 +126,9 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._can_save(trainer) and self._last_global_step_saved != trainer.global_step:
+        # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
+        stopped = getattr(self, "_loops_at_stop", None) is not None
+        if self._can_save(trainer) and (stopped or self._last_global_step_saved != trainer.global_step):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 

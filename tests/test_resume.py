@@ -107,3 +107,44 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     assert sorted(resumed_rows) == list(range(KILL_AT, TOTAL_STEPS))
     for step, loss in resumed_rows.items():
         assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+
+
+class StopAtStep(Callback):
+    """Stops training after update ``step`` the way Lightning's Timer (max_time) does: by setting
+    ``should_stop`` at the end of the batch, which also runs a validation there."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
+    """A run stopped between validations (max_time, EarlyStopping, a user's callback) writes
+    last.ckpt at the validation the stop runs. Resumed from it, every update logs under its own
+    step with the loss of the uninterrupted run's update there; Lightning 2.6 alone logs each one
+    under the step before (the checkpoint holds the logged step one short of global_step)."""
+    stop_at = 5  # epochs of 3 batches, validation at each epoch end: step 5 is mid-epoch
+    common = ["--trainer.max_steps", str(TOTAL_STEPS)]
+    straight = tmp_path / "straight"
+    assert run_cli(["fit", *tiny_copy_args(straight, "linear", *common)])[0] == 0
+    stopped = tmp_path / "stopped"
+    stop = f'[{{"class_path": "test_resume.StopAtStep", "init_args": {{"step": {stop_at}}}}}]'
+    code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, f"--trainer.callbacks={stop}")],
+                           cwd=REPO)
+    assert code == 0, err
+    ckpt = torch.load(checkpoint_dir(stopped) / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == stop_at
+    assert any(r["step"] == stop_at - 1 and "val/loss" in r for r in read_metrics(stopped / "version_0"))
+    best = [state["best_model_path"] for key, state in ckpt["callbacks"].items() if "best_model_path" in state]
+    assert any(path.endswith(f"step={stop_at}.ckpt") for path in best), best  # the stop's validation is recorded
+
+    code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, "--ckpt_path", "last")])
+    assert code == 0, err
+    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
+    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(stopped / "version_1") if "train/loss" in r}
+    assert sorted(resumed_rows) == list(range(stop_at, TOTAL_STEPS))
+    for step, loss in resumed_rows.items():
+        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
