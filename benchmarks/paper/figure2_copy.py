@@ -31,6 +31,13 @@ with --merge; --max-minutes stops a run at a wall-clock limit and keeps its curv
         --bucket-size 32 --n-buckets 64 --methods linear softmax --max-minutes 80
     uv run python benchmarks/paper/figure2_copy.py --name figure2_copy_len128 ... --methods lsh1 lsh4 --merge
 
+On a GPU the paper's own model fits: d_model 256 (8 heads of 32) and the dropout 0.1 of the authors'
+script, the four methods at once on one GPU (``--accelerator cuda``; ``--precision`` as Lightning's):
+
+    python benchmarks/paper/figure2_copy.py --name figure2_copy_gpu --accelerator cuda --jobs 4 --dropout 0.1 \
+        --max-length 128 --batch-size 64 --steps 10000 --decay-at 3000 --val-every 500 --val-batches 20 \
+        --d-model 256 --n-heads 8 --bucket-size 32 --n-buckets 64
+
 Runs longer than a sitting (lsh at length 128 on a CPU: hours to days): every run writes its
 ``last.ckpt`` every --save-every updates (default --val-every); ``--resume`` continues each method
 from it (a new version in the same folder; a fresh run where there is none), and ``--from-logs``
@@ -77,13 +84,15 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
         f"--data.max_length={args.max_length}", f"--data.batch_size={args.batch_size}",
         f"--data.train_batches_per_epoch={args.steps}", f"--data.val_batches={args.val_batches}",
         f"--model.d_model={args.d_model}", f"--model.n_heads={args.n_heads}", f"--model.lr_decay_steps={args.decay_at}",
-        f"--trainer.max_steps={args.steps}", "--trainer.accelerator=cpu", "--trainer.devices=1",
-        "--trainer.precision=32-true", f"--trainer.val_check_interval={args.val_every}",
+        f"--trainer.max_steps={args.steps}", f"--trainer.accelerator={args.accelerator}", "--trainer.devices=1",
+        f"--trainer.precision={args.precision}", f"--trainer.val_check_interval={args.val_every}",
         "--trainer.log_every_n_steps=10", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={root}", f"--trainer.logger={json.dumps(logger)}",
         # last.ckpt only (no best copies), every --save-every updates: the resume point of --resume
         "--checkpoint.save_top_k=0", f"--checkpoint.every_n_train_steps={args.save_every}",
     ]
+    if args.dropout:
+        command.append(f"--model.dropout={args.dropout}")  # the configs' 0.0; the authors' copy script used 0.1
     if args.max_minutes:
         # Lightning's wall-clock limit: the run stops at the first update past it, its curve kept.
         # Its Timer is restored from the checkpoint, so a resumed run's limit counts the earlier time too.
@@ -155,6 +164,17 @@ def torch_version() -> str:
     return torch.__version__
 
 
+def device_line(args) -> str:
+    """Where the runs trained, for the report: the CPU model, and the GPU's name when they ran on one."""
+    cpu = f"{machine_info()['cpu']}, {os.cpu_count()} logical CPUs"
+    if args.accelerator == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "a GPU (not visible to the report)"
+        return f"{gpu} (host: {cpu})"
+    return cpu
+
+
 def updates(run: dict) -> int:
     return max(int(r["step"]) + 1 for r in run["rows"])
 
@@ -220,7 +240,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Copy task (Fig. 2 at CPU scale): max length {args.max_length}, d_model {args.d_model} "
+    scale = "on a GPU" if args.accelerator == "cuda" else "at CPU scale"
+    fig.suptitle(f"Copy task (Fig. 2 {scale}): max length {args.max_length}, d_model {args.d_model} "
                  f"({args.n_heads} heads of {args.d_model // args.n_heads}), "
                  f"batch {args.batch_size}")
     fig.tight_layout()
@@ -244,11 +265,11 @@ def write_results(runs: list[dict], args, out: Path) -> None:
 
     kept = [run["method"] for run in runs if run["method"] not in args.methods]  # by --merge, from an earlier invocation
     lines = [
-        "# Figure 2 (copy task) at CPU scale",
+        f"# Figure 2 (copy task) {scale}",
         "",
         "Produced by `" + " ".join(["uv run python benchmarks/paper/figure2_copy.py", *map(shlex.quote, sys.argv[1:])]) + "`"
         + (f" with the runs of {', '.join(kept)} kept from an earlier invocation (--merge)" if kept else "") + ".",
-        f"Written on {machine_info()['cpu']}, {os.cpu_count()} logical CPUs, torch {torch_version()}, "
+        f"Written on {device_line(args)}, torch {torch_version()}, "
         f"{time.strftime('%Y-%m-%d')}.",
         "",
         "Paper §4.1.1: sequences of up to 128 symbols (10 symbols + separator), 4 layers x 8 heads, batch 64,",
@@ -256,8 +277,9 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         f"Here: up to {args.max_length} symbols, d_model {args.d_model} ({args.n_heads} heads of "
         f"{args.d_model // args.n_heads}), batch {args.batch_size}, at most {args.steps} updates"
         + (f" or {args.max_minutes:g} minutes" if args.max_minutes else "") + ", "
-        f"lr drop after {args.decay_at}; lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; "
-        "fp32 on CPU, one thread per run.",
+        f"lr drop after {args.decay_at}; lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; dropout {args.dropout:g}; "
+        + (f"precision {args.precision} on one GPU." if args.accelerator == "cuda" else
+           f"precision {args.precision} on CPU, one thread per run."),
         "",
         "Copy accuracy: the share of the symbols of the copied half predicted exactly (argmax).",
         "",
@@ -272,7 +294,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     lines += [
         "",
         "Final validation loss, lowest first: " + " < ".join(f"{r['method']} ({last(r, 'val/loss'):.3f})" for r in ranking) + ".",
-        "Wall times are of runs sharing the machine with other work (two runs at a time), not a speed benchmark.",
+        f"Wall times are of runs sharing the machine ({args.jobs} runs at a time"
+        + (", one GPU" if args.accelerator == "cuda" else "") + "), not a speed benchmark.",
     ]
     lines += ["", f"![curves]({name}.png)", "", "Exact commands (run from the repository root, OMP_NUM_THREADS=1):", ""]
     for run in runs:
@@ -296,6 +319,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
+                        help="where every run trains (cuda: all --jobs runs share one GPU)")
+    parser.add_argument("--precision", default="32-true", help="Lightning's trainer.precision (default 32-true, fp32)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="the model's dropout (default: the configs' 0.0; the authors' copy script used 0.1)")
     parser.add_argument("--log-root", type=Path, default=Path("logs/figure2_copy"),
                         help="where the runs log, relative to the repository root; <root>/<method> is emptied first")
     parser.add_argument("--out", type=Path, default=RESULTS)
