@@ -90,25 +90,29 @@ class LastCheckpoint(ModelCheckpoint):
         # one well-known last.ckpt rather than last-v1, last-v2 ...
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
         self.every_n_steps = every_n_train_steps or 0
+        self._loops_at_stop: dict | None = None  # fit-loop state at the batch where a stop was requested
 
     def _can_save(self, trainer: L.Trainer) -> bool:
         return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._loops_at_stop = None  # a second fit of the same trainer starts clean
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
         final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
-        # Checkpoint callbacks run after all others, so a Timer's stop of this batch is seen here.
-        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if trainer.should_stop else None
-        stopping = self._loops_at_stop is not None
+        # Checkpoint callbacks run after all others, so a Timer's stop of this batch is seen here
+        # (a stop that min_steps / min_epochs overrule is none).
+        stopping = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
+        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if stopping else None
         if (periodic or final or stopping) and self._can_save(trainer) and self._last_global_step_saved != step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
         # Called for every checkpoint this trainer writes (best models too), not only ours.
-        loops_at_stop = getattr(self, "_loops_at_stop", None)
-        if loops_at_stop is not None and "loops" in checkpoint:
-            checkpoint["loops"]["fit_loop"] = copy.deepcopy(loops_at_stop)
+        if self._loops_at_stop is not None and "loops" in checkpoint:
+            checkpoint["loops"]["fit_loop"] = copy.deepcopy(self._loops_at_stop)
         return super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     # After every validation, once the best-model callback has seen it: that callback saves at
@@ -127,7 +131,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
-        stopped = getattr(self, "_loops_at_stop", None) is not None
+        stopped = self._loops_at_stop is not None
         if self._can_save(trainer) and (stopped or self._last_global_step_saved != trainer.global_step):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
