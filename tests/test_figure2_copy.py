@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
     assert config["n_heads"] == 2 and config["d_model"] == 16 and config["dropout"] == 0.1
 
 
-def test_figure2_device_flags_reach_the_command(tmp_path):
+def test_figure2_device_flags_reach_the_command(tmp_path, monkeypatch):
     """--accelerator, --precision and --dropout become the trainer's and model's settings; the defaults
     keep the CPU command of the committed results (fp32, one CPU, no dropout flag)."""
     default = figure2_copy.run_command("linear", figure2_copy.parse_args([]), tmp_path)
@@ -86,6 +87,11 @@ def test_figure2_device_flags_reach_the_command(tmp_path):
     assert {"--trainer.accelerator=cuda", "--trainer.precision=bf16-mixed", "--model.dropout=0.1"} <= set(command)
     with pytest.raises(SystemExit):
         figure2_copy.parse_args(["--accelerator", "tpu"])
+    cpu = figure2_copy.machine_info()["cpu"]
+    assert figure2_copy.device_line(figure2_copy.parse_args([])).startswith(cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU 80GB")
+    assert figure2_copy.device_line(gpu).startswith(f"Some GPU 80GB (host: {cpu}")
 
 
 def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
