@@ -148,3 +148,28 @@ def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
     assert sorted(resumed_rows) == list(range(stop_at, TOTAL_STEPS))
     for step, loss in resumed_rows.items():
         assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+
+
+def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
+    """`--trainer.max_time` (docs/cli.md): the run stops wherever its clock runs out; resumed to a few
+    more updates it has the uninterrupted run's losses at every step and its final weights."""
+    timed = tmp_path / "timed"
+    code, _, err = run_cli(["fit", *tiny_copy_args(timed, "linear", "--trainer.max_steps", "100000",
+                                                   "--trainer.max_time", "00:00:00:02")])
+    assert code == 0, err
+    stopped_at = torch.load(checkpoint_dir(timed) / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    assert 0 < stopped_at < 100000
+    total = str(stopped_at + 4)
+    assert run_cli(["fit", *tiny_copy_args(timed, "linear", "--trainer.max_steps", total, "--ckpt_path", "last")])[0] == 0
+    straight = tmp_path / "straight"
+    assert run_cli(["fit", *tiny_copy_args(straight, "linear", "--trainer.max_steps", total)])[0] == 0
+
+    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
+    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(timed / "version_1") if "train/loss" in r}
+    assert sorted(resumed_rows) == list(range(stopped_at, stopped_at + 4))
+    for step, loss in resumed_rows.items():
+        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+    final, want = (torch.load(checkpoint_dir(root) / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+                   for root in (timed, straight))
+    for name in want:
+        assert torch.allclose(final[name], want[name], atol=1e-6, rtol=0), name
