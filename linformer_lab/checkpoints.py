@@ -78,8 +78,8 @@ class LastCheckpoint(ModelCheckpoint):
     batch rather than at ``on_train_end`` keeps the epoch open in the loop state, so extending
     ``max_steps`` continues the same epoch instead of starting the next.
 
-    A stop requested during a batch (``max_time``, a signal, a callback's ``should_stop``) is
-    written at that batch's end too, and every checkpoint written after it in the run (the
+    A stop requested during a batch (``max_time``, or a callback that sets ``should_stop`` at a
+    batch's end) is written at that batch's end too, and every checkpoint written after it in the run (the
     validation the stop runs, the best model) carries the loop state of that moment: the
     resumed run continues the same epoch at the next batch and logs each update under its own
     step. Lightning 2.6 would resume from the state after the stop instead, with the epoch

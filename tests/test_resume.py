@@ -122,7 +122,7 @@ class StopAtStep(Callback):
 
 
 def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
-    """A run stopped between validations (max_time, EarlyStopping, a user's callback) writes
+    """A run stopped between validations (max_time, a callback setting should_stop) writes
     last.ckpt at the validation the stop runs. Resumed from it, every update logs under its own
     step with the loss of the uninterrupted run's update there; Lightning 2.6 alone logs each one
     under the step before (the checkpoint holds the logged step one short of global_step)."""
