@@ -66,14 +66,15 @@ def tiny_copy_args(root: Path, backend: str = "linear", *extra: str) -> list[str
     """Arguments for a copy-task run small enough for CPU tests (about 10 ms a step).
 
     Logs go to ``root`` through an explicit CSVLogger (``root/version_N/metrics.csv``), so the
-    tests read the same files whether or not tensorboard is installed.
+    tests read the same files whether or not tensorboard is installed. Lengths from 1 and no
+    dropout, whatever the config says: exact-resume tests need a run that draws no random numbers.
     """
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": ""}}
     return [
         "--config", "copy_linear.yaml",
         f"--model.attention.backend={backend}",
-        "--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1",
-        "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3",
+        "--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1", "--model.dropout=0.0",
+        "--data.min_length=1", "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3",
         "--data.val_batches=2", "--data.test_batches=2",
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
         "--trainer.deterministic=true", "--trainer.val_check_interval=null",

@@ -118,7 +118,9 @@ class CopyDataModule(L.LightningDataModule):
     """Copy task (paper §4.1.1). Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``, N = 2*max_length+1.
 
     Args:
-        max_length: longest sequence to copy (paper: 128). The batch width is 2 * max_length + 1.
+        max_length: longest sequence to copy. The batch width is 2 * max_length + 1. The paper's
+            Fig. 2 ("maximum length 128") draws 32 to 62 symbols in the authors' script, so that an
+            example fits in 128 positions (configs/copy_*.yaml).
         num_symbols: alphabet size (paper: 10); ids 1..num_symbols, separator num_symbols + 1.
         batch_size: sequences per batch (paper: 64).
         train_batches_per_epoch: length of a training "epoch" (data is infinite; this only sets
