@@ -62,9 +62,9 @@ def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
     and logs the curve the report reads (a flag that the CLI rejected or dropped would fail here)."""
     args = figure2_copy.parse_args(["--methods", method, "--steps", "4", "--val-every", "2", "--val-batches", "1",
                                     "--max-length", "8", "--d-model", "16", "--n-heads", "2", "--batch-size", "4",
-                                    "--bucket-size", "4", "--n-buckets", "4", "--dropout", "0.1"])
+                                    "--bucket-size", "4", "--n-buckets", "4", "--dropout", "0.1", "--min-length", "3"])
     command = figure2_copy.run_command(method, args, tmp_path)
-    assert "--model.n_heads=2" in command and "--model.dropout=0.1" in command
+    assert {"--model.n_heads=2", "--model.dropout=0.1", "--data.min_length=3"} <= set(command)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -78,10 +78,10 @@ def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
 
 def test_figure2_device_flags_reach_the_command(tmp_path, monkeypatch):
     """--accelerator, --precision and --dropout become the trainer's and model's settings; the defaults
-    keep the CPU command of the committed results (fp32, one CPU, no dropout flag)."""
+    keep the CPU settings of the committed results (fp32, one CPU, no dropout, lengths from 1)."""
     default = figure2_copy.run_command("linear", figure2_copy.parse_args([]), tmp_path)
     assert "--trainer.accelerator=cpu" in default and "--trainer.precision=32-true" in default
-    assert not any(a.startswith("--model.dropout") for a in default)
+    assert {"--model.dropout=0.0", "--data.min_length=1"} <= set(default)  # always given: the configs' differ
     gpu = figure2_copy.parse_args(["--accelerator", "cuda", "--precision", "bf16-mixed", "--dropout", "0.1"])
     command = figure2_copy.run_command("lsh4", gpu, tmp_path)
     assert {"--trainer.accelerator=cuda", "--trainer.precision=bf16-mixed", "--model.dropout=0.1"} <= set(command)
