@@ -272,7 +272,8 @@ def write_results(runs: list[dict], args, out: Path) -> None:
             return f"time limit ({run['seconds'] / 60:.0f} min)"
         return "not finished (continues with --resume)"  # still going, or stopped by a signal
 
-    kept = [run["method"] for run in runs if run["method"] not in args.methods]  # by --merge, from an earlier invocation
+    methods = [run["method"] for run in runs]
+    kept = [m for m in methods if m not in args.methods]  # by --merge, from an earlier invocation
     lines = [
         f"# Figure 2 (copy task) {scale}",
         "",
@@ -281,12 +282,15 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         f"Written on {device_line(args)}, torch {torch_version()}, "
         f"{time.strftime('%Y-%m-%d')}.",
         "",
-        "Paper §4.1.1: sequences of up to 128 symbols (10 symbols + separator), 4 layers x 8 heads, batch 64,",
-        "RAdam lr 1e-3 -> 1e-4 after 3000 updates; linear converges smoothly to softmax's loss, lsh stays above.",
+        "Paper §4.1.1 (the authors' script): 32-62 symbols of 10, the separator and their copy in at most 128",
+        "positions, 4 layers x 8 heads, d_model 256, dropout 0.1, batch 64, RAdam lr 1e-3 -> 1e-4 after 3000 updates;",
+        "linear converges smoothly to softmax's loss, lsh stays above.",
         f"Here: {args.min_length} to {args.max_length} symbols, d_model {args.d_model} ({args.n_heads} heads of "
         f"{args.d_model // args.n_heads}), batch {args.batch_size}, at most {args.steps} updates"
         + (f" or {args.max_minutes:g} minutes" if args.max_minutes else "") + ", "
-        f"lr drop after {args.decay_at}; lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; dropout {args.dropout:g}; "
+        f"lr drop after {args.decay_at}; "
+        + (f"lsh chunks of {args.bucket_size}, {args.n_buckets} buckets; " if any(m.startswith("lsh") for m in methods) else "")
+        + f"dropout {args.dropout:g}; "
         + (f"precision {args.precision} on one GPU." if args.accelerator == "cuda" else
            f"precision {args.precision} on CPU, one thread per run."),
         "",
