@@ -160,7 +160,8 @@ def _train_command(config: str, root: Path, seconds: float, dry_run: bool) -> li
         if config.startswith("mnist"):
             tiny += ["--model.d_ff=32", "--data.batch_size=4"]
         else:
-            tiny += ["--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3", "--data.val_batches=1"]
+            tiny += ["--data.min_length=1", "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3",
+                     "--data.val_batches=1"]
         return common_args + tiny
     seconds = int(max(seconds, 30))
     limits = [f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}", "--trainer.precision=bf16-mixed"]
