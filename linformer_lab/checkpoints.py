@@ -110,9 +110,10 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
-        # Called for every checkpoint this trainer writes (best models too), not only ours.
+        # Called for every checkpoint this trainer writes (best models too), not only ours; saving
+        # only reads the dict, so the one copy taken at the stop serves every save after it.
         if self._loops_at_stop is not None and "loops" in checkpoint:
-            checkpoint["loops"]["fit_loop"] = copy.deepcopy(self._loops_at_stop)
+            checkpoint["loops"]["fit_loop"] = self._loops_at_stop
         return super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
     # After every validation, once the best-model callback has seen it: that callback saves at

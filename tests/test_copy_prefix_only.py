@@ -32,7 +32,7 @@ def tiny(backend: str) -> tuple[CopyTask, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("backend", ["softmax", "linear"])
 def test_prefix_functions_give_one_loss_three_ways(backend):
     model, tokens, mask = tiny(backend)
-    r = copy_prefix_only.both_losses(model, tokens, mask)
+    r = copy_prefix_only.three_losses(model, tokens, mask)
     assert r["count"] == int(mask[:, 1:].sum()) > 0
     assert r["other_loss"] == pytest.approx(r["forced_loss"], rel=1e-9)
     assert r["prefix_loss"] == pytest.approx(r["forced_loss"], rel=1e-9)

@@ -72,6 +72,16 @@ def kill_once_checkpointed(proc, path: Path, step: int) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+def assert_resumed_like_straight(straight: Path, resumed: Path, steps: range) -> None:
+    """The resumed version's log (``resumed``, a ``version_N`` folder) holds a training loss at
+    exactly ``steps``, each the loss the uninterrupted run (``straight``'s version_0) logged there."""
+    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
+    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(resumed_rows) == list(steps)
+    for step, loss in resumed_rows.items():
+        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["linear"])
 def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     common = ["--trainer.max_steps", str(TOTAL_STEPS), "--checkpoint.every_n_train_steps", str(KILL_AT)]
@@ -102,11 +112,7 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
         got = final["state_dict"][name]
         assert torch.allclose(got, want, atol=1e-6, rtol=0), f"{name} differs by {(got - want).abs().max():.3g}"
     # The losses of the steps after the kill agree too (same batches, same optimizer state).
-    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
-    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(resumed / "version_1") if "train/loss" in r}
-    assert sorted(resumed_rows) == list(range(KILL_AT, TOTAL_STEPS))
-    for step, loss in resumed_rows.items():
-        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+    assert_resumed_like_straight(straight, resumed / "version_1", range(KILL_AT, TOTAL_STEPS))
 
 
 class StopAtStep(Callback):
@@ -123,17 +129,16 @@ class StopAtStep(Callback):
 
 def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
     """A run stopped between validations (max_time, a callback setting should_stop) writes
-    last.ckpt at the validation the stop runs. Resumed from it, every update logs under its own
-    step with the loss of the uninterrupted run's update there; Lightning 2.6 alone logs each one
-    under the step before (the checkpoint holds the logged step one short of global_step)."""
+    last.ckpt at the stop's batch and again after the validation the stop runs, which it records.
+    Resumed, every update logs under its own step with the uninterrupted run's loss there; with
+    Lightning 2.6 alone the rest of the epoch was skipped (validation at epoch ends here)."""
     stop_at = 5  # epochs of 3 batches, validation at each epoch end: step 5 is mid-epoch
     common = ["--trainer.max_steps", str(TOTAL_STEPS)]
     straight = tmp_path / "straight"
     assert run_cli(["fit", *tiny_copy_args(straight, "linear", *common)])[0] == 0
     stopped = tmp_path / "stopped"
     stop = f'[{{"class_path": "test_resume.StopAtStep", "init_args": {{"step": {stop_at}}}}}]'
-    code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, f"--trainer.callbacks={stop}")],
-                           cwd=REPO)
+    code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, f"--trainer.callbacks={stop}")])
     assert code == 0, err
     ckpt = torch.load(checkpoint_dir(stopped) / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == stop_at
@@ -143,11 +148,7 @@ def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
 
     code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, "--ckpt_path", "last")])
     assert code == 0, err
-    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
-    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(stopped / "version_1") if "train/loss" in r}
-    assert sorted(resumed_rows) == list(range(stop_at, TOTAL_STEPS))
-    for step, loss in resumed_rows.items():
-        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+    assert_resumed_like_straight(straight, stopped / "version_1", range(stop_at, TOTAL_STEPS))
 
 
 def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
@@ -164,11 +165,7 @@ def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
     straight = tmp_path / "straight"
     assert run_cli(["fit", *tiny_copy_args(straight, "linear", "--trainer.max_steps", total)])[0] == 0
 
-    straight_rows = {r["step"]: r["train/loss"] for r in read_metrics(straight / "version_0") if "train/loss" in r}
-    resumed_rows = {r["step"]: r["train/loss"] for r in read_metrics(timed / "version_1") if "train/loss" in r}
-    assert sorted(resumed_rows) == list(range(stopped_at, stopped_at + 4))
-    for step, loss in resumed_rows.items():
-        assert loss == pytest.approx(straight_rows[step], abs=1e-6)
+    assert_resumed_like_straight(straight, timed / "version_1", range(stopped_at, stopped_at + 4))
     final, want = (torch.load(checkpoint_dir(root) / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
                    for root in (timed, straight))
     for name in want:

@@ -41,6 +41,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import machine_info  # noqa: E402
 
+from linformer_lab.attention.config import AttentionConfig  # noqa: E402
+from linformer_lab.checkpoints import load_checkpoint_header  # noqa: E402
 from linformer_lab.data.copy import CopyDataModule  # noqa: E402
 from linformer_lab.tasks.copy_task import CopyTask  # noqa: E402
 
@@ -48,7 +50,7 @@ RESULTS = REPO / "benchmarks" / "dev" / "results"
 
 
 @torch.no_grad()
-def both_losses(model: CopyTask, tokens: torch.Tensor, mask: torch.Tensor) -> dict:
+def three_losses(model: CopyTask, tokens: torch.Tensor, mask: torch.Tensor) -> dict:
     """Sums over the copy targets of one batch: cross-entropy and correct argmax, teacher-forced,
     with another future and prefix-only. ``tokens, mask (B, N)``; ``mask`` marks the copy
     positions (the targets)."""
@@ -71,21 +73,19 @@ def both_losses(model: CopyTask, tokens: torch.Tensor, mask: torch.Tensor) -> di
 
 def measure(checkpoint: Path, batches: int) -> dict:
     model = CopyTask.load_from_checkpoint(checkpoint, map_location="cpu").eval()
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    saved = load_checkpoint_header(str(checkpoint))  # memory-mapped: the weights are not read again
     data_args = {k: v for k, v in saved["datamodule_hyper_parameters"].items() if not k.startswith("_")}
     data = CopyDataModule(**{**data_args, "val_batches": batches, "num_workers": 0})
     data.setup("validate")
     totals: dict = {}
     start = time.perf_counter()
     for tokens, mask in data.val_dataloader():
-        for key, value in both_losses(model, tokens, mask).items():
+        for key, value in three_losses(model, tokens, mask).items():
             totals[key] = totals.get(key, 0) + value
-    attention = model.hparams.attention
-    backend = attention["backend"] if isinstance(attention, dict) else attention.backend
-    kwargs = attention.get("kwargs") if isinstance(attention, dict) else getattr(attention, "kwargs", None)
+    attention = AttentionConfig.coerce(model.hparams.attention)
     n = totals["count"]
     return {
-        "checkpoint": checkpoint, "backend": backend + (f" ({kwargs})" if kwargs else ""),
+        "checkpoint": checkpoint, "backend": attention.backend + (f" ({attention.kwargs})" if attention.kwargs else ""),
         "updates": saved["global_step"], "targets": n, "seconds": time.perf_counter() - start,
         **{f"{k}_loss": totals[f"{k}_loss"] / n for k in ("forced", "other", "prefix")},
         **{f"{k}_accuracy": totals[f"{k}_correct"] / n for k in ("forced", "other", "prefix")},
