@@ -236,15 +236,18 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     # overlap on a linear axis, and 0.99 against 0.999 is the difference Fig. 2 is about. An exact
     # 1.0 (no copied symbol wrong in the validation batches) is drawn at 1e-5.
     fig, (ax_train, ax_val, ax_err) = plt.subplots(1, 3, figsize=(16, 4))
+
+    def curve(run: dict, key: str, value=lambda v: v) -> tuple[list, list]:
+        """(updates, values) of one logged metric; two empty lists keep a method in the legend."""
+        points = [(int(r["step"]) + 1, value(r[key])) for r in run["rows"] if key in r]
+        return [p[0] for p in points], [p[1] for p in points]
+
     for run in runs:
         m = run["method"]
-        train = [(int(r["step"]) + 1, r["train/loss"]) for r in run["rows"] if "train/loss" in r]
-        val = [(int(r["step"]) + 1, r["val/loss"]) for r in run["rows"] if "val/loss" in r]
-        err = [(int(r["step"]) + 1, max(1.0 - r["val/accuracy"], 1e-5)) for r in run["rows"] if "val/accuracy" in r]
         label = {"lsh1": "lsh-1", "lsh4": "lsh-4"}.get(m, m)
-        ax_train.plot(*(zip(*train) if train else ([], [])), color=COLORS[m], label=label, linewidth=1)
-        ax_val.plot(*zip(*val), "o-", color=COLORS[m], label=label)
-        ax_err.plot(*(zip(*err) if err else ([], [])), "o-", color=COLORS[m], label=label)
+        ax_train.plot(*curve(run, "train/loss"), color=COLORS[m], label=label, linewidth=1)
+        ax_val.plot(*curve(run, "val/loss"), "o-", color=COLORS[m], label=label)
+        ax_err.plot(*curve(run, "val/accuracy", lambda a: max(1.0 - a, 1e-5)), "o-", color=COLORS[m], label=label)
     panels = ((ax_train, "training loss (every 10 updates)", "cross-entropy on the copy"),
               (ax_val, f"validation loss ({args.val_batches} batches)", "cross-entropy on the copy"),
               (ax_err, "validation copy error (1 - copy accuracy)", "share of copied symbols wrong"))
@@ -265,7 +268,7 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     fig.savefig(out / f"{name}.png", dpi=120)
 
     def last(run, key):
-        values = [r[key] for r in run["rows"] if key in r]
+        values = curve(run, key)[1]
         return values[-1] if values else float("nan")
 
     def mean_last_train(run, n=5):
