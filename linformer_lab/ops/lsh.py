@@ -25,7 +25,11 @@ explicitly: no finite sentinel that a half dtype overflows or that swamps the re
 precision. The result comes back in the input dtype.
 
 Cost O(N n_hashes chunk_size D) time and memory (the duplicate counts add integer comparisons
-of the same order when n_hashes > 1). Which earlier tokens share a chunk
+of the same order when n_hashes > 1). On CPU, step 4 (masks, counts, window softmax and its
+backward) runs in a C++ kernel, ``ops/cpu/lsh_window.cpp``, where a window's scores stay in
+cache: 2.45x the pure-PyTorch step per training update of the Fig. 2 lsh-4 model
+(benchmarks/NOTES.md, "lsh on CPU"); ``LINFORMER_LAB_CPU_LSH=0`` keeps to the PyTorch step
+(:func:`window_attention_torch`, the kernel's reference). Which earlier tokens share a chunk
 depends on where *all* tokens hash, later ones included; RNN mode therefore re-runs the
 attention over the prefix (the paper's baseline for lsh generation).
 """
@@ -33,10 +37,14 @@ attention over the prefix (the paper's baseline for lsh generation).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from linformer_lab.ops.masks import length_mask
+
+#: ``LINFORMER_LAB_CPU_LSH=0`` keeps step 4 on :func:`window_attention_torch` (the C++ kernel's reference).
+ENV_VARIABLE = "LINFORMER_LAB_CPU_LSH"
 
 
 def lsh_attention(
@@ -94,34 +102,20 @@ def _lsh_attention(q, v, rotations, chunk_size, causal, key_lengths):
     def gather(x: torch.Tensor) -> torch.Tensor:
         return x.gather(2, sorted_pos.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
-    # 3. chunks, each looking one chunk back (wrapping around, like Reformer)
+    # 3. chunks, each looking one chunk back (wrapping around, like Reformer); the score scale
+    # 1/sqrt(D) is folded into the queries
     n_chunks = n_hashes * length // chunk_size
-    sq = gather(q).reshape(b, h, n_chunks, chunk_size, d)
+    sq = gather(q / math.sqrt(d)).reshape(b, h, n_chunks, chunk_size, d)
     sk = gather(unit).reshape(b, h, n_chunks, chunk_size, d)
     sv = gather(v).reshape(b, h, n_chunks, chunk_size, m)
     spos = sorted_pos.reshape(b, h, n_chunks, chunk_size)
     svalid = valid[:, None, :].expand(b, h, length).gather(2, sorted_pos).reshape(b, h, n_chunks, chunk_size)
-    if n_chunks > 1:
-        def look_back(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x, x.roll(1, dims=2)], dim=3)
 
-        sk, sv, kpos, kvalid = look_back(sk), look_back(sv), look_back(spos), look_back(svalid)
-    else:
-        kpos, kvalid = spos, svalid
-
-    # 4. scores with masks: (B, H, chunks, chunk, keys); the token itself is masked here and
-    # brought back below for the rows that see nothing else
-    scores = sq @ sk.transpose(-1, -2) / math.sqrt(d)
-    qpos = spos.unsqueeze(-1)
-    kpos = kpos.unsqueeze(-2)
-    masked = ~kvalid.unsqueeze(-2) | (kpos == qpos)
-    if causal:
-        masked = masked | (kpos > qpos)
-    if n_hashes > 1:
-        scores = scores - _duplicate_counts(order, n_hashes, length, chunk_size, b, h, scores.dtype).log()
-    scores = scores.masked_fill(masked, float("-inf"))
-    lse = scores.logsumexp(dim=-1, keepdim=True)  # -inf where the whole window is masked
-    out = torch.exp(scores - _finite(lse)) @ sv  # masked scores give exp(-inf) = 0
+    # 4. softmax attention within each window, masking the future (causal), padding and the
+    # token itself (brought back below for the rows that see nothing else), each key's score
+    # lowered by log N_ij (the duplicates; n_hashes > 1)
+    chunks = _slot_chunks(order, n_hashes, length, chunk_size) if n_hashes > 1 else None
+    out, lse = window_attention(sq, sk, sv, spos, svalid, chunks, causal)  # (B, H, chunks, chunk, M / -)
 
     # 5. un-sort, then weight the rounds by their normalisers
     out = out.reshape(b, h, n_hashes * length, m)
@@ -146,34 +140,124 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 
-def _duplicate_counts(order, n_hashes, length, chunk_size, b, h, dtype) -> torch.Tensor:
-    """N_ij for every (query slot, key slot) pair of the chunked layout: in how many of query
-    i's windows (all rounds; a window is a chunk and the one before it) key j stands.
-    Called for n_hashes > 1 only (one round never holds a key twice in a window).
+def _look_back(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, chunks, chunk, ...)`` -> ``(B, H, chunks, 2 chunk, ...)``: each chunk beside the one before it."""
+    return torch.cat([x, x.roll(1, dims=2)], dim=3)
 
-    ``order (B, H, R*L)`` is the sorted layout of step 2. Returns ``(B, H, chunks, chunk, 2 chunk)``
-    float counts >= 1 for the pairs that occur (others are masked anyway).
+
+def window_attention(q, k, v, positions, valid, chunks, causal: bool):
+    """Step 4: each chunk's queries attend to the window of its own and the previous chunk's
+    keys (its own alone when there is one chunk).
+
+    Args:
+        q, k: ``(B, H, chunks, chunk, D)`` sorted queries (scaled by 1/sqrt(D)) and keys.
+        v: ``(B, H, chunks, chunk, M)``.
+        positions: int64 ``(B, H, chunks, chunk)``, the sequence position of each slot.
+        valid: bool, same shape: False for padding.
+        chunks: int ``(B, H, chunks, chunk, n_hashes)`` from :func:`_slot_chunks` (the chunk of
+            each slot's position in every round) when n_hashes > 1, else None.
+    Returns: ``(out (B, H, chunks, chunk, M), lse (B, H, chunks, chunk))``, the window softmax's
+    output and log normaliser; a row with every key masked gets ``lse = -inf`` and zeros.
+
+    On CPU in float32/float64 this runs the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
+    scores, masks and counts stay in cache) unless ``LINFORMER_LAB_CPU_LSH=0`` or it cannot be
+    built; otherwise :func:`window_attention_torch`, its reference.
     """
-    n_chunks = n_hashes * length // chunk_size
+    module = _cpu_kernel(q, k, v)
+    if module is None:
+        return window_attention_torch(q, k, v, positions, valid, chunks, causal)
+    shape = q.shape[:2]
+    if chunks is None:  # one round: every pair occurs once
+        chunks = torch.zeros(*positions.shape, 0, dtype=torch.int32, device=q.device)
+    rows = [x.flatten(0, 1).contiguous() for x in (q, k, v, positions, valid, chunks.to(torch.int32))]
+    out, lse = _WindowAttentionCPU.apply(module, causal, *rows)
+    return out.unflatten(0, shape), lse.unflatten(0, shape)
+
+
+def window_attention_torch(q, k, v, positions, valid, chunks, causal: bool):
+    """:func:`window_attention` in PyTorch operations (any device; autograd gives the gradients)."""
+    n_chunks = q.shape[2]
+    if n_chunks > 1:
+        k, v, key_positions, key_valid = _look_back(k), _look_back(v), _look_back(positions), _look_back(valid)
+    else:
+        key_positions, key_valid = positions, valid
+    query_positions, key_positions = positions.unsqueeze(-1), key_positions.unsqueeze(-2)
+    masked = ~key_valid.unsqueeze(-2) | (key_positions == query_positions)
+    if causal:
+        masked = masked | (key_positions > query_positions)
+    scores = q @ k.transpose(-1, -2)  # (B, H, chunks, chunk, window)
+    if chunks is not None:
+        scores = scores - _duplicate_counts(chunks.to(torch.int32)).to(scores.dtype).log()
+    scores = scores.masked_fill(masked, float("-inf"))
+    lse = scores.logsumexp(dim=-1, keepdim=True)  # -inf where the whole window is masked
+    out = torch.exp(scores - _finite(lse)) @ v  # masked scores give exp(-inf) = 0
+    return out, lse.squeeze(-1)
+
+
+def _cpu_kernel(q, k, v):
+    """The C++ window kernel's module where it applies (:func:`window_attention`), else None."""
+    if os.environ.get(ENV_VARIABLE, "1").strip() == "0" or q.device.type != "cpu":
+        return None
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float64)):
+        return None
+    from linformer_lab.ops import cpu  # the build machinery, imported only where the kernel may run
+
+    return cpu.LSH_WINDOW.module()
+
+
+class _WindowAttentionCPU(torch.autograd.Function):
+    """:func:`window_attention` on ``(G, chunks, chunk, ...)`` rows (G = B H) through the C++
+    kernel. Saves the window probabilities, ``(G, chunks, chunk, window)`` (what the PyTorch
+    path keeps of its scores), so the backward recomputes neither scores nor exponentials."""
+
+    @staticmethod
+    def forward(ctx, module, causal, q, k, v, positions, valid, chunks):
+        out, lse, probabilities = module.forward(q, k, v, positions, valid, chunks, causal)
+        ctx.module = module
+        ctx.save_for_backward(q, k, v, probabilities, out)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, probabilities, out = ctx.saved_tensors
+        dq, dk, dv = ctx.module.backward(q, k, v, probabilities, out, grad_out.contiguous(), grad_lse.contiguous())
+        return None, None, dq, dk, dv, None, None, None
+
+
+def _slot_chunks(order: torch.Tensor, n_hashes: int, length: int, chunk_size: int) -> torch.Tensor:
+    """For every slot of the sorted layout, the chunk in which each round placed that slot's position.
+
+    ``order (B, H, R*L)`` is the layout of step 2. Returns int32 ``(B, H, chunks, chunk, R)``.
+    """
+    b, h = order.shape[:2]
     # chunk_of[b, h, r, p]: the chunk in which round r placed position p
     slot_chunk = (torch.arange(n_hashes * length, device=order.device) // chunk_size).expand_as(order)
     chunk_of = torch.empty_like(order)
     chunk_of.scatter_(2, order, slot_chunk)  # indexed by round * L + position
     chunk_of = chunk_of.reshape(b, h, n_hashes, length)
     sorted_pos = order % length
-    # per slot of the layout: the chunks of that position in every round, (B, H, R*L, R)
     slot_chunks = chunk_of.gather(3, sorted_pos[:, :, None, :].expand(-1, -1, n_hashes, -1)).transpose(2, 3)
+    return slot_chunks.to(torch.int32).reshape(b, h, n_hashes * length // chunk_size, chunk_size, n_hashes)
+
+
+def _duplicate_counts(chunks: torch.Tensor) -> torch.Tensor:
+    """N_ij for every (query slot, key slot) pair of the windows: in how many of query i's
+    windows (all rounds; a window is a chunk and the one before it) key j stands. For
+    n_hashes > 1 (one round never holds a key twice in a window).
+
+    ``chunks``: int32 ``(B, H, chunks, chunk, R)`` from :func:`_slot_chunks`. Returns uint8
+    ``(B, H, chunks, chunk, window)``, >= 1 for the pairs that occur (others are masked anyway).
+    """
+    n_chunks, n_hashes = chunks.shape[2], chunks.shape[4]
     # int32 chunk ids and uint8 counts (at most 3 n_hashes): this runs over as many pairs as
     # the scores, so its memory traffic is kept to an eighth of float arithmetic's
-    q_chunks = slot_chunks.to(torch.int32).reshape(b, h, n_chunks, chunk_size, n_hashes)  # query i's chunk per round
-    k_chunks = q_chunks
-    if n_chunks > 1:
-        k_chunks = torch.cat([k_chunks, k_chunks.roll(1, dims=2)], dim=3)
-    counts = torch.zeros(b, h, n_chunks, chunk_size, k_chunks.shape[3], dtype=torch.uint8, device=order.device)
+    q_chunks = chunks  # query i's chunk per round
+    k_chunks = _look_back(chunks) if n_chunks > 1 else chunks
+    counts = torch.zeros(*chunks.shape[:4], k_chunks.shape[3], dtype=torch.uint8, device=chunks.device)
     # each comparison lands in one bool buffer, added as the uint8 it already is: `counts += a == b`
     # allocated the bools and converted them in a second pass (lsh-4 fwd + bwd of one layer at the
     # copy task's 64 x 8 x 256 x 8, one thread: 2.31 s with it, 2.00 s without)
-    hit = torch.empty(counts.shape, dtype=torch.bool, device=order.device)
+    hit = torch.empty(counts.shape, dtype=torch.bool, device=chunks.device)
 
     def count(key_chunks: torch.Tensor, query_chunks: torch.Tensor) -> None:
         torch.eq(key_chunks, query_chunks, out=hit)
@@ -191,7 +275,7 @@ def _duplicate_counts(order, n_hashes, length, chunk_size, b, h, dtype) -> torch
             previous = (window - 1) % n_chunks
             count(key_chunk, previous)
             count(k_chunks[..., (r - 1) % n_hashes].unsqueeze(-2), previous)
-    return counts.clamp_min(1).to(dtype)
+    return counts.clamp_min(1)
 
 
 def lsh_attention_naive(

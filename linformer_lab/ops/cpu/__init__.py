@@ -7,7 +7,9 @@
   (``causal_dot.cpp``): the causal numerator of linear attention, forward and backward, as a
   register-resident recurrence and as the chunked algorithm, which
   :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (the recurrence where C and M are
-  multiples of a register width, the chunk kernel for the rest).
+  multiples of a register width, the chunk kernel for the rest);
+* :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
+  attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention` calls.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
@@ -47,7 +49,7 @@ import torch
 
 from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
 
-__all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "Extension", "build_dir", "cache_root", "find_compiler",
+__all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW", "Extension", "build_dir", "cache_root", "find_compiler",
            "fused_module", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
@@ -227,6 +229,9 @@ CAUSAL_DOT = Extension("linformer_lab_causal_dot", "causal_dot.cpp",
                        "(linformer_lab.ops.linear_attention.chunk)")
 CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
                               "the causal linear-attention numerator keeps to the chunked C++ kernel (causal_dot.cpp)")
+
+LSH_WINDOW = Extension("linformer_lab_lsh_window", "lsh_window.cpp",
+                       "lsh attention keeps to its pure-PyTorch window step (linformer_lab.ops.lsh.window_attention_torch)")
 
 
 def load(verbose: bool = False) -> ModuleType:
