@@ -156,5 +156,7 @@ def test_malformed_inputs_name_the_expected_shapes(extension):
         extension.forward(q, q, q, positions.int(), valid, chunks, True)
     with pytest.raises(RuntimeError, match="chunks int32"):
         extension.forward(q, q, q, positions, valid, chunks.long(), True)
+    with pytest.raises(RuntimeError, match="one round of hashing takes no chunk ids"):
+        extension.forward(q, q, q, positions, valid, torch.zeros(2, 3, 4, 1, dtype=torch.int32), True)
     with pytest.raises(RuntimeError, match="contiguous CPU tensors of one dtype"):
         extension.forward(q, q.double(), q, positions, valid, chunks, True)

@@ -314,6 +314,7 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
                   chunks.is_contiguous(),
               "lsh_window: chunks int32 (G, C, S, rounds), contiguous, expected, got ", chunks.sizes());
   s.R = chunks.size(3);
+  TORCH_CHECK(s.R != 1, "lsh_window: one round of hashing takes no chunk ids (chunks of shape (G, C, S, 0))");
   TORCH_CHECK(positions.numel() == 0 || positions.max().item<int64_t>() < std::numeric_limits<int32_t>::max(),
               "lsh_window: positions must fit in int32");
   const Slots slots{positions.data_ptr<int64_t>(), valid.data_ptr<bool>(), chunks.data_ptr<int32_t>(), causal};
