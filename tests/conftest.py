@@ -45,7 +45,7 @@ def attention_configs(lsh_kwargs: dict | None = None, feature_map_kwargs: dict |
     for backend in ll.list_attention():
         cls = ll.ATTENTION.get(backend)
         if backend == "linear_cuda" and not torch.cuda.is_available():
-            continue  # CUDA-only backend; tests/test_linear_cuda_gpu.py covers it on GPUs
+            continue  # CUDA-only backend; tests/ops/test_linear_cuda_gpu.py covers it on GPUs
         if getattr(cls, "uses_feature_map", False):
             map_kwargs = feature_map_kwargs or {}
             configs += [AttentionConfig(backend=backend, feature_map=fm, feature_map_kwargs=map_kwargs.get(fm, {}))

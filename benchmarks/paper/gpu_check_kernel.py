@@ -17,7 +17,7 @@ import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 #: The linear_cuda test files (build, CPU emulation, GPU), run on the GPU node.
-CUDA_TESTS = ["tests/test_linear_cuda_build.py", "tests/test_linear_cuda_emulation.py", "tests/test_linear_cuda_gpu.py"]
+CUDA_TESTS = ["tests/ops/test_linear_cuda_build.py", "tests/ops/test_linear_cuda_emulation.py", "tests/ops/test_linear_cuda_gpu.py"]
 #: (B, T, H, D) of the kernel timings (bf16), as in the issue.
 TIMING_SHAPES = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 128), (2, 16384, 16, 128)]
 PARITY_DIMS = (32, 64, 128, 256)
@@ -153,7 +153,7 @@ def measure(device: str, budget) -> tuple[list[str], list[dict], int | None]:
             done = subprocess.run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-p", "no:cacheprovider"],
                                   cwd=REPO, capture_output=True, text=True, timeout=max(90, budget.left() * 0.5))
             last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
-            summary.append(f"tests/test_linear_cuda_*.py: {last}")
+            summary.append(f"tests/ops/test_linear_cuda_*.py: {last}")
             rows.append({"kind": "tests", "result": last, "ok": done.returncode == 0})
     else:
         budget.skipped.append("building linear_cuda and the CUDA tests (no GPU in a dry run)")

@@ -28,7 +28,7 @@ Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i
   trainer's progress, not from the loader, whose count is ahead by Lightning's prefetching),
   and on resume the sampler skips exactly those. Since a batch depends only on its key, the
   resumed run then sees bit-identical data to an uninterrupted one (tested in
-  tests/test_data_copy.py).
+  tests/data/test_data_copy.py).
 
 Validation/test batches use a fixed epoch (0): the same ``val_batches`` batches every time, so
 validation curves are comparable across epochs and runs with the same seed.

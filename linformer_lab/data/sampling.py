@@ -6,7 +6,7 @@ makes the next iteration start where a checkpoint left off. :class:`ResumableLoa
 DataLoader that Lightning saves and restores (``state_dict`` / ``load_state_dict``), so a run
 resumed from any checkpoint, even mid-epoch, sees the same batches in the same order as an
 uninterrupted run. The copy task yields batch keys, the image data shuffled sample indices, the
-speech data length-bucketed batches; all three are tested the same way (tests/test_resume.py).
+speech data length-bucketed batches; all three are tested the same way (tests/tasks/test_resume.py).
 
 Written for single-device training: under DDP Lightning wraps custom samplers in its own
 distributed wrapper (the speech data shards its batches itself; see SpeechDataModule).

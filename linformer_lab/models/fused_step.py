@@ -7,7 +7,7 @@ operations per layer, each costing microseconds of dispatch besides its arithmet
 the norms, linear attention's state update and readout, the biases and the residuals as plain
 loops, the four weight products through ATen's CPU ``mm`` (the BLAS of the ``addmm`` that
 ``fast_step`` calls) on the same transposed weights, and the GELU through ATen's kernel. Same
-arithmetic up to summation order (``tests/test_fused_step.py`` holds it to ``Transformer.step``).
+arithmetic up to summation order (``tests/models/test_fused_step.py`` holds it to ``Transformer.step``).
 
 :func:`step` takes it when all of these hold, and otherwise leaves the step to ``fast_step``'s
 Python path (the reference, which also raises the errors for states that do not fit):

@@ -8,7 +8,7 @@ step is a few dozen operations on ``(B, d_model)`` rows, so its time goes to per
 cuts those costs lives here and nowhere else (docs/ARCHITECTURE.md, "Where speed code goes"):
 
 * :func:`fast_step`: ``Transformer.step`` for inference, with fewer operations and no module
-  calls; ``tests/test_generation.py`` checks it equals ``Transformer.step`` for every backend
+  calls; ``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every backend
   and feature map. On CPU, inside a ``"model"`` weight-copy block, a stack of the paper's form
   (linear attention, elu) steps in one C++ call (:mod:`linformer_lab.models.fused_step`);
 * :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of

@@ -37,7 +37,7 @@
 //
 // This file also compiles as plain C++ (LLA_EMULATE) against a CPU emulation of the few CUDA
 // features it uses (threads, __syncthreads/__syncwarp, dynamic shared memory, WMMA, cp.async);
-// tests/test_linear_cuda_emulation.py runs the kernels that way, so device code outside `#ifndef
+// tests/ops/test_linear_cuda_emulation.py runs the kernels that way, so device code outside `#ifndef
 // LLA_EMULATE` blocks must stay within those features.
 //
 // Resource usage, from ptxas -v (nvcc 13.0, -O3; `python -m linformer_lab.ops.cuda build --arch

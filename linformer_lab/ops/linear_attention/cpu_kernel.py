@@ -25,7 +25,7 @@ entry point; it runs one of two C++ algorithms (:func:`path`):
 Both use AVX2 / AVX-512 where the CPU has them. :func:`causal_dot_product` in
 :mod:`linformer_lab.ops.linear_attention.chunk` takes this module when all of these hold, and
 otherwise keeps to the pure-PyTorch chunk path (the reference;
-``tests/test_causal_cpu_kernel.py`` holds both kernels to a float64 O(N^2) reference):
+``tests/ops/test_causal_cpu_kernel.py`` holds both kernels to a float64 O(N^2) reference):
 
 * the environment variable ``LINFORMER_LAB_CPU_CAUSAL`` is not ``0``;
 * q, k, v are CPU tensors of one dtype, float32 or float64, CPU autocast off;

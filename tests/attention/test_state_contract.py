@@ -34,7 +34,7 @@ from linformer_lab.ops.state import state_nbytes
 from linformer_lab.registry import ATTENTION
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "third_party_attention"
 LSH_SMALL = {"bucket_size": 2, "n_buckets": 4}
 DECAY = {"backend": "decayed_linear", "kwargs": {"decay": 0.8}}

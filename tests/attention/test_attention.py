@@ -127,7 +127,7 @@ def test_step_equals_causal_forward(backend, feature_map):
 def test_in_place_step_equals_float64_reference():
     """The in-place RNN step (no autograd) forms phi(q)^T [S | Z] in one product: it equals the
     O(N^2) similarity form of eq. 9 (elu kernel, float64 state). The generation module's fast
-    step, with its CPU product for few rows, is checked in tests/test_generation.py."""
+    step, with its CPU product for few rows, is checked in tests/models/test_generation.py."""
     attn = _build("linear", "elu", causal=True, d=6)
     q, k, v = _inputs(b=2, h=3, n=19, seed=4)
     with torch.inference_mode():

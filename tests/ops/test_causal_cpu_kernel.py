@@ -2,7 +2,7 @@
 causal_dot.cpp through linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64
 O(N^2) reference. Each test that is not about one of them runs on both paths (the ``kernel``
 fixture: the recurrence, which these shapes fit, and the chunk kernel, forced with
-``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0``); tests/test_causal_recurrence.py covers the
+``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0``); tests/ops/test_causal_recurrence.py covers the
 recurrence's own cases (register widths, blocks, thread splits).
 
 Checked: outputs, gradients of q, k, v, an initial state and a final state, at lengths below,

@@ -19,7 +19,7 @@ from linformer_lab.tasks import callbacks as callbacks_module
 from linformer_lab.tasks.callbacks import ImageSampleCallback
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(n_layers=1, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)
 
 

@@ -29,7 +29,7 @@ from linformer_lab.models.generation import fast_step, weight_copies_for_steps
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops import cpu
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n_layers=2, d_model=16, n_heads=4, d_ff=32)
 MNIST = dict(n_layers=8, d_model=256, n_heads=8, d_ff=1024)  # the paper's MNIST stack
 #: tolerances against the readable step: summation order only

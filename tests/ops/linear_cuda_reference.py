@@ -10,7 +10,7 @@
 * ``test_linear_cuda_gpu.py`` (skipped without CUDA): values and gradients against a float64
   reference, long sequences, many heads, streams, devices, error messages, segments with state.
 
-Run everything on a GPU machine with ``uv run pytest tests/test_linear_cuda_*.py -v``; leave out
+Run everything on a GPU machine with ``uv run pytest tests/ops/test_linear_cuda_*.py -v``; leave out
 the slow CPU compiles with ``-m "not cuda_build and not cuda_emulation"``.
 
 Here: the float64 references, the tolerances, the inputs and the ``gpu`` marker.
@@ -26,7 +26,7 @@ import torch
 
 from linformer_lab.ops import cuda as lcuda
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CUDA_SRC = REPO / "linformer_lab" / "ops" / "cuda"
 CACHE = Path(os.environ.get("LINFORMER_LAB_TEST_CACHE", Path.home() / ".cache" / "linformer_lab"))
 

@@ -1,6 +1,6 @@
 """The linear_cuda kernel source executed on the CPU by an emulation of CUDA (``cuda_emulation``
 marker), against autograd of the float64 definition: the only check of the kernels' arithmetic
-that CI can run. The other linear_cuda tests and how to run them all: ``tests/linear_cuda_reference.py``.
+that CI can run. The other linear_cuda tests and how to run them all: ``tests/ops/linear_cuda_reference.py``.
 """
 
 from __future__ import annotations

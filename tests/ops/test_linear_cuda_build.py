@@ -1,7 +1,7 @@
 """linear_cuda on the CPU, always run: argument parsing, the no-GPU error path, the autograd
 wrapper around the operators, and a compile of the extension with the machine's nvcc
 (``cuda_build`` marker). The other linear_cuda tests and how to run them all:
-``tests/linear_cuda_reference.py``.
+``tests/ops/linear_cuda_reference.py``.
 """
 
 from __future__ import annotations

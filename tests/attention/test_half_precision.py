@@ -27,7 +27,7 @@ HALF = [torch.bfloat16, torch.float16]
 # Output tolerance per dtype: a few units of the dtype's rounding (2^-8 bf16, 2^-11 fp16) on
 # outputs of size ~1, for attention computed with fp32 accumulation.
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 # ---------------------------------------------------------------- lsh: fast path == naive

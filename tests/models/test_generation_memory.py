@@ -1,7 +1,7 @@
 """Memory per generated image (paper §4.2): constant from the first sub-pixel to the last for
 ``linear``, measured on the path that ``PixelTransformer.generate`` itself runs.
 
-tests/test_pixel_transformer.py already checks the linear state's size and buffers along a
+tests/models/test_pixel_transformer.py already checks the linear state's size and buffers along a
 hand-written ``model.step`` loop (elu, one grey image size) and that the softmax cache
 grows. This file extends that to ``generate`` itself (with its fast step: one thread,
 transposed weights), every linear feature map, colour images, a completion prefix, and an

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
 try:
     import figure2_copy

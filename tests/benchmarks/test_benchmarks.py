@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 ROOMS = ("paper", "dev")  # the paper's reproduction; development measurements
 #: The runnable scripts (helper modules such as common.py or generation_report.py have no __main__).

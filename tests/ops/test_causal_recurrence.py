@@ -5,7 +5,7 @@ take narrower registers (12, 24, 40), N below, at and past the 256-position bloc
 multiple of anything, an initial state given or not, one to three threads (so the backward runs
 rows in parallel and, for fewer rows than threads, the two passes of a row in parallel). A spy
 asserts that the recurrence is the path taken where C and M fit it, and the chunk kernel where
-they do not (D = 7). Helpers come from tests/test_causal_cpu_kernel.py.
+they do not (D = 7). Helpers come from tests/ops/test_causal_cpu_kernel.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from linformer_lab.ops import cpu
 from linformer_lab.ops.linear_attention import chunk, cpu_kernel
 
 ISAS = ["avx512", "avx2", "baseline"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
