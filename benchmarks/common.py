@@ -1,8 +1,15 @@
-"""Small helpers shared by the benchmarks: timing, peak-RSS measurement, child processes,
-machine description, table output, and a git revision's package for before / after runs.
-Standard library only at import time; torch is
-imported lazily so a driver process can stay small (its RSS would otherwise leak into the
-children's ``ru_maxrss`` through fork + exec)."""
+"""What every benchmark script shares: the path bootstrap, the results folder, the provenance
+header and the progress line of a report; timing, peak-RSS measurement, child processes, table
+output, and a git revision's package for before / after runs.
+
+Every script starts the same way, from any working directory::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+    import common  # noqa: E402  (puts the repository on sys.path: an uninstalled checkout runs)
+
+and imports only this module and the library, never another script. Standard library only at
+import time; torch is imported lazily so a driver process can stay small (its RSS would otherwise
+leak into the children's ``ru_maxrss`` through fork + exec)."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +31,52 @@ from typing import Any
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the library of this checkout, installed or not
+    sys.path.insert(0, str(REPO))
+
+
+# ---------------------------------------------------------------- a report's place, header and progress
+def results_dir(script: str) -> Path:
+    """The results folder of a script (``__file__``): ``benchmarks/paper/results`` for the paper's
+    figures and tables, ``benchmarks/dev/results`` for development measurements."""
+    return Path(script).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    """The checkout's short commit hash, or ``unknown`` (no git, e.g. a copied tree on a GPU node)."""
+    try:
+        return resolve_commit("HEAD")
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def provenance(script: str, argv: list[str], **notes: Any) -> list[str]:
+    """The header lines of a report: the command as run (folders as ``DIR``), the machine, torch
+    and its threads, the date and commit, the load, and any
+    ``notes`` as ``- key: value`` lines."""
+    import torch
+
+    info = machine_info()
+    lines = [f"- command: `{command_line(Path(script).resolve().relative_to(REPO).as_posix(), argv)}`",
+             f"- machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['mem_gib']} GiB",
+             f"- torch {torch.__version__}, {torch.get_num_threads()} threads, Python {info['python']}, "
+             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}",
+             f"- {time.strftime('%Y-%m-%d %H:%M %Z')}, commit {git_commit()}; {load_line()} at start"]
+    return lines + [f"- {key.replace('_', ' ')}: {value}" for key, value in notes.items()]
+
+
+def progress(done: int, total: int, what: str, start: float) -> None:
+    """The progress line: ``[done/total] what (seconds since start, load)``, flushed at once."""
+    print(f"[{done}/{total}] {what} ({time.perf_counter() - start:.0f} s, {load_line()})", flush=True)
+
+
+def gemm_rate(size: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of ``torch.mm`` of two ``size`` x ``size`` matrices (median of ``repeats``): the
+    floor every CPU measurement is compared with."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / median_seconds(lambda: torch.mm(a, b), repeats, warmup=2)
 
 
 # ---------------------------------------------------------------- memory (this process)
@@ -61,14 +115,11 @@ def rss_parts() -> dict[str, int]:
 
 
 def peak_rss_increase(fn: Callable[[], Any]) -> dict:
-    """Run ``fn()`` once and return how far the RSS peak rose above the RSS just before it.
-
-    ``peak_increase_raw`` = ``ru_maxrss`` after the call (the high-water mark reset just
-    before, where allowed) minus the RSS just before. That also counts code pages of the
-    shared libraries first touched during the call, which on this machine come in 2 MB
-    file huge pages shared with other processes and vary by +-20 MB from run to run;
-    ``peak_increase`` removes them: the growth of file-backed (and shmem) RSS over the call
-    is subtracted, which leaves the anonymous memory (tensors, allocator, stacks)."""
+    """Run ``fn()`` once and return how far the RSS peak rose above the RSS just before it:
+    ``peak_increase_raw`` (``ru_maxrss`` after, the high-water mark reset where allowed, minus the
+    RSS before) also counts shared-library pages first touched in the call (file huge pages,
+    +-20 MB from run to run); ``peak_increase`` subtracts the growth of file-backed and shmem RSS,
+    which leaves the anonymous memory (tensors, allocator, stacks)."""
     import gc
 
     gc.collect()

@@ -51,8 +51,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 from common import (  # noqa: E402
     Timer,
     export_revision,
@@ -61,10 +61,11 @@ from common import (  # noqa: E402
     machine_info,
     markdown_table,
     resolve_commit,
+    results_dir,
     write_csv,
 )
 
-RESULTS = REPO / "benchmarks" / "dev" / "results"
+RESULTS = results_dir(__file__)
 DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead",
                "train": RESULTS / "train_revisions"}
 VARIANTS = ("old", "new")

@@ -36,17 +36,16 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import machine_info, results_dir  # noqa: E402
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
 from linformer_lab.checkpoints import load_checkpoint_header  # noqa: E402
 from linformer_lab.data.copy import CopyDataModule  # noqa: E402
 from linformer_lab.tasks.copy_task import CopyTask  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "dev" / "results"
+RESULTS = results_dir(__file__)
 
 
 @torch.no_grad()

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info, markdown_table, median_seconds, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import machine_info, markdown_table, median_seconds, results_dir, write_csv  # noqa: E402
 
 
 def step_product(repeats: int) -> list[dict]:
@@ -78,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=200, help="timed calls of the step product (the feed-forward: a tenth)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of the feed-forward part")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "dev" / "results" / "cpu_defaults"))
+    p.add_argument("--out", default=str(results_dir(__file__) / "cpu_defaults"))
     args = p.parse_args()
     import torch
 

@@ -27,12 +27,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import interleaved_medians, machine_info, markdown_table, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import interleaved_medians, machine_info, markdown_table, results_dir, write_csv  # noqa: E402
 
-OUT = REPO / "benchmarks" / "dev" / "results" / "fused_step"
+OUT = results_dir(__file__) / "fused_step"
 
 
 def measure(batch: int, steps: int, rounds: int, threads: int | None) -> list[dict]:

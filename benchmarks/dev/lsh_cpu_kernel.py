@@ -22,10 +22,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import command_line, forward_backward, interleaved_medians, load_line, machine_info, markdown_table, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import (  # noqa: E402
+    command_line,
+    forward_backward,
+    interleaved_medians,
+    load_line,
+    machine_info,
+    markdown_table,
+    results_dir,
+    write_csv,
+)
 
 PATHS = {"pytorch": "0", "kernel": "1"}
 #: (what, batch, heads, positions, head size, chunk)
@@ -95,7 +103,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=10, help="timed calls per path and shape")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "dev" / "results" / "lsh_cpu_kernel"))
+    p.add_argument("--out", default=str(results_dir(__file__) / "lsh_cpu_kernel"))
     args = p.parse_args()
     import torch
 

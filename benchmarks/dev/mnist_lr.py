@@ -21,9 +21,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import command_line, fit_run, machine_info, markdown_table, torch_info, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import command_line, fit_run, machine_info, markdown_table, results_dir, torch_info, write_csv  # noqa: E402
 
 
 def read_run(root: Path) -> dict:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", action="append", required=True, type=Path, help="root of one fit + test (repeat)")
     parser.add_argument("--note", default="", help="what was seen and what else ran, for the report")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "dev" / "results" / "mnist_lr"))
+    parser.add_argument("--out", default=str(results_dir(__file__) / "mnist_lr"))
     args = parser.parse_args(argv)
     rows = [read_run(root) for root in args.run]
     write_csv(f"{args.out}.csv", rows)

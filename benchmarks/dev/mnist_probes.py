@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info, markdown_table, torch_info, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import machine_info, markdown_table, results_dir, torch_info, write_csv  # noqa: E402
 
 #: The first recipe (4 x 128, d_ff 512, batch 16, one position vector per pixel, RAdam 3e-3, 100
 #: warm-up updates, cosine): every probe starts from it.
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--collect", action="store_true", help="write the tables from finished probes, run nothing")
     parser.add_argument("--note", default="", help="a sentence for the report (e.g. what else loaded the machine)")
     parser.add_argument("--workdir", default="logs/mnist_probes")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "dev" / "results" / "mnist_probes"))
+    parser.add_argument("--out", default=str(results_dir(__file__) / "mnist_probes"))
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir)

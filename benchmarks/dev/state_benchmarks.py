@@ -29,10 +29,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import Timer, interleaved_medians, machine_info, markdown_table, peak_rss_increase, run_in_child, write_csv  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import (  # noqa: E402
+    Timer,
+    interleaved_medians,
+    machine_info,
+    markdown_table,
+    peak_rss_increase,
+    results_dir,
+    run_in_child,
+    write_csv,
+)
 
 # ------------------------------------------------------------------ 1. completion
 
@@ -253,7 +261,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--speech-batches", type=int, default=60, help="training batches timed per model (0 = a whole epoch)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "dev" / "results" / "state_benchmarks"))
+    p.add_argument("--out", default=str(results_dir(__file__) / "state_benchmarks"))
     args = p.parse_args()
     if args.speech_batches == 0:
         args.speech_batches = None

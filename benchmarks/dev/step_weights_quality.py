@@ -20,17 +20,18 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
 
 from linformer_lab.data.images import MNISTDataModule  # noqa: E402
 from linformer_lab.models.generation import STEP_WEIGHT_FORMATS, fast_step, weight_copies_for_steps  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(common.results_dir(__file__))
 
 
 @torch.inference_mode()

@@ -75,11 +75,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import machine_info, version_metrics  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import machine_info, results_dir, version_metrics  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "paper" / "results"
+RESULTS = results_dir(__file__)
 METHODS = ("softmax", "linear", "lsh1", "lsh4")
 COLORS = {"softmax": "tab:blue", "linear": "tab:orange", "lsh1": "tab:green", "lsh4": "tab:red"}
 

@@ -33,16 +33,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import generation_report  # noqa: E402  (the paper's Tables 4 and 5)
-from common import command_line, fit_run, machine_info, markdown_table, pyplot, torch_info, write_csv  # noqa: E402
+from common import command_line, fit_run, machine_info, markdown_table, pyplot, results_dir, torch_info, write_csv  # noqa: E402
 
 METHODS = ("linear", "softmax", "lsh1", "lsh4")
 LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh4": "LSH-4"}
 #: The paper's Table 1 (8 layers x 256, 250 epochs, on a GPU): bits/dim.
 PAPER_BITS_PER_DIM = {"softmax": 0.621, "lsh1": 0.745, "lsh4": 0.676, "linear": 0.644}
-RESULTS = REPO / "benchmarks" / "paper" / "results"
+RESULTS = results_dir(__file__)
 
 
 def recipe(method: str) -> dict:

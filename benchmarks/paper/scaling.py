@@ -28,11 +28,12 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(common.results_dir(__file__))
 H, D, M = 8, 32, 32
 #: one fwd+bwd at this N precedes each memory measurement: the first call of any size adds
 #: ~40 MB of RSS on CPU (code pages, thread pools) that is no cost of the N measured

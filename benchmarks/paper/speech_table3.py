@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import load_line  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+from common import load_line, results_dir  # noqa: E402
 from speech_table3_report import LONG_SETS, ORDER, write_report  # noqa: E402
 
 
@@ -280,7 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per training process and for the timing")
     parser.add_argument("--state-dir", default=str(REPO / "logs" / "speech_table3"))
     parser.add_argument("--fresh", action="store_true", help="retrain models that have results already")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "paper" / "results" / "speech_table3"))
+    parser.add_argument("--out", default=str(results_dir(__file__) / "speech_table3"))
     args = parser.parse_args(argv)
 
     import torch

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 from common import machine_info, pyplot, write_csv  # noqa: E402
 
 #: Table 3 of the paper (WSJ, GPU): PER %, seconds per epoch.

@@ -26,15 +26,16 @@ threads), and per shape the FLOP rate of the algorithm the kernel ran as a fract
   i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
 
 fast-transformers lives in a separate venv (benchmarks/README.md, "fast-transformers baseline
-venv"); without it the others still run::
+venv"); without it the others still run. This is the project's one comparison with
+fast-transformers::
 
-    PYTHONPATH=. .bench_env/bin/python benchmarks/paper/causal_cpu_grid.py [--quick]
+    PYTHONPATH=. .bench_env/bin/python benchmarks/dev/causal_cpu_grid.py [--quick]
 
 Before / after a change to causal_recurrence.cpp, in one run: ``--before-revision REV`` builds
 the source (and the headers beside it) as at git revision REV under another module name, and
 times it as "kernel before".
 
-Results: ``benchmarks/paper/results/causal_linear_cpu_grid{_quick}{tag}.{csv,md}``.
+Results: ``benchmarks/dev/results/causal_linear_cpu_grid{_quick}{tag}.{csv,md}``.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(common.results_dir(__file__))
 HEADS = [16, 32, 64, 128]
 ROWS = [1, 8, 64, 512]
 LENGTHS = [256, 4096, 65536]
@@ -116,13 +118,6 @@ def _chunk_kernel(torch):
             else:
                 os.environ[cpu_kernel.RECURRENCE_VARIABLE] = before
     return run
-
-
-def gemm_rate(torch, size: int, repeats: int = 5) -> float:
-    """fp32 FLOP/s of torch.mm on two size x size matrices (median of repeats)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    t = common.median_seconds(lambda: torch.mm(a, b), repeats, warmup=2)
-    return 2 * size**3 / t
 
 
 def _kernel_before(commit: str):
@@ -335,7 +330,7 @@ def main(argv=None):
            "torch": torch.__version__, "threads": torch.get_num_threads(), "fast_transformers": _ft_version(),
            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "isa": "—",
            "load_start": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
-    args.gemm_flops = gemm_rate(torch, args.gemm_size)
+    args.gemm_flops = common.gemm_rate(args.gemm_size)
     args.copy_mib = 32 if args.quick else 256
     args.copy_bytes = copy_rate(torch, args.copy_mib)
     print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s, copy {args.copy_bytes / 1e9:.1f} GB/s; {common.load_line()}",
@@ -363,7 +358,7 @@ def main(argv=None):
         row = measure(torch, impls, shape, args)
         rows.append(row)
         print({k: v for k, v in row.items() if k not in ("M",)}, flush=True)
-    env["gemm_end"] = gemm_rate(torch, args.gemm_size)
+    env["gemm_end"] = common.gemm_rate(args.gemm_size)
     env["load_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     suffix = ("_quick" if args.quick else "") + args.tag
     os.makedirs(args.out, exist_ok=True)
