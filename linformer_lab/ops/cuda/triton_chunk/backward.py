@@ -1,0 +1,265 @@
+"""Backward Triton kernels of chunk-parallel causal linear attention.
+
+With out_i = n_i / d_i (numerator n_i = q_i^T S_i, denominator d_i = q_i^T z_i + eps) and the
+incoming gradient o_i = dL/d out_i, the gradients of the numerator and of the denominator are
+
+    g_i = o_i / d_i        (M numbers)        r_i = -(o_i . out_i) / d_i        (one number),
+
+and the denominator is a numerator whose value is the constant 1, so eq. 13-15 give, with the
+forward states S_c, z_c before chunk c and the suffix states after it,
+dH_c = dS_N + sum_{i after c} q_i g_i^T and dh_c = dz_N + sum_{i after c} r_i q_i:
+
+    dq_i = sum_{j in c, j <= i} B_ij k_j + S_c g_i + r_i z_c,          B_ij = g_i . v_j + r_i,
+    dk_j = sum_{i in c, i >= j} B_ij q_i + dH_c v_j + dh_c,
+    dv_j = sum_{i in c, i >= j} (q_i . k_j) g_i + dH_c^T k_j,
+    dS_0 = dH_{-1},  dz_0 = dh_{-1}   (the suffix states before the first chunk),
+
+then through phi = elu + 1: dx = dphi * min(phi, 1). g is never rounded to the input dtype: the
+products use o and divide by d afterwards (in fp16, o / d underflows on long sequences).
+Kernels: ``backward_prepare`` (r), ``chunk_states_backward`` (dH_c, dh_c, dS_0, dz_0; the
+forward states are recomputed by ``chunk_states_forward``, never saved),
+``chunk_dq_dk_backward`` and ``chunk_dv_backward``, parallel over chunks. Layout, dtypes and
+sequence addressing as in ``forward.py``.
+"""
+
+# no ``from __future__ import annotations``: Triton's interpreter reads ``tl.constexpr`` from
+# the annotations as objects, not strings
+import triton.language as tl
+
+
+def backward_prepare(
+    DO, O, DEN, R, T, H, sb_v, sh_v, st_v,
+    M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BT), B * H)``: R ``(B, H, T)`` fp32 = -(do_i . out_i) / d_i. Position-wise,
+    so packed sequences need no table."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = i_bh // H
+    h = i_bh % H
+    t = i_t * BT + tl.arange(0, BT)
+    tmask = t < T
+    base = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v
+    dot = tl.zeros([BT], dtype=tl.float32)
+    for vv in tl.static_range(0, M, BV):
+        cv = vv + tl.arange(0, BV)
+        mask = tmask[:, None] & (cv < M)[None, :]
+        offs = base + t[:, None] * st_v + cv[None, :]
+        do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+        dot += tl.sum(do * o, axis=1)
+    row = i_bh.to(tl.int64) * T
+    den = tl.load(DEN + row + t, mask=tmask, other=1.0)
+    tl.store(R + row + t, -dot / den, mask=tmask)
+
+
+def chunk_states_backward(
+    Q, DO, DEN, R, DSN, DZN, DSTATES, DZSTATES, DS0, DZ0, CU, CHUNK_OFF,
+    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, HAS_DFINAL: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    INTERPRET: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BV), cdiv(C, BK), sequences * H)``: walks the chunks last to first and
+    writes dH_c, dh_c after each (DSTATES, DZSTATES like the forward STATES, ZSTATES), then
+    dS_0, dz_0 (DS0, DZ0 fp32)."""
+    i_v = tl.program_id(0)
+    i_k = tl.program_id(1)
+    i_sh = tl.program_id(2)
+    s = i_sh // H
+    h = i_sh % H
+    if VARLEN:
+        bos = tl.load(CU + s).to(tl.int32)
+        length = tl.load(CU + s + 1).to(tl.int32) - bos
+        b = i_sh * 0  # a tensor like the other branch's, so .to() applies
+        g0 = tl.load(CHUNK_OFF + s).to(tl.int32)
+    else:
+        bos = i_sh * 0
+        length = T
+        b = s
+        g0 = s * tl.cdiv(T, BT)
+    DT = Q.dtype.element_ty
+    SD = DSTATES.dtype.element_ty
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    kmask = ck < C
+    vmask = cv < M
+    tt = tl.arange(0, BT)
+    state_offs = ck[:, None] * M + cv[None, :]
+    state_mask = kmask[:, None] & vmask[None, :]
+    row = s * H + h
+    if HAS_DFINAL:
+        acc = tl.load(DSN + row.to(tl.int64) * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        dz = tl.load(DZN + row.to(tl.int64) * C + ck, mask=kmask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BK, BV], dtype=tl.float32)
+        dz = tl.zeros([BK], dtype=tl.float32)
+    q_base = Q + b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k
+    do_base = DO + b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
+    pos_base = (b * H + h).to(tl.int64) * T + bos
+    n_chunks = tl.cdiv(length, BT)
+    # numpy 2 refuses range() over the interpreter's scalars (and the interpreter makes every
+    # assigned value one): there the bound is a constant and the chunks past the end are masked
+    for i in range(0, MAX_CHUNKS if INTERPRET else n_chunks):
+        c = n_chunks - 1 - i
+        live = c >= 0
+        g = (g0 + c) * H + h
+        tl.store(DSTATES + g.to(tl.int64) * (C * M) + state_offs, acc.to(SD), mask=state_mask & live)
+        if i_v == 0:
+            tl.store(DZSTATES + g.to(tl.int64) * C + ck, dz, mask=kmask & live)
+        t = c * BT + tt
+        tmask = (t < length) & live
+        mask = tmask[:, None] & kmask[None, :]
+        q = tl.load(q_base + t[:, None] * st_k + ck[None, :], mask=mask, other=0.0)
+        if ELU:
+            q = q.to(tl.float32)
+            q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT)
+        do = tl.load(do_base + t[:, None] * st_v + cv[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0)
+        den = tl.load(DEN + pos_base + t, mask=tmask, other=1.0)
+        r = tl.load(R + pos_base + t, mask=tmask, other=0.0)
+        grad_num = do.to(tl.float32) / den[:, None]  # g_i, in the state dtype (bf16 or fp32)
+        acc += tl.dot(tl.trans(q.to(SD)), grad_num.to(SD), input_precision=PREC)
+        dz += tl.sum(q.to(tl.float32) * r[:, None], axis=0)
+    tl.store(DS0 + row.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask)
+    if i_v == 0:
+        tl.store(DZ0 + row.to(tl.int64) * C + ck, dz, mask=kmask)
+
+
+def chunk_dq_dk_backward(
+    Q, K, V, DO, DEN, R, STATES, ZSTATES, DSTATES, DZSTATES, DQ, DK, CU, CHUNK_OFF, CHUNK_TABLE,
+    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(cdiv(C, BK), chunks, sequences * H)`` (VARLEN as ``chunk_output_forward``): dq and
+    dk of one feature tile of one chunk; loops over the value dim for B = do v^T and the state
+    terms."""
+    i_k = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_sh = tl.program_id(2)
+    if VARLEN:
+        s = tl.load(CHUNK_TABLE + 2 * i_t).to(tl.int32)
+        c = tl.load(CHUNK_TABLE + 2 * i_t + 1).to(tl.int32)
+        h = i_sh
+        bos = tl.load(CU + s).to(tl.int32)
+        length = tl.load(CU + s + 1).to(tl.int32) - bos
+        b = i_sh * 0
+        g = (tl.load(CHUNK_OFF + s).to(tl.int32) + c) * H + h
+    else:
+        s = i_sh // H
+        h = i_sh % H
+        c = i_t
+        bos = i_sh * 0
+        length = T
+        b = s
+        g = (s * tl.cdiv(T, BT) + c) * H + h
+    DT = Q.dtype.element_ty
+    SD = STATES.dtype.element_ty
+    tt = tl.arange(0, BT)
+    t = c * BT + tt
+    tmask = t < length
+    ck = i_k * BK + tl.arange(0, BK)
+    kmask = ck < C
+    mask = tmask[:, None] & kmask[None, :]
+    k_offs = b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k + t[:, None] * st_k + ck[None, :]
+    v_off = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
+    xq = tl.load(Q + k_offs, mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(K + k_offs, mask=mask, other=0.0).to(tl.float32)
+    if ELU:
+        q = tl.where(mask, tl.maximum(tl.where(xq > 0, xq + 1.0, tl.exp(xq)), tiny), 0.0).to(DT).to(tl.float32)
+        k = tl.where(mask, tl.maximum(tl.where(xk > 0, xk + 1.0, tl.exp(xk)), tiny), 0.0).to(DT).to(tl.float32)
+    else:
+        q = xq
+        k = xk
+    bmat = tl.zeros([BT, BT], dtype=tl.float32)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    state_base = g.to(tl.int64) * (C * M)
+    for vv in tl.static_range(0, M, BV):
+        cv = vv + tl.arange(0, BV)
+        vmask = cv < M
+        offs = v_off + t[:, None] * st_v + cv[None, :]
+        vt = tl.load(V + offs, mask=tmask[:, None] & vmask[None, :], other=0.0)
+        do = tl.load(DO + offs, mask=tmask[:, None] & vmask[None, :], other=0.0)
+        s_offs = state_base + ck[:, None] * M + cv[None, :]
+        s_mask = kmask[:, None] & vmask[None, :]
+        state = tl.load(STATES + s_offs, mask=s_mask, other=0.0)
+        dstate = tl.load(DSTATES + s_offs, mask=s_mask, other=0.0)
+        bmat += tl.dot(do, tl.trans(vt), input_precision=PREC)
+        dq += tl.dot(do.to(SD), tl.trans(state), input_precision=PREC)
+        dk += tl.dot(vt.to(SD), tl.trans(dstate), input_precision=PREC)
+    pos = (b * H + h).to(tl.int64) * T + bos + t
+    den = tl.load(DEN + pos, mask=tmask, other=1.0)
+    r = tl.load(R + pos, mask=tmask, other=0.0)
+    zc = tl.load(ZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
+    dzc = tl.load(DZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
+    bmat = tl.where(tt[:, None] >= tt[None, :], bmat / den[:, None] + r[:, None], 0.0)
+    dq = dq / den[:, None] + r[:, None] * zc[None, :]
+    dq += tl.dot(bmat.to(SD), k.to(SD), input_precision=PREC)
+    dk += tl.dot(tl.trans(bmat.to(SD)), q.to(SD), input_precision=PREC) + dzc[None, :]
+    if ELU:
+        dq = dq * tl.minimum(q, 1.0)
+        dk = dk * tl.minimum(k, 1.0)
+    tl.store(DQ + k_offs, dq.to(DQ.dtype.element_ty), mask=mask)
+    tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=mask)
+
+
+def chunk_dv_backward(
+    Q, K, DO, DEN, DSTATES, DV, CU, CHUNK_OFF, CHUNK_TABLE,
+    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BV), chunks, sequences * H)``: dv of one value tile of one chunk; loops
+    over the feature dim for the scores q k^T and dH_c^T k."""
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_sh = tl.program_id(2)
+    if VARLEN:
+        s = tl.load(CHUNK_TABLE + 2 * i_t).to(tl.int32)
+        c = tl.load(CHUNK_TABLE + 2 * i_t + 1).to(tl.int32)
+        h = i_sh
+        bos = tl.load(CU + s).to(tl.int32)
+        length = tl.load(CU + s + 1).to(tl.int32) - bos
+        b = i_sh * 0
+        g = (tl.load(CHUNK_OFF + s).to(tl.int32) + c) * H + h
+    else:
+        s = i_sh // H
+        h = i_sh % H
+        c = i_t
+        bos = i_sh * 0
+        length = T
+        b = s
+        g = (s * tl.cdiv(T, BT) + c) * H + h
+    DT = Q.dtype.element_ty
+    SD = DSTATES.dtype.element_ty
+    tt = tl.arange(0, BT)
+    t = c * BT + tt
+    tmask = t < length
+    cv = i_v * BV + tl.arange(0, BV)
+    vmask = cv < M
+    k_off = b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k
+    v_offs = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v + t[:, None] * st_v + cv[None, :]
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    dv = tl.zeros([BT, BV], dtype=tl.float32)
+    for kk in tl.static_range(0, C, BK):
+        ck = kk + tl.arange(0, BK)
+        kmask = ck < C
+        mask = tmask[:, None] & kmask[None, :]
+        offs = k_off + t[:, None] * st_k + ck[None, :]
+        q = tl.load(Q + offs, mask=mask, other=0.0)
+        k = tl.load(K + offs, mask=mask, other=0.0)
+        if ELU:
+            q = q.to(tl.float32)
+            q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT)
+            k = k.to(tl.float32)
+            k = tl.where(mask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k)), tiny), 0.0).to(DT)
+        dstate = tl.load(DSTATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
+                         mask=kmask[:, None] & vmask[None, :], other=0.0)
+        scores += tl.dot(q, tl.trans(k), input_precision=PREC)
+        dv += tl.dot(k.to(SD), dstate, input_precision=PREC)
+    den = tl.load(DEN + (b * H + h).to(tl.int64) * T + bos + t, mask=tmask, other=1.0)
+    scores = tl.where(tt[:, None] >= tt[None, :], scores / den[:, None], 0.0)  # (q_i . k_j) / d_i
+    do = tl.load(DO + v_offs, mask=tmask[:, None] & vmask[None, :], other=0.0)
+    dv += tl.dot(tl.trans(scores.to(SD)), do.to(SD), input_precision=PREC)
+    tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])

@@ -1,0 +1,195 @@
+"""The Triton chunk kernels as ``torch.library`` custom ops with fake implementations and a
+registered autograd formula, so ``torch.compile(fullgraph=True)`` traces through them, and the
+public :func:`chunk_linear_attention`.
+
+``linformer_lab::chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps,
+chunk_size, head_first) -> (out, den, S_N, z_N)`` and ``..._bwd`` (the gradients of q, k, v, S_0,
+z_0 from the saved inputs, the output and its denominator: the per-chunk states are
+recomputed, never saved). Annotations are evaluated (no ``from __future__ import annotations``)
+because ``custom_op`` reads the schema from them.
+"""
+
+
+import torch
+from torch import Tensor
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FEATURE_MAPS = ("elu", None)
+_CHUNKS = (16, 32, 64, 128)
+
+
+def _layout(q, v, cu_seqlens, chunk_size, head_first):
+    from linformer_lab.ops.cuda.triton_chunk import launch  # imports triton: only when a kernel runs
+
+    if q.device.type != "cuda" and not launch.interpreting():
+        raise RuntimeError(f"chunk_linear_attention runs on CUDA tensors (got {q.device}); on a CPU only under "
+                           "Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16)")
+    if cu_seqlens is not None:
+        _check_cu_seqlens_values(cu_seqlens, q.shape[2] if head_first else q.shape[1])
+    return launch, launch.layout(q, v, cu_seqlens, chunk_size, head_first)
+
+
+def _check_cu_seqlens_values(cu_seqlens: Tensor, total: int) -> None:
+    edges = cu_seqlens.tolist()
+    if edges[0] != 0 or edges[-1] != total or any(b < a for a, b in zip(edges[:-1], edges[1:])):
+        raise ValueError(f"chunk_linear_attention: cu_seqlens must rise from 0 to the sequence length {total} "
+                         f"([0, n_1, n_1 + n_2, ..., T]); got {edges[:8]}{'...' if len(edges) > 8 else ''}")
+
+
+def _sequences(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _heads(q, head_first):
+    return q.shape[1] if head_first else q.shape[2]
+
+
+@torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())
+def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None,
+                               cu_seqlens: Tensor | None, feature_map: str, eps: float, chunk_size: int,
+                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> out (like v), den ``(B, H, T)`` fp32, S_N ``(S, H, C, M)`` fp32, z_N ``(S, H, C)`` fp32."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first)
+    s0 = None if s0 is None else s0.to(torch.float32).contiguous()
+    z0 = None if z0 is None else z0.to(torch.float32).contiguous()
+    if lay.time == 0 or lay.sequences * lay.heads == 0:
+        s_n = s0.clone() if s0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m, dtype=torch.float32)
+        z_n = z0.clone() if z0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, dtype=torch.float32)
+        return torch.empty_like(v), q.new_ones(lay.batch, lay.heads, lay.time, dtype=torch.float32), s_n, z_n
+    elu = feature_map == "elu"
+    states, zstates, s_n, z_n = launch.run_states_forward(k, v, s0, z0, lay, elu)
+    out, den = launch.run_output_forward(q, k, v, states, zstates, lay, elu, eps)
+    return out, den, s_n, z_n
+
+
+@chunk_linear_attention_fwd.register_fake
+def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
+    b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
+    s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
+    f32 = dict(dtype=torch.float32)
+    return (v.new_empty(v.shape), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
+            q.new_empty(s, h, c, **f32))
+
+
+@torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())
+def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor,
+                               ds_final: Tensor | None, dz_final: Tensor | None, s0: Tensor | None,
+                               z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str, chunk_size: int,
+                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)`` fp32, dz_0 ``(S, H, C)`` fp32."""
+    q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+    grad_out = grad_out.to(v.dtype).contiguous()
+    launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first)
+    if (ds_final is None) != (dz_final is None):  # one of the final state's parts was used
+        ds_final = ds_final if ds_final is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m)
+        dz_final = dz_final if dz_final is not None else q.new_zeros(lay.sequences, lay.heads, lay.c)
+    if ds_final is not None:
+        ds_final, dz_final = (x.to(torch.float32).contiguous() for x in (ds_final, dz_final))
+    if lay.time == 0 or lay.sequences * lay.heads == 0:
+        zero_s = q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m, dtype=torch.float32)
+        zero_z = q.new_zeros(lay.sequences, lay.heads, lay.c, dtype=torch.float32)
+        ds0 = ds_final.clone() if ds_final is not None else zero_s
+        dz0 = dz_final.clone() if dz_final is not None else zero_z
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ds0, dz0
+    s0 = None if s0 is None else s0.to(torch.float32).contiguous()
+    z0 = None if z0 is None else z0.to(torch.float32).contiguous()
+    return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
+
+
+@chunk_linear_attention_bwd.register_fake
+def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map, chunk_size, head_first):
+    s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, s0, z0, cu_seqlens, feature_map, _, chunk_size, head_first = inputs
+    out, den, _, _ = output
+    ctx.save_for_backward(q, k, v, out, den, s0, z0, cu_seqlens)
+    ctx.options = (feature_map, chunk_size, head_first)
+
+
+def _backward(ctx, grad_out, grad_den, ds_final, dz_final):
+    q, k, v, out, den, s0, z0, cu_seqlens = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, ds0, dz0 = chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0,
+                                                      cu_seqlens, *ctx.options)
+    ds0 = None if s0 is None else ds0.to(s0.dtype)
+    dz0 = None if z0 is None else dz0.to(z0.dtype)
+    return dq, dk, dv, ds0, dz0, None, None, None, None, None
+
+
+chunk_linear_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first):
+    """One line naming the problem and the valid choices, for each bad argument."""
+    name = "chunk_linear_attention"
+    if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, k, v)):
+        raise ValueError(f"{name}: q, k, v must be 4-d tensors ({'(B, H, T, D)' if head_first else '(B, T, H, D)'})")
+    if q.shape != k.shape:
+        raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"{name}: v {tuple(v.shape)} must match q {tuple(q.shape)} in every dim but the last")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"{name}: q, k, v must share one dtype of float32, float16, bfloat16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{name}: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if feature_map not in _FEATURE_MAPS:
+        raise ValueError(f"{name}: feature_map must be 'elu' (applied in the kernel) or None (inputs already "
+                         f"feature-mapped); got {feature_map!r}")
+    if chunk_size not in _CHUNKS:
+        raise ValueError(f"{name}: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)
+                                   or cu_seqlens.shape[0] < 2 or q.shape[0] != 1):
+        raise ValueError(f"{name}: cu_seqlens must be a 1-d int32/int64 tensor [0, n_1, ..., T] of at least 2 "
+                         f"entries, with packed inputs of batch 1; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype} "
+                         f"for batch {q.shape[0]}")
+    if initial_state is not None:
+        s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
+        ok = isinstance(initial_state, (tuple, list)) and len(initial_state) == 2
+        if not ok or tuple(initial_state[0].shape) != (s, h, c, m) or tuple(initial_state[1].shape) != (s, h, c):
+            got = [tuple(x.shape) for x in initial_state] if ok else type(initial_state).__name__
+            raise ValueError(f"{name}: initial_state must be (S_0 {(s, h, c, m)}, z_0 {(s, h, c)}) (sequences, heads, "
+                             f"feature dim, value dim); got {got}")
+
+
+def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str | None = "elu", eps: float = 1e-6,
+                           initial_state: tuple[Tensor, Tensor] | None = None, return_final_state: bool = False,
+                           cu_seqlens: Tensor | None = None, chunk_size: int = 64, head_first: bool = True):
+    """Causal linear attention (eq. 9-12) with the feature map and the normaliser fused:
+    out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), S_i = S_0 + sum_{j <= i} phi(k_j) v_j^T,
+    z_i = z_0 + sum_{j <= i} phi(k_j), by Triton kernels parallel over chunks (forward and
+    backward; S and z accumulated in fp32).
+
+    Args:
+        q, k: ``(B, H, T, C)`` (``head_first=False``: ``(B, T, H, C)``); float32, float16 or
+            bfloat16, all three inputs one dtype, on a CUDA device (on CPU only under
+            ``TRITON_INTERPRET=1``, fp32/fp16).
+        v: ``(B, H, T, M)`` (or ``(B, T, H, M)``).
+        feature_map: ``"elu"``: phi = elu + 1 (eq. 7) applied inside the kernels; None: q and k
+            are already feature-mapped (non-negative); any other map is applied by the caller.
+        eps: added to the denominator.
+        initial_state: ``(S_0 (S, H, C, M), z_0 (S, H, C))``, the state before position 0 (S = B,
+            or the number of packed sequences); None for zero. Receives gradients.
+        return_final_state: also return ``(S_T (S, H, C, M), z_T (S, H, C))`` in fp32, the state a
+            following segment or the RNN step continues from; gradients flow back from it.
+        cu_seqlens: int ``[0, n_1, n_1 + n_2, ..., T]``: q, k, v of batch 1 hold packed sequences,
+            each attended within itself with its own state row.
+        chunk_size: positions per chunk, 16, 32, 64 or 128 (64: the product shapes of the tensor
+            cores at a state read per 64 positions).
+        head_first: the layout of q, k, v (and of the output).
+
+    Returns:
+        out like v, or ``(out, (S_T, z_T))`` with ``return_final_state``. Differentiable in q, k,
+        v and the initial state.
+    """
+    _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
+    s0, z0 = initial_state if initial_state is not None else (None, None)
+    out, _, s_n, z_n = chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map or "none", float(eps),
+                                                  int(chunk_size), bool(head_first))
+    return (out, (s_n, z_n)) if return_final_state else out
