@@ -112,9 +112,8 @@ def select(packages: dict[str, list[dict]], env: dict[str, str], skip: set[str] 
         if provided(name) or name in skip or not marker_holds(dep.get("marker"), env):
             continue
         entry = _entry(packages, name, dep.get("version"), env)
-        if name in selected:
-            if not dep.get("extra"):
-                continue
+        if name in selected and not dep.get("extra"):
+            continue
         selected[name] = entry["version"]
         deps = list(entry.get("dependencies", []))
         for extra in dep.get("extra", []):

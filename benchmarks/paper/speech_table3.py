@@ -117,7 +117,7 @@ def train_all(names: list[str], args) -> None:
             commands = cli_commands(name, args)
             if (run_dir(name, args) / "checkpoints" / "last.ckpt").exists():
                 commands[0].append("--ckpt_path=last")
-            log = open(run_dir(name, args) / "cli.log", "a")
+            log = open(run_dir(name, args) / "cli.log", "a")  # noqa: SIM115 (open while the run lives; closed when it ends)
             print(f"{name}: {' '.join(commands[0][1:])}  ({load_line()})", flush=True)
             running.append((name, subprocess.Popen(commands[0], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
                             commands[1:], time.perf_counter(), log))

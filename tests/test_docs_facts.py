@@ -1,0 +1,171 @@
+"""What the README and docs/ say about the configs is what the configs hold, and their links lead
+somewhere.
+
+Each checked paragraph is found by a phrase of its own and must state the values read from
+``configs/*.yaml`` in the words the prose uses; a config that changes (or a paragraph that is
+rewritten with other numbers) fails here instead of leaving the prose stale.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def config(name: str) -> dict:
+    return yaml.safe_load((REPO / "configs" / name).read_text())
+
+
+def the_same_in_all(pattern: str, pick) -> object:
+    """``pick(config)`` for every ``configs/<pattern>``, which must all agree (the prose speaks of them as one)."""
+    values = {path.name: pick(yaml.safe_load(path.read_text())) for path in sorted((REPO / "configs").glob(pattern))}
+    assert values and len(set(map(repr, values.values()))) == 1, f"configs/{pattern} disagree: {values}"
+    return next(iter(values.values()))
+
+
+def paragraph(doc: str, phrase: str) -> str:
+    """The paragraph of ``doc`` holding ``phrase``, on one line, thousands separators removed (10,000 -> 10000)."""
+    found = [p for p in re.split(r"\n\s*\n", (REPO / doc).read_text()) if phrase in " ".join(p.split())]
+    assert len(found) == 1, f"{doc}: expected one paragraph with {phrase!r}, found {len(found)}"
+    return re.sub(r"(?<=\d)[, \u202f](?=\d{3}\b)", "", " ".join(found[0].split()))
+
+
+def sci(x: float) -> str:
+    """0.001 -> '1e-3', as the prose writes learning rates."""
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def assert_states(text: str, where: str, *facts: str) -> None:
+    missing = [f for f in facts if f not in text]
+    assert not missing, f"{where} does not state {missing} (the configs' values); it reads: {text[:600]}"
+
+
+def copy_settings() -> dict:
+    init = lambda c, part: c[part]["init_args"]  # noqa: E731
+    return dict(
+        min=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["min_length"]),
+        max=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["max_length"]),
+        dropout=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["dropout"]),
+        d_model=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["d_model"]),
+        layers=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["n_layers"]),
+        heads=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["n_heads"]),
+        batch=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["batch_size"]),
+        lr=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["lr"]),
+        decay=the_same_in_all("copy_*.yaml", lambda c: (init(c, "model")["lr_decay_steps"], init(c, "model")["lr_decay_factor"])),
+        steps=the_same_in_all("copy_*.yaml", lambda c: c["trainer"]["max_steps"]),
+        val_every=the_same_in_all("copy_*.yaml", lambda c: c["trainer"]["val_check_interval"]),
+    )
+
+
+def test_cli_md_states_the_copy_configs():
+    s = copy_settings()
+    steps, factor = s["decay"]
+    text = paragraph("docs/cli.md", "The configs hold the paper's settings")
+    assert_states(text, "docs/cli.md (Train)", f"{s['layers']} layers × {s['heads']} heads", f"d_model {s['d_model']}",
+                  f"dropout {s['dropout']}", f"{s['min']}-{s['max']} symbols", f"at most {2 * s['max'] + 1} positions",
+                  f"batch {s['batch']}", f"lr {sci(s['lr'])} → {sci(s['lr'] * factor)} after {steps} updates",
+                  f"{s['steps']} updates", f"validation every {s['val_every']}")
+
+
+def test_every_symbol_range_in_the_docs_is_the_copy_configs():
+    """'A-B symbols' anywhere in the README or docs/ is the range the copy configs draw (earlier runs
+    at other lengths are written 'A to B symbols' and say so)."""
+    s = copy_settings()
+    ranges = [(doc.name, m) for doc in DOCS for m in re.finditer(r"(\d+)\s?[–-]\s?(\d+) (?:random )?symbols", doc.read_text())]
+    assert ranges, "no 'A-B symbols' in the docs: the pattern no longer matches their wording"
+    found = [(name, m.group(0)) for name, m in ranges if (int(m.group(1)), int(m.group(2))) != (s["min"], s["max"])]
+    assert not found, f"the copy configs draw {s['min']}-{s['max']} symbols; the docs say {found}"
+
+
+def test_reproduction_states_the_authors_copy_settings_as_the_configs_hold_them():
+    s = copy_settings()
+    text = paragraph("docs/REPRODUCTION.md", "\"maximum length 128\" is the whole example")
+    assert_states(text, "REPRODUCTION.md (Fig. 2, the paper's lengths)", f"{s['min']}–{s['max']} random symbols",
+                  f"dropout {s['dropout']}", "`configs/copy_*.yaml` use these lengths and dropout")
+
+
+def mnist_cpu_settings() -> dict:
+    model = lambda key: the_same_in_all("mnist_cpu_*.yaml", lambda c: c["model"]["init_args"][key])  # noqa: E731
+    return dict(layers=model("n_layers"), heads=model("n_heads"), d_model=model("d_model"), d_ff=model("d_ff"),
+                lr=model("lr"), warmup=model("warmup_steps"), schedule=model("lr_schedule"),
+                batch=the_same_in_all("mnist_cpu_*.yaml", lambda c: c["data"]["init_args"]["batch_size"]),
+                limit_val=the_same_in_all("mnist_cpu_*.yaml", lambda c: c["data"]["init_args"]["limit_val"]),
+                steps=the_same_in_all("mnist_cpu_*.yaml", lambda c: c["trainer"]["max_steps"]),
+                val_every=the_same_in_all("mnist_cpu_*.yaml", lambda c: c["trainer"]["val_check_interval"]),
+                clip=the_same_in_all("mnist_cpu_*.yaml", lambda c: c["trainer"]["gradient_clip_val"]))
+
+
+def test_readme_states_the_mnist_cpu_recipe():
+    s = mnist_cpu_settings()
+    text = paragraph("README.md", "CPU-scale recipe of Table 1")
+    assert_states(text, "README.md (Training on a CPU)", f"{s['layers']} layers", f"d_model {s['d_model']}",
+                  f"{s['steps']} updates of {s['batch']} images")
+
+
+def test_reproduction_states_the_mnist_cpu_recipe():
+    s = mnist_cpu_settings()
+    text = paragraph("docs/REPRODUCTION.md", "the same for every attention:")
+    assert_states(text, "REPRODUCTION.md (Table 1, Scale)", f"{s['layers']} layers × {s['heads']} heads",
+                  f"d_model {s['d_model']}", f"feed-forward {s['d_ff']}", f"batch {s['batch']}", f"{s['steps']} updates",
+                  f"{sci(s['lr'])} with {s['warmup']} warm-up updates and a {s['schedule']} schedule",
+                  f"clipped at {s['clip']}", f"validation on {s['limit_val']} images every {s['val_every']} updates")
+
+
+def test_reproduction_states_the_speech_cpu_recipe():
+    model = lambda key: the_same_in_all("speech_cpu_[ls]*.yaml", lambda c: c["model"]["init_args"][key])  # noqa: E731
+    data = lambda key: the_same_in_all("speech_cpu_*.yaml", lambda c: c["data"]["init_args"][key])  # noqa: E731
+    epochs = the_same_in_all("speech_cpu_*.yaml", lambda c: c["trainer"]["max_epochs"])
+    text = paragraph("docs/REPRODUCTION.md", "A synthetic eSpeak NG corpus of")
+    assert_states(text, "REPRODUCTION.md (Table 3, Scale)", f"corpus of {data('hours'):g} h",
+                  f"transformers {model('n_layers')} layers × {model('n_heads')} heads, d_model {model('d_model')}",
+                  f"stride-{model('subsample')} convolution", f"Adam {sci(model('lr'))}",
+                  f"{model('warmup_steps')}-update warm-up", f"{epochs} epochs", f"batch {data('batch_size')}")
+
+
+def the_prose_check_fails_on_a_wrong_value():
+    """The helpers themselves: a paragraph that states another value is reported with what it lacks."""
+    with pytest.raises(AssertionError, match=r"does not state \['d_model 999'\]"):
+        assert_states("4 layers, d_model 128", "here", "4 layers", "d_model 999")
+
+
+def test_the_checker_reports_what_a_paragraph_lacks():
+    the_prose_check_fails_on_a_wrong_value()
+    assert paragraph("docs/cli.md", "The configs hold the paper's settings").count("\n") == 0
+    assert sci(0.001) == "1e-3" and sci(0.0001) == "1e-4"
+
+
+# ---------------------------------------------------------------- links
+def github_slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_link_of_the_docs_leads_to_a_file_and_heading(doc):
+    """Relative links of the README and docs/ name files that exist and, with ``#anchor``, a heading there."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        name, _, anchor = target.partition("#")
+        dest = (doc.parent / name).resolve() if name else doc
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md":
+            slugs = {github_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}
+            if anchor not in slugs:
+                broken.append(f"{target} (no such heading)")
+    assert not broken, f"{doc.name}: {broken}"
+
+
+def test_github_slug_drops_punctuation_as_github_does():
+    assert github_slug("The causal numerator on CPU (§3.3, eq. 13–15)") == "the-causal-numerator-on-cpu-33-eq-1315"
+    assert github_slug("Table 1: MNIST, bits/dim and images/s (§4.2.1)") == "table-1-mnist-bitsdim-and-imagess-421"
