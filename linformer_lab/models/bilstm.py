@@ -40,8 +40,7 @@ class BiLSTMCTC(nn.Module):
     * ``packed=False``: plain padded batches. Valid frames are still exact (an LSTM is causal
       in its reading direction, and the padding comes after the real frames in both readings).
       On CPU this is the fast path: PyTorch's packed-sequence backward runs step by step
-      through autograd, far slower than the fused kernel on padded input (benchmarks/NOTES.md,
-      "Measurements behind library defaults").
+      through autograd, far slower than the fused kernel on padded input.
 
     Default ``packed=None``: packed on CUDA, padded elsewhere.
 
@@ -83,7 +82,7 @@ class BiLSTMCTC(nn.Module):
     def _run(self, lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor, packed: bool) -> torch.Tensor:
         if not x.is_cuda and torch.is_autocast_enabled("cpu"):
             # CPU bf16 autocast sends the LSTM to oneDNN's bf16 kernel, which CPUs without bf16
-            # instructions (measured: an AMD EPYC) reject with "could not create a primitive
+            # instructions reject with "could not create a primitive
             # descriptor"; the LSTM runs in fp32 there instead
             with torch.autocast("cpu", enabled=False):
                 return self._run(lstm, x.float(), lengths, packed)

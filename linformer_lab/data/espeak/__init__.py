@@ -31,8 +31,7 @@ generator: the samples depend only on the arguments, never on call order or hist
 phoneme conversion has no such state and runs in-process.
 
 The isolated path costs about twice the in-process one per call and still synthesises the
-default corpus far faster than real time (benchmarks/NOTES.md, "Measurements behind library
-defaults"). The ctypes binding and the helper's side live in :mod:`.library`, which the helper
+default corpus far faster than real time. The ctypes binding and the helper's side live in :mod:`.library`, which the helper
 process loads on its own.
 """
 
@@ -197,7 +196,7 @@ class _HelperPool:
                     break
                 self.cond.wait()
         try:
-            return _PristineClient()  # outside the lock: a helper takes long to start (benchmarks/NOTES.md)
+            return _PristineClient()  # outside the lock: a helper process takes long to start
         except BaseException:
             with self.cond:
                 self.count -= 1

@@ -32,7 +32,7 @@ The synthetic corpus keeps its int16 audio (the "download": noise level and feat
 change without re-synthesis) and derives a cache of fp16 log-mel features per noise setting from
 it on first use (``features/<key>/``, written atomically like the corpus), from which training
 reads: reading cached features is several times faster than computing them on the fly, and they
-are 4x smaller than the audio (benchmarks/NOTES.md, "Measurements behind library defaults").
+are 4x smaller than the audio (40 fp16 values per hop of 160 int16 samples).
 ``cache_features=False`` computes features on the fly instead, as the LibriSpeech loader always does.
 """
 

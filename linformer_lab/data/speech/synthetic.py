@@ -156,7 +156,7 @@ def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: boo
     tmp = final.parent / temporary_name(final.name)
     tmp.mkdir()
     # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded machine
-    # two OpenMP threads spin-wait on each other (benchmarks/NOTES.md).
+    # two OpenMP threads spin-wait on each other.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -206,8 +206,7 @@ class SyntheticSpeechCorpus:
     (``offsets``, ``speaker_ids``, ``targets``, ``target_offsets``), ``<split>.text.json``
     (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
 
-    Generation runs much faster than real time with two synthesis helpers; its time and the disk
-    space per hour of audio are in benchmarks/NOTES.md, "Measurements behind library defaults".
+    Generation runs much faster than real time with two synthesis helpers.
 
     Args:
         root: cache root (default ``~/.cache/linformer_lab/speech``).
