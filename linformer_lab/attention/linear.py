@@ -1,4 +1,6 @@
-"""``linear``: linear attention (paper §3.2-3.4) in pure PyTorch, CPU and GPU."""
+"""``linear``: linear attention (paper §3.2-3.4) on CPU and GPU, each op on the kernel that
+:mod:`linformer_lab.ops.kernels` picks for the inputs' device (C++ on CPU, CUDA on a GPU, the
+PyTorch reference where neither applies or ``LINFORMER_LAB_KERNELS=reference``)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import torch
 
 from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
+from linformer_lab.ops import kernels
 from linformer_lab.ops import linear_attention as ops
 
 
@@ -48,8 +51,9 @@ class LinearAttention(Attention):
         self.chunk_size = chunk_size
 
     def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
-        """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N); the CUDA
-        backend overrides this one method."""
+        """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N) on the kernel
+        for the device (:func:`linformer_lab.ops.kernels.causal_dot_product`); ``linear_cuda``
+        overrides this one method to insist on the CUDA kernel."""
         return ops.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state)
 
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
@@ -57,17 +61,20 @@ class LinearAttention(Attention):
         self.check_state_request(state, return_state, cu_seqlens, key_lengths)
         if state is not None and not isinstance(state, (tuple, list)):
             raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
+        if self.causal and cu_seqlens is None:
+            # A fused kernel (feature map, numerator and normaliser in one) may take all of eq. 9-12,
+            # unless a subclass brings a numerator of its own (linear_cuda insists on its kernel).
+            own_numerator = type(self).causal_dot_product is not LinearAttention.causal_dot_product
+            kernel = (kernels.reference("causal_attention") if own_numerator
+                      else kernels.select("causal_attention", self.feature_map, q, k, v))
+            return kernel.run(self.feature_map, q, k, v, key_lengths, self.eps, self.causal_dot_product, state,
+                              return_state)
         phi_q = self.feature_map.forward_queries(q)
         phi_k = self.feature_map.forward_keys(k)
         if cu_seqlens is not None:
             offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__)
             return ops.packed_linear_attention(
                 phi_q, phi_k, v, offsets, self.causal, eps=self.eps, dot_product=self.causal_dot_product,
-                initial_state=state, return_state=return_state,
-            )
-        if self.causal:
-            return ops.causal_linear_attention(
-                phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, dot_product=self.causal_dot_product,
                 initial_state=state, return_state=return_state,
             )
         return ops.linear_attention(

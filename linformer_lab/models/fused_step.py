@@ -12,7 +12,9 @@ arithmetic up to summation order (``tests/models/test_fused_step.py`` holds it t
 :func:`step` takes it when all of these hold, and otherwise leaves the step to ``fast_step``'s
 Python path (the reference, which also raises the errors for states that do not fit):
 
-* the environment variable ``LINFORMER_LAB_FUSED_STEP`` is not ``0``;
+* :mod:`linformer_lab.ops.kernels` picks the C++ candidate of its ``fused_step`` op: CPU inputs,
+  float32 or float64, CPU autocast off, at most :data:`FUSED_MAX_BATCH` rows, the extension
+  built or buildable, and no ``LINFORMER_LAB_KERNELS`` forcing the reference;
 * the stack's linear layers hold ``"model"`` weight copies (inside
   ``weight_copies_for_steps(..., "model")``, as in ``PixelTransformer.generate``): the copies
   say the weights are fixed for the block, and the fused step reads them;
@@ -20,16 +22,13 @@ Python path (the reference, which also raises the errors for states that do not 
   ``linear`` backend with the ``elu`` feature map, LayerNorms with weight and bias, a GELU
   feed-forward, the same head sizes in every layer, float32 or float64 weights on CPU;
 * a state from an earlier step or a prefill (a list of ``LinearState``; a sequence's first step
-  makes it on the Python path), inputs of the weights' dtype, CPU autocast off;
-* at most :data:`FUSED_MAX_BATCH` rows;
-* the extension is built or can be built (:func:`linformer_lab.ops.cpu.fused_module`).
+  makes it on the Python path), inputs of the weights' dtype.
 
 It needs no autograd and eval mode, which ``fast_step`` checks before.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -39,18 +38,11 @@ from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models.transformer import Transformer, TransformerLayer
-from linformer_lab.ops import cpu
+from linformer_lab.ops import kernels
+from linformer_lab.ops.kernels import FUSED_MAX_BATCH
 from linformer_lab.ops.linear_attention import LinearState
 
-__all__ = ["ENV_VARIABLE", "FUSED_MAX_BATCH", "enabled", "release", "step"]
-
-#: ``LINFORMER_LAB_FUSED_STEP=0`` keeps every step on ``fast_step``'s Python path.
-ENV_VARIABLE = "LINFORMER_LAB_FUSED_STEP"
-
-#: The fused step runs batches of at most this many rows: its gain, the per-operation cost, shrinks
-#: as a batch spreads it over more arithmetic, and its plain loops are not vectorized as ATen's
-#: kernels are (figures: benchmarks/NOTES.md, "Measurements behind library defaults").
-FUSED_MAX_BATCH = 16
+__all__ = ["FUSED_MAX_BATCH", "release", "step"]
 
 
 class _Plan:
@@ -66,22 +58,17 @@ class _Plan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Transformer -> _Plan
 
 
-def enabled() -> bool:
-    """False when ``LINFORMER_LAB_FUSED_STEP=0`` turns the fused step off."""
-    return os.environ.get(ENV_VARIABLE, "1").strip() != "0"
-
-
 def step(transformer: Transformer, x_t: torch.Tensor, state, copy_attribute: str):
     """``fast_step(transformer, x_t, state)`` through the fused C++ step: ``(out, state)``, with the
     state's ``[S | Z]`` buffers updated in place; None where it does not apply (module docstring).
     ``copy_attribute``: the attribute under which ``weight_copies_for_steps`` gives a linear layer
     its weight copy."""
-    if state is None or x_t.device.type != "cpu" or x_t.shape[0] > FUSED_MAX_BATCH or not enabled() \
-            or torch.is_autocast_enabled("cpu"):
+    kernel = None if state is None else kernels.select("fused_step", x_t)
+    if kernel is None or kernel.name == kernels.REFERENCE:
         return None
     plan = _PLANS.get(transformer)
     if plan is None or plan.qkv.__dict__.get(copy_attribute) is not plan.marker:
-        plan = _make_plan(transformer, copy_attribute)
+        plan = _make_plan(transformer, copy_attribute, kernel.run)
         if plan is None:
             return None
     if plan.stack is None or x_t.dtype != plan.dtype or len(state) != plan.layers:
@@ -105,8 +92,9 @@ def release(module: nn.Module) -> None:
         _PLANS.pop(sub, None)
 
 
-def _make_plan(transformer: Transformer, copy_attribute: str) -> _Plan | None:
-    """A plan for the copies held now; None (and nothing remembered) when there are none."""
+def _make_plan(transformer: Transformer, copy_attribute: str, make_stack) -> _Plan | None:
+    """A plan for the copies held now; None (and nothing remembered) when there are none.
+    ``make_stack``: the selected kernel's ``run``, which builds its ``FusedStack``."""
     if not transformer.layers:
         return None
     qkv = getattr(getattr(transformer.layers[0], "attention", None), "qkv", None)
@@ -115,11 +103,10 @@ def _make_plan(transformer: Transformer, copy_attribute: str) -> _Plan | None:
         return None
     found = _fused_form(transformer, lambda linear: linear.__dict__.get(copy_attribute))
     stack, dtype = None, None
-    module = cpu.fused_module() if found is not None else None
-    if module is not None:
+    if found is not None:
         weights, norm_eps, sizes, eps, approximate = found
         try:
-            stack = module.FusedStack(weights, norm_eps, *sizes, eps, approximate)
+            stack = make_stack(weights, norm_eps, *sizes, eps, approximate)
             dtype = weights[0].dtype
         except RuntimeError:  # shapes the fused step does not take (e.g. d_ff differing by layer)
             stack = None

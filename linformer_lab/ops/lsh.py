@@ -25,11 +25,11 @@ explicitly: no finite sentinel that a half dtype overflows or that swamps the re
 precision. The result comes back in the input dtype.
 
 Cost O(N n_hashes chunk_size D) time and memory (the duplicate counts add integer comparisons
-of the same order when n_hashes > 1). On CPU, step 4 (masks, counts, window softmax and its
-backward) runs in a C++ kernel, ``ops/cpu/lsh_window.cpp``, where a window's scores stay in
-cache: 2.45x the pure-PyTorch step per training update of the Fig. 2 lsh-4 model
-(benchmarks/NOTES.md, "lsh on CPU"); ``LINFORMER_LAB_CPU_LSH=0`` keeps to the PyTorch step
-(:func:`window_attention_torch`, the kernel's reference). Which earlier tokens share a chunk
+of the same order when n_hashes > 1). Step 4 (masks, counts, window softmax and its backward)
+runs on the kernel that :mod:`linformer_lab.ops.kernels` picks (op ``lsh_window``): on CPU a C++
+kernel, ``ops/cpu/lsh_window.cpp``, where a window's scores stay in cache; elsewhere, or with
+``LINFORMER_LAB_KERNELS=lsh_window=reference``, the PyTorch step :func:`window_attention_torch`,
+the kernel's reference. Which earlier tokens share a chunk
 depends on where *all* tokens hash, later ones included; RNN mode therefore re-runs the
 attention over the prefix (the paper's baseline for lsh generation).
 """
@@ -37,14 +37,11 @@ attention over the prefix (the paper's baseline for lsh generation).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from linformer_lab.ops import kernels
 from linformer_lab.ops.masks import length_mask
-
-#: ``LINFORMER_LAB_CPU_LSH=0`` keeps step 4 on :func:`window_attention_torch` (the C++ kernel's reference).
-ENV_VARIABLE = "LINFORMER_LAB_CPU_LSH"
 
 
 def lsh_attention(
@@ -159,13 +156,18 @@ def window_attention(q, k, v, positions, valid, chunks, causal: bool):
     Returns: ``(out (B, H, chunks, chunk, M), lse (B, H, chunks, chunk))``, the window softmax's
     output and log normaliser; a row with every key masked gets ``lse = -inf`` and zeros.
 
-    On CPU in float32/float64 this runs the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
-    scores, masks and counts stay in cache) unless ``LINFORMER_LAB_CPU_LSH=0`` or it cannot be
-    built; otherwise :func:`window_attention_torch`, its reference.
+    Runs on the candidate :func:`linformer_lab.ops.kernels.select` picks: on CPU in float32 /
+    float64 :func:`window_attention_cpp`, else :func:`window_attention_torch`, its reference.
     """
-    module = _cpu_kernel(q, k, v)
-    if module is None:
-        return window_attention_torch(q, k, v, positions, valid, chunks, causal)
+    return kernels.select("lsh_window", q, k, v).run(q, k, v, positions, valid, chunks, causal)
+
+
+def window_attention_cpp(q, k, v, positions, valid, chunks, causal: bool):
+    """:func:`window_attention` through the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
+    scores, masks and counts stay in cache): CPU tensors of one dtype, float32 or float64."""
+    from linformer_lab.ops import cpu  # the build machinery, imported only where the kernel runs
+
+    module = cpu.LSH_WINDOW.load()
     shape = q.shape[:2]
     if chunks is None:  # one round: every pair occurs once
         chunks = torch.zeros(*positions.shape, 0, dtype=torch.int32, device=q.device)
@@ -192,17 +194,6 @@ def window_attention_torch(q, k, v, positions, valid, chunks, causal: bool):
     lse = scores.logsumexp(dim=-1, keepdim=True)  # -inf where the whole window is masked
     out = torch.exp(scores - _finite(lse)) @ v  # masked scores give exp(-inf) = 0
     return out, lse.squeeze(-1)
-
-
-def _cpu_kernel(q, k, v):
-    """The C++ window kernel's module where it applies (:func:`window_attention`), else None."""
-    if os.environ.get(ENV_VARIABLE, "1").strip() == "0" or q.device.type != "cpu":
-        return None
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float64)):
-        return None
-    from linformer_lab.ops import cpu  # the build machinery, imported only where the kernel may run
-
-    return cpu.LSH_WINDOW.module()
 
 
 class _WindowAttentionCPU(torch.autograd.Function):

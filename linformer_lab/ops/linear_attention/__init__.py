@@ -6,11 +6,12 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
 * :mod:`.naive` -- the paper's equations written plainly: the O(N^2) similarity form (eq. 3, 4,
   8, 9) and the loop over t of eq. 10-12. Slow on purpose; the tests compare against it.
 * :mod:`.chunk` -- the causal numerator as a chunked ``autograd.Function`` (matmuls per chunk,
-  eq. 13-15 backward), no ``(N, C, M)`` tensor: the reference and the fallback of
+  eq. 13-15 backward), no ``(N, C, M)`` tensor: the PyTorch reference of the kernels in
 * :mod:`.cpu_kernel` -- the same Function over C++ CPU kernels: a register-resident recurrence
   (``linformer_lab/ops/cpu/causal_recurrence.cpp``) where C and M fit whole SIMD registers, else
-  the same chunked algorithm (``causal_dot.cpp``), which :func:`causal_dot_product` takes on
-  CPU for float32 / float64 where they build (``LINFORMER_LAB_CPU_CAUSAL=0`` turns it off).
+  the same chunked algorithm (``causal_dot.cpp``).
+  :func:`causal_dot_product` runs the kernel that :mod:`linformer_lab.ops.kernels` picks for the
+  inputs' device and dtype (these two, the CUDA kernel, or the reference).
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs.
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, causal_dot_product, compute_dtype, default_chunk_size
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, compute_dtype, reference_chunk_size
 from linformer_lab.ops.linear_attention.recurrent import (
     LinearState,
+    StateOwner,
     check_step_fits_state,
     linear_attention_step,
     new_linear_state,
@@ -32,17 +35,18 @@ from linformer_lab.ops.masks import length_mask
 __all__ = [
     "CausalDotProduct",
     "LinearState",
+    "StateOwner",
     "causal_dot_product",
     "causal_linear_attention",
     "check_linear_state",
     "check_step_fits_state",
     "dot_product_with_state",
     "joint_state",
-    "default_chunk_size",
     "linear_attention",
     "linear_attention_step",
     "new_linear_state",
     "packed_linear_attention",
+    "reference_chunk_size",
 ]
 
 
@@ -147,7 +151,7 @@ def causal_linear_attention(
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
     ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
-    numerator (the pure-PyTorch :func:`causal_dot_product` or the CUDA kernel's);
+    numerator (:func:`causal_dot_product`, which runs the kernel for the device, or a backend's own);
     ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
     (from an earlier segment: the parallel form continues the recurrence), None = empty.
     Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last

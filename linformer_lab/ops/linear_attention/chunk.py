@@ -29,10 +29,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 
 
-def default_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """Chunk length: at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so
-    matmuls are not tiny, at most 256 so intra-chunk work stays small (the fastest chunk per
-    head size is in benchmarks/paper/results/causal_linear_cpu.md)."""
+def reference_chunk_size(feature_dim: int, value_dim: int) -> int:
+    """The reference's chunk length when none is given: at least min(C, M) so chunk states stay
+    O(N max(C, M)), at least 32 so matmuls are not tiny, at most 256 so intra-chunk work stays
+    small. (The C++ chunked kernel has its own rule: ``cpu_kernel.cpp_chunk_size``.)"""
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
@@ -54,32 +54,10 @@ def _unchunked(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.view(b, h, x.shape[1] * x.shape[2], x.shape[-1])[:, :, :n].to(like.dtype)
 
 
-def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
-    """Rows of a ``(B H, n, R, X)`` tensor as the ``(rows n, R, X)`` batch of ``bmm``: a view,
-    so ``bmm(..., out=)`` writes straight into the full tensor."""
-    return x[rows].flatten(0, 1)
-
-
-#: Bytes of each per-block temporary on CPU: small enough to stay in cache, large enough to keep
-#: the per-block overhead low (the fastest size measured; benchmarks/NOTES.md, "Measurements
-#: behind library defaults").
-_BLOCK_BYTES = 8 << 20
-#: The chunk scans are one small op per chunk and per block; at least this many rows per block
-#: keeps their count (and Python overhead) low when rows are long.
-_MIN_BLOCK_ROWS = 8
-
-
-def _row_blocks(qc: torch.Tensor, value_dim: int) -> list[slice]:
-    """Row ranges of the blocks for chunked queries ``qc (B H, n, L, C)``. On CPU, blocks of
-    ~:data:`_BLOCK_BYTES` of temporaries (the largest per row: n (L, L) scores or n (C, M)
-    states). On GPUs the caching allocator already recycles memory and more rows per launch
-    is better, so all rows form one block."""
-    total_rows, n_chunks, chunk, c = qc.shape
-    if qc.device.type != "cpu":
-        return [slice(0, total_rows)]
-    bytes_per_row = n_chunks * max(chunk * chunk, c * value_dim) * qc.element_size()
-    rows = max(_MIN_BLOCK_ROWS, _BLOCK_BYTES // max(1, bytes_per_row))  # N = 0 gives 0 bytes
-    return [slice(r, min(total_rows, r + rows)) for r in range(0, total_rows, rows)]
+def _batched(x: torch.Tensor) -> torch.Tensor:
+    """A ``(B H, n, R, X)`` tensor as the ``(B H n, R, X)`` batch of ``bmm``: a view, so
+    ``bmm(..., out=)`` writes straight into it."""
+    return x.flatten(0, 1)
 
 
 def _exclusive_scan_(x: torch.Tensor, reverse: bool = False, initial: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,9 +66,9 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False, initial: torch.Tens
     (rows, C, M)`` or None for zero. Returns the running sum past the last entry: ``initial``
     plus all entries (the final state of the forward scan).
 
-    A loop over chunks (not time steps) with a (rows, C, M) running sum that stays in cache,
-    much faster than ``torch.cumsum`` along a non-innermost dim (benchmarks/NOTES.md), and in
-    place because a fresh output costs page faults on first touch.
+    A loop over chunks (not time steps) with a (rows, C, M) running sum, rather than
+    ``torch.cumsum`` along a non-innermost dim, which is slow; in place because a fresh output
+    costs page faults on first touch.
     """
     running = x.new_zeros(x.shape[0], *x.shape[2:]) if initial is None else initial.to(x.dtype, copy=True)
     spare = torch.empty_like(running)
@@ -113,10 +91,8 @@ class CausalDotProduct(torch.autograd.Function):
     Gradients flow into S_0 (grad S_0 = sum_i q_i g_i^T + grad S_N) and from S_N into k and v:
     both are the suffix state R of the backward scan started at grad S_N instead of 0.
 
-    Works on ``(B H, n, L, X)`` chunked views, on CPU in blocks of rows: every temporary is
-    one block's worth (~8 MiB), so it stays in cache and is recycled by the allocator instead
-    of being a fresh input-sized allocation (whose page faults cost as much as a matmul).
-    Outputs, saved states and saved scores are written in place (``bmm(out=)``, ``baddbmm_``).
+    Works on ``(B H, n, L, X)`` chunked views, all rows in one batch of matmuls; outputs, saved
+    states and saved scores are written in place (``bmm(out=)``, ``baddbmm_``).
 
     Saved for backward: the inputs, the (N / L, C, M) chunk-boundary states and, when the
     chunk is no longer than max(C, M), the masked intra-chunk scores q_i . k_j (N L numbers,
@@ -133,7 +109,7 @@ class CausalDotProduct(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, q, k, v, chunk_size, initial_state, return_final_state):
-        chunk = chunk_size or default_chunk_size(q.shape[-1], v.shape[-1])
+        chunk = chunk_size or reference_chunk_size(q.shape[-1], v.shape[-1])
         compute = compute_dtype(q.dtype)
         qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
         rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
@@ -141,33 +117,28 @@ class CausalDotProduct(torch.autograd.Function):
         # S before each chunk (eq. 10 at chunk boundaries): (B H, n, C, M). Kept for the
         # backward pass: it is (N / L) C M <= N max(C, M) numbers and saves recomputing it.
         prefix = qc.new_empty(rows, n_chunks, c, m)
-        final = qc.new_empty(rows, c, m) if return_final_state else None
         # [i, j] = q_i . k_j for j <= i inside each chunk. grad V needs exactly these scores
         # again; keeping them costs N L numbers and saves a third of the backward's
         # intra-chunk matmuls. Past max(C, M) they would outgrow the inputs: recomputed.
         keep_scores = chunk <= max(c, m)
         scores = qc.new_empty(rows, n_chunks, chunk, chunk) if keep_scores else None
         out = qc.new_empty(rows, n_chunks, chunk, m)
-        for block in _row_blocks(qc, m):
-            q3, k3, v3 = (_rows(t, block) for t in (qc, kc, vc))
-            prefix3 = _rows(prefix, block)
-            torch.bmm(k3.transpose(1, 2), v3, out=prefix3)
-            last = _exclusive_scan_(prefix[block], initial=None if initial is None else initial[block])
-            if final is not None:
-                final[block] = last
-            if keep_scores:
-                scores3 = torch.bmm(q3, k3.transpose(1, 2), out=_rows(scores, block))
-            else:
-                scores3 = torch.bmm(q3, k3.transpose(1, 2))
-            scores3.tril_()
-            # intra-chunk term, then the state term accumulated by BLAS (beta = 1) in place
-            torch.bmm(scores3, v3, out=_rows(out, block)).baddbmm_(q3, prefix3)
+        q3, k3, v3, prefix3 = _batched(qc), _batched(kc), _batched(vc), _batched(prefix)
+        torch.bmm(k3.transpose(1, 2), v3, out=prefix3)
+        final = _exclusive_scan_(prefix, initial=initial)  # S_N
+        if keep_scores:
+            scores3 = torch.bmm(q3, k3.transpose(1, 2), out=_batched(scores))
+        else:
+            scores3 = torch.bmm(q3, k3.transpose(1, 2))
+        scores3.tril_()
+        # intra-chunk term, then the state term accumulated by BLAS (beta = 1) in place
+        torch.bmm(scores3, v3, out=_batched(out)).baddbmm_(q3, prefix3)
         ctx.chunk = chunk
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
         ctx.save_for_backward(q, k, v, prefix, *((scores,) if keep_scores else ()))
         out = _unchunked(out, q)
-        if final is None:
+        if not return_final_state:
             return out
         return out, final.view(*q.shape[:2], c, m)
 
@@ -186,48 +157,22 @@ class CausalDotProduct(torch.autograd.Function):
         qc, kc, vc, gc = (_chunked(t, chunk, compute) for t in (q, k, v, grad_out))
         rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
         grad_end = None if grad_final is None else grad_final.reshape(rows, c, m)
-        grad_initial = qc.new_empty(rows, c, m) if ctx.initial_dtype is not None else None
         grad_q, grad_k, grad_v = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
-        for block in _row_blocks(qc, m):
-            q3, k3, v3, g3 = (_rows(t, block) for t in (qc, kc, vc, gc))
-            # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
-            gv_scores = torch.bmm(g3, v3.transpose(1, 2)).tril_()  # [i, j] = g_i . v_j, j <= i
-            torch.bmm(gv_scores, k3, out=_rows(grad_q, block)).baddbmm_(g3, _rows(prefix, block).transpose(1, 2))
-            # eq. 14-15 with R = grad S_N + sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
-            suffix = torch.bmm(q3.transpose(1, 2), g3)
-            total = _exclusive_scan_(suffix.view(block.stop - block.start, n_chunks, c, m), reverse=True,
-                                     initial=None if grad_end is None else grad_end[block])
-            if grad_initial is not None:
-                grad_initial[block] = total  # grad S_0 = R_0, the suffix state before position 0
-            torch.bmm(gv_scores.transpose(1, 2), q3, out=_rows(grad_k, block)).baddbmm_(v3, suffix.transpose(1, 2))
-            del gv_scores
-            qk_scores = _rows(kept[0], block) if kept else torch.bmm(q3, k3.transpose(1, 2)).tril_()
-            torch.bmm(qk_scores.transpose(1, 2), g3, out=_rows(grad_v, block)).baddbmm_(k3, suffix)
-        if grad_initial is not None:
+        q3, k3, v3, g3 = _batched(qc), _batched(kc), _batched(vc), _batched(gc)
+        # eq. 13: grad Q_i = sum_{j <= i} (g_i . v_j) k_j = g_i S_i^T
+        gv_scores = torch.bmm(g3, v3.transpose(1, 2)).tril_()  # [i, j] = g_i . v_j, j <= i
+        torch.bmm(gv_scores, k3, out=_batched(grad_q)).baddbmm_(g3, _batched(prefix).transpose(1, 2))
+        # eq. 14-15 with R = grad S_N + sum_{j >= i} q_j g_j^T: grad K_i = R_i v_i, grad V_i = R_i^T k_i
+        suffix = torch.bmm(q3.transpose(1, 2), g3)
+        # grad S_0 = R_0, the suffix state before position 0
+        grad_initial = _exclusive_scan_(suffix.view(rows, n_chunks, c, m), reverse=True, initial=grad_end)
+        torch.bmm(gv_scores.transpose(1, 2), q3, out=_batched(grad_k)).baddbmm_(v3, suffix.transpose(1, 2))
+        del gv_scores
+        qk_scores = _batched(kept[0]) if kept else torch.bmm(q3, k3.transpose(1, 2)).tril_()
+        torch.bmm(qk_scores.transpose(1, 2), g3, out=_batched(grad_v)).baddbmm_(k3, suffix)
+        if ctx.initial_dtype is None:
+            grad_initial = None
+        else:
             grad_initial = grad_initial.view(*q.shape[:2], c, m).to(ctx.initial_dtype)
         return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None, grad_initial, None
 
-
-def causal_dot_product(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    chunk_size: int | None = None,
-    initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
-):
-    """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``.
-
-    ``initial_state`` S_0 ``(B, H, C, M)`` (None = 0); with ``return_final_state`` returns
-    ``(out, S_N (B, H, C, M))``, S_N in fp32 for half inputs. See :class:`CausalDotProduct`.
-
-    On CPU, for float32 / float64, the C++ kernel runs it when it can be built
-    (:mod:`.cpu_kernel`, ``LINFORMER_LAB_CPU_CAUSAL=0`` turns it off); this module's
-    :class:`CausalDotProduct` is the reference and the fallback.
-    """
-    from linformer_lab.ops.linear_attention import cpu_kernel  # here: it imports the extension machinery
-
-    if q.device.type == "cpu" and cpu_kernel.applies(q, k, v, initial_state):
-        chunk = chunk_size or cpu_kernel.default_chunk_size(q.shape[-1], v.shape[-1])
-        return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk, initial_state, return_final_state)
-    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
