@@ -13,14 +13,15 @@
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
-architecture) and cached under ``$LINFORMER_LAB_CPU_BUILD_DIR`` or
-``~/.cache/linformer_lab/cpu``, in a folder named after a hash of the source and of the headers
-it may include (``simd.h``), the torch and Python versions, the machine architecture, the
-compiler and the flags. A later process loads the cached library without compiling (no compiler
-needed then).
+architecture) and cached in the ``cpu`` folder of the one build cache
+(:mod:`linformer_lab.ops.build_cache`: ``$LINFORMER_LAB_BUILD_DIR`` or ``~/.cache/linformer_lab``),
+in a folder named after a hash of the source and of the headers it may include (``simd.h``),
+the torch and Python versions, the machine architecture, the compiler and the flags. A later
+process loads the cached library without compiling (no compiler needed then).
 
 Nothing here is required: :meth:`Extension.module` returns None (and warns once) where the
-extension cannot be built or loaded, and the caller keeps to its Python path.
+extension cannot be built or loaded, and :mod:`linformer_lab.ops.kernels` picks the next
+candidate (in the end the PyTorch reference).
 
 Public API: :class:`Extension` with :meth:`~Extension.load` (build if needed and import; raises
 RuntimeError saying why not) and :meth:`~Extension.module` (the same, None instead of an error);
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import json
 import os
 import platform
 import shutil
@@ -47,7 +47,7 @@ from types import ModuleType
 
 import torch
 
-from linformer_lab.ops.cuda.toolchain import ensure_ninja_on_path
+from linformer_lab.ops import build_cache
 
 __all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW", "Extension", "build_dir", "cache_root", "find_compiler",
            "fused_module", "load"]
@@ -65,9 +65,8 @@ def find_compiler() -> str | None:
 
 
 def cache_root() -> Path:
-    """``$LINFORMER_LAB_CPU_BUILD_DIR`` or ``~/.cache/linformer_lab/cpu``."""
-    env = os.environ.get("LINFORMER_LAB_CPU_BUILD_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "linformer_lab" / "cpu"
+    """The C++ extensions' folder of the build cache (:func:`linformer_lab.ops.build_cache.cache_root`)."""
+    return build_cache.cache_root("cpu")
 
 
 def _compiler_identity(compiler: str | None) -> str:
@@ -84,8 +83,7 @@ def build_dir(info: dict | None = None) -> Path:
     """The cache folder of the build for this source, torch, Python, machine, compiler and flags
     (``info`` from :meth:`Extension.build_info`; None: the fused step's with this compiler)."""
     info = info or FUSED_STEP.build_info(find_compiler())
-    digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / f"torch{info['torch']}-py{info['python']}-{info['machine']}-{digest}"
+    return cache_root() / f"torch{info['torch']}-py{info['python']}-{info['machine']}-{build_cache.digest(info)}"
 
 
 class Extension:
@@ -127,16 +125,9 @@ class Extension:
     def _cached_library(self) -> Path | None:
         """A complete cached build (its build_info.json is written last) for this source, torch,
         Python and machine, whatever the compiler that made it."""
-        root = cache_root()
-        if not root.is_dir():
-            return None
         want = self.build_info(None)
-        for info_path in sorted(root.glob("*/build_info.json")):
-            try:
-                info = json.loads(info_path.read_text())
-            except (OSError, ValueError):
-                continue
-            library = info_path.parent / f"{self.name}.so"
+        for folder, info in build_cache.complete_builds(cache_root()):
+            library = folder / f"{self.name}.so"
             if all(info.get(key) == want[key] for key in ("source_sha256", "torch", "python", "machine", "cflags")) \
                     and library.is_file():
                 return library
@@ -152,7 +143,7 @@ class Extension:
         compiler = find_compiler()
         if compiler is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
-        ensure_ninja_on_path()
+        build_cache.ensure_ninja_on_path()
         if shutil.which("ninja") is None:
             raise RuntimeError("ninja is not on PATH (it is a Python dependency of the project: pip install ninja)")
         from torch.utils import cpp_extension
@@ -170,9 +161,7 @@ class Extension:
                                         verbose=verbose)
             if module.__name__ == self.name:  # torch renames a second build in one process (name_v1): not cached
                 os.replace(Path(module.__file__), out_dir / f"{self.name}.so")  # the loaded library stays mapped
-                tmp = out_dir / f"build_info.json.{os.getpid()}"
-                tmp.write_text(json.dumps(info, indent=2))
-                os.replace(tmp, out_dir / "build_info.json")  # last and atomic: marks a complete build
+                build_cache.publish(out_dir, info)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return module

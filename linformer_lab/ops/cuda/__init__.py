@@ -3,13 +3,18 @@
 
 The kernels (``causal_linear_attention.cu``) are compiled on first use with
 ``torch.utils.cpp_extension`` (nvcc + ninja) for the compute capability of the GPUs present, and
-cached under ``$LINFORMER_LAB_CUDA_BUILD_DIR`` or ``~/.cache/linformer_lab/cuda``. Clusters whose
-compute nodes have no compiler pre-build on a login node::
+cached in the ``cuda`` folder of the one build cache (:mod:`linformer_lab.ops.build_cache`:
+``$LINFORMER_LAB_BUILD_DIR`` or ``~/.cache/linformer_lab``). Clusters whose compute nodes have no
+compiler pre-build on a login node::
 
     python -m linformer_lab.ops.cuda build --arch 8.0 9.0
 
 A later ``load()`` on any machine with the same torch / Python picks up a cached build whose
 architectures cover its GPU, without needing nvcc.
+
+The ``linear`` backend runs this kernel for CUDA tensors where it is available
+(:mod:`linformer_lab.ops.kernels`, candidate ``cuda`` of the ``causal`` op); ``linear_cuda``
+insists on it.
 
 Public API:
 

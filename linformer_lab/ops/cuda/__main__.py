@@ -6,7 +6,7 @@
 `build` compiles the extension into the cache (for the given architectures, else
 TORCH_CUDA_ARCH_LIST, else the visible GPUs). With --arch it needs no GPU, so a login node with
 nvcc can prepare the cache that GPU nodes without a compiler then load: point both at the same
-folder (shared home, or LINFORMER_LAB_CUDA_BUILD_DIR / --build-dir).
+folder (shared home, or LINFORMER_LAB_BUILD_DIR / --build-dir).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         "default: $TORCH_CUDA_ARCH_LIST, else the visible GPUs",
     )
     p_build.add_argument(
-        "--build-dir", help="cache root (default: $LINFORMER_LAB_CUDA_BUILD_DIR or ~/.cache/linformer_lab/cuda)"
+        "--build-dir", help="cache root (default: $LINFORMER_LAB_BUILD_DIR/cuda or ~/.cache/linformer_lab/cuda)"
     )
     p_build.add_argument(
         "-v", "--verbose", action="store_true", help="show the compiler commands and ptxas register/shared-memory usage"

@@ -1,5 +1,6 @@
-"""Building the ``linear_cuda`` extension: target architectures, the CUDA toolchain, the build
-cache (keyed by sources, torch/Python ABI and architectures) and loading a built library.
+"""Building the ``linear_cuda`` extension: target architectures, the CUDA toolchain, its builds in
+the one build cache (:mod:`linformer_lab.ops.build_cache`; a build's folder is named after the
+torch/Python ABI and the architectures, its record holds the sources' hash) and loading a built library.
 The user's entry points are re-exported by :mod:`linformer_lab.ops.cuda`; the other public
 names here (``device_capabilities``, ``find_prebuilt``, ``can_build_for``, ``loaded_library``,
 ``load_library``, ``lock``, ``MIN_CAPABILITY``, ``CPU_HINT``, ``OPS_NAMESPACE``) are what its
@@ -8,7 +9,6 @@ names here (``device_capabilities``, ``find_prebuilt``, ``can_build_for``, ``loa
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from linformer_lab.ops import build_cache
+from linformer_lab.ops.build_cache import ensure_ninja_on_path
 
 OPS_NAMESPACE = "linformer_lab_cuda"
 _EXTENSION_NAME = "linformer_lab_cuda_ext"
@@ -175,14 +178,6 @@ def _nvcc_gpu_codes(cuda_home: str) -> set[str] | None:
     return codes if out.returncode == 0 and codes else None
 
 
-def ensure_ninja_on_path() -> None:
-    """Put the interpreter's folder on PATH: ninja is a Python dependency of the project, and its
-    binary sits next to the interpreter, which is not on PATH when called by its full path."""
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-
-
 def can_build_for(capabilities: Sequence[tuple[int, int]]) -> bool:
     """Whether this machine can compile the extension for these GPU capabilities: a CUDA toolkit
     and ninja are present, and the toolkit's nvcc targets every one (CUDA 13 cannot compile for
@@ -201,9 +196,8 @@ def can_build_for(capabilities: Sequence[tuple[int, int]]) -> bool:
 
 
 def cache_root() -> Path:
-    """``$LINFORMER_LAB_CUDA_BUILD_DIR`` or ``~/.cache/linformer_lab/cuda``."""
-    env = os.environ.get("LINFORMER_LAB_CUDA_BUILD_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "linformer_lab" / "cuda"
+    """The CUDA extension's folder of the build cache (:func:`linformer_lab.ops.build_cache.cache_root`)."""
+    return build_cache.cache_root("cuda")
 
 
 def _sources_digest() -> str:
@@ -253,17 +247,13 @@ def _library_path(build_dir: Path) -> Path:
 def find_prebuilt(capabilities: Sequence[tuple[int, int]], root: Path | None = None) -> tuple[Path, list[Arch]] | None:
     """A cached library built from these sources for this torch / Python whose architectures
     cover every given GPU capability, with those architectures."""
-    base = (root or cache_root()) / _abi_tag()
-    if not base.is_dir():
-        return None
     digest = _sources_digest()
-    for info_path in sorted(base.glob("*/build_info.json")):
+    for folder, info in build_cache.complete_builds((root or cache_root()) / _abi_tag()):
         try:
-            info = json.loads(info_path.read_text())
             archs = parse_arch_list(info["archs"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
-        library = _library_path(info_path.parent)
+        library = _library_path(folder)
         if (
             info.get("sources_sha256") == digest
             and info.get("torch") == torch.__version__
@@ -364,8 +354,5 @@ def build(
             is_python_module=False,
         )
         load_library(library, targets)
-        # Written last and atomically: its presence marks a complete build for find_prebuilt.
-        tmp = out_dir / f"build_info.json.{os.getpid()}"
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, out_dir / "build_info.json")
+        build_cache.publish(out_dir, info)  # last: marks a complete build for find_prebuilt
     return library
