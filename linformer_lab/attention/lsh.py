@@ -93,7 +93,7 @@ class LSHAttention(Attention):
             state = KVCache(q_t, v_t)
         elif not isinstance(state, KVCache):
             raise state_type_error(f"{type(self).__name__}.step", state, "the KVCache of its prefix or None")
-        state.append(q_t, v_t)
+        state = state.appended(q_t, v_t)  # a new cache: the given one stays as it was
         out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True)
         return out[:, :, -1], state
 

@@ -88,7 +88,7 @@ class SoftmaxAttention(Attention):
             state = KVCache(k_t, v_t)
         elif not isinstance(state, KVCache):
             raise state_type_error(f"{type(self).__name__}.step", state, "a KVCache or None")
-        state.append(k_t, v_t)
+        state = state.appended(k_t, v_t)  # a new cache: the given one stays as it was
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]
         out = F.scaled_dot_product_attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)

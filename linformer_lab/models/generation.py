@@ -71,7 +71,7 @@ from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models import fused_step
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer, TransformerLayer
-from linformer_lab.ops.linear_attention import LinearState, check_step_fits_state
+from linformer_lab.ops.linear_attention import LinearState, StateOwner, check_step_fits_state
 
 __all__ = [
     "CPU_MATMUL_MIN_ROWS",
@@ -94,6 +94,7 @@ __all__ = [
 #: below: a batched matmul of (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at
 #: a few rows, and from here on the product's (B, H, C, M + 1) temporary costs more than that set-up.
 CPU_MATMUL_MIN_ROWS = 32
+_OWNED = StateOwner()  # the linear states fast_step made, the only ones it updates in place (others: copied first)
 
 
 def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | SequenceBuffer | None = None):
@@ -102,7 +103,7 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     :func:`weight_copies_for_steps` aside), in fewer tensor operations.
 
     Needs eval mode (it applies no dropout) and no autograd (``torch.no_grad()`` or
-    ``torch.inference_mode()``: linear attention's state is updated in place). Per layer:
+    ``torch.inference_mode()``: a linear state it made is updated in place, one from elsewhere copied first). Per layer:
     ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a backend flag on every
     call), the linear layers through :func:`step_linear`, q, k, v as views of the fused
     projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
@@ -122,7 +123,7 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     recurrent = transformer.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
     if not recurrent:
         return transformer.step(x_t, state)
-    if (fused := fused_step.step(transformer, x_t, state, _ATTRIBUTE)) is not None:
+    if (fused := fused_step.step(transformer, x_t, (state := _OWNED.take(state)), _ATTRIBUTE)) is not None:
         return fused
     new_state = []
     for layer, layer_state in zip(transformer.layers, state or [None] * len(transformer.layers)):
@@ -174,9 +175,8 @@ def _heads(attention: MultiHeadAttention, qkv: torch.Tensor):
 def _linear_attention_step(backend: LinearAttention, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, state):
     """``LinearAttention.step`` (eq. 18-20) on the :class:`LinearState`'s ``[S | Z]`` buffer, in
     place: q_t, k_t ``(B, H, D)``, v_t ``(B, H, M)`` -> ``(out (B, H, M), state)``."""
-    if not isinstance(state, LinearState):
-        # a sequence's first step (the backend checks the inputs and makes the state), or (S, Z) built by hand
-        return backend.step(q_t, k_t, v_t, state)
+    if not isinstance(state, LinearState):  # None or (S, Z) built by hand: the backend's step makes the state
+        return _OWNED.adopt(*backend.step(q_t, k_t, v_t, state))
     phi_q, phi_k = _features(backend.feature_map, q_t, k_t)
     joint, (s, z) = state.joint, state
     check_step_fits_state(phi_k, v_t, s, z)

@@ -140,8 +140,7 @@ class Transformer(nn.Module):
         if not self.has_recurrent_form:
             # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
             # paper's generation baseline); the state is the prefix of inputs
-            state = state if state is not None else SequenceBuffer(x_t, dim=1)
-            state.append(x_t)
+            state = (state if state is not None else SequenceBuffer(x_t, dim=1)).appended(x_t)
             return self.forward(state.filled)[:, -1], state
         new_state = []
         for layer, layer_state in zip(self.layers, state or [None] * len(self.layers)):

@@ -4,8 +4,13 @@ A backend's ``step`` and ``forward(..., return_state=True)`` return a state of t
 type (linear attention's :class:`~linformer_lab.ops.linear_attention.LinearState`, softmax's and
 lsh's :class:`~linformer_lab.attention.base.KVCache`, a plugin's own class). Only the backend
 looks inside it. The code around the backends (truncated back-propagation through time in
-``segmented_forward``, state-size reports) calls the two members of :class:`AttentionState`
-and nothing else.
+``segmented_forward``, branching a generation, state-size reports) calls the three members of
+:class:`AttentionState` and nothing else.
+
+A state is a value: ``step`` and ``forward(state=...)`` return a new state and leave the one
+they were given as it was, so one state can be continued several ways (samples from one prompt,
+beam search, retrying a step). That is why :meth:`AttentionState.detach` may share memory with
+the original: nothing writes into a state after it was returned.
 
 A layer stack's state is a list with one backend state per layer (``Transformer.step``);
 :func:`detach_state` and :func:`state_nbytes` walk plain lists and tuples, so stacks are handled
@@ -20,16 +25,25 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["AttentionState", "check_state", "detach_state", "state_nbytes"]
+__all__ = ["AttentionState", "check_state", "clone_state", "detach_state", "state_nbytes"]
 
 
 @runtime_checkable
 class AttentionState(Protocol):
     """What an attention backend's recurrent state offers (structural: no base class to derive).
 
+    A state is a value: the backend's ``step`` and ``forward(state=...)`` never change the state
+    they are given (they return a new one), so continuing one state twice gives the same outputs.
+
     ``detach()``: a state of the same type holding the same numbers, cut from the autograd graph
-    (what truncated back-propagation through time carries into the next segment). It must be
-    usable wherever the original was: ``step`` and ``forward(state=...)`` continue from it.
+    (what truncated back-propagation through time carries into the next segment). It may share
+    memory with the original, as ``Tensor.detach()`` does (the built-in states do): safe, since no
+    step writes into a state it was given. It must be usable wherever the original was: ``step``
+    and ``forward(state=...)`` continue from it.
+
+    ``clone()``: a state of the same type holding the same numbers in memory of its own (as
+    ``Tensor.clone()``: still connected to the autograd graph). A state to keep while something
+    that updates states in place (the generation loop's fast step) runs on from it.
 
     ``nbytes``: the bytes the state holds for the sequence so far (a growing cache counts its
     filled positions, not spare capacity): constant for linear attention, growing for softmax.
@@ -37,18 +51,24 @@ class AttentionState(Protocol):
 
     def detach(self) -> AttentionState: ...
 
+    def clone(self) -> AttentionState: ...
+
     @property
     def nbytes(self) -> int: ...
 
 
 #: The members of :class:`AttentionState`, as an error names them.
-_MEMBERS = (("detach", "detach()"), ("nbytes", "nbytes"))
+_MEMBERS = (("detach", "detach()"), ("clone", "clone()"), ("nbytes", "nbytes"))
 
 
 def _lacks(state) -> list[str]:
     """The members of the contract that ``state`` lacks (what ``isinstance(state, AttentionState)``
     looks at)."""
     return [label for name, label in _MEMBERS if not hasattr(state, name)]
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _is_container(state) -> bool:
@@ -70,9 +90,10 @@ def check_state(state, who: str) -> None:
     if lacks:
         cls = type(state)
         raise TypeError(
-            f"{who}: the state {cls.__qualname__} (module {cls.__module__}) lacks {' and '.join(lacks)} of the "
+            f"{who}: the state {cls.__qualname__} (module {cls.__module__}) lacks {_listed(lacks)} of the "
             f"attention-state contract (linformer_lab.attention.AttentionState). Every backend's state offers "
-            f"detach() (the same state cut from the autograd graph) and nbytes (the bytes it holds); see "
+            f"detach() (the same state cut from the autograd graph), clone() (the same state in memory of its "
+            f"own) and nbytes (the bytes it holds); see "
             f"docs/ARCHITECTURE.md, 'The recurrent state'"
         )
 
@@ -86,6 +107,17 @@ def detach_state(state):
         return type(state)(detach_state(s) for s in state)
     check_state(state, "detach_state")
     return state.detach()
+
+
+def clone_state(state):
+    """``state`` (one backend's, or a stack's list of them; None) with the same numbers in memory
+    of its own: a copy to keep while a step that updates states in place runs on."""
+    if state is None:
+        return None
+    if _is_container(state):
+        return type(state)(clone_state(s) for s in state)
+    check_state(state, "clone_state")
+    return state.clone()
 
 
 def state_nbytes(state) -> int:

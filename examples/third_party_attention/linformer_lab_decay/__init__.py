@@ -10,13 +10,17 @@ from linformer_lab.attention import Attention
 
 class DecayState:
     """The recurrent state ``(S (B, H, D, M), Z (B, H, D))``: the decayed sums of phi(k) v^T and
-    phi(k). Meets linformer_lab's attention-state contract: :meth:`detach` and :attr:`nbytes`."""
+    phi(k). Meets linformer_lab's attention-state contract: :meth:`detach`, :meth:`clone` and :attr:`nbytes`
+    (a value: ``step`` returns a new state)."""
 
     def __init__(self, s: torch.Tensor, z: torch.Tensor):
         self.s, self.z = s, z
 
     def detach(self) -> DecayState:
         return DecayState(self.s.detach(), self.z.detach())
+
+    def clone(self) -> DecayState:
+        return DecayState(self.s.clone(), self.z.clone())
 
     @property
     def nbytes(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -13,8 +15,12 @@ class LinearState(tuple):
     With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
     of eq. 20 together. The bytes are those of S and Z alone.
 
-    Meets the attention-state contract (:class:`~linformer_lab.ops.state.AttentionState`):
-    :meth:`detach` and :attr:`nbytes`.
+    A value, like every attention state: :func:`linear_attention_step` returns a new state and
+    leaves this one as it was. Meets the attention-state contract
+    (:class:`~linformer_lab.ops.state.AttentionState`): :meth:`detach` (shares the buffer),
+    :meth:`clone` (copies it) and :attr:`nbytes`. Copies, pickles and saves as its one buffer:
+    ``copy.copy`` shares it, ``copy.deepcopy`` / ``pickle`` / ``torch.save`` copy it, and
+    ``torch.load(..., weights_only=True)`` reads it back (the class is a registered safe global).
     """
 
     joint: torch.Tensor
@@ -25,14 +31,52 @@ class LinearState(tuple):
         self.joint = joint
         return self
 
+    def __reduce__(self):
+        # rebuilt from the buffer alone: S and Z are views of it (a tuple subclass would
+        # otherwise be rebuilt from the pair (S, Z), which __new__ does not take)
+        return (LinearState, (self.joint,))
+
     def detach(self) -> LinearState:
         """The same ``[S | Z]`` buffer cut from the autograd graph (shares its memory)."""
         return LinearState(self.joint.detach())
+
+    def clone(self) -> LinearState:
+        """The same numbers in a buffer of its own (autograd sees a copy, as ``Tensor.clone``)."""
+        return LinearState(self.joint.clone())
 
     @property
     def nbytes(self) -> int:
         """Bytes of S and Z: fixed by (B, H, C, M), whatever the sequence length."""
         return self.joint.nbytes
+
+
+# a saved state loads with torch.load(..., weights_only=True): the class is all it needs beyond tensors
+torch.serialization.add_safe_globals([LinearState])
+
+
+class StateOwner:
+    """The :class:`LinearState` buffers one in-place stepper made itself (held weakly): it may update
+    those in place, and no other. A state from anywhere else (a prefill, a caller's) is a value it
+    leaves as it was: :meth:`take` gives it a copy of its own first. The generation loop's fast step
+    (``linformer_lab.models.generation.fast_step``) keeps one."""
+
+    def __init__(self):
+        self._buffers = weakref.WeakValueDictionary()  # id -> buffer (tensors compare by value, not identity)
+
+    def adopt(self, out, state: LinearState):
+        """``(out, state)`` as given, with ``state`` (just made, held by no one else) now owned."""
+        self._buffers[id(state.joint)] = state.joint
+        return out, state
+
+    def owns(self, state) -> bool:
+        return isinstance(state, LinearState) and self._buffers.get(id(state.joint)) is state.joint
+
+    def take(self, states):
+        """A stack's ``states`` (a list; None) with every :class:`LinearState` this owner did not make
+        replaced by an owned copy (the list itself too, then); other states as they are."""
+        if states is None or not any(isinstance(s, LinearState) and not self.owns(s) for s in states):
+            return states
+        return [self.adopt(None, s.clone())[1] if isinstance(s, LinearState) and not self.owns(s) else s for s in states]
 
 
 def new_linear_state(batch: int, heads: int, feature_dim: int, value_dim: int, device, dtype=torch.float32):
@@ -58,43 +102,28 @@ def linear_attention_step(
     v: torch.Tensor,
     state: tuple[torch.Tensor, torch.Tensor],
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[torch.Tensor, LinearState]:
     """One RNN step (eq. 18-20).
 
     Args: phi_q, phi_k ``(B, H, C)``, v ``(B, H, M)``, state ``(S (B, H, C, M), Z (B, H, C))``
     in fp32 (fp64 for fp64 inputs), e.g. from :func:`new_linear_state`. Returns
-    ``(out (B, H, M), state)`` with ``out`` in the state's dtype.
-
-    Without autograd the state is updated in place (no allocation per step beyond the output);
-    with autograd enabled a new :class:`LinearState` is returned so gradients can flow through
-    time. For a :class:`LinearState` the numerator and the normaliser of eq. 20 come out of one
-    product ``phi(q)^T [S | Z]``.
+    ``(out (B, H, M), state)`` with ``out`` in the state's dtype and the state after this
+    position a new :class:`LinearState`: the given one is left as it was (a value; gradients
+    flow through time when autograd is on). The update is one product into a new buffer,
+    ``[S + phi(k) v^T | Z + phi(k)] = [S | Z] + phi(k) [v | 1]^T``, and the numerator and the
+    normaliser of eq. 20 come out of one product ``phi(q)^T [S | Z]``. The generation loop's
+    in-place step, for a state it made itself, is ``linformer_lab.models.generation.fast_step``.
     """
     s, z = state
     check_step_fits_state(phi_k, v, s, z)
     compute = s.dtype
     phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-    if torch.is_grad_enabled() and (phi_q.requires_grad or phi_k.requires_grad or v.requires_grad or s.requires_grad):
-        # out of place, so gradients flow through time; the new state keeps the [S | Z] layout:
-        # [S + phi(k) v^T | Z + phi(k)] = [S | Z] + phi(k) [v | 1]^T
-        joint = getattr(state, "joint", None)
-        if joint is None:
-            joint = torch.cat([s, z.unsqueeze(-1)], dim=-1)
-        joint = joint + phi_k.unsqueeze(-1) * torch.nn.functional.pad(v, (0, 1), value=1.0).unsqueeze(-2)
-        state = LinearState(joint)
-        s, z = state
-        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
-        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-        return numerator / denominator, state
-    s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T, in place
-    z.add_(phi_k)
     joint = getattr(state, "joint", None)
-    if joint is None:  # a state built elsewhere: S and Z are separate tensors
-        numerator = (phi_q.unsqueeze(-2) @ s).squeeze(-2)
-        denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-        return numerator / denominator, state
-    # the product with the fp32 state stays in fp32 under autocast (it would round to bf16/fp16)
+    if joint is None:  # (S, Z) built by hand: separate tensors
+        joint = torch.cat([s, z.unsqueeze(-1)], dim=-1)
+    # the state's precision under autocast too (a product in bf16/fp16 would round the sums)
     with torch.autocast(joint.device.type, enabled=False):
+        joint = torch.addcmul(joint, phi_k.unsqueeze(-1), torch.nn.functional.pad(v, (0, 1), value=1.0).unsqueeze(-2))
         both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
     m = s.shape[-1]
-    return both[..., :m] / (both[..., m:] + eps), state
+    return both[..., :m] / (both[..., m:] + eps), LinearState(joint)
