@@ -1,15 +1,12 @@
-"""What every benchmark script shares: the path bootstrap, the results folder, the provenance
-header and the progress line of a report; timing, peak-RSS measurement, child processes, table
-output, and a git revision's package for before / after runs.
-
-Every script starts the same way, from any working directory::
+"""What every benchmark script shares: the path bootstrap, the results folder, a report's
+provenance header and progress line; timing, peak RSS, child processes, tables, and a git
+revision's package for before / after runs. Every script starts the same way::
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
     import common  # noqa: E402  (puts the repository on sys.path: an uninstalled checkout runs)
 
-and imports only this module and the library, never another script. Standard library only at
-import time; torch is imported lazily so a driver process can stay small (its RSS would otherwise
-leak into the children's ``ru_maxrss`` through fork + exec)."""
+and imports only this module and the library, never another script. Torch is imported lazily so
+a driver stays small (its RSS would leak into spawned children's ``ru_maxrss``)."""
 
 from __future__ import annotations
 
@@ -92,9 +89,8 @@ def max_rss() -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's high-water mark of this process's RSS (``echo 5 > clear_refs``,
-    Linux >= 4.0), so that ``ru_maxrss`` afterwards is the peak of what follows only.
-    Returns False where the kernel does not allow it (the peak then also covers setup)."""
+    """Reset this process's RSS high-water mark (``echo 5 > clear_refs``, Linux >= 4.0) so that
+    ``ru_maxrss`` is the peak of what follows; False where not allowed (the peak covers setup too)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -181,8 +177,7 @@ def forward_backward(forward: Callable[[], Any], inputs: tuple, grad, context=co
     ``.grad`` to None at its end, as ``zero_grad`` does in a training loop: each implementation pays
     for freeing its own gradients. Cleared at the start instead, an implementation timed by
     :func:`interleaved_medians` pays for freeing the one before's (large ones go back to the system
-    page by page): the CPU kernel read 28 ms at 1x8x65536x16 after other implementations, 19 ms back
-    to back (AMD EPYC Zen 5, 2 threads, beside two training runs, 2026-11-26)."""
+    page by page; NOTES.md, "Dev: each implementation frees its own gradients")."""
     def call():
         with context():
             forward().backward(grad)
@@ -227,11 +222,9 @@ def _child_entry(queue, target, kwargs):
         queue.put((kind, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
 
 
-#: Environment of memory-measuring children. glibc's malloc by default raises its mmap
-#: threshold (up to 32 MB) each time a large block is freed and then keeps freed memory in
-#: its heaps; the RSS peak of the same fwd+bwd then varies by +-20 % from run to run (seen
-#: here). A fixed threshold sends every block >= 128 KiB to mmap/munmap, so RSS follows the
-#: live tensors and the peak is reproducible to < 1 %.
+#: Environment of memory-measuring children: glibc's adaptive mmap threshold keeps freed memory in
+#: its heaps (the same fwd+bwd's RSS peak varied +-20 %); a fixed one sends every block >= 128 KiB
+#: to mmap/munmap, so RSS follows the live tensors and the peak repeats to < 1 %.
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
@@ -269,8 +262,7 @@ def run_in_child(target: Callable[..., dict], kwargs: dict, timeout_s: float, en
 
 
 def limit_data_segment(cap_bytes: int | None) -> None:
-    """Make allocations beyond ``cap_bytes`` more than now fail with an error rather than
-    swap or summon the OOM killer (RLIMIT_DATA covers private anonymous mmaps on Linux >= 4.7)."""
+    """Allocations beyond ``cap_bytes`` more than now fail rather than swap (RLIMIT_DATA, Linux >= 4.7)."""
     if not cap_bytes:
         return
     with open("/proc/self/status") as f:
@@ -305,8 +297,7 @@ def machine_info() -> dict:
     }
 
 
-def torch_info() -> dict:
-    """Versions and threads of the torch that a child process sees."""
+def torch_info() -> dict:  # versions and threads of the torch that a (child) process sees
     import torch
 
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
@@ -352,6 +343,17 @@ def version_metrics(root: str | Path) -> list[Path]:
     return sorted(Path(root).glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
 
 
+def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
+    """The newest ``best-*.ckpt`` of ``cli.py fit --config mnist_cpu_M.yaml`` under ``runs/mnist_cpu_M``
+    (the trained models of ``paper/mnist_table1.py``, which ``paper/generation.py --trained`` times)."""
+    run_dir = Path(runs) / f"mnist_cpu_{method}"
+    found = sorted(run_dir.glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it first with "
+                         f"benchmarks/paper/mnist_table1.py --methods {method}")
+    return found[-1]
+
+
 def fit_run(root: str | Path) -> dict:
     """What one ``cli.py fit`` (and ``cli.py test``) run root logged: ``curve`` (update -> validation
     bits/dim), ``test_bpd`` (the last test bits/dim) and ``fit_minutes`` (the spans of
@@ -386,8 +388,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -409,8 +410,7 @@ def command_line(script: str, argv: list[str], folders: tuple[str, ...] = ("--ou
 
 
 def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+    return "load average {:.2f} / {:.2f} / {:.2f} (1 / 5 / 15 min)".format(*os.getloadavg())
 
 
 def add_omp_wait_policy_argument(parser) -> None:

@@ -63,7 +63,6 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
 import common  # noqa: E402
 from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdown, plot  # noqa: E402
-from mnist_table1 import best_checkpoint  # noqa: E402
 
 from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
@@ -105,7 +104,7 @@ TRAINED_RUN = {"linear": "linear", "softmax": "softmax", "stateful-softmax": "so
 
 def trained_model(method: str, runs: str, device: str) -> PixelTransformer:
     """The model that Table 1 at CPU scale reports for ``method``: its run's best checkpoint."""
-    path = best_checkpoint(TRAINED_RUN[method], runs)
+    path = common.best_checkpoint(TRAINED_RUN[method], runs)
     model = ImageGenerationTask.load_from_checkpoint(path, map_location=device).model
     if model.attention_config.backend != attention_config(method, "mnist").backend:
         raise SystemExit(f"--trained: {path} is a {model.attention_config.backend} model, not {method}")

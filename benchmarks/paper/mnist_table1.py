@@ -36,7 +36,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import generation_report  # noqa: E402  (the paper's Tables 4 and 5)
-from common import command_line, fit_run, machine_info, markdown_table, pyplot, results_dir, torch_info, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    command_line,
+    fit_run,
+    machine_info,
+    markdown_table,
+    pyplot,
+    results_dir,
+    torch_info,
+    write_csv,
+)
 
 METHODS = ("linear", "softmax", "lsh1", "lsh4")
 LABELS = {"linear": "Linear (ours)", "softmax": "Softmax", "lsh1": "LSH-1", "lsh4": "LSH-4"}
@@ -55,16 +64,6 @@ def recipe(method: str) -> dict:
 
 def root(method: str) -> Path:
     return REPO / "logs" / f"mnist_cpu_{method}"
-
-
-def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
-    """The newest ``best-*.ckpt`` of ``cli.py fit --config mnist_cpu_M.yaml`` under ``runs/mnist_cpu_M``."""
-    run_dir = Path(runs) / f"mnist_cpu_{method}"
-    found = sorted(run_dir.glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it first with "
-                         f"benchmarks/paper/mnist_table1.py --methods {method}")
-    return found[-1]
 
 
 def command(subcommand: str, method: str, *extra: str) -> list[str]:
