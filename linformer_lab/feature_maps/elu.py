@@ -13,9 +13,8 @@ class EluPlusOne(torch.autograd.Function):
 
     Autograd through the ``where`` / ``exp`` / ``clamp`` graph keeps several tensors and runs
     several elementwise kernels over q and k per layer; this keeps phi and runs a clamp and a
-    product. One training update of the MNIST CPU recipe took 0.91x the time (benchmarks/NOTES.md,
-    "Revision comparisons"). Twice differentiable: the backward is made of differentiable
-    operations on the saved output."""
+    product. Twice differentiable: the backward is made of differentiable operations on the
+    saved output."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

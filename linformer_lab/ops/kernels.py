@@ -50,7 +50,7 @@ SWITCH = "LINFORMER_LAB_KERNELS"
 REFERENCE = "reference"
 #: The fused C++ step runs batches of at most this many rows: its gain, the per-operation cost,
 #: shrinks as a batch spreads it over more arithmetic, and its plain loops are not vectorized as
-#: ATen's kernels are (the figures are in benchmarks/NOTES.md).
+#: ATen's kernels are.
 FUSED_MAX_BATCH = 16
 
 _CPU_DTYPES = (torch.float32, torch.float64)

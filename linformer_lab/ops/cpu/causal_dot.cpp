@@ -31,7 +31,7 @@ namespace {
 // compiled once per instruction set with B = 64 (AVX-512), 32 (AVX2 + FMA) and 16 (the x86-64
 // baseline, SSE2), each under its own target attribute, and picked at run time (`Isa`, simd.h).
 // A register tile is 16 floats (8 doubles) wide in every version: one AVX-512 register, two AVX2
-// ones, four SSE ones per row. (64-byte vectors lowered to AVX2 ran 7x slower: spilled.)
+// ones, four SSE ones per row. (64-byte vectors lowered to AVX2 spill registers: much slower.)
 template <typename T, int B>
 struct Vec {
   using type = typename Register<T, B>::type;
@@ -215,7 +215,7 @@ DISPATCH(outer)
 DISPATCH(backward)
 #undef DISPATCH
 
-// Inputs larger than the L2 cache ran up to 1.4x slower without prefetch (simd.h) in the loops below.
+// The loops below prefetch (simd.h): without it, inputs larger than the L2 cache wait on memory.
 
 // Rows run in parallel with their chunks in order when there are enough of them to share out
 // evenly; otherwise the chunks of all rows run in parallel (two passes and a scan).

@@ -48,16 +48,14 @@ namespace {
 
 // Positions per block: the unit of the saved forward states and of the backward's walk. 256, not
 // 128: half the saved states and half the per-block work (a state copy, a transpose), and a block's
-// q, k, v, grad still fit L2 at D = 128 (512 KiB). Fwd + bwd with 128 -> 256 (Zen 5, 2 threads):
-// 64 x 8 x 4096 x 16 111 -> 71 ms, 8 x 8 x 4096 x 128 467 -> 420 ms, 4 x 8 x 4096 x 64 72 -> 64 ms.
+// q, k, v, grad still fit L2 at D = 128 (512 KiB); faster at every shape measured.
 constexpr int64_t kBlock = 256;
 
 // How far ahead each position asks for its operands (bytes of a, b and c; at least one position).
 // The hardware prefetchers alone left the passes waiting on memory once the rows outgrow the cache:
 // a sweep reads one 64-byte line of every a, b, c row (a register's columns) and the rows are up to
-// 512 bytes apart. Fwd + bwd (Zen 5, 2 threads, interleaved): 8 x 65536 x 32 78.7 -> 59.6 ms,
-// 8 x 65536 x 16 19.6 -> 15.2, 2 x 65536 x 128 205 -> 170; shapes in cache unchanged. 1024 and
-// 4096 bytes, or 16 positions whatever the row, were slower at some of these shapes. It also
+// 512 bytes apart. Prefetching gains on long rows and leaves shapes in cache unchanged; 1024 and
+// 4096 bytes, or 16 positions whatever the row, were slower at some shapes. It also
 // replaced the backward's prefetch of each next block (a block's inputs at once), which added nothing.
 constexpr int64_t kAheadBytes = 2048;
 
@@ -132,8 +130,8 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
 }
 
 // dst (cols x rows) = src (rows x cols)^T, in 16 x 16 tiles: a whole row of src at once writes to
-// `cols` lines of dst, 512 bytes apart at D = 128, which thrashed L1 (the backward of 1 x 1024 x 128
-// spent 27 % of its time in this copy, once per block; in tiles, 8 %: 1250 -> 959 us).
+// `cols` lines of dst, 512 bytes apart at D = 128, which thrashes L1 (once per block, this copy was
+// a large part of the backward at D = 128 before it was tiled).
 template <typename T>
 void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
   constexpr int64_t kTile = 16;
@@ -180,8 +178,8 @@ at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options
 }
 
 // The grain of a parallel loop over `tasks` that do `flops` in all: all of them (one thread, no
-// wake-up of the others) below ~4 MFLOP, some 25 us of one core here, about what waking the other
-// threads costs with OMP_WAIT_POLICY=PASSIVE; else 1.
+// wake-up of the others) below ~4 MFLOP, about as long as waking the other threads takes with
+// OMP_WAIT_POLICY=PASSIVE; else 1.
 int64_t grain(int64_t tasks, int64_t flops) { return flops < (int64_t{4} << 20) ? std::max<int64_t>(tasks, 1) : 1; }
 
 // Whether whole rows (each one thread's) keep every thread busy: many rows, or a multiple of the
@@ -224,7 +222,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
     // Tasks of whole rows, else of a row's columns in one piece per thread (or per register tile): a
     // task runs its column tiles block by block, so only the first reads q and k from memory. One
-    // task per (row, tile) read them once per tile: at 1 x 8 x 65536 x 64, fwd + bwd took 1.33x as long.
+    // task per (row, tile) read them once per tile, which was slower on long rows.
     const int64_t pieces = rows_share_out(rows) ? 1 : tiles % threads == 0 ? threads : tiles;
     const int64_t span = m / pieces;
     at::parallel_for(0, rows * pieces, grain(rows * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {

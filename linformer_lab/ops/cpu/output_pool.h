@@ -3,11 +3,9 @@
 // Why: torch's CPU allocator has no cache. glibc serves every allocation of 32 MiB and more from
 // fresh mmap pages, and returns freed memory at the top of its heap to the system once it passes
 // a threshold, so a kernel's large outputs pay a page fault per 4 KiB they write, call after call.
-// At 64 x 8 x 4096 x 16 (134 MB per tensor) that was most of a forward + backward (AMD EPYC Zen 5,
-// 2 vCPUs, 2 threads: 281-317 ms with fresh pages, 71-77 ms with reused ones; fast-transformers
-// 365-388 ms); at 8 x 8 x 4096 x 32 (8 MiB per tensor) 50 -> 41 ms with buffers pooled from 4 MiB
-// rather than 32. A training loop asks for the same sizes at every step, so reused buffers fault
-// once per process.
+// At the largest shapes those faults took longer than the arithmetic of a forward + backward, and
+// pooling from 4 MiB rather than 32 paid at mid-sized ones too. A training loop asks for the same
+// sizes at every step, so reused buffers fault once per process.
 //
 // Buffers below kPooledBytes come from torch. Larger ones are whole 2 MiB pages, marked for
 // transparent huge pages on Linux (a hint), and go back to the pool when their tensor's storage is

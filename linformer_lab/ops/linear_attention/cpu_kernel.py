@@ -9,7 +9,7 @@ candidates ``recurrence`` and ``chunk`` of the ``causal`` op, with their conditi
   with a tile of the state held in SIMD registers while the positions stream past; 16 C M
   flops per position (fwd+bwd), all of them broadcast FMAs. It runs where C and M are both
   multiples of a register width (4 floats / 2 doubles or more), and there it beats the chunked
-  kernel at every shape measured (benchmarks/NOTES.md): its column tails are whole registers,
+  kernel at every shape measured: its column tails are whole registers,
   where the chunked kernel's are scalar. Its large outputs come from a pool of reused buffers
   (``ops/cpu/output_pool.h``), since a fresh buffer costs a page fault per 4 KiB. The chunk
   length is unused.
@@ -35,7 +35,7 @@ ALGORITHMS = ("recurrence", "chunk")
 
 def cpp_chunk_size(feature_dim: int, value_dim: int) -> int:
     """The chunk length of the C++ chunked kernel (``causal_dot.cpp``) when none is given: 32 up to
-    D = 32, else 64, the fastest or within 10 % of it from D = 16 to 128 (benchmarks/NOTES.md). At
+    D = 32, else 64, the fastest or near it from D = 16 to 128 as measured. At
     least min(C, M) up to D = 64 keeps the (N / L, C, M) chunk states that the backward recomputes
     (one row's per thread) no larger than an input row; at C = M = 128 they are twice its size,
     still O(N). (The PyTorch reference has its own rule: ``chunk.reference_chunk_size``.)"""
