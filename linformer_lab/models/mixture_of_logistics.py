@@ -52,6 +52,61 @@ def _log1mexp(d: Tensor) -> Tensor:
     )
 
 
+def _log_prob(params: Tensor, target: Tensor, num_mixtures: int, num_bins: int, log_scale_min: float,
+              midpoint_max_width: float) -> Tensor:
+    """:meth:`DiscretizedMixtureOfLogistics.log_prob` (see there): params ``(..., 3K)``, integer
+    target ``(...)`` -> ``(...)`` fp32 nats (float64 for float64 params). A plain function of
+    tensors and numbers, so that ``torch.compile`` can fuse it whole (:func:`_fused_log_prob`)."""
+    with torch.autocast(device_type=params.device.type, enabled=False):
+        params = params if params.dtype == torch.float64 else params.float()
+        logits, means, log_scales = params.split(num_mixtures, dim=-1)
+        log_scales = log_scales.clamp(min=log_scale_min)
+        h = 1.0 / (num_bins - 1)
+        target = target.long()
+        is_low = (target == 0).unsqueeze(-1)
+        is_high = (target == num_bins - 1).unsqueeze(-1)
+
+        # Bin centre on the [-1, 1] scale, one column per component via broadcasting.
+        centre = (target.to(params.dtype) * (2.0 * h) - 1.0).unsqueeze(-1)  # (..., 1)
+        inv_scales = torch.exp(-log_scales)  # finite: log-scales are floored at -7
+        offset = centre - means  # (..., K)
+        a = (offset + h) * inv_scales  # upper edge, standardised
+        b = (offset - h) * inv_scales  # lower edge, standardised
+        m = offset * inv_scales  # centre, standardised
+
+        log_cdf_upper = F.logsigmoid(a)  # log P(X < c + h)
+        log_sf_lower = F.logsigmoid(-b)  # log P(X > c - h)
+
+        # Bin width in units of the scale, from h and s directly (see docstring).
+        width = (2.0 * h) * inv_scales
+        use_midpoint = width < midpoint_max_width
+        # torch.where differentiates both branches; feed the unused exact branch a harmless
+        # value so an underflowed width (log1mexp(0) = -inf) cannot turn 0 * inf into NaN.
+        safe_width = torch.where(use_midpoint, torch.ones_like(width), width)
+        log_mass_exact = log_cdf_upper + log_sf_lower + _log1mexp(safe_width)
+        # log of (logistic density at the centre) * (bin width):
+        # pdf(x) = sigmoid(m) * sigmoid(-m) / s, width = 2h.
+        log_mass_midpoint = F.logsigmoid(m) + F.logsigmoid(-m) - log_scales + math.log(2.0 * h)
+        log_mass_interior = torch.where(use_midpoint, log_mass_midpoint, log_mass_exact)
+
+        log_mass = torch.where(
+            is_low, log_cdf_upper, torch.where(is_high, log_sf_lower, log_mass_interior)
+        )  # (..., K)
+        return torch.logsumexp(F.log_softmax(logits, dim=-1) + log_mass, dim=-1)
+
+
+_FUSED = None
+
+
+def _fused_log_prob():
+    """:func:`_log_prob` through ``torch.compile``, built on first use (importing this module
+    compiles nothing)."""
+    global _FUSED
+    if _FUSED is None:
+        _FUSED = torch.compile(_log_prob)
+    return _FUSED
+
+
 class DiscretizedMixtureOfLogistics(nn.Module):
     """Projection from hidden states to a discretized mixture of logistics over one scalar.
 
@@ -144,7 +199,7 @@ class DiscretizedMixtureOfLogistics(nn.Module):
 
     # ------------------------------------------------------------------ likelihood
 
-    def log_prob(self, params: Tensor, target: Tensor) -> Tensor:
+    def log_prob(self, params: Tensor, target: Tensor, fused: bool = False) -> Tensor:
         """Log-probability (nats) of integer values under the discretized mixture.
 
         Args:
@@ -153,8 +208,14 @@ class DiscretizedMixtureOfLogistics(nn.Module):
                 ``params`` (or broadcastable to it). Values outside the range are not checked
                 (checking would force a device sync on every call); they give meaningless results.
 
+            fused: compute it in one function compiled by ``torch.compile`` (a few fused
+                kernels forward and backward instead of some forty elementwise operations on
+                ``(..., K)`` tensors each way); the same formula, so the same values up to
+                rounding. The first call compiles (seconds), as does each new shape.
+
         Returns:
-            ``(...)`` fp32 log-probabilities, computed in fp32 even under autocast.
+            ``(...)`` fp32 log-probabilities, computed in fp32 even under autocast (float64 for
+            float64 params: what the tests compare the fused loss by).
 
         For one component with mean ``mu`` and scale ``s`` and a bin ``[c - h, c + h]``, write
         ``a = (c + h - mu) / s`` and ``b = (c - h - mu) / s``. The bin mass is
@@ -183,40 +244,10 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         scale, because it only needs ``log s``, never ``1 / s``.
         """
         self._check_integer(target)
-        with torch.autocast(device_type=params.device.type, enabled=False):
-            logits, means, log_scales = self._unpack(params)
-            h = self.half_bin_width
-            target = target.long()
-            is_low = (target == 0).unsqueeze(-1)
-            is_high = (target == self.num_bins - 1).unsqueeze(-1)
-
-            # Bin centre on the [-1, 1] scale, one column per component via broadcasting.
-            centre = (target.float() * (2.0 * h) - 1.0).unsqueeze(-1)  # (..., 1)
-            inv_scales = torch.exp(-log_scales)  # finite: log-scales are floored at -7
-            offset = centre - means  # (..., K)
-            a = (offset + h) * inv_scales  # upper edge, standardised
-            b = (offset - h) * inv_scales  # lower edge, standardised
-            m = offset * inv_scales  # centre, standardised
-
-            log_cdf_upper = F.logsigmoid(a)  # log P(X < c + h)
-            log_sf_lower = F.logsigmoid(-b)  # log P(X > c - h)
-
-            # Bin width in units of the scale, from h and s directly (see docstring).
-            width = (2.0 * h) * inv_scales
-            use_midpoint = width < self._MIDPOINT_MAX_WIDTH
-            # torch.where differentiates both branches; feed the unused exact branch a harmless
-            # value so an underflowed width (log1mexp(0) = -inf) cannot turn 0 * inf into NaN.
-            safe_width = torch.where(use_midpoint, torch.ones_like(width), width)
-            log_mass_exact = log_cdf_upper + log_sf_lower + _log1mexp(safe_width)
-            # log of (logistic density at the centre) * (bin width):
-            # pdf(x) = sigmoid(m) * sigmoid(-m) / s, width = 2h.
-            log_mass_midpoint = F.logsigmoid(m) + F.logsigmoid(-m) - log_scales + math.log(2.0 * h)
-            log_mass_interior = torch.where(use_midpoint, log_mass_midpoint, log_mass_exact)
-
-            log_mass = torch.where(
-                is_low, log_cdf_upper, torch.where(is_high, log_sf_lower, log_mass_interior)
-            )  # (..., K)
-            return torch.logsumexp(F.log_softmax(logits, dim=-1) + log_mass, dim=-1)
+        if params.shape[-1] != self.num_params:
+            self._unpack(params)  # raises the error naming the expected shape
+        function = _fused_log_prob() if fused else _log_prob
+        return function(params, target, self.num_mixtures, self.num_bins, self.LOG_SCALE_MIN, self._MIDPOINT_MAX_WIDTH)
 
     # ------------------------------------------------------------------ sampling
 

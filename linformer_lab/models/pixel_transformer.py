@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models import generation
+from linformer_lab.models import generation, static_decoder
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.validation import ConfigurationError, check_transformer_shape
@@ -132,6 +132,8 @@ class PixelTransformer(nn.Module):
             attention=self.attention_config,
         )
         self.head = DiscretizedMixtureOfLogistics(d_model, num_mixtures=num_mixtures, num_bins=NUM_LEVELS)
+        #: :meth:`nll` and :meth:`segment_nll` compute the loss with ``head.log_prob(fused=True)``
+        self.fused_loss = False
         self.reset_embeddings()
 
     def reset_embeddings(self) -> None:
@@ -201,7 +203,7 @@ class PixelTransformer(nn.Module):
     def nll(self, images: torch.Tensor) -> torch.Tensor:
         """Negative log-likelihood per sub-pixel in nats: uint8 ``(B, C, H, W)`` -> ``(B, N)``."""
         sequence = self.to_sequence(images)
-        return -self.head.log_prob(self.sequence_params(sequence), sequence)
+        return -self.head.log_prob(self.sequence_params(sequence), sequence, fused=self.fused_loss)
 
     def segment_nll(self, sequence: torch.Tensor, start: int, stop: int, state: list | None = None):
         """NLL of positions ``start..stop-1`` given the state after positions ``< start``:
@@ -209,7 +211,7 @@ class PixelTransformer(nn.Module):
         consecutive segments it equals :meth:`nll` (segmented training, see
         :func:`~linformer_lab.models.transformer.segmented_forward`)."""
         hidden, state = self.transformer(self.embed(sequence[:, :stop], start), state=state, return_state=True)
-        return -self.head.log_prob(self.head(hidden), sequence[:, start:stop]), state
+        return -self.head.log_prob(self.head(hidden), sequence[:, start:stop], fused=self.fused_loss), state
 
     # ------------------------------------------------------------------ recurrent path
 
@@ -249,6 +251,7 @@ class PixelTransformer(nn.Module):
         generator: torch.Generator | None = None,
         step_weights: str = "model",
         prefill: bool = True,
+        decoder: str = "auto",
     ) -> torch.Tensor:
         """Sample images sub-pixel by sub-pixel through the recurrent path (paper §3.4).
 
@@ -269,6 +272,13 @@ class PixelTransformer(nn.Module):
                 the per-layer state the steps continue from (default); False feeds it through
                 ``step`` one position at a time. Both give the same state; the parallel pass
                 reads the model's own weights whatever ``step_weights`` says.
+            decoder: how the steps run (:mod:`linformer_lab.models.static_decoder`):
+                ``"dynamic"`` the ``fast_step`` loop; ``"static"`` the whole generation step
+                on buffers allocated once; ``"graph"`` (CUDA) that step captured as a CUDA graph
+                and replayed per position; ``"compiled"`` it through ``torch.compile`` (and
+                captured on CUDA); ``"auto"`` (default) ``"graph"`` on CUDA for stacks of linear
+                and softmax attention, else ``"dynamic"``. All draw the same noise from
+                ``generator``.
         Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
 
         The model is put in eval mode for the call (dropout off) and restored afterwards.
@@ -285,6 +295,7 @@ class PixelTransformer(nn.Module):
         device = self.start.device
         self.check_step_weights(step_weights)
         recurrent = self.transformer.has_recurrent_form
+        decoder = static_decoder.choose_decoder(decoder, self.transformer, device)
         prefix = self._check_prefix(prefix, batch_size, device)
         known = 0 if prefix is None else prefix.shape[1]
         values = torch.empty(batch_size, self.seq_len, dtype=torch.long, device=device)
@@ -307,6 +318,9 @@ class PixelTransformer(nn.Module):
                     x_t = self.step_input(values[:, first - 1], first, table, batch_size)
             with generation.generation_kernels(device, batch_size, recurrent), \
                     generation.weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
+                if decoder != "dynamic":
+                    static_decoder.decode(self, values, known, first, state, x_t, temperature, generator, decoder)
+                    return self.to_images(values)
                 head = self.head
                 noise = generation.noise_per_position(head, batch_size, self.seq_len - known, temperature, generator, device)
                 for position in range(first, self.seq_len):

@@ -1,0 +1,302 @@
+"""Generation with static buffers, replayable as one CUDA graph per step (paper §3.4 on a GPU).
+
+:func:`~linformer_lab.models.generation.fast_step` allocates its outputs and grows softmax's
+cache as it goes, and the loop around it (output head, sampling, the next input) is a few
+hundred small operations per position. On a GPU each of those is a kernel launch, so a
+generation step at small batch sizes costs the launches, not the arithmetic. Here the whole
+generation step -- every layer, the mixture-of-logistics sampling and the write of the sampled
+value into the next input -- reads and writes only buffers allocated once per ``generate``
+call, and the position is a device tensor, so the same sequence of kernels serves every
+position: on CUDA it is captured once as a graph and replayed per position (the approach of
+Mamba's decoder).
+
+* :class:`StaticDecoder`: the buffers and :meth:`StaticDecoder.step`, which runs eagerly on any
+  device (the CPU tests hold it to ``fast_step`` and ``Transformer.step``);
+* :func:`decode`: the sampling loop of ``PixelTransformer.generate`` over a decoder, eager
+  (``"static"``), graphed (``"graph"``) or through ``torch.compile`` (``"compiled"``: compiled,
+  and captured as a graph on CUDA).
+
+The state per layer: linear attention's ``[S | Z]`` buffer ``(B, H, C, M + 1)`` (as
+:class:`~linformer_lab.ops.linear_attention.LinearState`), softmax's keys and values for the
+whole image ``(B, H, N, D|M)`` with the position counter marking what is filled (stateful
+softmax, paper appendix C.1, with a preallocated cache). Softmax attends to the first
+``span`` cached positions, masked beyond the current one; ``span`` grows in blocks of
+:data:`SPAN_BLOCK` (one graph per block), so its cost follows the position as with a growing
+cache instead of paying for the whole image at every step.
+
+The weight copies of :func:`~linformer_lab.models.generation.weight_copies_for_steps` apply
+(``step_weights="bfloat16"`` halves the bytes of every weight product); the sampling noise is
+drawn ahead for the whole image, in the blocks and order of ``generate``'s dynamic loop, so a
+generator seeded alike gives the same images on both paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from linformer_lab.attention.base import KVCache
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.attention.softmax import SoftmaxAttention
+from linformer_lab.models.generation import NOISE_BLOCK, step_linear
+
+__all__ = ["DECODERS", "SPAN_BLOCK", "StaticDecoder", "choose_decoder", "decode", "static_support"]
+
+#: ``PixelTransformer.generate(decoder=...)``: ``"auto"`` is ``"graph"`` on CUDA for stacks of
+#: linear and softmax attention, else ``"dynamic"`` (the ``fast_step`` loop).
+DECODERS = ("auto", "dynamic", "static", "graph", "compiled")
+
+#: Softmax attends to the cache in spans that grow by this many positions (one graph each).
+SPAN_BLOCK = 128
+
+#: Eager runs of a step before its capture (lazy initialisation, the allocator's first blocks).
+_WARMUP_RUNS = 2
+
+
+def static_support(transformer) -> str | None:
+    """None when every layer of ``transformer`` can step on static buffers (linear attention
+    with its own step, causal softmax), else the reason it cannot."""
+    for i, layer in enumerate(transformer.layers):
+        backend = layer.attention.attention
+        linear = isinstance(backend, LinearAttention) and type(backend).step is LinearAttention.step
+        softmax = isinstance(backend, SoftmaxAttention) and type(backend).step is SoftmaxAttention.step
+        if not (linear or softmax) or not backend.causal:
+            return f"layer {i} uses {type(backend).__name__}, which has no static-buffer step (linear or causal softmax)"
+        up, activation, _, down = layer.feedforward
+        if not isinstance(activation, torch.nn.GELU):
+            return f"layer {i}'s feed-forward is not Linear-GELU-Dropout-Linear"
+    return None
+
+
+def choose_decoder(decoder: str, transformer, device: torch.device) -> str:
+    """``decoder`` checked against :data:`DECODERS` and ``"auto"`` resolved (see there)."""
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown decoder {decoder!r}; valid choices: {', '.join(DECODERS)}")
+    why = static_support(transformer)
+    if decoder == "auto":
+        return "graph" if device.type == "cuda" and why is None else "dynamic"
+    if decoder != "dynamic" and why is not None:
+        raise ValueError(f"decoder={decoder!r} needs static buffers, but {why}; use decoder='dynamic'")
+    if decoder == "graph" and device.type != "cuda":
+        raise ValueError(f"decoder='graph' captures a CUDA graph; the model is on {device.type}: use 'static' "
+                         f"(the same step, eager) or 'dynamic'")
+    return decoder
+
+
+class _LinearBuffers:
+    """Linear attention's ``[S | Z]`` ``(B, H, C, M + 1)``, fp32 (fp64 for fp64 models)."""
+
+    def __init__(self, backend: LinearAttention, batch: int, heads: int, value_dim: int, dtype, device):
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.backend = backend
+        self.joint = torch.zeros(batch, heads, backend.feature_map.output_dim, value_dim + 1, dtype=state_dtype,
+                                 device=device)
+
+    def load(self, state) -> None:
+        self.joint.zero_()
+        if state is not None:
+            s, z = state
+            self.joint[..., :-1].copy_(s)
+            self.joint[..., -1].copy_(z)
+
+    def attend(self, q, k, v, position, span):
+        """Eq. 18-20 in place: q, k ``(B, H, D)``, v ``(B, H, M)`` -> ``(B, H, M)`` in v's dtype."""
+        joint, feature_map = self.joint, self.backend.feature_map
+        phi_q = feature_map.forward_queries(q).to(joint.dtype)
+        phi_k = feature_map.forward_keys(k).to(joint.dtype)
+        m = joint.shape[-1] - 1
+        joint[..., :m].addcmul_(phi_k.unsqueeze(-1), v.to(joint.dtype).unsqueeze(-2))  # S += phi(k) v^T
+        joint[..., m].add_(phi_k)  # Z += phi(k)
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)  # [phi(q)^T S | phi(q)^T Z]
+        return (both[..., :m] / (both[..., m:] + self.backend.eps)).to(v.dtype)
+
+
+class _SoftmaxBuffers:
+    """Softmax's keys ``(B, H, N, D)`` and values ``(B, H, N, M)`` for a whole sequence."""
+
+    def __init__(self, batch: int, heads: int, query_dim: int, value_dim: int, length: int, dtype, device):
+        # zeros, not empty: a masked key's weight is exactly 0, but 0 * NaN left in memory is NaN
+        self.keys = torch.zeros(batch, heads, length, query_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, length, value_dim, dtype=dtype, device=device)
+        self.slots = torch.arange(length, device=device)
+
+    def load(self, state) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        if state is not None:
+            if not isinstance(state, KVCache) or state.valid is not None:
+                raise ValueError("a static softmax cache starts from a KVCache of equal-length sequences")
+            self.keys[:, :, : state.length].copy_(state.keys)
+            self.values[:, :, : state.length].copy_(state.values)
+
+    def attend(self, q, k, v, position, span):
+        """Writes k, v at ``position`` and attends ``q (B, H, D)`` to cached positions
+        ``<= position`` among the first ``span`` -> ``(B, H, M)``."""
+        self.keys.index_copy_(2, position, k.unsqueeze(2).to(self.keys.dtype))
+        self.values.index_copy_(2, position, v.unsqueeze(2).to(self.values.dtype))
+        visible = (self.slots[:span] <= position).unsqueeze(0)  # (1, span), broadcast over (B, H, 1, span)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), self.keys[:, :, :span], self.values[:, :, :span],
+                                             attn_mask=visible)
+        return out.squeeze(2)
+
+
+class StaticDecoder:
+    """The buffers of one ``generate`` call and the generation step over them.
+
+    Args:
+        model: a :class:`~linformer_lab.models.pixel_transformer.PixelTransformer` whose stack
+            :func:`static_support` accepts, in eval mode.
+        values: int64 ``(B, N)``, the image being generated; positions ``< known`` hold the
+            prefix and are never overwritten. Filled in place.
+        known: prefix length ``P``.
+        temperature: as ``DiscretizedMixtureOfLogistics.sample``.
+        noise: ``(gumbel (B, N - P, K), logistic (B, N - P))`` for the sampled positions (see
+            :func:`whole_image_noise`); None at temperature 0.
+        span_block: softmax's spans grow by this many positions (:data:`SPAN_BLOCK`).
+
+    :meth:`load` sets the state, input and position; each :meth:`step` then predicts and
+    samples the position held in :attr:`position` (a device tensor, int64 ``(1,)``), writes it
+    into ``values`` (where it is not prefix), prepares the next input in :attr:`x` and
+    advances :attr:`position`. Nothing is allocated outside the step's own temporaries.
+    """
+
+    def __init__(self, model, values: torch.Tensor, known: int, temperature: float, noise,
+                 span_block: int = SPAN_BLOCK):
+        why = static_support(model.transformer)
+        if why is not None:
+            raise ValueError(f"StaticDecoder: {why}")
+        self.model, self.values, self.known, self.temperature = model, values, known, temperature
+        self.noise, self.span_block = noise, span_block
+        batch, length = values.shape
+        device, dtype = model.start.device, model.start.dtype
+        self.length = length
+        self.table = model.position_table()  # (N, d_model): fixed while sampling
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.x = torch.zeros(batch, model.d_model, dtype=dtype, device=device)
+        self.hidden = torch.zeros(batch, model.d_model, dtype=dtype, device=device)
+        self.layers = []
+        for layer in model.transformer.layers:
+            attention = layer.attention
+            backend = attention.attention
+            if isinstance(backend, LinearAttention):
+                buffers = _LinearBuffers(backend, batch, attention.n_heads, attention.value_dim, dtype, device)
+            else:
+                buffers = _SoftmaxBuffers(batch, attention.n_heads, attention.query_dim, attention.value_dim, length,
+                                          dtype, device)
+            self.layers.append((layer, buffers))
+        self.has_softmax = any(isinstance(b, _SoftmaxBuffers) for _, b in self.layers)
+
+    def spans(self, first: int = 0) -> list[int]:
+        """The distinct ``span`` values that positions ``first..N-1`` step with."""
+        return sorted({self.span(p) for p in range(first, self.length)})
+
+    def span(self, position: int) -> int:
+        """Cached positions softmax attends to at ``position`` (a stack without softmax: N)."""
+        if not self.has_softmax:
+            return self.length
+        return min(self.length, -(-(position + 1) // self.span_block) * self.span_block)
+
+    def load(self, state: list | None, x_t: torch.Tensor, position: int) -> None:
+        """Start at ``position`` with input ``x_t (B, d_model)`` and the per-layer ``state``
+        after the positions before it (None: the empty prefix)."""
+        for i, (_, buffers) in enumerate(self.layers):
+            buffers.load(None if state is None else state[i])
+        self.x.copy_(x_t)
+        self.position.fill_(position)
+
+    def transformer_step(self, span: int) -> torch.Tensor:
+        """``Transformer.step`` at :attr:`position` on :attr:`x` -> ``(B, d_model)`` (also in
+        :attr:`hidden`); the caches are written, the position is not advanced."""
+        x = self.x
+        for layer, buffers in self.layers:
+            attention = layer.attention
+            h = torch.layer_norm(x, layer.norm_attention.normalized_shape, layer.norm_attention.weight,
+                                 layer.norm_attention.bias, layer.norm_attention.eps)
+            q, k, v = _split_heads(attention, step_linear(h, attention.qkv))
+            out = buffers.attend(q, k, v, self.position, span)
+            x = x + step_linear(out.flatten(1), attention.out)
+            up, activation, _, down = layer.feedforward
+            h = torch.layer_norm(x, layer.norm_ff.normalized_shape, layer.norm_ff.weight, layer.norm_ff.bias,
+                                 layer.norm_ff.eps)
+            x = x + step_linear(F.gelu(step_linear(h, up), approximate=activation.approximate), down)
+        norm = self.model.transformer.norm
+        self.hidden.copy_(torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps))
+        return self.hidden
+
+    def step(self, span: int) -> None:
+        """One generation step at :attr:`position` (see the class docstring)."""
+        head, position = self.model.head, self.position
+        params = head(self.transformer_step(span))
+        noise = None
+        if self.noise is not None:
+            index = (position - self.known).clamp_(0, self.noise[1].shape[1] - 1)
+            noise = (self.noise[0].index_select(1, index).squeeze(1), self.noise[1].index_select(1, index).squeeze(1))
+        sampled = head.sample(params, self.temperature, noise=noise)
+        current = self.values.index_select(1, position).squeeze(1)
+        value = torch.where(position >= self.known, sampled, current)  # a prefix position keeps the prefix
+        self.values.index_copy_(1, position, value.unsqueeze(1))
+        following = (position + 1).clamp_(max=self.length - 1)  # past the last position: unused
+        self.x.copy_(F.embedding(value, self.model.value_embedding.weight) + self.table.index_select(0, following))
+        position.add_(1)
+
+
+def _split_heads(attention, qkv: torch.Tensor):
+    """The fused projection ``(B, (2 D + M) H)`` -> q, k ``(B, H, D)``, v ``(B, H, M)``."""
+    heads, d, m = attention.n_heads, attention.query_dim, attention.value_dim
+    q, k, v = qkv.split([heads * d, heads * d, heads * m], dim=-1)
+    return q.view(-1, heads, d), k.view(-1, heads, d), v.view(-1, heads, m)
+
+
+def whole_image_noise(head, batch: int, positions: int, temperature: float, generator, device):
+    """The noise of :func:`~linformer_lab.models.generation.noise_per_position` for all
+    ``positions`` at once: ``(gumbel (B, P, K), logistic (B, P))``, drawn in the same blocks
+    and order (so the same numbers); None at temperature 0."""
+    if temperature == 0 or positions == 0:
+        return None
+    blocks = [head.sampling_noise((batch, min(NOISE_BLOCK, positions - start)), generator, device)
+              for start in range(0, positions, NOISE_BLOCK)]
+    return torch.cat([g for g, _ in blocks], dim=1), torch.cat([u for _, u in blocks], dim=1)
+
+
+def capture(function, device: torch.device):
+    """``function`` (no arguments, static buffers) captured as a CUDA graph after
+    :data:`_WARMUP_RUNS` eager runs on a side stream; returns the graph. The warm-up runs change
+    the buffers: :meth:`StaticDecoder.load` comes after the captures."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(_WARMUP_RUNS):
+            function()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    return graph
+
+
+def decode(model, values: torch.Tensor, known: int, first: int, state, x_t: torch.Tensor, temperature: float,
+           generator, decoder: str) -> None:
+    """Fill ``values[:, known:]`` from position ``first`` on (``first <= known`` with the
+    state after positions ``< first`` and the input ``x_t`` of ``first``): the loop of
+    ``PixelTransformer.generate`` on a :class:`StaticDecoder`, ``decoder`` one of
+    ``"static"``, ``"graph"``, ``"compiled"`` (see :data:`DECODERS`)."""
+    device, length = values.device, values.shape[1]
+    if first >= length:
+        return
+    noise = whole_image_noise(model.head, values.shape[0], length - known, temperature, generator, device)
+    # compiled: one span (the whole cache, masked), not one compilation per span
+    static = StaticDecoder(model, values, known, temperature, noise, length if decoder == "compiled" else SPAN_BLOCK)
+    run = static.step
+    if decoder == "compiled":
+        run = torch.compile(static.step, dynamic=False, fullgraph=True)
+    steps = {}
+    for span in static.spans(first):
+        if device.type == "cuda" and decoder in ("graph", "compiled"):
+            static.position.zero_()
+            graph = capture(lambda span=span: run(span), device)
+            steps[span] = graph.replay
+        else:
+            steps[span] = lambda span=span: run(span)
+    static.load(state, x_t, first)
+    for position in range(first, length):
+        steps[static.span(position)]()
