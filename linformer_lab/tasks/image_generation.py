@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
+from linformer_lab.models.static_decoder import DECODERS
 from linformer_lab.models.transformer import segmented_forward
 from linformer_lab.tasks.base import Task, check_segment_length
 from linformer_lab.tasks.callbacks import (
@@ -53,6 +54,8 @@ from linformer_lab.validation import ConfigurationError, check_at_least, check_n
 __all__ = ["ImageGenerationTask"]
 
 LR_SCHEDULES = ("constant", "cosine")
+#: ``compile``: nothing; the mixture-of-logistics loss alone; the whole loss of a batch (model and loss).
+COMPILE_CHOICES = ("none", "loss", "model")
 
 # Grids written at the end of predict hold at most this many images of each kind.
 _GRID_LIMIT = 64
@@ -86,6 +89,13 @@ class ImageGenerationTask(Task):
             the loss and, without ``detach_state``, the gradient are those of one pass.
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).
+        compile: ``"none"`` (default); ``"loss"``: the mixture-of-logistics loss in one function
+            compiled by ``torch.compile`` (``log_prob(fused=True)``); ``"model"``: the whole
+            per-batch loss (embedding, transformer, head, loss) compiled in ``configure_model``,
+            for GPUs, where an eager step is many small kernel launches. The first batches
+            compile (seconds to minutes); the weights and checkpoints are the eager model's.
+        decoder: how predict's generation steps (``PixelTransformer.generate(decoder=...)``):
+            ``"auto"`` a CUDA graph on a GPU, the ``fast_step`` loop on CPU.
 
     ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``hparams_free_to_change``
     which arguments a checkpoint may have had different.
@@ -97,7 +107,7 @@ class ImageGenerationTask(Task):
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
-                              "segment_length", "detach_state")
+                              "segment_length", "detach_state", "compile", "decoder")
 
     def __init__(
         self,
@@ -122,6 +132,8 @@ class ImageGenerationTask(Task):
         png_scale: int = 4,
         segment_length: int | None = None,
         detach_state: bool = False,
+        compile: str = "none",
+        decoder: str = "auto",
     ):
         super().__init__()
         image_shape = [int(s) for s in image_shape]
@@ -134,6 +146,10 @@ class ImageGenerationTask(Task):
         check_at_least("predict_num_samples", predict_num_samples, 0, "unconditional samples made by predict")
         check_at_least("predict_batch_size", predict_batch_size, 1)
         check_at_least("png_scale", png_scale, 1, "enlargement of the PNGs")
+        if compile not in COMPILE_CHOICES:
+            raise ConfigurationError(f"compile must be one of {', '.join(map(repr, COMPILE_CHOICES))}, got {compile!r}")
+        if decoder not in DECODERS:
+            raise ConfigurationError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}")
         self.save_hyperparameters()
         self.model = PixelTransformer(  # coerces the attention argument: the one place on this path
             attention=attention, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
@@ -141,6 +157,8 @@ class ImageGenerationTask(Task):
         )
         config = self.store_attention(self.model.attention_config)
         self.model.check_step_weights(step_weights)  # a bad config fails here, not at predict time
+        self.model.fused_loss = compile == "loss"
+        self._batch_nll = self.model.nll  # compiled in configure_model with compile="model"
         check_segment_length(segment_length, self.model.transformer, config.backend)
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
@@ -166,8 +184,14 @@ class ImageGenerationTask(Task):
         """Batches are ``(images, labels)`` (docs/ARCHITECTURE.md, "Contracts") or bare images."""
         return batch[0] if isinstance(batch, (list, tuple)) else batch
 
+    def configure_model(self) -> None:
+        """With ``compile="model"``: the per-batch loss through ``torch.compile`` (once; the
+        module and its state dict stay the eager ones)."""
+        if self.hparams.get("compile", "none") == "model" and self._batch_nll == self.model.nll:
+            self._batch_nll = torch.compile(self.model.nll)
+
     def _nll(self, batch) -> torch.Tensor:
-        return self.model.nll(self._images(batch))  # (B, N) nats
+        return self._batch_nll(self._images(batch))  # (B, N) nats
 
     def training_step(self, batch, batch_idx):
         if self.hparams.get("segment_length"):
@@ -240,7 +264,8 @@ class ImageGenerationTask(Task):
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         images = self.model.generate(batch_size, temperature=self.hparams.temperature,
-                                     step_weights=self.hparams.step_weights, **kwargs)
+                                     step_weights=self.hparams.step_weights,
+                                     decoder=self.hparams.get("decoder", "auto"), **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._predict_state["seconds"][kind] += time.perf_counter() - start

@@ -1,0 +1,77 @@
+"""Training without launch overhead: the fused mixture-of-logistics loss and the compiled
+per-batch loss (``ImageGenerationTask(compile=...)``) against the eager ones.
+
+Both go through ``torch.compile`` (inductor's C++ code on CPU), which takes minutes on two
+cores: slow. The references are the eager functions, in float64 for the loss (values and the
+gradient of the parameters, with bins at both edges, floored and midpoint-rule scales).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
+from linformer_lab.tasks.image_generation import ImageGenerationTask
+from linformer_lab.validation import ConfigurationError
+
+TINY = dict(n_layers=1, n_heads=2, d_model=16, d_ff=32, num_mixtures=3, image_shape=[1, 4, 4])
+
+
+def _params_and_targets():
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(3, 40, 12, dtype=torch.float64, generator=gen) * 3
+    params[..., 8:] *= 4  # log-scales from about -12 to 12: the floor and the midpoint rule both taken
+    target = torch.randint(0, 256, (3, 40), generator=gen)
+    target[:, :5], target[:, 5:10] = 0, 255  # the two edge bins
+    return params, target
+
+
+def test_log_prob_keeps_float64():
+    head = DiscretizedMixtureOfLogistics(8, 4)
+    params, target = _params_and_targets()
+    assert head.log_prob(params, target).dtype == torch.float64
+    assert head.log_prob(params.float(), target).dtype == torch.float32
+    torch.testing.assert_close(head.log_prob(params, target).float(), head.log_prob(params.float(), target),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_fused_loss_equals_the_eager_loss_with_gradients():
+    head = DiscretizedMixtureOfLogistics(8, 4)
+    params, target = _params_and_targets()
+    eager, fused = params.clone().requires_grad_(), params.clone().requires_grad_()
+    want, got = head.log_prob(eager, target), head.log_prob(fused, target, fused=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(torch.autograd.grad(got, fused, weights)[0], torch.autograd.grad(want, eager, weights)[0],
+                               rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_compiled_model_gives_the_eager_loss_and_gradients(monkeypatch):
+    """Dynamo's capture of the whole per-batch loss and its backward (AOT autograd) give the
+    eager loss; inductor's code generation, minutes on two cores for this graph, is the fused
+    loss test's part."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, backend="aot_eager", **kwargs))
+    torch.manual_seed(0)
+    task = ImageGenerationTask(**TINY, compile="model")
+    task.configure_model()
+    task.configure_model()  # once only: a second call keeps the compiled function
+    images = torch.randint(0, 256, (2, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    params = list(task.model.parameters())
+    want = task.model.nll(images)
+    got = task._nll((images, torch.zeros(2)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(torch.autograd.grad(got.mean(), params), torch.autograd.grad(want.mean(), params)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_and_decoder_choices_are_checked():
+    with pytest.raises(ConfigurationError, match="compile must be one of 'none', 'loss', 'model', got 'yes'"):
+        ImageGenerationTask(**TINY, compile="yes")
+    with pytest.raises(ConfigurationError, match="decoder must be one of 'auto', 'dynamic', 'static', 'graph', 'compiled'"):
+        ImageGenerationTask(**TINY, decoder="fast")
+    assert ImageGenerationTask(**TINY, compile="loss").model.fused_loss
+    assert not ImageGenerationTask(**TINY).model.fused_loss
