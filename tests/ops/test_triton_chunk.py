@@ -1,0 +1,246 @@
+"""The Triton chunk kernels of causal linear attention (``linformer_lab.ops.cuda.triton_chunk``)
+against the float64 O(N^2) similarity form of eq. 8-9 (with the state terms q^T S_0, q^T z_0
+written out) and autograd of it for the gradients; the PyTorch form of the same chunk algorithm
+against the same reference. Long sequences and bf16 on a real GPU: ``test_triton_chunk_gpu.py``.
+
+On a machine without a GPU, Triton's interpreter runs the kernels on CPU tensors in numpy (fp32,
+fp16): ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` there, before anything imports triton
+(the mode is fixed at that import). With a GPU and no interpreter the same tests run compiled on
+CUDA tensors. The interpreter runs every program of the grid in Python (about 0.1 s each), so
+shapes are small: few heads, few chunks (chunk 16, the smallest), T not a multiple of the chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_reference  # noqa: E402
+from linformer_lab.ops.linear_attention.naive import kernel_similarity  # noqa: E402
+
+EPS = 1e-6
+#: ||got - ref|| / ||ref|| allowed per dtype: fp32 arithmetic, fp16 inputs and roundings
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.float64: 1e-12}
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels run: the CPU under Triton's interpreter, else a CUDA GPU."""
+    from linformer_lab.ops.cuda.triton_chunk import launch
+
+    if launch.interpreting():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) or a CUDA GPU")
+
+
+def phi(x: torch.Tensor) -> torch.Tensor:
+    """Eq. 7 as written, from torch's own elu."""
+    return torch.nn.functional.elu(x) + 1
+
+
+def naive(q, k, v, s0=None, z0=None, feature_map="elu", eps=EPS):
+    """out_i = (phi(q_i)^T S_0 + sum_{j <= i} sim_ij v_j) / (phi(q_i)^T z_0 + sum_{j <= i} sim_ij + eps) and
+    (S_N, z_N), with sim = phi(q) phi(k)^T: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)``."""
+    pq, pk = (phi(q), phi(k)) if feature_map == "elu" else (q, k)
+    sim = kernel_similarity(pq, pk).tril()
+    num, den = sim @ v, sim.sum(-1, keepdim=True) + eps
+    s_n, z_n = pk.transpose(-1, -2) @ v, pk.sum(-2)
+    if s0 is not None:
+        num, den = num + pq @ s0, den + pq @ z0.unsqueeze(-1)
+        s_n, z_n = s_n + s0, z_n + z0
+    return num / den, s_n, z_n
+
+
+def check(name, got, ref, dtype):
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert error < TOL[dtype], f"{name}: relative error {error:.3g} > {TOL[dtype]:g}"
+
+
+def inputs(b, h, t, c, m, dtype, seed=0, state=False, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen).to(device, dtype).requires_grad_() for d in (c, c, m))
+    if not state:
+        return q, k, v
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    s0 = torch.rand(b, h, c, m, generator=gen).mul(4).to(device, state_dtype).requires_grad_()
+    z0 = torch.rand(b, h, c, generator=gen).mul(4).to(device, state_dtype).requires_grad_()
+    return q, k, v, s0, z0
+
+
+def compare(fast, ref_fn, tensors, dtype, name, seed=1):
+    """Outputs of ``fast(*tensors)`` and ``ref_fn(*float64 copies)`` and the gradients of a random
+    linear function of all outputs, each within the dtype's tolerance."""
+    refs = [x.detach().double().requires_grad_() for x in tensors]
+    got, want = fast(*tensors), ref_fn(*refs)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(w.shape, generator=gen, dtype=torch.float64).to(w.device) for w in want]
+    sum(((g.double() * w).sum() for g, w in zip(got, weights))).backward()
+    sum(((r * w).sum() for r, w in zip(want, weights))).backward()
+    for i, (g, r) in enumerate(zip(got, want)):
+        check(f"{name}: output {i}", g, r, dtype)
+    for i, (x, r) in enumerate(zip(tensors, refs)):
+        assert x.grad is not None, f"{name}: no gradient for input {i}"
+        check(f"{name}: grad of input {i}", x.grad, r.grad, dtype)
+
+
+# (B, H, T, C, M): T below, at, and past multiples of the chunk (16); C != M, neither a power of 2
+SHAPES = [(1, 2, 37, 8, 12), (2, 1, 5, 6, 4), (1, 1, 48, 20, 16)]
+
+
+def test_forward_and_gradients_fp32(device):
+    q, k, v = inputs(1, 2, 37, 8, 12, torch.float32, device=device)
+    compare(lambda *x: chunk_linear_attention(*x, chunk_size=16), lambda *x: naive(*x)[0], (q, k, v), torch.float32, "fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_gradients(device, dtype, shape):
+    q, k, v = inputs(*shape, dtype, seed=sum(shape), device=device)
+    compare(lambda *x: chunk_linear_attention(*x, chunk_size=16), lambda *x: naive(*x)[0], (q, k, v), dtype,
+            f"{dtype} {shape}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_state_in_and_out_with_gradients(device, dtype):
+    """S_0, z_0 in and S_N, z_N out, gradients into both initial parts and from both final parts."""
+    tensors = inputs(2, 2, 21, 8, 12, dtype, state=True, device=device)
+
+    def fast(q, k, v, s0, z0):
+        out, (s_n, z_n) = chunk_linear_attention(q, k, v, initial_state=(s0, z0), return_final_state=True, chunk_size=16)
+        assert s_n.dtype == z_n.dtype == torch.float32
+        return out, s_n, z_n
+
+    compare(fast, naive, tensors, dtype, f"state {dtype}")
+
+
+def test_split_sequence_continues_exactly(device):
+    """Two segments, the second from the first one's final state, equal one pass over the whole."""
+    q, k, v = (x.detach() for x in inputs(1, 2, 40, 8, 8, torch.float32, device=device))
+    whole, (s_whole, z_whole) = chunk_linear_attention(q, k, v, return_final_state=True, chunk_size=16)
+    first, state = chunk_linear_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19], return_final_state=True, chunk_size=16)
+    second, (s_n, z_n) = chunk_linear_attention(q[:, :, 19:], k[:, :, 19:], v[:, :, 19:], initial_state=state,
+                                                return_final_state=True, chunk_size=16)
+    torch.testing.assert_close(torch.cat([first, second], dim=2), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s_n, s_whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z_n, z_whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_sequences_equal_separate_runs(device):
+    """cu_seqlens (an empty sequence and one shorter than a chunk included): every sequence on
+    its own, its own state row in and out; gradients through all of it."""
+    lengths = [5, 0, 35, 17]
+    edges = torch.tensor([0, 5, 5, 40, 57], device=device)
+    q, k, v, s0, z0 = inputs(1, 2, sum(lengths), 8, 12, torch.float32, state=True, device=device)
+    s0 = s0.detach().expand(len(lengths), -1, -1, -1).clone().requires_grad_()
+    z0 = z0.detach().expand(len(lengths), -1, -1).clone().requires_grad_()
+
+    def fast(q, k, v, s0, z0):
+        out, (s_n, z_n) = chunk_linear_attention(q, k, v, initial_state=(s0, z0), return_final_state=True,
+                                                 cu_seqlens=edges, chunk_size=16)
+        return out, s_n, z_n
+
+    def separate(q, k, v, s0, z0):
+        parts = [naive(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], s0[i:i + 1], z0[i:i + 1])
+                 for i, (a, b) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist()))]
+        return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+
+    compare(fast, separate, (q, k, v, s0, z0), torch.float32, "packed")
+
+
+@pytest.mark.slow
+def test_feature_map_none_takes_mapped_inputs(device):
+    """feature_map=None: q, k are used as given (here a softplus map applied by the caller)."""
+    q, k, v = inputs(1, 2, 30, 8, 12, torch.float32, device=device)
+    mapped = [torch.nn.functional.softplus(x.detach()).requires_grad_() for x in (q, k)]
+    compare(lambda *x: chunk_linear_attention(*x, feature_map=None, chunk_size=16),
+            lambda *x: naive(*x, feature_map=None)[0], (*mapped, v), torch.float32, "feature_map=None")
+
+
+def test_sequence_major_layout(device):
+    """head_first=False: ``(B, T, H, D)`` inputs give the ``(B, T, H, M)`` output of the same attention."""
+    q, k, v = (x.detach() for x in inputs(2, 2, 19, 8, 12, torch.float32, device=device))
+    want = chunk_linear_attention_reference(q, k, v, chunk_size=16)
+    got = chunk_linear_attention(*(x.transpose(1, 2).contiguous() for x in (q, k, v)), chunk_size=16, head_first=False)
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_pytorch_form_equals_the_definition(chunk):
+    """The PyTorch form of the chunk algorithm (float64, state and packing) against the naive form."""
+    q, k, v, s0, z0 = inputs(2, 2, 45, 6, 5, torch.float64, state=True)
+    got, (s_n, z_n) = chunk_linear_attention_reference(q, k, v, initial_state=(s0, z0), return_final_state=True,
+                                                       chunk_size=chunk)
+    want, s_want, z_want = naive(q, k, v, s0, z0)
+    for name, g, w in (("out", got, want), ("S_N", s_n, s_want), ("z_N", z_n, z_want)):
+        check(f"pytorch form {name}", g, w, torch.float64)
+    edges = torch.tensor([0, 20, 45])
+    packed = chunk_linear_attention_reference(q[:1], k[:1], v[:1], cu_seqlens=edges, chunk_size=chunk)
+    parts = [naive(q[:1, :, a:b], k[:1, :, a:b], v[:1, :, a:b])[0] for a, b in ((0, 20), (20, 45))]
+    check("pytorch form packed", packed, torch.cat(parts, dim=2), torch.float64)
+
+
+@pytest.mark.slow
+def test_torch_compile_traces_through_the_custom_op(device):
+    """``torch.compile(fullgraph=True)`` traces the op (fake tensors, registered autograd): same
+    outputs and gradients as eager."""
+    q, k, v = inputs(1, 2, 20, 8, 8, torch.float32, device=device)
+
+    def f(q, k, v):
+        return chunk_linear_attention(q * 0.5, k, v, chunk_size=16).square().sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for got, want in zip(torch.autograd.grad(compiled(q, k, v), (q, k, v)), eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_opcheck(device):
+    """torch.library's own checks of the op: schema, fake tensors, autograd registration."""
+    q, k, v, s0, z0 = (x.detach().requires_grad_() for x in inputs(1, 1, 18, 4, 4, torch.float32, state=True, device=device))
+    from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention_fwd
+
+    torch.library.opcheck(chunk_linear_attention_fwd, (q, k, v, s0, z0, None, "elu", EPS, 16, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def _bad(**changes):
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 3)
+    args = dict(q=q, k=k, v=v)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("args, message", [
+    (_bad(q=torch.randn(2, 8, 4)), "4-d tensors"),
+    (_bad(k=torch.randn(1, 2, 8, 5)), "same shape"),
+    (_bad(v=torch.randn(1, 2, 7, 3)), "every dim but the last"),
+    (_bad(v=torch.randn(1, 2, 8, 3, dtype=torch.float64)), "float32, float16, bfloat16"),
+    (_bad(feature_map="relu"), "feature_map must be 'elu'"),
+    (_bad(chunk_size=48), "chunk_size must be one of"),
+    (_bad(cu_seqlens=torch.tensor([0.0, 8.0])), "cu_seqlens must be"),
+    (_bad(initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4))), "initial_state must be"),
+], ids=["dims", "qk", "v", "dtype", "feature_map", "chunk", "cu_seqlens", "state"])
+def test_bad_input_is_one_line(args, message):
+    with pytest.raises(ValueError, match=message) as info:
+        chunk_linear_attention(**args)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_cu_seqlens_values_and_cpu_without_interpreter(monkeypatch):
+    q = torch.randn(1, 1, 8, 4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="rise from 0 to the sequence length 8"):
+        chunk_linear_attention(q, q, q, cu_seqlens=torch.tensor([0, 5, 4, 8]))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        chunk_linear_attention(q, q, q)
