@@ -1,0 +1,232 @@
+"""The kernel dispatch (linformer_lab/ops/kernels.py): which candidate computes each op under each
+condition (device, dtype, autocast, shapes, the build, the LINFORMER_LAB_KERNELS switch), the
+switch's errors, describe(), and that the ``linear`` backend runs what it picks: on CPU the C++
+kernel, under the switch the PyTorch reference, both equal to the float64 O(N^2) definition; for
+CUDA tensors the CUDA kernel (fake CUDA tensors and a stand-in kernel here: no GPU in CI).
+
+The fast tests stand in for the builds (each candidate's ``available``); the ones marked slow load
+(and may compile) the real C++ extensions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import linformer_lab as ll
+from linformer_lab.ops import cpu, kernels
+from linformer_lab.ops.linear_attention import naive
+
+
+def candidate(op: str, name: str) -> kernels.Candidate:
+    (found,) = [c for c in kernels.CANDIDATES[op] if c.name == name]
+    return found
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Stand-ins for the builds: ``builds(recurrence=True, chunk=False, ...)`` sets whether each
+    candidate's build can be had (the recurrence, when available, fits every shape here)."""
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
+
+    def set_builds(**available):
+        for (op, name), ok in {("causal", "cuda"): available.get("cuda", False),
+                               ("causal", "recurrence"): available.get("recurrence", False),
+                               ("causal", "chunk"): available.get("chunk", False),
+                               ("lsh_window", "cpp"): available.get("lsh", False),
+                               ("fused_step", "cpp"): available.get("fused", False)}.items():
+            monkeypatch.setattr(candidate(op, name), "available", lambda ok=ok: ok)
+        # the recurrence's own condition asks its build which C, M fit: here, all that the chunk kernel takes
+        monkeypatch.setattr(candidate("causal", "recurrence"), "accepts", candidate("causal", "chunk").accepts)
+
+    return set_builds
+
+
+def chosen(op, *args) -> str:
+    return kernels.select(op, *args).name
+
+
+def qkv(device="cpu", dtype=torch.float32, c=8, m=8):
+    return tuple(torch.zeros(2, 2, 5, d, device=device, dtype=dtype) for d in (c, c, m))
+
+
+# ---------------------------------------------------------------- conditions
+
+
+def test_cpu_float32_and_float64_take_the_first_cpp_kernel_that_builds(builds):
+    builds(recurrence=True, chunk=True)
+    assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=torch.float64)) == "recurrence"
+    builds(recurrence=False, chunk=True)
+    assert chosen("causal", *qkv()) == "chunk"
+    builds()
+    assert chosen("causal", *qkv()) == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_on_cpu_takes_the_reference(builds, dtype):
+    builds(recurrence=True, chunk=True, lsh=True)
+    assert chosen("causal", *qkv(dtype=dtype)) == "reference"
+    assert chosen("lsh_window", *qkv(dtype=dtype)) == "reference"
+
+
+def test_cpu_autocast_and_mixed_dtypes_take_the_reference(builds):
+    builds(recurrence=True, chunk=True, lsh=True, fused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert chosen("causal", *qkv()) == "reference"
+        assert chosen("fused_step", torch.zeros(1, 16)) == "reference"
+    q, k, v = qkv()
+    assert chosen("causal", q, k, v.double()) == "reference"
+    assert chosen("causal", q, k, v) == "recurrence"
+
+
+def test_fused_step_only_for_small_cpu_batches(builds):
+    builds(fused=True)
+    assert chosen("fused_step", torch.zeros(kernels.FUSED_MAX_BATCH, 16)) == "cpp"
+    assert chosen("fused_step", torch.zeros(kernels.FUSED_MAX_BATCH + 1, 16)) == "reference"
+    assert chosen("fused_step", torch.zeros(1, 16, dtype=torch.float16)) == "reference"
+
+
+def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
+    builds(recurrence=True, chunk=True, cuda=True)
+    with FakeTensorMode():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert chosen("causal", *qkv("cuda", dtype)) == "cuda"
+        assert chosen("causal", *qkv("cuda", c=257)) == "reference"  # past the kernel's tiles
+        assert chosen("causal", *qkv("cuda", torch.float64)) == "reference"
+        assert chosen("lsh_window", *qkv("cuda")) == "reference"
+        assert chosen("fused_step", torch.zeros(1, 16, device="cuda")) == "reference"
+        builds(recurrence=True, chunk=True, cuda=False)
+        assert chosen("causal", *qkv("cuda")) == "reference"
+    assert chosen("causal", *qkv()) == "recurrence"  # CPU tensors never take the CUDA kernel
+
+
+# ---------------------------------------------------------------- the switch
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", {}), ("auto", {}), ("reference", {op: "reference" for op in kernels.CANDIDATES}),
+    ("causal=chunk", {"causal": "chunk"}),
+    (" causal = reference , lsh_window=cpp ", {"causal": "reference", "lsh_window": "cpp"}),
+])
+def test_switch_values(monkeypatch, value, expected):
+    monkeypatch.setenv(kernels.SWITCH, value)
+    assert kernels.forced() == expected
+
+
+def test_switch_forces_a_candidate_where_it_applies_and_the_reference_elsewhere(builds, monkeypatch):
+    builds(recurrence=True, chunk=True, lsh=True, fused=True, cuda=True)
+    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
+    assert chosen("causal", *qkv()) == "chunk"
+    assert chosen("lsh_window", *qkv()) == "cpp"  # other ops unaffected
+    with FakeTensorMode():
+        assert chosen("causal", *qkv("cuda")) == "reference"  # chunk does not apply to CUDA tensors
+    monkeypatch.setenv(kernels.SWITCH, "reference")
+    assert [chosen("causal", *qkv()), chosen("lsh_window", *qkv()), chosen("fused_step", torch.zeros(1, 4))] \
+        == ["reference"] * 3
+
+
+@pytest.mark.parametrize("value, names", [
+    ("causal=fast", "its kernels: cuda, recurrence, chunk, reference"),
+    ("attention=reference", "an op among causal, lsh_window, fused_step, causal_attention"),
+    ("0", "is not 'auto', 'reference' or op=kernel"),
+])
+def test_a_bad_switch_value_is_one_line_naming_the_choices(monkeypatch, value, names):
+    monkeypatch.setenv(kernels.SWITCH, value)
+    with pytest.raises(ValueError) as error:
+        kernels.select("causal", *qkv())
+    assert "\n" not in str(error.value) and names in str(error.value) and kernels.SWITCH in str(error.value)
+
+
+def test_an_unknown_op_names_the_ops():
+    with pytest.raises(ValueError, match="unknown op 'causal_numerator'; ops: causal, lsh_window"):
+        kernels.select("causal_numerator")
+
+
+# ---------------------------------------------------------------- describe
+
+
+def test_describe_names_the_chosen_candidate_per_op(builds, monkeypatch):
+    builds(recurrence=False, chunk=True, fused=False)
+    monkeypatch.setattr(candidate("causal", "chunk"), "detail", lambda: "avx2")
+    lines = kernels.describe()
+    assert lines[0] == "causal op on cpu (float32, C = M = 32): C++ chunked kernel (ops/cpu/causal_dot.cpp), avx2"
+    assert lines[1].startswith("lsh_window op on cpu (float32): PyTorch window step")
+    assert lines[2].startswith("fused_step op on cpu (float32, batch 1): Python step")
+    assert lines[-1].startswith(f"{kernels.SWITCH} unset")
+    monkeypatch.setenv(kernels.SWITCH, "causal=reference")
+    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked reference")
+    assert kernels.describe()[-1] == f"{kernels.SWITCH}=causal=reference: forced {{'causal': 'reference'}}"
+
+
+# ---------------------------------------------------------------- what linear runs
+
+
+def linear_inputs(c: int, m: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, 37, d, generator=gen, dtype=dtype, requires_grad=True) for d in (c, c, m)]
+
+
+def naive_linear(attention, q, k, v):
+    """Causal linear attention in float64 from its definition (eq. 9): features, then the O(N^2) form."""
+    phi = attention.feature_map
+    similarity = naive.kernel_similarity(phi(q.double()), phi(k.double()))
+    return naive.attention_from_similarity(similarity, v.double(), causal=True, eps=attention.eps)
+
+
+@pytest.fixture(scope="module")
+def extensions():
+    """The real C++ causal kernels; a skip only without a C++ compiler (CI has one)."""
+    try:
+        return cpu.CAUSAL_RECURRENCE.load(), cpu.CAUSAL_DOT.load()
+    except RuntimeError as error:
+        if cpu.find_compiler() is not None:
+            raise
+        pytest.skip(f"needs the causal CPU kernel extensions ({error})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c, m, kernel", [(16, 16, "recurrence"), (7, 5, "chunk")])
+@pytest.mark.parametrize("switch", ["", "reference"])
+def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
+        extensions, monkeypatch, c, m, kernel, switch):
+    monkeypatch.setenv(kernels.SWITCH, switch)
+    ran = []
+    for name in ("recurrence", "chunk", "reference"):
+        entry = candidate("causal", name)
+        monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
+    attention = ll.build_attention("linear", causal=True, query_dim=c)
+    q, k, v = linear_inputs(c, m)
+    out = attention(q, k, v)
+    assert ran == [kernel if not switch else "reference"]
+    expected = naive_linear(attention, q, k, v)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_the_real_builds_select_by_register_width(extensions):
+    assert chosen("causal", *qkv(c=32, m=32)) == "recurrence"
+    assert chosen("causal", *qkv(c=7, m=5)) == "chunk"
+    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
+
+
+def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
+    """With fake CUDA tensors and a stand-in for the kernel: ``linear`` hands the numerator of a
+    CUDA input to the CUDA candidate, which gets the feature-mapped inputs."""
+    builds(cuda=True)
+    calls = []
+
+    def cuda_stand_in(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+        calls.append((q.device.type, q.shape, v.shape))
+        return torch.zeros_like(v)
+
+    monkeypatch.setattr(candidate("causal", "cuda"), "run", cuda_stand_in)
+    attention = ll.build_attention("linear", causal=True, query_dim=4)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.zeros(1, 2, 6, d, device="cuda") for d in (4, 4, 3))
+        out = attention(q, k, v)
+    assert calls == [("cuda", torch.Size([1, 2, 6, 4]), torch.Size([1, 2, 6, 3]))] and out.shape == (1, 2, 6, 3)
