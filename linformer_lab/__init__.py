@@ -13,19 +13,34 @@ Public API::
 
 from __future__ import annotations
 
-from linformer_lab.attention.config import AttentionConfig, build_attention, list_attention
-from linformer_lab.feature_maps import build_feature_map, list_feature_maps
-from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ATTENTION",
-    "AttentionConfig",
-    "FEATURE_MAPS",
-    "PluginError",
-    "build_attention",
-    "build_feature_map",
-    "list_attention",
-    "list_feature_maps",
-]
+#: Public name -> the module that defines it. Imported on first use (``__getattr__`` below), so
+#: ``import linformer_lab`` loads no torch: ``cli.py --help`` and ``cli.py plugins`` need none.
+_EXPORTS = {
+    "ATTENTION": "linformer_lab.registry",
+    "AttentionConfig": "linformer_lab.attention.config",
+    "FEATURE_MAPS": "linformer_lab.registry",
+    "PluginError": "linformer_lab.registry",
+    "build_attention": "linformer_lab.attention.config",
+    "build_feature_map": "linformer_lab.feature_maps",
+    "list_attention": "linformer_lab.attention.config",
+    "list_feature_maps": "linformer_lab.feature_maps",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
