@@ -370,9 +370,11 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"
     saved_class = hparams.pop("_class_path", None)
     hparams.pop("_instantiator", None)
+    saved_config = next((str(d / "config.yaml") for d in Path(path).resolve().parents[:3] if (d / "config.yaml").is_file()), None)
     hint = (
-        " Evaluate with the configuration the checkpoint was trained with: the run's saved config is "
-        "<trainer.default_root_dir>/version_N/config.yaml (pass it with --config)."
+        f" Evaluate with the configuration it was trained with: --config {saved_config} (its run's saved config)."
+        if saved_config else
+        " Evaluate with the configuration it was trained with (a run saves it as config.yaml in its version_N folder)."
     )
     if saved_class is not None and saved_class != want_class:
         raise CheckpointMismatchError(

@@ -73,11 +73,13 @@ class AttentionConfig:
             FEATURE_MAPS.get(self.feature_map)
             if not uses_feature_map:
                 raise ValueError(
-                    f"attention backend {self.backend!r} takes no feature map (got feature_map={self.feature_map!r}); "
+                    f"attention backend {self.backend!r} takes no feature map (got feature_map={self.feature_map!r}): "
+                    f"set feature_map to None (on the command line: --model.attention.feature_map null); "
                     f"feature maps apply to: {', '.join(n for n in ATTENTION.names() if _uses_feature_map(n))}"
                 )
         if self.feature_map_kwargs and not uses_feature_map:
-            raise ValueError(f"attention backend {self.backend!r} takes no feature map, so feature_map_kwargs must be empty")
+            raise ValueError(f"attention backend {self.backend!r} takes no feature map, so feature_map_kwargs must be empty "
+                             f"(on the command line: --model.attention.feature_map_kwargs '{{}}')")
 
     @classmethod
     def coerce(cls, attention: AttentionConfig | str | dict | None) -> AttentionConfig:
