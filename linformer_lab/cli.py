@@ -3,9 +3,11 @@
 Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI) and ``plugins`` (ours).
 See docs/cli.md for the user's view; this module is the wiring:
 
-* :func:`main` handles ``plugins`` itself (LightningCLI takes no extra subcommands), finds
-  ``--config NAME.yaml`` under ``configs/`` when it is not in the working directory
-  (:mod:`linformer_lab.cli_args`), discovers the entry-point plugins and runs :class:`LinformerCLI`.
+* :func:`~linformer_lab.cli_args.main` (in :mod:`linformer_lab.cli_args`, re-exported here)
+  answers ``--help`` and ``plugins`` without importing Lightning, finds ``--config NAME.yaml``
+  under ``configs/`` and hands the rest to :func:`run_lightning_cli`, which discovers the
+  entry-point plugins and runs :class:`LinformerCLI`;
+* :class:`LinformerArgumentParser` makes the parser's errors one line with a did-you-mean;
 * :class:`LinformerCLI` is a LightningCLI in subclass mode for model and data (any
   LightningModule / LightningDataModule, chosen by ``class_path``), which adds:
   - data -> model links (``vocab_size``, ``sequence_length``) read from the instantiated data module;
@@ -27,7 +29,6 @@ See docs/cli.md for the user's view; this module is the wiring:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -55,7 +56,19 @@ from linformer_lab.checkpoints import (
     resolve_checkpoint_path,
     resumed_run_dir,
 )
-from linformer_lab.cli_args import COUNT_OR_FRACTION, resolve_config_args, with_ckpt_path
+from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resolve_config_args: the entry points, kept here)
+    COUNT_OR_FRACTION,
+    SUBCOMMANDS,
+    class_help,
+    condense_parse_error,
+    config_class_paths,
+    help_requested,
+    main,
+    parse_error_line,
+    plugins_command,
+    resolve_config_args,
+    with_ckpt_path,
+)
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
 from linformer_lab.validation import ConfigurationError
@@ -64,6 +77,23 @@ from linformer_lab.validation import ConfigurationError
 #: (jsonargparse skips a link whose source attribute or target argument is missing, so one list
 #: serves every task). Add a name here to link a new one.
 DATA_TO_MODEL_LINKS = ("vocab_size", "sequence_length", "num_phonemes")
+
+
+class LinformerArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser whose errors are one line (no usage block, which runs to 56-64 lines
+    here): an unknown option with a did-you-mean (:func:`~linformer_lab.cli_args.parse_error_line`),
+    any other fault condensed. ``JSONARGPARSE_DEBUG=1`` shows jsonargparse's own report."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, ex)  # a parser asked to raise (jsonargparse's own lenient checks)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        subcommand = parser.prog.split()[-1]  # "cli.py [options] fit" (the name in sys.argv[0])
+        prog = f"cli.py {subcommand}" if subcommand in SUBCOMMANDS else "cli.py"
+        options = [o for o in parser._option_string_actions if o.startswith("--")]
+        line = parse_error_line(message, options, prog)
+        sys.stderr.write((line or f"error: {condense_parse_error(message)} ({prog} --help lists the options)") + "\n")
+        sys.exit(2)
 
 
 class LinformerCLI(LightningCLI):
@@ -76,6 +106,7 @@ class LinformerCLI(LightningCLI):
 
     def __init__(self, args=None, run: bool = True, **kwargs):
         kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("parser_class", LinformerArgumentParser)
         # Every run logs into its own version_N directory, so the saved config never collides;
         # overwrite=True covers runs that pin the logger version or disable the logger (then
         # the config lands in default_root_dir, the same place every time).
@@ -363,61 +394,14 @@ def resolve_precision(precision, accelerator):
     return precision
 
 
-# ---------------------------------------------------------------------- plugins subcommand
-
-
-def plugins_command(argv: list[str]) -> int:
-    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
-    with the distribution(s) that register it; ``--check`` also imports each one."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
-    parser.add_argument("--check", action="store_true", help="import every plugin and report failures")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-
-    report = {}
-    failed = False
-    for title, registry in (("attention", ATTENTION), ("feature_maps", FEATURE_MAPS)):
-        entries = []
-        for name, dists in registry.distributions().items():
-            entry = {"name": name, "distributions": dists, "status": "conflict" if len(dists) > 1 else "ok"}
-            if args.check and len(dists) == 1:
-                try:
-                    plugin = registry.get(name)
-                except PluginError as err:
-                    entry["status"], failed = f"broken: {err}", True
-                else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
-                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
-                    if reason:
-                        entry["status"] = f"unavailable here: {reason}"
-            failed |= len(dists) > 1
-            entries.append(entry)
-        report[title] = {"group": registry.group, "plugins": entries}
-
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for title, section in report.items():
-            print(f"{title} (entry-point group {section['group']!r}):")
-            for e in section["plugins"]:
-                status = "" if e["status"] == "ok" else f"  [{e['status']}]"
-                print(f"  {e['name']:<16} {', '.join(e['distributions'])}{status}")
-    return 1 if failed else 0
-
-
 # ---------------------------------------------------------------------- entry point
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cli.py``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "plugins":
-        return plugins_command(argv[1:])
-    if argv[:1] in ([], ["-h"], ["--help"]):
-        # LightningCLI's usage lists only its own subcommands
-        print("subcommands: fit, validate, test, predict (below) and plugins (cli.py plugins --help); see docs/cli.md\n")
-    argv = resolve_config_args(argv)
+def run_lightning_cli(argv: list[str]) -> int:
+    """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli_args.prepare_argv`
+    left it (``main``, in :mod:`linformer_lab.cli_args`, answers what needs no Lightning);
+    returns the exit code. ``SUBCOMMAND --config X --help`` adds the options of the config's
+    model and data classes to LightningCLI's help, which lists their class paths only."""
     # Discover the entry points (metadata only, no imports) before parsing, so a config naming a
     # third-party backend or feature map is validated against everything installed.
     ATTENTION.names()
@@ -433,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
             # "Measurements behind library defaults").
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             LinformerCLI()
+    except SystemExit as done:
+        if done.code not in (0, None) or not help_requested(argv):
+            raise
+        classes = config_class_paths(argv)
+        print("".join(f"\n{class_help(path, group)}" for group, path in classes.items()) if classes else
+              "\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
     except ConfigurationError as err:
         # a check at the start of the run (Task.setup) refused the configuration: one line, as
         # for the checks made while building the classes

@@ -1,10 +1,28 @@
-"""The command line around parsing: ``--config NAME`` lookup under configs/, ``--ckpt_path last|best``
-replaced by the file it resolved to (for DDP ranks), and the names of the
-count-or-fraction trainer arguments (:data:`COUNT_OR_FRACTION`)."""
+"""The command line before Lightning: what ``cli.py`` answers without importing it, and the
+argv it hands to :class:`~linformer_lab.cli.LinformerCLI`.
+
+* :func:`main`: ``cli.py --help`` and ``cli.py plugins`` answer here; the four Lightning
+  subcommands go to :func:`linformer_lab.cli.run_lightning_cli` (the first import of Lightning)
+  with their argv normalised by :func:`prepare_argv`: ``--config NAME`` looked up under configs/
+  (:func:`find_config`), a top-level ``-c X`` moved behind the subcommand, and the task and data
+  short names of ``--model.help`` / ``--data.help`` (:data:`HELP_NAMES`) made class paths.
+* Faults found here are a :class:`UsageError`: one line with a did-you-mean, exit code 2.
+  :func:`parse_error_line` turns the parser's own errors into such a line too.
+* :data:`COUNT_OR_FRACTION`, the trainer arguments typed int-first, and :func:`with_ckpt_path`.
+
+Nothing at module level imports torch or Lightning (nor does :mod:`linformer_lab.registry`):
+``tests/cli/test_cli_startup.py`` checks that ``--help`` and ``plugins`` load neither.
+"""
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import json
+import re
 import sys
+import textwrap
+import typing
 from pathlib import Path
 
 #: configs/ of the source checkout (cli.py lives at its root); searched after ./configs.
@@ -17,25 +35,169 @@ COUNT_OR_FRACTION = (
     "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval",
 )
 
+#: The LightningCLI subcommands (``plugins`` is ours and needs no Lightning).
+SUBCOMMANDS = {
+    "fit": "train (and validate) a model",
+    "validate": "run one validation epoch",
+    "test": "run one test epoch",
+    "predict": "predict and save the predictions",
+}
+
+#: Short names ``--model.help`` / ``--data.help`` accept for the built-in tasks and data modules
+#: (besides a class name such as ``CopyTask`` or a full class path).
+HELP_NAMES = {
+    "model": {
+        "copy": "linformer_lab.tasks.copy_task.CopyTask",
+        "image": "linformer_lab.tasks.image_generation.ImageGenerationTask",
+        "speech": "linformer_lab.tasks.speech.SpeechRecognitionTask",
+    },
+    "data": {
+        "copy": "linformer_lab.data.copy.CopyDataModule",
+        "mnist": "linformer_lab.data.images.MNISTDataModule",
+        "cifar10": "linformer_lab.data.images.CIFAR10DataModule",
+        "speech": "linformer_lab.data.speech.SpeechDataModule",
+    },
+}
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class UsageError(ValueError):
+    """A command line :func:`main` refuses: its message is the one line printed, exit code 2."""
+
+
+# ---------------------------------------------------------------------- suggestions
+
+
+def did_you_mean(given: str, choices: typing.Iterable[str], cutoff: float = 0.6) -> str:
+    """``"; did you mean X?"`` for the closest of ``choices`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(given, list(choices), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def suggest_option(flag: str, options: typing.Iterable[str]) -> str:
+    """The did-you-mean for an unknown ``--group.name``: compared within its group first (the
+    shared ``--trainer.`` prefix would make any two trainer flags look alike), then over all."""
+    options = sorted(set(options))
+    group, _, rest = flag.rpartition(".")
+    same_group = {o[len(group) + 1:]: o for o in options if group and o.startswith(group + ".")}
+    close = difflib.get_close_matches(rest, list(same_group), n=1, cutoff=0.6) if rest else []
+    if close:
+        return f"; did you mean {same_group[close[0]]}?"
+    return did_you_mean(flag, options, cutoff=0.8)
+
+
+def class_option_names(cls: type, prefix: str) -> list[str]:
+    """Every ``--PREFIX.NAME`` that sets an argument of ``cls.__init__`` (its parents' too
+    where it passes ``**kwargs`` on), one level into class-typed arguments:
+    ``class_option_names(CopyTask, "model")`` holds ``--model.n_layers`` and
+    ``--model.attention.backend``."""
+    names = []
+    for name, annotation in _init_parameters(cls):
+        names.append(f"--{prefix}.{name}")
+        for inner in _classes_in(annotation):
+            names += [f"--{prefix}.{name}.{sub}" for sub, _ in _init_parameters(inner)]
+    return names
+
+
+def _init_parameters(cls: type) -> list[tuple[str, typing.Any]]:
+    found = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        try:
+            signature = inspect.signature(klass.__init__)
+        except (TypeError, ValueError):  # a C-implemented __init__
+            break
+        try:
+            hints = typing.get_type_hints(klass.__init__)
+        except Exception:  # an annotation that does not resolve: names without types still help
+            hints = {}
+        params = list(signature.parameters.values())[1:]
+        found += [(p.name, hints.get(p.name)) for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return found
+
+
+def _classes_in(annotation) -> list[type]:
+    """The classes of our own kind in an annotation (``AttentionConfig | None`` -> AttentionConfig)."""
+    members = typing.get_args(annotation) or (annotation,)
+    return [m for m in members if inspect.isclass(m) and m.__module__.split(".")[0] not in
+            ("builtins", "typing", "collections", "torch", "pathlib")]
+
+
+def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> str | None:
+    """One line for a jsonargparse error ``message`` about an unknown option, with a
+    did-you-mean over ``options`` (the parser's own) and, for ``--model.*`` / ``--data.*``,
+    the arguments of the class the message names; None when the error is of another kind."""
+    def tip(flag: str) -> str:
+        if flag.startswith(("--model.", "--data.")):
+            return f"({prog} --config NAME --help lists the model's and data's options)"
+        return f"({prog} --help lists the options)"
+
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flag = next((word for word in unknown.group(1).split() if word.startswith("-")), unknown.group(1).split()[0])
+        flag = flag.split("=", 1)[0]
+        return f"error: unknown option {flag}{suggest_option(flag, options)} {tip(flag)}"
+    nested = re.findall(r"NestedArg\(key='([^']+)'", message)
+    group = re.match(r'Parser key "(\w+)"', message)
+    if not (nested and group and "is not accepted" in message):
+        return None
+    flag = f"--{group.group(1)}.{nested[-1]}"
+    class_path = re.search(r"class_path '([\w.]+)'", message)
+    candidates = list(options)
+    if class_path:
+        try:
+            candidates += class_option_names(import_class(class_path.group(1)), group.group(1))
+        except (ImportError, AttributeError):
+            pass  # jsonargparse found it a moment ago; without it the parser's own names remain
+    return f"error: unknown option {flag}{suggest_option(flag, candidates)} {tip(flag)}"
+
+
+def condense_parse_error(message: str) -> str:
+    """jsonargparse's nested union report -> its informative lines (the bad value, the reason),
+    without the structure around them (``Does not validate against any of the Union subtypes``)."""
+    skip = ("Does not validate", "Subtypes:", "Errors:", "Given value type:", "- Expected a <class 'NoneType'>")
+    lines = [line.strip().lstrip("- ") for line in message.splitlines()]
+    kept = [line for line in lines if line and not line.startswith(skip) and not line.startswith("Problem with")]
+    return "; ".join(dict.fromkeys(kept)) or message
+
+
+def import_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+# ---------------------------------------------------------------------- configs
+
+
+def config_dirs() -> list[Path]:
+    return [Path("configs"), REPO_CONFIG_DIR]
+
+
+def known_configs() -> list[str]:
+    """Names of the shipped configs (``./configs`` and this checkout's ``configs/``)."""
+    return sorted({p.name for folder in config_dirs() if folder.is_dir() for p in folder.iterdir()
+                   if p.suffix in CONFIG_SUFFIXES})
+
 
 def find_config(value: str) -> str:
     """``--config`` value -> a path: as given if it exists, else ``configs/VALUE`` (also without
-    the ``.yaml``) in the working directory, then in this checkout. Inline YAML passes through."""
-    if "\n" in value or value.lstrip().startswith("{") or Path(value).exists():
+    the ``.yaml``) in the working directory, then in this checkout. Inline YAML passes through;
+    a name found nowhere is a :class:`UsageError` with the closest config's name."""
+    if "\n" in value or ":" in value.split("/")[-1] or value.lstrip().startswith("{") or Path(value).exists():
         return value
-    names = [value] if value.endswith((".yaml", ".yml", ".json")) else [value, f"{value}.yaml"]
-    for folder in (Path("configs"), REPO_CONFIG_DIR):
+    names = [value] if value.endswith(CONFIG_SUFFIXES) else [value, f"{value}.yaml"]
+    for folder in config_dirs():
         for name in names:
             if (folder / name).is_file():
                 return str(folder / name)
-    if value.endswith((".yaml", ".yml", ".json")):
-        known = sorted(p.name for p in REPO_CONFIG_DIR.glob("*.yaml")) if REPO_CONFIG_DIR.is_dir() else []
-        sys.stderr.write(
-            f"error: config file {value!r} not found (looked in ., ./configs and {REPO_CONFIG_DIR}). "
-            f"Known configs: {', '.join(known) or '(none)'}\n"
-        )
-        sys.exit(2)
-    return value
+    wanted = Path(names[-1]).name
+    known = known_configs()
+    hint = did_you_mean(wanted, known) or f"; the configs are {', '.join(known) or '(none)'}"
+    raise UsageError(f"error: config file {value!r} not found in ., ./configs or {REPO_CONFIG_DIR}{hint}")
 
 
 def resolve_config_args(argv: list[str]) -> list[str]:
@@ -52,6 +214,197 @@ def resolve_config_args(argv: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     return out
+
+
+def config_class_paths(argv: list[str]) -> dict[str, str]:
+    """``{"model": class path, "data": class path}`` as the ``--config`` files in ``argv`` set
+    them (a later file wins), read as plain YAML."""
+    import yaml
+
+    found = {}
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg in ("-c", "--config") and i + 1 < len(argv) else (
+            arg[len("--config="):] if arg.startswith("--config=") else None)
+        if value is None:
+            continue
+        text = Path(value).read_text() if Path(value).is_file() else value
+        content = yaml.safe_load(text) or {}
+        section = content.get(argv[0], content) if isinstance(content, dict) else {}
+        for group in ("model", "data"):
+            node = section.get(group) if isinstance(section, dict) else None
+            if isinstance(node, dict) and node.get("class_path"):
+                found[group] = node["class_path"]
+    return found
+
+
+def class_help(class_path: str, group: str) -> str:
+    """The ``--GROUP.*`` options of ``class_path`` as ``--GROUP.help`` lists them, plus those of
+    its class-typed arguments (``--model.attention.backend``), without the usage lines."""
+    from jsonargparse import ArgumentParser
+
+    cls = import_class(class_path)
+    parts = [(cls, group)]
+    for name, annotation in _init_parameters(cls):
+        parts += [(inner, f"{group}.{name}") for inner in _classes_in(annotation)]
+    sections = []
+    for klass, prefix in parts:
+        parser = ArgumentParser(prog=f"--{prefix}", add_help=False)
+        parser.add_class_arguments(klass, prefix, fail_untyped=False)
+        sections.append(parser.format_help().split("\n\n", 1)[-1].rstrip())
+    return f"{group} options of {class_path}:\n" + "\n\n".join(sections) + "\n"
+
+
+# ---------------------------------------------------------------------- argv
+
+
+def help_class_path(group: str, value: str) -> str:
+    """``--model.help`` / ``--data.help`` value -> a class path: a short name of
+    :data:`HELP_NAMES`, a class name of one (``CopyTask``) or a class path (passed on)."""
+    if "." in value:
+        return value
+    table = HELP_NAMES[group]
+    by_class = {path.rsplit(".", 1)[1].lower(): path for path in table.values()}
+    found = table.get(value.lower()) or by_class.get(value.lower())
+    if found:
+        return found
+    choices = [*table, *(path.rsplit(".", 1)[1] for path in table.values())]
+    raise UsageError(f"error: --{group}.help {value!r}: no such {'task' if group == 'model' else 'data module'}"
+                     f"{did_you_mean(value, choices)} (choices: {', '.join(choices)}, or a class path)")
+
+
+def prepare_argv(argv: list[str]) -> list[str]:
+    """The argv LightningCLI gets: a top-level ``-c X`` / ``--config X`` moved behind the
+    subcommand (``-c X fit`` means ``fit --config X``), configs found (:func:`find_config`),
+    ``--model.help`` / ``--data.help`` short names made class paths. Raises :class:`UsageError`."""
+    leading, other, i = [], [], 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] in ("-c", "--config") and i + 1 < len(argv):
+            leading += argv[i:i + 2]
+            i += 2
+            continue
+        (leading if argv[i].startswith("--config=") else other).append(argv[i])
+        i += 1
+    if i >= len(argv):
+        raise UsageError(f"error: name a subcommand ({', '.join(SUBCOMMANDS)} or plugins), e.g. "
+                         f"cli.py fit {' '.join(leading) or '--config copy_linear.yaml'}")
+    subcommand = argv[i]
+    if subcommand not in SUBCOMMANDS:
+        raise UsageError(f"error: unknown subcommand {subcommand!r}{did_you_mean(subcommand, [*SUBCOMMANDS, 'plugins'])} "
+                         f"(choices: {', '.join(SUBCOMMANDS)}, plugins)")
+    if other:
+        raise UsageError(f"error: {' '.join(other)} goes after the subcommand: cli.py {subcommand} {' '.join(other)} ...")
+    out = [subcommand, *leading, *argv[i + 1:]]
+    for j in range(1, len(out) - 1):
+        group = {"--model.help": "model", "--data.help": "data"}.get(out[j])
+        if group:
+            out[j + 1] = help_class_path(group, out[j + 1])
+    for j, arg in enumerate(out):
+        group, eq, value = arg.partition("=")
+        if eq and group in ("--model.help", "--data.help"):
+            out[j] = f"{group}={help_class_path(group[2:-5], value)}"
+    return resolve_config_args(out)
+
+
+def help_requested(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def top_level_help() -> str:
+    """``cli.py --help``: the subcommands, where their options are listed, and the configs."""
+    rows = [*SUBCOMMANDS.items(), ("plugins", "list the attention backends and feature maps (--check, --json)")]
+    configs = known_configs()
+    return "\n".join([
+        "usage: cli.py {fit,validate,test,predict} --config NAME.yaml [--group.option VALUE ...]",
+        "       cli.py plugins [--check] [--json]",
+        "",
+        "subcommands:",
+        *(f"  {name:<10} {text}" for name, text in rows),
+        "",
+        "options of a subcommand:          cli.py fit --help",
+        "and of a config's model and data: cli.py fit --config copy_linear.yaml --help",
+        "a task's or data module's:        cli.py fit --model.help copy   (tasks: " + ", ".join(HELP_NAMES["model"])
+        + "; data: " + ", ".join(HELP_NAMES["data"]) + ")",
+        "",
+        "configs (--config NAME looks in ./configs, then in this checkout's configs/):",
+        textwrap.fill(", ".join(configs) or "(none)", width=96, initial_indent="  ", subsequent_indent="  "),
+        "docs/cli.md has the rest.",
+    ]) + "\n"
+
+
+# ---------------------------------------------------------------------- plugins
+
+
+def plugins_command(argv: list[str]) -> int:
+    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
+    with the distribution(s) that register it; ``--check`` also imports each one."""
+    import argparse
+
+    from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+
+    parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
+    parser.add_argument("--check", action="store_true", help="import every plugin and report failures")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    report = {}
+    failed = False
+    for title, registry in (("attention", ATTENTION), ("feature_maps", FEATURE_MAPS)):
+        entries = []
+        for name, dists in registry.distributions().items():
+            entry = {"name": name, "distributions": dists, "status": "conflict" if len(dists) > 1 else "ok"}
+            if args.check and len(dists) == 1:
+                try:
+                    plugin = registry.get(name)
+                except PluginError as err:
+                    entry["status"], failed = f"broken: {err}", True
+                else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
+                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
+                    if reason:
+                        entry["status"] = f"unavailable here: {reason}"
+            failed |= len(dists) > 1
+            entries.append(entry)
+        report[title] = {"group": registry.group, "plugins": entries}
+    kernel_lines = []
+    if args.check:  # --check also says which kernel computes each op here (ops/kernels.py)
+        from linformer_lab.ops import kernels
+
+        kernel_lines = kernels.describe()
+
+    if args.json:
+        print(json.dumps({**report, "kernels": kernel_lines} if args.check else report, indent=2))
+    else:
+        for title, section in report.items():
+            print(f"{title} (entry-point group {section['group']!r}):")
+            for e in section["plugins"]:
+                status = "" if e["status"] == "ok" else f"  [{e['status']}]"
+                print(f"  {e['name']:<16} {', '.join(e['distributions'])}{status}")
+        if kernel_lines:
+            print("kernels (ops/kernels.py):")
+            print("\n".join(f"  {line}" for line in kernel_lines))
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``cli.py``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plugins"]:
+        return plugins_command(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(top_level_help())
+        return 0
+    try:
+        if not argv:
+            raise UsageError("error: name a subcommand, e.g. cli.py fit --config copy_linear.yaml (cli.py --help lists them)")
+        argv = prepare_argv(argv)
+    except UsageError as err:
+        sys.stderr.write(f"{err}\n")
+        return 2
+    from linformer_lab.cli import run_lightning_cli  # the first import of Lightning
+
+    return run_lightning_cli(argv)
 
 
 def with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
