@@ -413,8 +413,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     try:
         with warnings.catch_warnings():
             # Lightning's hint that it could use more dataloader workers: the copy data is
-            # generated in the main process on purpose, it is cheap (figures: benchmarks/NOTES.md,
-            # "Measurements behind library defaults").
+            # generated in the main process on purpose: a batch costs far less than a training step.
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             LinformerCLI()
     except SystemExit as done:

@@ -17,8 +17,6 @@ cuts those costs lives here and nowhere else (docs/ARCHITECTURE.md, "Where speed
   one intra-op thread for small batches);
 * :func:`noise_per_position`: the sampling noise drawn per block of positions.
 
-Figures behind the constants: benchmarks/NOTES.md, "Measurements behind library defaults".
-
 Weight copies
 -------------
 

@@ -310,8 +310,7 @@ class PixelTransformer(nn.Module):
             if known and prefill:
                 # positions 0..known-1 in one parallel pass; its state is what the steps through
                 # them would have left. Outside generation_kernels: this pass is large enough to
-                # gain from every thread (figures: benchmarks/NOTES.md, "Measurements behind
-                # library defaults").
+                # gain from every thread.
                 _, state = self.transformer(self.embed(values[:, :known]), return_state=True)
                 first = known
                 if first < self.seq_len:
