@@ -1,5 +1,5 @@
-"""The package's layers import only downward, and no module reads another's private names
-(docs/ARCHITECTURE.md, "Layers").
+"""The package's layers import only downward, no module reads another's private names, files stay
+small, and comments (Python, C++, CUDA) say why without timing diaries (docs/ARCHITECTURE.md, "Layers").
 
 Read from the source with ``ast``, so imports inside functions (the usual way to hide a cycle)
 count too. The layers, bottom to top::
@@ -14,6 +14,9 @@ do not import each other. Nothing imports the package root ``linformer_lab`` (it
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -21,13 +24,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "linformer_lab"
 
 LAYER_OF = {
-    "registry": 0, "validation": 0,
+    "registry": 0, "validation": 0, "lightning_compat": 0,
     "ops": 1,
     "feature_maps": 2,  # poly2's exact kernel is ops.reference.polynomial_similarity
     "attention": 3,
     "models": 4, "data": 4,
     "tasks": 5,
-    "cli": 6, "cli_args": 6, "checkpoints": 6,
+    "cli": 6, "cli_args": 6, "checkpoints": 6, "checkpoint_callbacks": 6,
 }
 #: Pairs of one layer that stay apart: (importer, imported).
 SEPARATE = {("models", "data"), ("data", "models")}
@@ -215,3 +218,71 @@ def test_the_size_rule_covers_benchmarks_and_tests():
     covered = {p.relative_to(PACKAGE.parent).parts[0] for p in python_files()}
     assert covered == set(SMALL_FILE_ROOTS)
     assert any(p.parent.name in ("paper", "dev") for p in python_files(("benchmarks",)))  # the rooms' subfolders too
+
+
+# ---------------------------------------------------------------- comments say why, not what was measured
+#: Suffixes of the library's sources whose comments the rule below reads: Python (``#`` comments and
+#: docstrings) and the C++ / CUDA extensions (``//`` and ``/* */``).
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".cuh")
+_NUMBER = r"\b\d+(?:\.\d+)?"
+_FIGURE = _NUMBER + r"(?:x|×|\s?(?:ms|µs|us|ns|s|seconds|minutes))(?!\w)"
+_SPEED_WORD = r"\b(?:faster|slower|took|takes|speed-?up|measured|timed|ran)\b"
+#: What a library comment may not carry (docs/ARCHITECTURE.md): figures, machines and dates go to
+#: benchmarks/NOTES.md, and no comment points there; the reason stays in the comment.
+FORBIDDEN = {
+    "a timing figure": rf"{_FIGURE}.*{_SPEED_WORD}|{_SPEED_WORD}.*{_FIGURE}"  # "ran 7x slower", "took 1.3x"
+                       rf"|\d\s?->\s?{_NUMBER}\s?(?:ms|µs|us|s)\b"  # before -> after diaries
+                       rf"|{_NUMBER[2:]}\.\d+\s?(?:ms|µs|us)\b|\d\s?(?:GFLOP/s|GB/s)",  # 78.7 ms, 200 GFLOP/s
+    "a machine name": r"\b(?:Zen\s?\d|EPYC|Xeon|Ryzen|Threadripper|Intel\(R\))",
+    "a date": r"\b20\d\d-\d\d-\d\d\b",
+    "a NOTES.md citation": r"NOTES\.md",
+}
+
+
+def comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each comment line of a source: ``#`` comments and the docstrings of modules,
+    classes and functions in Python; ``//`` and ``/* */`` in C++ and CUDA."""
+    source = path.read_text()
+    if path.suffix != ".py":
+        return [(source.count("\n", 0, m.start()) + 1 + i, text)
+                for m in re.finditer(r"//[^\n]*|/\*.*?\*/", source, flags=re.S) for i, text in enumerate(m.group(0).splitlines())]
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                found += [(first.lineno + i, text) for i, text in enumerate(first.value.value.splitlines())]
+    return found
+
+
+def comment_findings(package: Path = PACKAGE) -> list[str]:
+    """Every comment line of the library that carries something of FORBIDDEN, as readable lines."""
+    bad = []
+    for path in sorted(p for p in package.rglob("*") if p.suffix in SOURCE_SUFFIXES):
+        for line, text in comments(path):
+            bad += [f"{path.relative_to(package.parent)}:{line}: {what}: {text.strip()[:100]}"
+                    for what, pattern in FORBIDDEN.items() if re.search(pattern, text)]
+    return bad
+
+
+def test_library_comments_carry_no_timings_machines_dates_or_notes_citations():
+    bad = comment_findings()
+    assert not bad, ("library and C++ comments say why; timing figures, machines and dates go to benchmarks/NOTES.md, "
+                     "uncited (docs/ARCHITECTURE.md):\n" + "\n".join(bad))
+
+
+def test_the_comment_check_reads_python_and_cpp_comments(tmp_path):
+    pkg = fake_package(tmp_path, {
+        "ops/a.py": '"""Fast: 2.45x faster per update (benchmarks/NOTES.md)."""\n'
+                    "x = 1  # on an AMD EPYC, 2026-11-26\n"
+                    "y = '1.5x faster'  # a string, not a comment\n"
+                    "def f():\n    \"\"\"(B, H, N) x (N, M); 10 ms hop; 2 x 64 tiles; ~4x smaller.\"\"\"\n",
+        "ops/cpu/k.cpp": "// fwd + bwd 78.7 -> 59.6 ms\nint x; /* ran up to 1.4x slower\n   on Zen 5 */\n",
+        "ops/cpu/k.h": "// 64 x 64 tile, 16-byte loads\n",
+    })
+    bad = comment_findings(pkg)
+    kinds = sorted((b.split(":")[0].rsplit("/", 1)[-1], b.split(": ")[1]) for b in bad)
+    assert kinds == [("a.py", "a NOTES.md citation"), ("a.py", "a date"), ("a.py", "a machine name"),
+                     ("a.py", "a timing figure"), ("k.cpp", "a machine name"), ("k.cpp", "a timing figure"),
+                     ("k.cpp", "a timing figure")], bad
