@@ -1,4 +1,4 @@
-"""The README's commands, read from the README itself and run through the real CLI.
+"""The README's example and commands, read from the README itself and run (the commands through the real CLI).
 
 A command is taken verbatim (continuation lines joined) and made small by flags appended after
 it (later flags win), so a flag the README shows that the CLI no longer accepts fails here.
@@ -45,6 +45,25 @@ def the_command(*fragments: str) -> list[str]:
     return found[0]
 
 
+def readme_example() -> str:
+    """The one Python block of the README's "Use" section, its first screen."""
+    section = README[README.index("\n## Use\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, f"the README's Use section should hold one Python example, found {len(blocks)}"
+    return blocks[0]
+
+
+def test_the_readme_example_runs_and_stays_short():
+    """The first-screen example runs as printed (its own assert: the RNN step equals the parallel
+    forward) and gives the shapes its comments state, in at most 15 lines of code."""
+    code = readme_example()
+    assert len([line for line in code.splitlines() if line.strip()]) <= 15
+    namespace: dict = {}
+    exec(compile(code, "README.md (Use)", "exec"), namespace)
+    assert namespace["out"].shape == (2, 4, 100, 32) and namespace["y"].shape == (2, 100, 64)
+    assert torch.isfinite(namespace["y"]).all()
+
 @pytest.mark.slow
 def test_quick_mnist_variant_then_its_saved_config_resumes_tests_and_predicts(tmp_path):
     """The README's quick MNIST variant, then the three commands that go on from its saved config."""
@@ -78,7 +97,8 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_every_cli_command_of_the_docs_parses(doc, tmp_path):
     """Each ``cli.py`` command the README and docs/ show is accepted by the real CLI
-    (``--print_config`` for the LightningCLI subcommands; ``plugins`` runs). Skipped: synopsis
+    (``--print_config`` for the LightningCLI subcommands; ``plugins`` and help commands run as
+    shown). Skipped: synopsis
     lines with placeholders, and commands that read a run's saved config (the README's run in
     the test above)."""
     commands = cli_commands(doc.read_text())
@@ -87,8 +107,8 @@ def test_every_cli_command_of_the_docs_parses(doc, tmp_path):
         text = " ".join(command)
         if any(word.startswith("logs/") for word in command) or re.search(r"\bNAME\b|\{fit|\[--|\.\.\.|SUBCOMMAND", text):
             continue
-        if command[0] == "plugins":
-            code, _, err = run_cli(command)
+        if command[0] == "plugins" or any(word in ("-h", "--help") or word.endswith(".help") for word in command):
+            code, _, err = run_cli(command, cwd=tmp_path)  # help prints and exits: nothing to add
         else:
             code, _, err = run_cli([*command, "--print_config"], cwd=tmp_path)
         assert code == 0, f"{doc.name}: {text}: {err[-2000:]}"
