@@ -1,51 +1,56 @@
-"""The GPU check of linformer_lab in three parts, each under nine minutes on one H100.
+"""The one prepared GPU check of linformer_lab: at most eight minutes on one H100, every target of
+the project's GPU-speed issue measured in one run, tables written to ``--out``.
 
-    python benchmarks/paper/gpu_check.py --part kernel --out DIR   # build linear_cuda, CUDA tests, parity, timings
-    python benchmarks/paper/gpu_check.py --part speed  --out DIR   # Fig. 1 and Tables 1/2/4/5 on the GPU
-    python benchmarks/paper/gpu_check.py --part train  --out DIR   # MNIST and copy task through the CLI, bf16-mixed
-    python benchmarks/paper/gpu_check.py --part all --dry-run --out DIR   # every part at toy sizes on CPU
+    PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --out DIR           # on a GPU node
+    uv run python benchmarks/paper/gpu_check.py --dry-run --out DIR         # every code path, toy sizes, CPU
 
-Runs from a repository checkout with ``PYTHONPATH=.`` on a node without network (README, "GPU
-node without internet"). Each part keeps its own time budget (``--budget-s``, default 540 s),
-checks it before every step, says what it skipped, writes its files under ``--out`` (markdown,
-CSV, PNG: at most six per part, nine for ``speed`` on a GPU) and prints a short summary.
-``--dry-run`` runs the same code paths at toy sizes on the CPU (steps that need CUDA are reported
-as skipped), which the test suite runs so the script cannot rot. The kernel part's measurements
-live in ``gpu_check_kernel.py``.
+Parts, in order, each with its share of ``--budget-s`` (unused time passes on) and a check
+before every step (a step that would not fit is skipped and listed under "Skipped"):
 
-Targets (from the project's GPU issue, one H100, bf16): linear_cuda equals the PyTorch path
-(forward and the three gradients) at every size and dtype; its fwd+bwd is no slower than
-flash-linear-attention's chunk kernel at T >= 4096 and faster than SDPA from T = 4096;
-generation >= 1,500 MNIST / >= 180 CIFAR-10 images/s and 10,000 MNIST images in one batch;
-training: linear's bits/dim within 5 % of softmax's at equal steps, with more images/s.
+1. ``tests``: the GPU tests (Triton kernel, CUDA kernel, graphed generation) through pytest;
+2. ``kernel``: ours (Triton, fused elu and normaliser), the earlier CUDA kernel, fla's
+   ``chunk_linear_attn(normalize=True)`` and SDPA, fwd and fwd+bwd, bf16, interleaved, on the
+   issue's grid; the HBM roofline fraction of our forward at B2 T16384 H16 D128
+   (``gpu_check_kernel.py``, also runnable alone);
+3. ``train``: ``mnist_linear.yaml`` against ``mnist_softmax.yaml`` training images/s, eager and
+   compiled (``gpu_check_model.py``);
+4. ``generation``: MNIST batch-1 seconds per image, linear against stateful softmax at batch
+   1,000 (both graphed), the largest linear batch.
+
+Writes ``gpu_check_<device>.md`` (device, torch/Triton/fla versions, date, command, the targets
+table, every table) and ``gpu_check_<device>.csv`` (all rows), plus ``gpu_check_tests.log``.
+``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the eager static
+decoder for the graph; no compilation), which ``tests/benchmarks/test_gpu_check.py`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/paper/: the parts
 import common  # noqa: E402
-import gpu_check_kernel  # noqa: E402  (the kernel part)
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ("kernel", "speed", "train")
+#: The GPU test files (their CPU tests run too; a GPU-less machine skips the rest).
+GPU_TESTS = ["tests/models/test_generation_graph.py", "tests/ops/test_triton_chunk.py", "tests/ops/test_linear_cuda_gpu.py"]
+#: Shares of the budget: tests, kernels, training, generation.
+SHARES = {"tests": 0.18, "kernel": 0.32, "train": 0.22, "generation": 0.28}
 
 
 class Budget:
     """Seconds left for a part; steps that would not fit are recorded as skipped."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, skipped: list[str] | None = None):
         self.end = time.monotonic() + seconds
-        self.skipped: list[str] = []
+        self.skipped = [] if skipped is None else skipped
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -57,224 +62,181 @@ class Budget:
         return True
 
 
-def _write_rows(out: Path, name: str, rows: list[dict]) -> Path:
-    path = out / f"{name}.csv"
-    if rows:
-        fields = sorted({k for r in rows for k in r})
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        path.write_text("")
-    return path
+def device_label(device: str) -> str:
+    """``h100`` style name for files: the GPU's model, or ``cpu_dry_run``."""
+    if device != "cuda":
+        return "cpu_dry_run"
+    import torch
+
+    name = torch.cuda.get_device_name()
+    found = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return (found.group(1) if found else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
-def _header(part: str, args, device: str) -> list[str]:
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def header(title: str, script: str, argv: list[str], device: str) -> list[str]:
+    import torch
+
     info = common.machine_info()
-    torch_info = common.torch_info()
-    gpu = ""
-    if device == "cuda":
-        import torch
-
-        gpu = f", GPU {torch.cuda.get_device_name()}"
-    return [
-        f"# GPU check: {part}{' (dry run, toy sizes on CPU)' if args.dry_run else ''}", "",
-        f"Date {time.strftime('%Y-%m-%d %H:%M')}; machine: {info.get('cpu')}{gpu}; torch {torch_info.get('torch')}; "
-        f"command: `{common.command_line('benchmarks/paper/gpu_check.py', args.argv)}`", "",
-    ]
+    where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else "CPU (dry run, toy sizes)"
+    return [f"# {title}", "",
+            f"Date {time.strftime('%Y-%m-%d %H:%M')} UTC; {where}; host {info.get('cpu')}; torch {torch.__version__} "
+            f"(CUDA {torch.version.cuda}); Triton {_version('triton')}; fla {_version('flash-linear-attention')}; "
+            f"command: `{common.command_line(script, argv)}`", ""]
 
 
-# ---------------------------------------------------------------- kernel
-
-
-def part_kernel(args, out: Path, budget: Budget) -> list[str]:
-    """Build and test linear_cuda, parity and timings (gpu_check_kernel.py); gpu_kernel.{md,csv,png}."""
-    device = "cpu" if args.dry_run else "cuda"
-    summary, rows, crossover = gpu_check_kernel.measure(device, budget)
-    md = _header("kernel", args, device) + gpu_check_kernel.report_lines(rows, crossover, device)
-    md += ["## Skipped", ""] + [f"- {s}" for s in budget.skipped or ["nothing"]]
-    (out / "gpu_kernel.md").write_text("\n".join(md) + "\n")
-    _write_rows(out, "gpu_kernel", rows)
-    gpu_check_kernel.plot_sweep([r for r in rows if r["kind"] == "sweep"], out / "gpu_kernel.png")
-    return summary
-
-
-# ---------------------------------------------------------------- speed
-
-
-def _run(command: list[str], timeout: float) -> tuple[int, str]:
+def part_tests(device: str, budget: Budget, out: Path, dry_run: bool) -> list[dict]:
+    if dry_run:
+        budget.skipped.append("the GPU tests (no GPU in a dry run; CI runs their CPU parts)")
+        return []
+    files = [f for f in GPU_TESTS if (REPO / f).exists()]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(timeout, 1), env=env)
-        return done.returncode, (done.stdout + done.stderr)[-3000:]
+        done = subprocess.run([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x", "-rfE"],
+                              cwd=REPO, capture_output=True, text=True, timeout=max(budget.left(), 10), env=env)
+        text, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as err:
-        return 124, f"stopped after {timeout:.0f} s: {str(err.stdout or '')[-500:]}"
+        text, code = f"{err.stdout or ''}\nstopped after {budget.left():.0f} s", 124
+    (out / "gpu_check_tests.log").write_text(text if isinstance(text, str) else text.decode())
+    last = ([line for line in str(text).splitlines() if line.strip()] or ["(no output)"])[-1]
+    return [{"part": "tests", "method": " ".join(files), "result": last, "exit": code}]
 
 
-def part_speed(args, out: Path, budget: Budget) -> list[str]:
-    """Fig. 1 (scaling.py) and Tables 1/2/4/5 (generation.py): their own CSV/MD/PNG in --out."""
-    py = sys.executable
-    if args.dry_run:
-        scaling = [py, "benchmarks/paper/scaling.py", "--device", "cpu", "--methods", "softmax,linear", "--min-log2n", "6",
-                   "--max-log2n", "7", "--tokens", "256", "--repeats", "1", "--out", str(out)]
-        generation = [py, "benchmarks/paper/generation.py", "--device", "cpu", "--datasets", "mnist", "--methods", "linear",
-                      "--latency-only", "--repeats", "1", "--positions", "2", "--step-repeats", "1", "--out", str(out)]
-    else:
-        scaling = [py, "benchmarks/paper/scaling.py", "--device", "cuda", "--time-budget", "150", "--repeats", "3",
-                   "--out", str(out)]
-        # one command per data set, each writing its own files, so a run cut short by the budget loses one of them
-        # --full-budget 20: a recompute method runs a whole image only when its fit predicts <= 20 s (the first
-        # H200 run's fits: lsh-4 at batch 100 92 s, which alone would eat the MNIST share of the budget)
-        generation = [py, "benchmarks/paper/generation.py", "--device", "cuda", "--max-batch", "1024", "4096", "10000",
-                      "--repeats", "2", "--full-budget", "20", "--out", str(out)]
-    steps = [("generation MNIST (Tables 1/4/5)", generation + ["--datasets", "mnist", "--tag", "mnist"], 0.35),
-             ("scaling (Fig. 1)", scaling, 0.45),
-             ("generation CIFAR-10 (Tables 2/4/5)", generation + ["--datasets", "cifar10", "--tag", "cifar10"], 1.0)]
-    if args.dry_run:
-        steps = [("scaling (Fig. 1)", scaling, 0.4), ("generation (Tables 1/2/4/5)", generation, 1.0)]
-    summary = []
-    for name, command, share in steps:
-        seconds = budget.left() * share - 10
-        if not budget.allows(30, name):
-            continue
-        code, tail = _run(command, seconds)
-        summary.append(f"{name}: {'done' if code == 0 else f'exit {code}'}")
-        if code != 0:
-            budget.skipped.append(f"{name} did not finish: {tail[-300:]}")
-    return summary
+def _best(rows, part, key, **match):
+    values = [r[key] for r in rows if r["part"] == part and r.get(key) and all(r.get(k) == v for k, v in match.items())]
+    return values
 
 
-# ---------------------------------------------------------------- train
+def targets(rows: list[dict]) -> list[list]:
+    """The issue's targets table, filled from the rows: ``[what, must, aim, measured, verdict]``."""
+    import gpu_check_kernel
 
-
-def _train_command(config: str, root: Path, seconds: float, dry_run: bool) -> list[str]:
-    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": ""}}
-    common_args = [sys.executable, "cli.py", "fit", "--config", config, f"--trainer.default_root_dir={root}",
-                   f"--trainer.logger={json.dumps(logger)}", "--trainer.enable_progress_bar=false",
-                   "--trainer.log_every_n_steps=1", "--checkpoint.enabled=false"]
-    if dry_run:
-        tiny = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true", "--trainer.max_steps=3",
-                "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3", "--trainer.check_val_every_n_epoch=null",
-                "--model.n_layers=1", "--model.n_heads=2", "--model.d_model=16"]
-        if config.startswith("mnist"):
-            tiny += ["--model.d_ff=32", "--data.batch_size=4"]
-        else:
-            tiny += ["--data.min_length=1", "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=3",
-                     "--data.val_batches=1"]
-        return common_args + tiny
-    seconds = int(max(seconds, 30))
-    limits = [f"--trainer.max_time=00:00:{seconds // 60:02d}:{seconds % 60:02d}", "--trainer.precision=bf16-mixed"]
-    if config.startswith("mnist"):
-        limits += ["--trainer.limit_val_batches=20", "--trainer.val_check_interval=500"]
-    return common_args + limits
-
-
-def _curve(root: Path, metric: str) -> list[tuple[int, float]]:
-    files = sorted(root.glob("version_*/metrics.csv"))
-    if not files:
-        return []
-    with open(files[-1]) as f:
-        return [(int(float(r["step"])), float(r[metric])) for r in csv.DictReader(f) if r.get(metric)]
-
-
-def part_train(args, out: Path, budget: Budget) -> list[str]:
-    runs = [("mnist_linear.yaml", "mnist", "train/bits_per_dim", 10), ("mnist_softmax.yaml", "mnist", "train/bits_per_dim", 10),
-            ("copy_linear.yaml", "copy", "train/loss", 64), ("copy_softmax.yaml", "copy", "train/loss", 64)]
-    rows, summary, curves = [], [], {}
-    scratch = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))  # logs stay out of --out (at most six files there)
-    for i, (config, task, metric, batch) in enumerate(runs):
-        # equal wall-clock per model: MNIST gets 70 % of the part, the copy task the rest
-        share = (0.35 if task == "mnist" else 0.15) * budget.left() / sum(0.35 if r[1] == "mnist" else 0.15 for r in runs[i:])
-        if not budget.allows(20 if args.dry_run else 60, f"training {config}"):
-            continue
-        root = scratch / config.removesuffix(".yaml")
-        start = time.monotonic()
-        code, tail = _run(_train_command(config, root, share - 20, args.dry_run), share + 60)
-        wall = time.monotonic() - start
-        curve = _curve(root, metric)
-        curves[config] = curve
-        steps = curve[-1][0] + 1 if curve else 0
-        batch = 4 if args.dry_run else batch  # the dry run's --data.batch_size
-        rows.append({"config": config, "metric": metric, "exit": code, "wall_s": round(wall, 1), "steps": steps,
-                     "final": curve[-1][1] if curve else None, "samples_per_s": steps * batch / wall if wall else None})
-        if code != 0:
-            budget.skipped.append(f"{config} exited {code}: {tail[-300:]}")
+    kernel = {}
     for r in rows:
-        summary.append(f"{r['config']}: {r['steps']} steps in {r['wall_s']} s, {r['metric']} {common.fmt(r['final'], 3)}")
-    md = _header("train", args, "cpu" if args.dry_run else "cuda")
-    md += [common.markdown_table(["config", "steps", "wall (s)", "samples/s", "metric", "last value"],
-                                 [[r["config"], r["steps"], r["wall_s"], common.fmt(r["samples_per_s"], 1), r["metric"],
-                                   common.fmt(r["final"], 4)] for r in rows]), ""]
-    md += _train_targets(curves, rows)
-    md += ["## Skipped", ""] + [f"- {s}" for s in budget.skipped or ["nothing"]]
-    (out / "gpu_train.md").write_text("\n".join(md) + "\n")
-    _write_rows(out, "gpu_train", [{"config": c, "step": s, "value": v} for c, curve in curves.items() for s, v in curve])
-    _plot_curves(curves, out / "gpu_train.png")
-    return summary
+        if r["part"] == "kernel":
+            kernel.setdefault((r["B"], r["T"], r["H"], r["D"]), {})[r["method"]] = r
+    out = []
 
+    def ratio(ours, other, key, shapes):
+        got = [m[ours][f"{key}_ms"] / m[other][f"{key}_ms"] for s, m in kernel.items() if s in shapes
+               and m.get(ours, {}).get(f"{key}_ms") and m.get(other, {}).get(f"{key}_ms")]
+        return got
 
-def _train_targets(curves, rows) -> list[str]:
-    lines = ["## Targets", "", "| target | result |", "|---|---|"]
-    lin, soft = curves.get("mnist_linear.yaml") or [], curves.get("mnist_softmax.yaml") or []
-    if lin and soft:
-        step = min(lin[-1][0], soft[-1][0])
-        at = lambda c: min(c, key=lambda p: abs(p[0] - step))[1]  # noqa: E731 - the value nearest that step
-        ratio = at(lin) / at(soft)
-        lines.append(f"| linear bits/dim within 5 % of softmax at equal steps (step {step}) | "
-                     f"{'met' if ratio <= 1.05 else 'NOT met'} (ratio {ratio:.3f}) |")
-        speed = {r["config"]: r["samples_per_s"] for r in rows}
-        faster = (speed.get("mnist_linear.yaml") or 0) > (speed.get("mnist_softmax.yaml") or 0)
-        lines.append(f"| more training images/s than softmax | {'met' if faster else 'NOT met'} |")
+    grid = set(gpu_check_kernel.GRID)
+    vs_fla = ratio("ours", "fla", "fwd_bwd", grid)
+    long = ratio("ours", "fla", "fwd_bwd", {s for s in grid if s[1] >= 8192})
+    out.append(["causal fwd+bwd vs fla (ours / fla)", "≤ 1 at every shape", "≤ 0.6 at T ≥ 8,192",
+                f"max {max(vs_fla):.2f}, at T ≥ 8,192 max {max(long):.2f}" if vs_fla and long else "not measured",
+                _verdict(vs_fla and max(vs_fla) <= 1, long and max(long) <= 0.6)])
+    from_4k = ratio("ours", "sdpa", "fwd_bwd", {s for s in grid if s[1] >= 4096})
+    from_2k = ratio("ours", "sdpa", "fwd_bwd", {s for s in grid if s[1] >= 2048})
+    out.append(["vs SDPA causal fwd+bwd (ours / sdpa)", "< 1 from T = 4,096", "< 1 from T = 2,048",
+                f"max from 4,096: {max(from_4k):.2f}; from 2,048: {max(from_2k):.2f}" if from_4k and from_2k else "not measured",
+                _verdict(from_4k and max(from_4k) < 1, from_2k and max(from_2k) < 1)])
+    roof = [r["fraction"] for r in rows if r["part"] == "roofline"]
+    out.append(["B2 T16384 H16 D128 fwd, HBM roofline fraction", "≥ 25 %", "≥ 50 %",
+                f"{roof[0]:.1%}" if roof else "not measured", _verdict(roof and roof[0] >= 0.25, roof and roof[0] >= 0.5)])
+    train = {(r["config"], r["compile"], r["batch"]): r["images_per_s"] for r in rows if r["part"] == "train"}
+    pairs = [(c, b) for (cfg, c, b) in train if cfg == "mnist_linear.yaml" and ("mnist_softmax.yaml", c, b) in train]
+    best = max(pairs, key=lambda p: train[("mnist_linear.yaml", *p)], default=None)
+    if best:
+        lin, soft = train[("mnist_linear.yaml", *best)], train[("mnist_softmax.yaml", *best)]
+        out.append(["mnist_linear vs mnist_softmax training images/s", "≥ 1.0×", "≥ 1,500 images/s",
+                    f"{lin / soft:.2f}× ({lin:.0f} vs {soft:.0f}; compile={best[0]}, batch {best[1]})",
+                    _verdict(lin / soft >= 1.0, lin >= 1500)])
     else:
-        lines.append("| MNIST linear vs softmax | not measured |")
-    return lines + [""]
+        out.append(["mnist_linear vs mnist_softmax training images/s", "≥ 1.0×", "≥ 1,500 images/s", "not measured", "—"])
+    latency = _best(rows, "generation", "seconds_per_image", method="linear", role="latency")
+    out.append(["MNIST batch-1 generation, s per image (linear, best decoder)", "≤ 0.15", "≤ 0.05",
+                f"{min(latency):.3f}" if latency else "not measured", _verdict(latency and min(latency) <= 0.15,
+                                                                             latency and min(latency) <= 0.05)])
+    big = [r for r in rows if r["part"] == "generation" and r["role"] == "largest"]
+    top = max(big, key=lambda r: r["images_per_s"], default=None)
+    out.append(["MNIST generation at the largest batch, images/s", "≥ 5,000", "≥ 20,000",
+                f"{top['images_per_s']:.0f} (batch {top['batch']}, {top['step_weights']})" if top else "not measured",
+                _verdict(top and top["images_per_s"] >= 5000, top and top["images_per_s"] >= 20000)])
+    mid = {(r["method"], r["step_weights"]): r["images_per_s"] for r in rows
+           if r["part"] == "generation" and r["role"] == "batch 1,000" and r["decoder"] in ("graph", "static")}
+    ratios = [(w, mid["linear", w] / mid["stateful-softmax", w]) for w in ("model", "bfloat16")
+              if ("linear", w) in mid and ("stateful-softmax", w) in mid]
+    out.append(["linear ÷ stateful-softmax images/s at batch 1,000 (both graphed)", "≥ 5×", "≥ 19×",
+                "; ".join(f"{r:.2f}× ({w})" for w, r in ratios) if ratios else "not measured",
+                _verdict(ratios and max(r for _, r in ratios) >= 5, ratios and max(r for _, r in ratios) >= 19)])
+    return out
 
 
-def _plot_curves(curves, path: Path) -> None:
-    plt = common.pyplot()
-    if plt is None or not curves:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, task, label in ((axes[0], "mnist", "train bits/dim"), (axes[1], "copy", "train loss")):
-        for config, curve in curves.items():
-            if config.startswith(task) and curve:
-                ax.plot(*zip(*curve), label=config.removesuffix(".yaml"))
-        ax.set(xlabel="step", ylabel=label, title=task)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _verdict(must, aim) -> str:
+    """``must``/``aim``: booleans, or an empty value where nothing was measured."""
+    if not isinstance(must, bool):
+        return "—"
+    return "aim met" if aim is True else "met" if must else "NOT met"
 
 
-# ---------------------------------------------------------------- main
+def report(rows: list[dict], skipped: list[str], args, device: str) -> list[str]:
+    import gpu_check_kernel
+    import gpu_check_model
+
+    md = header("GPU check", "benchmarks/paper/gpu_check.py", args.argv, device)
+    md += ["## Targets (the GPU-speed issue; ratios from this run)", "",
+           common.markdown_table(["what", "must", "aim", "measured", "verdict"], targets(rows)), ""]
+    md += ["## Tests", ""] + [f"- `{r['method']}`: {r['result']} (exit {r['exit']})" for r in rows if r["part"] == "tests"]
+    md += [""] + gpu_check_kernel.report_lines(rows)
+    md += ["## Training (images/s; an update = training_step, backward, RAdam; bf16 autocast on a GPU)", "",
+           common.markdown_table(["config", "compile", "batch", "updates", "ms/update", "images/s", "warm-up s"],
+                                 gpu_check_model.training_table(rows)), "",
+           "## Generation (MNIST model, random weights; one whole generate call per sample, median)", "",
+           common.markdown_table(["role", "method", "batch", "decoder", "step weights", "s per call", "s per image", "images/s"],
+                                 gpu_check_model.generation_table(rows)), ""]
+    return md + ["## Skipped", ""] + [f"- {s}" for s in skipped or ["nothing"]]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=(*PARTS, "all"), required=True)
     parser.add_argument("--out", type=Path, required=True, help="folder for the result files")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (what the tests run)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="seconds per part (default 540)")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="seconds for all parts (default 400)")
+    parser.add_argument("--parts", nargs="+", choices=list(SHARES), default=list(SHARES))
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
-    if not args.dry_run:
-        import torch
+    if args.dry_run:  # before anything imports Triton: the kernels run in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import gpu_check_kernel
+    import gpu_check_model
+    import torch
 
-        if not torch.cuda.is_available():
-            parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
-    parts = PARTS if args.part == "all" else (args.part,)
-    for part in parts:
-        out = args.out / part if args.part == "all" else args.out
-        out.mkdir(parents=True, exist_ok=True)
-        budget = Budget(args.budget_s)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
+    device = "cpu" if args.dry_run else "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    end, skipped, rows = time.monotonic() + args.budget_s, [], []
+    parts = {"tests": lambda b: part_tests(device, b, args.out, args.dry_run),
+             "kernel": lambda b: gpu_check_kernel.measure(device, b, args.dry_run)[1],
+             "train": lambda b: gpu_check_model.training(device, b, args.dry_run),
+             "generation": lambda b: gpu_check_model.generation(device, b, args.dry_run)}
+    names = [p for p in SHARES if p in args.parts]
+    for i, name in enumerate(names):
+        left = end - time.monotonic()
+        share = left * SHARES[name] / sum(SHARES[p] for p in names[i:])
         start = time.monotonic()
-        summary = {"kernel": part_kernel, "speed": part_speed, "train": part_train}[part](args, out, budget)
-        print(f"== {part} ({time.monotonic() - start:.0f} s) ==")
-        for line in summary:
-            print(f"  {line}")
-        for line in budget.skipped:
-            print(f"  skipped: {line}")
+        try:
+            rows += parts[name](Budget(share, skipped))
+        except Exception as err:  # noqa: BLE001 - one part's failure must not cost the others' results
+            skipped.append(f"part {name} failed: {type(err).__name__}: {str(err)[:300]}")
+        print(f"== {name}: {time.monotonic() - start:.0f} s of {share:.0f} s ==", flush=True)
+    stem = args.out / f"gpu_check_{device_label(device)}"
+    md = report(rows, skipped, args, device)
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    common.write_csv(str(stem.with_suffix(".csv")), rows)
+    table = md.index("## Targets (the GPU-speed issue; ratios from this run)")
+    print("\n".join(md[table:table + 11]))
+    print("\n".join(f"skipped: {s}" for s in skipped))
+    print(f"wrote {stem}.md and {stem}.csv")
     return 0
 
 

@@ -1,13 +1,32 @@
-"""The kernel part of benchmarks/paper/gpu_check.py: build ``linear_cuda`` and run its tests, parity
-against the PyTorch path, timings against PyTorch, SDPA and flash-linear-attention, and the
-sequence length from which it beats SDPA. On the CPU (``--dry-run``) the chunked PyTorch path
-stands in for the kernel at toy sizes."""
+"""The GPU kernel benchmark: causal attention kernels against kernels, forward and forward+backward,
+on the grid of the project's GPU issue, bf16, interleaved; the HBM roofline fraction of our
+forward at B2 T16384 H16 D128. Runs alone or as the kernel part of ``gpu_check.py``.
+
+Methods, each on inputs already in its own layout (the layout change is not timed):
+
+* ``ours``: ``linformer_lab.ops.cuda.triton_chunk.chunk_linear_attention`` on contiguous
+  ``(B, T, H, D)`` (``head_first=False``), elu + 1 and the normaliser fused;
+* ``ours_nomap``: the same with ``feature_map=None`` (inputs taken as mapped), fla's function;
+* ``fla``: flash-linear-attention's ``chunk_linear_attn(normalize=True, scale=1)`` on contiguous
+  ``(B, T, H, D)``, its own layout (its normaliser is a separate PyTorch pass);
+* ``cuda_old``: the earlier ``linear_cuda`` numerator kernel (``ops.cuda.causal_dot_product``)
+  with elu and the normaliser in PyTorch, ``(B, H, T, D)``, as the module ran it before;
+* ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` (FlashAttention), ``(B, H, T, D)``.
+
+Each cell is the median over rounds of CUDA-event times, the methods interleaved within a round
+(A B C, C B A, ...). ``--dry-run`` runs the same code on the CPU at toy sizes in fp32, with
+Triton's interpreter for ours (``TRITON_INTERPRET=1``, set before Triton is imported).
+
+    PYTHONPATH=. python3 benchmarks/paper/gpu_check_kernel.py --out DIR [--budget-s 200]
+    uv run python benchmarks/paper/gpu_check_kernel.py --dry-run --out DIR
+"""
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,232 +34,277 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
 import common  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-#: The linear_cuda test files (build, CPU emulation, GPU), run on the GPU node.
-CUDA_TESTS = ["tests/ops/test_linear_cuda_build.py", "tests/ops/test_linear_cuda_emulation.py", "tests/ops/test_linear_cuda_gpu.py"]
-#: (B, T, H, D) of the kernel timings (bf16), as in the issue.
-TIMING_SHAPES = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 128), (2, 16384, 16, 128)]
-PARITY_DIMS = (32, 64, 128, 256)
-PARITY_LENGTH = 65_536
+#: (B, T, H, D) of the issue's grid; the last two are the MNIST model's attention.
+GRID = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 128), (2, 16384, 16, 128),
+        (10, 784, 8, 32), (64, 784, 8, 32)]
+DRY_GRID = [(1, 32, 1, 16)]
+ROOFLINE_SHAPE = (2, 16384, 16, 128)
+METHODS = ("ours", "ours_nomap", "fla", "cuda_old", "sdpa")
+#: the comparisons of the issue's targets: (ours, against, pass)
+RATIOS = (("ours", "fla", "fwd_bwd"), ("ours_nomap", "fla", "fwd_bwd"), ("ours", "sdpa", "fwd_bwd"),
+          ("ours", "cuda_old", "fwd_bwd"), ("ours", "fla", "fwd"), ("ours", "sdpa", "fwd"))
 
 
-def _rel_err(got, want) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+def _fla():
+    """fla's ``chunk_linear_attn`` as ``f(q, k, v)`` on ``(B, T, H, D)``, or the reason it is missing."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as err:  # noqa: BLE001 - any import failure: reported, the others go on
+        return None, f"fla not importable: {type(err).__name__}: {str(err)[:120]}"
+    params = inspect.signature(chunk_linear_attn).parameters
+    extra = {"head_first": False} if "head_first" in params else {}
+    if "scale" in params:
+        extra["scale"] = 1.0
+
+    def run(q, k, v):
+        out = chunk_linear_attn(q, k, v, normalize=True, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run, None
 
 
-def _feature_inputs(b, h, n, d, m, dtype, device, seed=0):
-    """Feature-mapped (positive) q, k and values v, ``(B, H, N, D|M)``, leaves with grads."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = (torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen, device=device)) + 1) / d**0.5
-    k = (torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen, device=device)) + 1) / d**0.5
-    v = torch.randn(b, h, n, m, generator=gen, device=device)
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
-
-
-def _numerator_and_grads(fn, q, k, v, grad_out):
-    import torch
-
-    out = fn(q, k, v)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    return [out.detach(), *grads]
-
-
-def kernel_parity(device: str, dry_run: bool, budget) -> list[dict]:
-    """linear_cuda (or, on CPU, the chunked PyTorch path) against the reference: forward and
-    the gradients of q, k, v, normwise relative error, per dtype and head size."""
-    import torch
-
-    from linformer_lab.ops.linear_attention import causal_dot_product
-    from linformer_lab.ops.linear_attention.naive import causal_dot_product_naive
-
-    if device == "cuda":
-        from linformer_lab.ops import cuda as cuda_ops
-
-        fast, reference, label = cuda_ops.causal_dot_product, causal_dot_product, "linear_cuda vs PyTorch linear"
-        n, dims = PARITY_LENGTH, PARITY_DIMS
-    else:
-        fast, reference, label = causal_dot_product, causal_dot_product_naive, "PyTorch linear vs naive"
-        n, dims = 64, (8, 16)
-    rows = []
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for d in dims:
-            if not budget.allows(20 if device == "cuda" else 1, f"parity {dtype} D={d}"):
-                continue
-            q, k, v = _feature_inputs(1, 2, n, d, d, dtype, device)
-            grad_out = torch.randn_like(v)
-            got = _numerator_and_grads(fast, q, k, v, grad_out)
-            # the reference sees the same (rounded) inputs in fp32 (float64 on CPU)
-            ref_dtype = torch.float32 if device == "cuda" else torch.float64
-            leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
-            want = _numerator_and_grads(reference, *leaves, grad_out.to(ref_dtype))
-            tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-            for name, g, w in zip(("out", "grad_q", "grad_k", "grad_v"), got, want):
-                err = _rel_err(g, w)
-                rows.append({"kind": "parity", "check": label, "dtype": str(dtype).split(".")[-1], "D": d, "N": n,
-                             "tensor": name, "rel_err": err, "ok": err <= tolerance})
-    return rows
-
-
-def _initial_state_supported() -> bool:
-    from linformer_lab.ops.linear_attention import causal_linear_attention
-
-    return "initial_state" in inspect.signature(causal_linear_attention).parameters
-
-
-def _time_methods(shape, device: str, dtype, repeats: int) -> list[dict]:
-    """Median fwd and fwd+bwd seconds of each method at one (B, T, H, D)."""
+def methods(device: str) -> tuple[dict, dict]:
+    """``({name: (fn(q, k, v), layout)}, {name: why not})``; layout ``"bthd"`` or ``"bhtd"``."""
     import torch
     import torch.nn.functional as F
 
-    import linformer_lab as ll
+    found, missing = {}, {}
+    try:
+        from linformer_lab.ops.cuda import triton_chunk
+
+        why = triton_chunk.unavailable_reason() if device == "cuda" else None
+        if why is None:
+            found["ours"] = (lambda q, k, v: triton_chunk.chunk_linear_attention(q, k, v, head_first=False), "bthd")
+            found["ours_nomap"] = (lambda q, k, v: triton_chunk.chunk_linear_attention(
+                q, k, v, feature_map=None, head_first=False), "bthd")
+        else:
+            missing["ours"] = missing["ours_nomap"] = why
+    except ImportError as err:
+        missing["ours"] = missing["ours_nomap"] = f"linformer_lab.ops.cuda.triton_chunk not importable ({err})"
+    if device == "cuda":
+        fla, why = _fla()
+        if fla is None:
+            missing["fla"] = why
+        else:
+            found["fla"] = (fla, "bthd")
+        from linformer_lab.ops import cuda as cuda_ops
+
+        if cuda_ops.is_available():
+            cuda_ops.load()
+
+            def cuda_old(q, k, v, eps=1e-6):
+                phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+                numerator = cuda_ops.causal_dot_product(phi_q, phi_k, v)
+                den = torch.einsum("bhtd,bhtd->bht", phi_q.float(), phi_k.float().cumsum(2))
+                return (numerator.float() / (den.unsqueeze(-1) + eps)).to(v.dtype)
+
+            found["cuda_old"] = (cuda_old, "bhtd")
+        else:
+            missing["cuda_old"] = "linear_cuda cannot be built here (no nvcc or GPU)"
+    else:
+        missing["fla"] = missing["cuda_old"] = "needs a CUDA GPU (dry run)"
+    found["sdpa"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd")
+    return found, missing
+
+
+def _inputs(shape, layout: str, dtype, device: str, seed: int):
+    import torch
 
     b, t, h, d = shape
-    methods = {"linear": ll.build_attention("linear", causal=True, query_dim=d).to(device)}
-    if device == "cuda":
-        methods["linear_cuda"] = ll.build_attention("linear_cuda", causal=True, query_dim=d).to(device)
-    methods["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # positive keys/queries of moderate size: valid inputs for the methods without a feature map too
+    q, k = (torch.rand(b, t, h, d, generator=gen, device=device).div_(d**0.5) for _ in range(2))
+    v = torch.randn(b, t, h, d, generator=gen, device=device)
+    grad = torch.randn(b, t, h, d, generator=gen, device=device)
+    if layout == "bhtd":
+        q, k, v, grad = (x.transpose(1, 2) for x in (q, k, v, grad))
+    q, k, v, grad = (x.to(dtype).contiguous() for x in (q, k, v, grad))
+    return [x.requires_grad_() for x in (q, k, v)], grad
 
-        def fla(q, k, v):  # fla takes and returns (B, T, H, D); ours are (B, H, T, D)
-            out = chunk_linear_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), normalize=True)
-            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
-        if device == "cuda":
-            methods["fla_chunk"] = fla
-    except Exception:  # noqa: BLE001 - optional comparison
-        pass
-    rows = []
-    for name, fn in methods.items():
-        q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, h, t, d, device=device, dtype=dtype)
+def _calls(fn, inputs, grad):
+    import torch
 
-        def forward(fn=fn, q=q, k=k, v=v):
-            with torch.no_grad():
-                fn(q, k, v)
+    q, k, v = inputs
 
-        def forward_backward(fn=fn, q=q, k=k, v=v, grad=grad):
-            torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v)
 
-        row = {"kind": "time", "method": name, "B": b, "T": t, "H": h, "D": d, "dtype": str(dtype).split(".")[-1]}
+    def forward_backward():
+        fn(q, k, v).backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    return {"fwd": forward, "fwd_bwd": forward_backward}
+
+
+def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int) -> list[dict]:
+    """Median ms of every method and pass at one shape, interleaved; a failing method gets a note."""
+    import torch
+
+    timer = common.Timer(device)
+    calls, rows = {}, {}
+    for name, (fn, layout) in found.items():
+        row = rows[name] = {"part": "kernel", "method": name, "B": shape[0], "T": shape[1], "H": shape[2], "D": shape[3],
+                            "dtype": str(dtype).split(".")[-1], "layout": layout}
         try:
-            row["fwd_ms"] = common.median_seconds(forward, repeats, 1, device) * 1e3
-            row["fwd_bwd_ms"] = common.median_seconds(forward_backward, repeats, 1, device) * 1e3
-        except torch.OutOfMemoryError:
-            row["note"] = "out of memory"
-            torch.cuda.empty_cache()
+            inputs, grad = _inputs(shape, layout, dtype, device, seed=hash(shape) % 1000)
+            for key, call in _calls(fn, inputs, grad).items():
+                call()  # warm-up: compilation, autotuning
+                calls[name, key] = call
         except Exception as err:  # noqa: BLE001 - reported in the table, the other methods go on
-            row["note"] = f"{type(err).__name__}: {err}"[:200]
-        rows.append(row)
+            row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    samples = {key: [] for key in calls}
+    keys = list(calls)
+    for r in range(rounds):
+        order = keys[::-1] if r % 2 else keys
+        for key in order:
+            samples[key].append(timer(lambda key=key: [calls[key]() for _ in range(inner)]) / inner)
+    for (name, key), s in samples.items():
+        rows[name][f"{key}_ms"] = statistics.median(s) * 1e3
+    return list(rows.values())
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    import torch
+
+    n = (1 << 30) if device == "cuda" else (1 << 22)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    seconds = common.median_seconds(lambda: dst.copy_(src), 10, 2, device)
+    return 2 * n / seconds
+
+
+def roofline(rows: list[dict], bandwidth: float) -> dict | None:
+    """Our forward at :data:`ROOFLINE_SHAPE` against moving q, k, v in and out once at ``bandwidth``."""
+    b, t, h, d = ROOFLINE_SHAPE
+    row = next((r for r in rows if r["method"] == "ours" and (r["B"], r["T"], r["H"], r["D"]) == ROOFLINE_SHAPE
+                and r.get("fwd_ms")), None)
+    if row is None:
+        return None
+    floor_ms = 4 * b * t * h * d * 2 / bandwidth * 1e3  # bf16: read q, k, v, write out
+    return {"part": "roofline", "method": "ours", "fwd_ms": row["fwd_ms"], "floor_ms": floor_ms,
+            "bandwidth_gb_s": bandwidth / 1e9, "fraction": floor_ms / row["fwd_ms"]}
+
+
+def agreement(found: dict, device: str) -> list[dict]:
+    """Ours without a map against fla (the same function) and ours against float64 PyTorch, one
+    small shape: normwise relative error of the forward."""
+    import torch
+    import torch.nn.functional as F
+
+    shape = (2, 256, 4, 64) if device == "cuda" else (1, 24, 1, 8)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    (q, k, v), _ = _inputs(shape, "bthd", dtype, device, seed=11)
+    phi_q, phi_k = (F.elu(x.double()) + 1 for x in (q, k))
+    v64 = v.double()
+    scores = torch.einsum("bthd,bshd->bhts", phi_q, phi_k).tril()
+    want = torch.einsum("bhts,bshd->bthd", scores, v64) / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + 1e-6)
+    with torch.no_grad():
+        if "ours" in found:
+            got = found["ours"][0](q, k, v).double()
+            rows.append({"part": "agreement", "method": "ours vs float64 definition",
+                         "rel_err": float((got - want).norm() / want.norm())})
+        if "ours_nomap" in found and "fla" in found:
+            a, b = found["ours_nomap"][0](q, k, v).double(), found["fla"][0](q, k, v).double()
+            rows.append({"part": "agreement", "method": "ours_nomap vs fla (normalize, scale 1)",
+                         "rel_err": float((a - b).norm() / b.norm())})
     return rows
 
 
-def measure(device: str, budget) -> tuple[list[str], list[dict], int | None]:
-    """Build and test (on a GPU), parity, timings and the SDPA crossover: ``(summary lines, rows, crossover T)``."""
+def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
+    """The kernel part: ``(summary lines, rows)``; rows of parts ``kernel``, ``roofline``, ``agreement``."""
     import torch
 
-    summary, rows = [], []
-    if device == "cuda":
-        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-        from linformer_lab.ops import cuda as cuda_ops
-
-        t0 = time.monotonic()
-        cuda_ops.load(verbose=True)  # builds for this GPU's architecture unless a cached build fits
-        summary.append(f"linear_cuda built/loaded in {time.monotonic() - t0:.0f} s")
-        if budget.allows(120, "CUDA tests"):
-            done = subprocess.run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-p", "no:cacheprovider"],
-                                  cwd=REPO, capture_output=True, text=True, timeout=max(90, budget.left() * 0.5))
-            last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
-            summary.append(f"tests/ops/test_linear_cuda_*.py: {last}")
-            rows.append({"kind": "tests", "result": last, "ok": done.returncode == 0})
-    else:
-        budget.skipped.append("building linear_cuda and the CUDA tests (no GPU in a dry run)")
-    parity = kernel_parity(device, device != "cuda", budget)
-    rows += parity
-    bad = [r for r in parity if not r["ok"]]
-    summary.append(f"parity: {len(parity) - len(bad)}/{len(parity)} within tolerance"
-                   + (f"; worst {max(r['rel_err'] for r in bad):.2g}" if bad else ""))
-    if not _initial_state_supported():
-        budget.skipped.append("initial-state parity (the ops take no initial state yet)")
-
-    shapes = TIMING_SHAPES if device == "cuda" else [(1, 64, 2, 8), (1, 128, 2, 8)]
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    repeats = 10 if device == "cuda" else 2
-    for shape in shapes:
-        if budget.allows(30 if device == "cuda" else 1, f"timing {shape}"):
-            rows += _time_methods(shape, device, dtype, repeats)
-    # crossover: the shortest T at which linear(_cuda) fwd+bwd beats SDPA
-    sweep = [2**p for p in range(9, 16)] if device == "cuda" else [32, 64, 128]
-    ours = "linear_cuda" if device == "cuda" else "linear"
-    crossover = None
-    for t in sweep:
-        if not budget.allows(20 if device == "cuda" else 1, f"crossover T={t}"):
-            break
-        timed = {r["method"]: r for r in _time_methods((1, t, 16 if device == "cuda" else 2, 64 if device == "cuda" else 8),
-                                                        device, dtype, repeats)}
-        for r in timed.values():
-            r["kind"] = "sweep"
-        rows += timed.values()
-        if crossover is None and timed[ours].get("fwd_bwd_ms", 1e30) < timed["sdpa"].get("fwd_bwd_ms", 0):
-            crossover = t
-    summary.append(f"{ours} fwd+bwd beats SDPA from T = {crossover}" if crossover
-                   else f"{ours} did not beat SDPA up to T = {sweep[-1]}")
-    return summary, rows, crossover
+    found, missing = methods(device)
+    for name, why in missing.items():
+        budget.skipped.append(f"kernel method {name}: {why}")
+    rows = agreement(found, device)
+    grid = DRY_GRID if dry_run else GRID
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    rounds, inner = (1, 1) if dry_run else (7, 3)
+    for shape in grid:
+        if budget.allows(2 if dry_run else 25, f"kernel timings at {shape}"):
+            rows += time_shape(shape, found, dtype, device, rounds, inner)
+    bandwidth = copy_bandwidth(device)
+    rows.append({"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9})
+    top = roofline(rows, bandwidth)
+    if top:
+        rows.append(top)
+    summary = [f"kernel timings at {len([r for r in rows if r['part'] == 'kernel' and r['method'] == 'sdpa'])} shapes, "
+               f"methods {', '.join(found)}"]
+    if top:
+        summary.append(f"roofline B2 T16384 H16 D128 fwd: {top['fraction']:.1%} of {top['bandwidth_gb_s']:.0f} GB/s")
+    return summary, rows
 
 
-def report_lines(rows: list[dict], crossover: int | None, device: str) -> list[str]:
-    """The markdown of the kernel part after its header: parity, timings, targets."""
-    parity = [r for r in rows if r["kind"] == "parity"]
-    md = ["## Parity (normwise relative error)", "",
-           common.markdown_table(["check", "dtype", "D", "N", "tensor", "rel. error", "ok"],
-                                 [[r["check"], r["dtype"], r["D"], r["N"], r["tensor"], f"{r['rel_err']:.2e}", r["ok"]]
-                                  for r in parity]), ""]
-    timings = [r for r in rows if r["kind"] == "time"]
-    md += ["## Timings (median ms)", "",
-           common.markdown_table(["method", "B", "T", "H", "D", "fwd", "fwd+bwd", "note"],
-                                 [[r["method"], r["B"], r["T"], r["H"], r["D"], common.fmt(r.get("fwd_ms"), 3),
-                                   common.fmt(r.get("fwd_bwd_ms"), 3), r.get("note", "")] for r in timings]), ""]
-    return md + _kernel_targets(rows, crossover, device)
-
-
-def _kernel_targets(rows, crossover, device) -> list[str]:
-    parity_ok = all(r["ok"] for r in rows if r["kind"] == "parity")
-    lines = ["## Targets", "", "| target | result |", "|---|---|",
-             f"| linear_cuda matches the PyTorch path at every size and dtype | {'met' if parity_ok else 'NOT met'} |"]
-    timings = [r for r in rows if r["kind"] == "time" and r["T"] >= 4096]
+def ratio_rows(rows: list[dict]) -> list[list]:
+    """Per shape: ours / other for each of :data:`RATIOS` (below 1: ours is faster)."""
     by_shape: dict = {}
-    for r in timings:
-        by_shape.setdefault((r["B"], r["T"], r["H"], r["D"]), {})[r["method"]] = r.get("fwd_bwd_ms")
-    if device == "cuda" and by_shape:
-        vs_fla = [s for s, m in by_shape.items() if m.get("fla_chunk") and m.get("linear_cuda")]
-        if vs_fla:
-            met = all(by_shape[s]["linear_cuda"] <= by_shape[s]["fla_chunk"] for s in vs_fla)
-            lines.append(f"| fwd+bwd no slower than fla's chunk kernel at T >= 4096 | {'met' if met else 'NOT met'} |")
-        else:
-            notes = sorted({r["note"] for r in timings if r["method"] == "fla_chunk" and r.get("note")})
-            why = f"fla failed: {notes[0][:120]}" if notes else "fla not importable"
-            lines.append(f"| fwd+bwd no slower than fla's chunk kernel at T >= 4096 | not measured ({why}) |")
-        met = all((m.get("linear_cuda") or 1e30) < (m.get("sdpa") or 0) for m in by_shape.values())
-        lines.append(f"| faster than SDPA from T = 4096 | {'met' if met else 'NOT met'} (crossover T = {crossover}) |")
-    else:
-        lines.append("| kernel timings against fla and SDPA | not measured (no GPU) |")
-    return lines + [""]
+    for r in rows:
+        if r["part"] == "kernel":
+            by_shape.setdefault((r["B"], r["T"], r["H"], r["D"]), {})[r["method"]] = r
+    out = []
+    for shape, m in by_shape.items():
+        cells = []
+        for ours, other, key in RATIOS:
+            a, b = m.get(ours, {}).get(f"{key}_ms"), m.get(other, {}).get(f"{key}_ms")
+            cells.append(common.fmt(a / b, 2) if a and b else "—")
+        out.append(["×".join(map(str, shape)), *cells])
+    return out
 
 
-def plot_sweep(rows, path: Path) -> None:
-    plt = common.pyplot()
-    if plt is None or not rows:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in sorted({r["method"] for r in rows}):
-        points = [(r["T"], r["fwd_bwd_ms"]) for r in rows if r["method"] == method and r.get("fwd_bwd_ms")]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=method)
-    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="fwd+bwd (ms)", title="causal attention")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def report_lines(rows: list[dict]) -> list[str]:
+    """Markdown of the kernel part: agreement, timings, ratios, roofline."""
+    md = ["## Kernels: agreement (normwise relative error of the forward)", "",
+          common.markdown_table(["check", "rel. error"], [[r["method"], f"{r['rel_err']:.2e}"] for r in rows
+                                                         if r["part"] == "agreement"]), "",
+          "## Kernels: median ms (interleaved rounds, CUDA events)", "",
+          common.markdown_table(["method", "B", "T", "H", "D", "dtype", "layout", "fwd", "fwd+bwd", "note"],
+                                [[r["method"], r["B"], r["T"], r["H"], r["D"], r["dtype"], r["layout"],
+                                  common.fmt(r.get("fwd_ms"), 3), common.fmt(r.get("fwd_bwd_ms"), 3), r.get("note", "")]
+                                 for r in rows if r["part"] == "kernel"]), "",
+          "## Kernels: ratios (time of ours / time of the other; below 1 ours is faster)", "",
+          common.markdown_table(["B×T×H×D", *[f"{a}/{b} {k.replace('_', '+')}" for a, b, k in RATIOS]], ratio_rows(rows)), ""]
+    for r in rows:
+        if r["part"] == "roofline":
+            md += [f"Roofline: ours forward at B2 T16384 H16 D128 {r['fwd_ms']:.3f} ms against {r['floor_ms']:.3f} ms for "
+                   f"reading q, k, v and writing the output once at the measured copy bandwidth "
+                   f"({r['bandwidth_gb_s']:.0f} GB/s): **{r['fraction']:.1%}** of the roofline.", ""]
+    return md
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_kernels_<device>.{md,csv}")
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, Triton interpreted")
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
+    from gpu_check import Budget, device_label, header
+
+    budget = Budget(args.budget_s)
+    device = "cpu" if args.dry_run else "cuda"
+    start = time.monotonic()
+    summary, rows = measure(device, budget, args.dry_run)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"gpu_kernels_{device_label(device)}"
+    md = header("GPU kernel benchmark", "benchmarks/paper/gpu_check_kernel.py", sys.argv[1:] if argv is None else argv,
+                device) + report_lines(rows) + ["## Skipped", ""] + [f"- {s}" for s in budget.skipped or ["nothing"]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    common.write_csv(str(stem.with_suffix(".csv")), rows)
+    print("\n".join([f"== kernels ({time.monotonic() - start:.0f} s) ==", *summary, f"wrote {stem}.md/.csv"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

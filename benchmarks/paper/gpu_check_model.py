@@ -1,0 +1,183 @@
+"""The model parts of ``gpu_check.py``: MNIST training images/s (``configs/mnist_linear.yaml``
+against ``configs/mnist_softmax.yaml``, eager and compiled) and MNIST generation speed (batch 1,
+batch 1,000 linear against stateful softmax, the largest batch), each step checked against the
+part's time budget.
+
+Training: the configs' model on random images at the config's batch (the paper's 10) and at
+:data:`BIG_BATCH`, bf16 autocast on a GPU as ``precision: bf16-mixed``; an update is
+``training_step`` (the task's loss and its bits/dim metric), ``backward`` and RAdam, without
+the Lightning loop around it (data loading and logging are not timed). Generation: random
+weights (the time per image does not depend on training), ``PixelTransformer.generate`` with
+the decoder and step weights of each row; a row's time is one whole ``generate`` call (graph
+capture included), the median of its repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ("mnist_linear.yaml", "mnist_softmax.yaml")
+#: A batch beside the paper's 10, to show what the GPU does when the paper's batch is not needed.
+BIG_BATCH = 64
+#: Toy model of the dry run (CPU).
+TINY = {"n_layers": 1, "n_heads": 2, "d_model": 16, "d_ff": 32, "image_shape": [1, 4, 4]}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _task(config: str, device: str, dry_run: bool, **overrides):
+    import torch
+    import yaml
+
+    from linformer_lab.tasks.image_generation import ImageGenerationTask
+
+    spec = yaml.safe_load((REPO / "configs" / config).read_text())
+    args = {**spec["model"]["init_args"], **(TINY if dry_run else {}), **overrides}
+    torch.manual_seed(0)
+    task = ImageGenerationTask(**args).to(device)
+    task.configure_model()
+    return task, spec["data"]["init_args"]["batch_size"]
+
+
+def train_rate(config: str, device: str, compile: str, batch: int | None, seconds: float, dry_run: bool) -> dict:
+    """Images/s of training updates of ``config``'s model (see the module docstring)."""
+    import torch
+
+    task, config_batch = _task(config, device, dry_run, compile=compile)
+    batch = batch or config_batch
+    images = torch.randint(0, 256, (batch, *task.model.image_shape), dtype=torch.uint8, device=device)
+    labels = torch.zeros(batch, dtype=torch.long, device=device)
+    optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
+
+    def update(i: int):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = task.training_step((images, labels), i)
+        loss.backward()
+        optimizer.step()
+
+    start = time.perf_counter()
+    for i in range(3):  # warm-up; with compile, the compilation
+        update(i)
+    _sync(device)
+    warmup = time.perf_counter() - start
+    start, done = time.perf_counter(), 0
+    while done < 3 or (time.perf_counter() - start < seconds and done < 2000):
+        update(done)
+        done += 1
+        if done % 10 == 0:
+            _sync(device)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return {"part": "train", "config": config, "compile": compile, "batch": batch, "updates": done,
+            "ms_per_update": elapsed / done * 1e3, "images_per_s": done * batch / elapsed, "warmup_s": warmup}
+
+
+def training(device: str, budget, dry_run: bool) -> list[dict]:
+    """Eager at the config batch, eager at :data:`BIG_BATCH`, compiled at the config batch."""
+    rows = []
+    seconds = 0.5 if dry_run else 12.0
+    plan = [(c, "none", None) for c in CONFIGS] + [(c, "none", BIG_BATCH) for c in CONFIGS]
+    plan += [(c, "model", None) for c in CONFIGS] if not dry_run else []
+    for config, compile, batch in plan:
+        need = (5 if dry_run else 25) + (0 if compile == "none" else 60)
+        if not budget.allows(need, f"training {config} compile={compile} batch={batch or 'config'}"):
+            continue
+        try:
+            rows.append(train_rate(config, device, compile, batch, seconds, dry_run))
+        except Exception as err:  # noqa: BLE001 - reported, the other rows go on
+            budget.skipped.append(f"training {config} compile={compile}: {type(err).__name__}: {str(err)[:200]}")
+    if dry_run:
+        budget.skipped.append("compiled training (torch.compile takes minutes on a CPU; tests/tasks/test_compiled_training.py)")
+    return rows
+
+
+def _model(method: str, device: str, dry_run: bool):
+    import torch
+
+    from linformer_lab.models.pixel_transformer import PixelTransformer
+
+    torch.manual_seed(0)
+    size = TINY if dry_run else {"n_layers": 8, "n_heads": 8, "d_model": 256, "d_ff": 1024, "image_shape": (1, 28, 28)}
+    backend = {"linear": {"backend": "linear", "feature_map": "elu"}, "stateful-softmax": {"backend": "softmax"}}[method]
+    return PixelTransformer(backend, num_mixtures=10, **size).to(device).eval()
+
+
+def generate_seconds(model, batch: int, decoder: str, step_weights: str, repeats: int, device: str) -> list[float]:
+    import torch
+
+    out = []
+    for r in range(repeats):
+        generator = torch.Generator(device=device).manual_seed(r)
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(batch, generator=generator, decoder=decoder, step_weights=step_weights)
+        _sync(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def generation(device: str, budget, dry_run: bool) -> list[dict]:
+    """Batch 1 (latency), batch 1,000 linear against stateful softmax, the largest linear batch."""
+    import torch
+
+    graph = "static" if dry_run else "graph"  # a CUDA graph needs a GPU: the same step eagerly
+    if dry_run:
+        budget.skipped.append("CUDA graphs and the compiled decoder (no GPU in a dry run; the eager static step stands in)")
+    models = {m: _model(m, device, dry_run) for m in ("linear", "stateful-softmax")}
+    mid = 4 if dry_run else 1000
+    largest = [8, 16] if dry_run else [4096, 16384, 65536]
+    plan = [  # (role, method, batch, decoder, step weights, repeats, seconds needed)
+        ("latency", "linear", 1, "dynamic", "model", 1, 8), ("latency", "linear", 1, graph, "model", 3, 6),
+        ("latency", "linear", 1, graph, "bfloat16", 3, 6), ("latency", "stateful-softmax", 1, graph, "model", 3, 6),
+        ("latency", "stateful-softmax", 1, "dynamic", "model", 1, 6),
+        ("batch 1,000", "linear", mid, graph, "model", 2, 10), ("batch 1,000", "stateful-softmax", mid, graph, "model", 2, 10),
+        ("batch 1,000", "linear", mid, graph, "bfloat16", 2, 8),
+        ("batch 1,000", "stateful-softmax", mid, graph, "bfloat16", 2, 8),
+    ]
+    plan += [("largest", "linear", b, graph, "bfloat16", 1, 15 * b / 16384 + 5) for b in largest]
+    if not dry_run:
+        plan.append(("latency", "linear", 1, "compiled", "bfloat16", 2, 90))
+    rows = []
+    for role, method, batch, decoder, weights, repeats, need in plan:
+        what = f"generation {method} batch {batch} {decoder} {weights}"
+        if not budget.allows(1 if dry_run else need, what):
+            continue
+        try:
+            if batch > 1000 or decoder == "compiled":  # warm-up where the first call is special
+                generate_seconds(models[method], min(batch, 8), decoder, weights, 1, device)
+            samples = generate_seconds(models[method], batch, decoder, weights, repeats, device)
+        except torch.OutOfMemoryError:
+            budget.skipped.append(f"{what}: out of memory")
+            torch.cuda.empty_cache()
+            break
+        except Exception as err:  # noqa: BLE001 - reported, the other rows go on
+            budget.skipped.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        seconds = statistics.median(samples)
+        rows.append({"part": "generation", "role": role, "method": method, "batch": batch, "decoder": decoder,
+                     "step_weights": weights,
+                     "seconds": seconds, "seconds_per_image": seconds / batch, "images_per_s": batch / seconds,
+                     "samples": ";".join(f"{s:.4f}" for s in samples),
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+    return rows
+
+
+def training_table(rows: list[dict]) -> list[list]:
+    return [[r["config"], r["compile"], r["batch"], r["updates"], f"{r['ms_per_update']:.1f}", f"{r['images_per_s']:.0f}",
+             f"{r['warmup_s']:.1f}"] for r in rows if r["part"] == "train"]
+
+
+def generation_table(rows: list[dict]) -> list[list]:
+    return [[r["role"], r["method"], r["batch"], r["decoder"], r["step_weights"], f"{r['seconds']:.3f}",
+             f"{r['seconds_per_image']:.4f}", f"{r['images_per_s']:.1f}"] for r in rows if r["part"] == "generation"]
