@@ -56,11 +56,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
 from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdown, plot  # noqa: E402
 
@@ -72,7 +73,7 @@ from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E40
 from linformer_lab.ops.state import state_nbytes  # noqa: E402
 from linformer_lab.tasks.image_generation import ImageGenerationTask  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(common.results_dir(__file__))
 
 # ---------------------------------------------------------------- models and methods
 def attention_config(method: str, dataset: str) -> AttentionConfig:

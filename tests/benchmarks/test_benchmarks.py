@@ -52,6 +52,50 @@ def test_every_script_lives_in_one_of_the_two_rooms():
     assert not misplaced, f"benchmark scripts belong in benchmarks/paper/ or benchmarks/dev/: {misplaced}"
 
 
+#: The one path bootstrap of every benchmark module (benchmarks/common.py's docstring).
+BOOTSTRAP = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))"
+MODULES = sorted(p for room in ROOMS for p in (BENCHMARKS / room).glob("*.py"))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports, nested imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+    return found
+
+
+def test_no_script_imports_another_script():
+    """Scripts share code through common.py and the library only; a helper module without a main
+    (a script's report writer) may be imported."""
+    scripts = {p.stem for p in SCRIPTS}
+    found = [f"{p.relative_to(BENCHMARKS)} imports {name}" for p in MODULES for name in sorted(imported_modules(p))
+             if name in scripts and name != p.stem]
+    assert not found, "imports between benchmark scripts:\n" + "\n".join(found)
+
+
+def test_the_import_check_sees_nested_imports(tmp_path):
+    script = tmp_path / "a.py"
+    script.write_text("import common\ndef f():\n    from generation import x\n    import scaling.y\n")
+    assert imported_modules(script) == {"common", "generation", "scaling"}
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_every_module_bootstraps_one_way_and_writes_to_its_rooms_results(path):
+    """One ``sys.path`` line, common.py's, before importing it; results go to ``common.results_dir``
+    (the script's room), never a folder spelled out in the script."""
+    text = path.read_text()
+    inserts = re.findall(r"^sys\.path\.insert\(.*$", text, flags=re.M)
+    if "common" in imported_modules(path) and 'if __name__ == "__main__":' in text:
+        assert len(inserts) == 1 and inserts[0].startswith(BOOTSTRAP), inserts
+    else:
+        assert all(line.startswith(BOOTSTRAP) for line in inserts), inserts
+    assert not re.search(r"""["']results["']""", text), "results folder spelled out: use common.results_dir(__file__)"
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
 def test_every_benchmark_parses_its_options(script):
     """``python benchmarks/<room>/<script>.py --help`` from the repository root, as the README runs them."""
@@ -107,12 +151,12 @@ def test_links_into_the_notes_name_a_section():
     assert anchors and not [a for a in anchors if a not in slugs], (anchors, sorted(slugs))
 
 
-def _import_paper_script(name: str):
-    sys.path.insert(0, str(BENCHMARKS / "paper"))
+def _import_script(name: str, room: str = "paper"):
+    sys.path.insert(0, str(BENCHMARKS / room))
     try:
         return __import__(name)
     finally:
-        sys.path.remove(str(BENCHMARKS / "paper"))
+        sys.path.remove(str(BENCHMARKS / room))
 
 
 def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
@@ -124,7 +168,7 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
 
     from linformer_lab.tasks.image_generation import ImageGenerationTask
 
-    generation = _import_paper_script("generation")
+    generation = _import_script("generation")
 
     def save(run: str, backend: str, name: str, d_model: int) -> None:
         torch.manual_seed(0)
@@ -153,7 +197,7 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
     assert "| linear |" in text and "## CIFAR-10" not in text
 
     # mnist_table1.py's report shows those timings beside the paper's Tables 4 and 5
-    mnist_table1 = _import_paper_script("mnist_table1")
+    mnist_table1 = _import_script("mnist_table1")
     monkeypatch.setattr(mnist_table1, "TIMINGS", tmp_path / "out" / "generation_cpu_quick_mnist_trained.csv")
     lines = mnist_table1.timing_lines()
     assert lines[1] == "## Tables 4 and 5 on these models" and "images/s, batch 8" in lines[-1]
@@ -162,18 +206,17 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
     assert mnist_table1.timing_lines() == []
 
 
-def test_cpu_floors_reports_every_path_against_its_floor(tmp_path):
-    """cpu_floors.py --quick: the GEMM rate, the causal op with its FLOP share, the training update with
-    images/s and a profile."""
-    cpu_floors = _import_paper_script("cpu_floors")
-    cpu_floors.main(["--quick", "--parts", "causal", "training", "--out", str(tmp_path)])
+def test_cpu_floors_reports_a_training_update_against_the_gemm_rate(tmp_path):
+    """dev/cpu_floors.py --quick: the GEMM rate, the training update with images/s, its share of the
+    GEMM rate and a profile, under the common provenance header."""
+    cpu_floors = _import_script("cpu_floors", "dev")
+    cpu_floors.main(["--quick", "--out", str(tmp_path)])
     text = (tmp_path / "cpu_floors_quick.md").read_text()
     assert re.search(r"GEMM rate \(fp32 mm 512\^2\): \*\*\d+ GFLOP/s\*\*", text)
-    assert "| B=1 H=2 N=256 D=M=16 |" in text and "| B=2 H=2 N=512 D=M=32 |" in text
     assert "| mnist_cpu_linear.yaml, batch 4, fp32 |" in text and "aten::" in text
-    assert "## RNN step" not in text  # not asked for
+    assert "- command: `python benchmarks/dev/cpu_floors.py --quick --out DIR`" in text and "- machine: " in text
     rows = (tmp_path / "cpu_floors_quick.csv").read_text().splitlines()
-    assert len(rows) == 4 and all(float(r.split(",")[0]) > 0 for r in rows[1:])
+    assert len(rows) == 2 and float(rows[1].split(",")[0]) > 0
 
 
 def test_compare_revisions_train_child_times_updates_of_the_configs_model():
@@ -192,7 +235,7 @@ def test_compare_revisions_train_child_times_updates_of_the_configs_model():
 
 def test_report_commands_show_the_note_as_dots():
     """mnist_table1.py and mnist_lr.py print their --note below the table: the command shows "..."."""
-    mnist_table1 = _import_paper_script("mnist_table1")
+    mnist_table1 = _import_script("mnist_table1")
     assert mnist_table1.command_line("m.py", ["--methods", "lsh4", "--note", "long text", "--report-only"]) == (
         'python m.py --methods lsh4 --note "..." --report-only')
     assert mnist_table1.command_line("m.py", ["--methods", "lsh4"]) == "python m.py --methods lsh4"
@@ -202,7 +245,7 @@ def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch
     """common.fit_run through mnist_table1.collect: a killed run logs updates past its last checkpoint;
     the resumed version logs them again and wins, also past version_9 (version_10 sorts before
     version_2 as text); the minutes add the fit's spans."""
-    mnist_table1 = _import_paper_script("mnist_table1")
+    mnist_table1 = _import_script("mnist_table1")
     monkeypatch.setattr(mnist_table1, "root", lambda method: tmp_path / method)
     for version, rows in {2: [(499, 1.5), (999, 1.9)], 10: [(999, 1.4), (1499, 1.3)]}.items():
         folder = tmp_path / "linear" / f"version_{version}"
@@ -240,11 +283,7 @@ def test_every_mnist_probe_parses_through_the_real_cli():
 
 def test_causal_grid_shapes_option_runs_only_those_shapes():
     """causal_cpu_grid.py --shapes: the named shapes and nothing else; a malformed one is a clear error."""
-    sys.path.insert(0, str(BENCHMARKS / "paper"))
-    try:
-        import causal_cpu_grid
-    finally:
-        sys.path.remove(str(BENCHMARKS / "paper"))
+    causal_cpu_grid = _import_script("causal_cpu_grid", "dev")
     import argparse
 
     args = argparse.Namespace(shapes=[causal_cpu_grid.parse_shape("8x8x4096x128"), causal_cpu_grid.parse_shape("1X8X65536X64")],
@@ -261,7 +300,7 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     """causal_cpu_grid.py --before-revision: causal_recurrence.cpp as at a revision (here HEAD),
     built under another module name, runs as 'kernel before', interleaved, with its ratio in the
     report; a revision git cannot read is a clear error. Through the script's command line."""
-    command = [sys.executable, "benchmarks/paper/causal_cpu_grid.py", "--shapes", "1x2x256x16", "--repeats", "3",
+    command = [sys.executable, "benchmarks/dev/causal_cpu_grid.py", "--shapes", "1x2x256x16", "--repeats", "3",
                "--budget", "0.05", "--gemm-size", "128", "--out", str(tmp_path), "--tag", "_t", "--before-revision"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -364,10 +403,10 @@ def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "dev" / "mnist_lr.py"), "--run", str(run), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    row = next(csv.DictReader(open(f"{out}.csv")))
+    row = next(csv.DictReader(Path(f"{out}.csv").read_text().splitlines()))
     assert (row["lr"], row["seed"], row["attention"], row["fit_minutes"]) == ("0.0007", "3", "linear", "30.0")
     assert (row["val_bpd_500"], row["val_bpd_1000"], row["test_bpd"]) == ("1.5", "1.25", "1.2345678")
-    assert "| linear_lr | linear | 0.0007 | 0.5 | 3 | 1000 | 30.0 | 1.2346 | 1.25 |" in open(f"{out}.md").read()
+    assert "| linear_lr | linear | 0.0007 | 0.5 | 3 | 1000 | 30.0 | 1.2346 | 1.25 |" in Path(f"{out}.md").read_text()
     wrong = subprocess.run([sys.executable, str(BENCHMARKS / "dev" / "mnist_lr.py"), "--run", str(tmp_path), "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "config.yaml not found" in wrong.stderr
