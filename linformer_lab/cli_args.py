@@ -16,6 +16,7 @@ Nothing at module level imports torch or Lightning (nor does :mod:`linformer_lab
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
@@ -149,10 +150,9 @@ def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> 
     class_path = re.search(r"class_path '([\w.]+)'", message)
     candidates = list(options)
     if class_path:
-        try:
+        # jsonargparse found the class a moment ago; without it the parser's own names remain
+        with contextlib.suppress(ImportError, AttributeError):
             candidates += class_option_names(import_class(class_path.group(1)), group.group(1))
-        except (ImportError, AttributeError):
-            pass  # jsonargparse found it a moment ago; without it the parser's own names remain
     return f"error: unknown option {flag}{suggest_option(flag, candidates)} {tip(flag)}"
 
 

@@ -24,7 +24,7 @@ def test_dry_run_writes_every_table(tmp_path):
     for section in ("## Targets", "## Kernels: median ms", "## Kernels: ratios", "## Training", "## Generation", "## Skipped"):
         assert section in report
     assert "--dry-run" in report and "Triton" in report and "torch" in report
-    rows = list(csv.DictReader(open(tmp_path / "gpu_check_cpu_dry_run.csv")))
+    rows = list(csv.DictReader((tmp_path / "gpu_check_cpu_dry_run.csv").read_text().splitlines()))
     kernel = {r["method"] for r in rows if r["part"] == "kernel" and r["fwd_bwd_ms"]}
     assert {"ours", "ours_nomap", "sdpa"} <= kernel  # ours through the interpreter, timed fwd and fwd+bwd
     agreement = [float(r["rel_err"]) for r in rows if r["part"] == "agreement"]
