@@ -9,6 +9,11 @@ Public API::
     attn = ll.build_attention("linear", causal=True, query_dim=32, feature_map="favor")
     out = attn(q, k, v, key_lengths=None)       # (B, H, N, D), (B, H, N, D), (B, H, N, M) -> (B, H, N, M)
     out_t, state = attn.step(q_t, k_t, v_t)     # RNN mode: (B, H, D), (B, H, D), (B, H, M) -> (B, H, M)
+    # building blocks of your own model; attention as a name, a dict, an AttentionConfig (or, for
+    # one layer, a built Attention)
+    stack = ll.Transformer(6, 128, 4, attention="linear")  # (B, N, 128) -> (B, N, 128); step: (B, 128)
+    mha = ll.MultiHeadAttention(128, 4, attention={"backend": "linear", "feature_map": "favor"})
+    out = mha(x, context=memory)                # cross attention: keys and values from memory (B, L, 128)
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ _EXPORTS = {
     "ATTENTION": "linformer_lab.registry",
     "AttentionConfig": "linformer_lab.attention.config",
     "FEATURE_MAPS": "linformer_lab.registry",
+    "MultiHeadAttention": "linformer_lab.attention.multihead",
     "PluginError": "linformer_lab.registry",
+    "Transformer": "linformer_lab.models.transformer",
+    "TransformerLayer": "linformer_lab.models.transformer",
     "build_attention": "linformer_lab.attention.config",
     "build_feature_map": "linformer_lab.feature_maps",
     "list_attention": "linformer_lab.attention.config",

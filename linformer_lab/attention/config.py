@@ -6,11 +6,12 @@ arguments), so it round-trips through YAML, the command line and a checkpoint's 
 module.
 
 The configuration boundary: what a user writes (None, a backend name, a dict of the fields, a
-config) is coerced once, by :meth:`AttentionConfig.coerce`, at the public edges -- the tasks and
-the models a user builds whole (``PixelTransformer``, ``TransformerCTC``). The building blocks
-below them (``Transformer``, ``TransformerLayer``, ``MultiHeadAttention``) take a config (None:
-the default one) or, where one layer is built, an :class:`Attention` module, and refuse the raw
-forms with a TypeError (:func:`require_config`) instead of coercing them a second time.
+config; where one layer is built, an :class:`Attention` module) is coerced once, by
+:meth:`AttentionConfig.coerce`, at the constructor the user called -- a task, a whole model
+(``PixelTransformer``, ``TransformerCTC``) or a building block (``Transformer``,
+``TransformerLayer``, ``MultiHeadAttention``). What it hands down is already made: a config, or
+built :class:`Attention` modules, which the blocks below take as they are (:func:`as_config`,
+:func:`layer_attention`), so no path coerces twice.
 """
 
 from __future__ import annotations
@@ -121,20 +122,28 @@ class AttentionConfig:
         return build_attention(self.backend, causal=causal, query_dim=query_dim, feature_map=self.feature_map, **kwargs)
 
 
-def require_config(attention, owner: str, allow_module: bool = False) -> AttentionConfig | Attention:
-    """The ``attention`` argument of a building block (``owner`` names it in the error): a config
-    as it is, None as the default config, with ``allow_module`` a built :class:`Attention` as it
-    is; anything else (a backend name, a dict) is a TypeError saying how to make a config."""
-    if attention is None:
-        return AttentionConfig()
-    if isinstance(attention, AttentionConfig) or (allow_module and isinstance(attention, Attention)):
+def as_config(attention, owner: str) -> AttentionConfig:
+    """The ``attention`` argument of a constructor that builds several layers (``owner`` names it in
+    the error) as a config: a config as it is, None / a backend name / a dict coerced (the one
+    coercion on this path). A built :class:`Attention` is one layer's: a TypeError."""
+    if isinstance(attention, AttentionConfig):
         return attention
-    accepted = "an AttentionConfig or an Attention module" if allow_module else "an AttentionConfig"
-    raise TypeError(
-        f"{owner} takes {accepted}, got {type(attention).__name__} {attention!r}; build one with "
-        f"AttentionConfig.coerce({attention!r}) (the tasks and the whole models -- PixelTransformer, "
-        f"TransformerCTC -- take the other forms)"
-    )
+    if isinstance(attention, Attention):
+        raise TypeError(
+            f"{owner} builds one attention per layer, so it takes a backend name, a dict of AttentionConfig fields, an "
+            f"AttentionConfig or None, not one built {type(attention).__name__} (one module cannot serve every layer; "
+            f"TransformerLayer and MultiHeadAttention take a built one)"
+        )
+    return AttentionConfig.coerce(attention)
+
+
+def layer_attention(attention, causal: bool, query_dim: int) -> Attention:
+    """The ``attention`` argument of a constructor that makes one attention layer, as a module: a
+    built :class:`Attention` as it is; anything else through :func:`as_config` (None, a name, a dict
+    coerced once; a config as it is), then built for ``causal`` and per-head ``query_dim``."""
+    if isinstance(attention, Attention):
+        return attention
+    return as_config(attention, "a layer").build(causal=causal, query_dim=query_dim)
 
 
 def _uses_feature_map(name: str) -> bool:

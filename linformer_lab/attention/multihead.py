@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.base import Attention, check_state
-from linformer_lab.attention.config import AttentionConfig, require_config
+from linformer_lab.attention.config import AttentionConfig, layer_attention
+
+
+def head_dims(d_model: int, n_heads: int, query_dim: int | None = None, value_dim: int | None = None) -> tuple[int, int]:
+    """Per-head ``(query_dim, value_dim)``: ``d_model // n_heads`` each unless given."""
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+    if d_model % n_heads and (query_dim is None or value_dim is None):
+        raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; set query_dim and value_dim")
+    return query_dim or d_model // n_heads, value_dim or d_model // n_heads
 
 
 class MultiHeadAttention(nn.Module):
@@ -16,35 +26,32 @@ class MultiHeadAttention(nn.Module):
         d_model: model width.
         n_heads: heads; each gets ``d_model // n_heads`` query and value dims unless
             ``query_dim`` / ``value_dim`` say otherwise.
-        attention: an :class:`AttentionConfig` (None: the default, ``linear`` with ``elu``) or a
-            built :class:`Attention`. A backend name or a dict is a TypeError: make a config with
-            :meth:`AttentionConfig.coerce` (this is a building block; see ``attention/config.py``).
+        attention: a backend name (``"softmax"``), a dict of :class:`AttentionConfig` fields
+            (``{"backend": "linear", "feature_map": "favor"}``), an :class:`AttentionConfig`, None
+            (the default, ``linear`` with ``elu``), all built here for ``causal`` -- or a built
+            :class:`Attention`, used as it is.
         causal: passed to the backend when it is built here.
 
     Queries, keys and values come from one fused projection ``qkv``, laid out as
     ``[queries | keys | values]`` (``[queries | values]`` for shared-QK backends (lsh), which have
     no key projection: keys are the queries), each ``n_heads`` blocks of ``query_dim`` or
-    ``value_dim``.
+    ``value_dim``. Cross attention (``forward(x, context=c)``) projects the queries from ``x`` and
+    the keys and values from ``c`` with the same weights, so ``context=x`` is self attention.
     """
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
-        attention: AttentionConfig | Attention | None = None,
+        attention: AttentionConfig | Attention | str | dict | None = None,
         causal: bool = False,
         query_dim: int | None = None,
         value_dim: int | None = None,
     ):
         super().__init__()
-        if d_model % n_heads and (query_dim is None or value_dim is None):
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; set query_dim and value_dim")
         self.n_heads = n_heads
-        self.query_dim = query_dim or d_model // n_heads
-        self.value_dim = value_dim or d_model // n_heads
-        attention = require_config(attention, "MultiHeadAttention", allow_module=True)
-        if isinstance(attention, AttentionConfig):
-            attention = attention.build(causal=causal, query_dim=self.query_dim)
+        self.query_dim, self.value_dim = head_dims(d_model, n_heads, query_dim, value_dim)
+        attention = layer_attention(attention, causal=causal, query_dim=self.query_dim)
         self.attention = attention
         self.shares_query_key = attention.shares_query_key
         hq, hv = n_heads * self.query_dim, n_heads * self.value_dim
@@ -56,15 +63,38 @@ class MultiHeadAttention(nn.Module):
         """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
         return self._split_projection(self.qkv(x))
 
+    def _project_cross(self, x: torch.Tensor, context: torch.Tensor):
+        """Queries from ``x (B, N, d_model)``, keys and values from ``context (B, L, d_model)``, through
+        the rows of the fused projection that make each -> q ``(B, N, H, D)``, k ``(B, L, H, D)``, v ``(B, L, H, M)``."""
+        if self.shares_query_key:
+            raise ValueError(f"{type(self.attention).__name__}: its keys are its queries (shares_query_key), so it takes "
+                             f"no context; cross attention takes a backend with separate keys ('linear', 'softmax')")
+        if context.dim() != 3 or context.shape[0] != x.shape[0] or context.shape[2] != x.shape[2]:
+            raise ValueError(f"MultiHeadAttention: context must be (batch, L, d_model) = ({x.shape[0]}, L, {x.shape[2]}) "
+                             f"like x {tuple(x.shape)}; got {tuple(context.shape)}")
+        hq = self._split[0]
+        weight, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x, weight[:hq], None if bias is None else bias[:hq])
+        kv = F.linear(context, weight[hq:], None if bias is None else bias[hq:])
+        k, v = kv.split(self._split[1:], dim=-1)
+        return (q.unflatten(-1, (self.n_heads, self.query_dim)), k.unflatten(-1, (self.n_heads, self.query_dim)),
+                v.unflatten(-1, (self.n_heads, self.value_dim)))
+
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state=None, return_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, context: torch.Tensor | None = None):
         """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``.
 
-        ``state`` / ``return_state``: the backend's state in and out (see :class:`Attention`),
-        then the result is ``(out, state)``. ``cu_seqlens``: x is ``(1, T, d_model)`` holding
-        packed sequences with these offsets.
+        ``context`` ``(B, L, d_model)``: cross attention, the keys and values from it (an encoder's
+        output, say; L may differ from N), ``key_lengths`` then its lengths; a non-causal backend
+        with separate keys (linear, softmax). ``state`` / ``return_state``: the backend's state in
+        and out (see :class:`Attention`), then the result is ``(out, state)``. ``cu_seqlens``: x is
+        ``(1, T, d_model)`` holding packed sequences with these offsets.
         """
-        q, k, v = (t.transpose(1, 2) for t in self._project(x))  # (B, H, N, dim)
+        if context is None:
+            q, k, v = self._project(x)
+        else:
+            q, k, v = self._project_cross(x, context)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N or L, dim)
         if self.shares_query_key:
             k = q
         extra = {}
@@ -82,7 +112,7 @@ class MultiHeadAttention(nn.Module):
 
     def step(self, x_t: torch.Tensor, state=None):
         """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``; :meth:`forward` at
-        one position, with the backend's state."""
+        one position, with the backend's state (a new one: the given state is left as it was)."""
         q, k, v = self._project(x_t)  # (B, H, dim) each; k is q for shared-QK backends
         out, state = self.attention.step(q, k, v, state)  # (B, H, value_dim)
         return self.out(out.flatten(1)), state

@@ -13,27 +13,28 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from linformer_lab.attention.base import Attention, SequenceBuffer
-from linformer_lab.attention.config import AttentionConfig, require_config
-from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.attention.config import AttentionConfig, as_config, layer_attention
+from linformer_lab.attention.multihead import MultiHeadAttention, head_dims
 from linformer_lab.ops.state import detach_state
 
 
 class TransformerLayer(nn.Module):
     """One layer: ``(B, N, d_model) -> (B, N, d_model)``; ``attention`` as for
-    :class:`~linformer_lab.attention.multihead.MultiHeadAttention` (a config or a built backend)."""
+    :class:`~linformer_lab.attention.multihead.MultiHeadAttention`: a backend name, a dict of
+    :class:`AttentionConfig` fields, a config, None (the default), or a built :class:`Attention`."""
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
         d_ff: int,
-        attention: AttentionConfig | Attention | None = None,
+        attention: AttentionConfig | Attention | str | dict | None = None,
         causal: bool = True,
         dropout: float = 0.0,
     ):
         super().__init__()
         self.norm_attention = nn.LayerNorm(d_model)
-        attention = require_config(attention, "TransformerLayer", allow_module=True)
+        attention = layer_attention(attention, causal=causal, query_dim=head_dims(d_model, n_heads)[0])
         self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
         self.norm_ff = nn.LayerNorm(d_model)
         self.feedforward = nn.Sequential(
@@ -53,7 +54,8 @@ class TransformerLayer(nn.Module):
 
     def step(self, x_t: torch.Tensor, state=None):
         """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``, with the
-        attention's state (None at a sequence's first position)."""
+        attention's state (None at a sequence's first position; a new one is returned, the given
+        one is left as it was)."""
         attended, state = self.attention.step(self.norm_attention(x_t), state)
         x_t = x_t + self.dropout(attended)
         return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
@@ -75,10 +77,15 @@ class Transformer(nn.Module):
     can run in segments (truncated back-propagation through time when the carried state is
     detached). ``cu_seqlens`` runs packed sequences (``x (1, T, d_model)``, see :class:`Attention`).
 
-    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (an
-    :class:`AttentionConfig`, None for the default ``linear`` with ``elu``; a building block, it
-    refuses a backend name or a dict: ``AttentionConfig.coerce`` makes a config of those), causal,
-    dropout.
+    The state is a value: ``step`` and ``forward(state=...)`` return a new one and leave the one
+    they were given as it was, so one prefilled state can be continued several ways (branching
+    samples, beam search); ``clone_state`` / ``detach_state`` (``linformer_lab.ops.state``) copy or
+    detach a whole stack's state, and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep it.
+
+    Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (a backend name such as
+    ``"softmax"``, a dict of :class:`AttentionConfig` fields, a config, or None for the default
+    ``linear`` with ``elu``; coerced here once, kept as :attr:`attention_config`, and built once per
+    layer), causal, dropout.
     """
 
     def __init__(
@@ -87,14 +94,16 @@ class Transformer(nn.Module):
         d_model: int,
         n_heads: int,
         d_ff: int | None = None,
-        attention: AttentionConfig | None = None,
+        attention: AttentionConfig | str | dict | None = None,
         causal: bool = True,
         dropout: float = 0.0,
     ):
         super().__init__()
-        attention = require_config(attention, "Transformer")
+        self.attention_config = as_config(attention, "Transformer")
+        query_dim = head_dims(d_model, n_heads)[0]
         self.layers = nn.ModuleList(
-            TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, attention=attention, causal=causal, dropout=dropout)
+            TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, causal=causal, dropout=dropout,
+                             attention=self.attention_config.build(causal=causal, query_dim=query_dim))
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)

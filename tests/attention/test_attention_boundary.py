@@ -1,9 +1,10 @@
 """The configuration boundary (docs/ARCHITECTURE.md, "The configuration boundary").
 
-What a user writes for ``attention`` (None, a backend name, a dict of the fields, a config) is
-coerced once, at the public edges: the tasks and the whole models (PixelTransformer,
-TransformerCTC). The building blocks below them (Transformer, TransformerLayer,
-MultiHeadAttention) take a config or a built backend and refuse the raw forms by name.
+What a user writes for ``attention`` (None, a backend name, a dict of the fields, a config; for
+one layer a built backend) is coerced once, at the constructor the user called: a task, a whole
+model (PixelTransformer, TransformerCTC) or a building block (Transformer, TransformerLayer,
+MultiHeadAttention). What it hands down is made already (a config, built backends), so each
+path counts one coercion at most, and none where the user gave a config or a backend.
 """
 
 from __future__ import annotations
@@ -83,26 +84,24 @@ BLOCKS = {
 }
 
 
-@pytest.mark.parametrize("raw", ["softmax", SOFTMAX], ids=["name", "dict"])
+@pytest.mark.parametrize("form", [None, "softmax", SOFTMAX, AttentionConfig("softmax")], ids=repr)
 @pytest.mark.parametrize("block", list(BLOCKS))
-def test_building_blocks_refuse_raw_forms_by_name(block, raw):
-    with pytest.raises(TypeError, match=rf"{block} takes an AttentionConfig.*AttentionConfig\.coerce\("):
-        BLOCKS[block](raw)
+def test_building_blocks_take_every_user_form_coercing_once(block, form, coerce_calls):
+    """A block called by the user coerces a raw form once, a config not at all (it is one), and
+    hands built backends down: no second coercion below it."""
+    module = BLOCKS[block](dict(form) if isinstance(form, dict) else form)
+    backend = "LinearAttention" if form is None else "SoftmaxAttention"
+    assert {type(m.attention).__name__ for m in module.modules() if isinstance(m, MultiHeadAttention)} == {backend}
+    assert len(coerce_calls) == (0 if isinstance(form, AttentionConfig) else 1)
 
 
-@pytest.mark.parametrize("block", list(BLOCKS))
-def test_building_blocks_take_a_config_or_none(block, coerce_calls):
-    for attention, backend in ((None, "LinearAttention"), (AttentionConfig("softmax"), "SoftmaxAttention")):
-        module = BLOCKS[block](attention)
-        assert {type(m.attention).__name__ for m in module.modules() if isinstance(m, MultiHeadAttention)} == {backend}
-    assert coerce_calls == []
-
-
-def test_a_layer_takes_a_built_backend_and_a_stack_does_not():
+def test_a_layer_takes_a_built_backend_and_a_stack_does_not(coerce_calls):
     backend = LinearAttention(causal=True, query_dim=4)
     assert MultiHeadAttention(8, 2, attention=backend).attention is backend
     assert TransformerLayer(8, 2, 16, attention=backend).attention.attention is backend
-    with pytest.raises(TypeError, match="Transformer takes an AttentionConfig, got LinearAttention"):
-        Transformer(2, 8, 2, attention=backend)  # one module cannot serve every layer
+    assert coerce_calls == []
+    with pytest.raises(TypeError, match=r"^Transformer builds one attention per layer, so it takes a backend name, .* "
+                                        r"not one built LinearAttention \(one module cannot serve every layer"):
+        Transformer(2, 8, 2, attention=backend)
     out = TransformerLayer(8, 2, 16, attention=backend)(torch.randn(1, 3, 8))
     assert out.shape == (1, 3, 8)
