@@ -25,10 +25,12 @@ class Attention(nn.Module):
 
     Built as ``Cls(causal=..., query_dim=D, feature_map=..., **kwargs)``.
 
-    ``forward(q, k, v, key_lengths=None)``: q, k ``(B, H, N, D)``, v ``(B, H, N, M)`` ->
-    ``(B, H, N, M)``; keys at positions >= ``key_lengths[b]`` are ignored. Outputs at query
-    positions >= ``key_lengths[b]`` are padding: softmax and linear still attend from them,
-    lsh returns zeros there; mask them out downstream.
+    ``forward(q, k, v, key_lengths=None)``: q ``(B, H, N, D)``, k ``(B, H, L, D)``, v ``(B, H, L, M)``
+    -> ``(B, H, N, M)``; keys at positions >= ``key_lengths[b]`` are ignored. Self attention has
+    L = N: outputs at query positions >= ``key_lengths[b]`` are padding (softmax and linear still
+    attend from them, lsh returns zeros there; mask them out downstream). Cross attention (queries
+    from one sequence, keys and values from another, L != N) is non-causal only, and not for
+    shared-QK backends (lsh); ``check_inputs`` says so in one line.
 
     State in and out of the parallel form (backends with ``supports_state``):
     ``forward(q, k, v, key_lengths=None, state=None, return_state=False)``. ``state`` is what an
@@ -89,15 +91,18 @@ class Attention(nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: {label} must be a 4-d tensor (batch, heads, seq, dim), got {shape}")
-        if q.shape != k.shape:
+        if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
             raise ValueError(
-                f"{name}: q and k must have the same shape (batch, heads, seq, dim); got q {tuple(q.shape)}, k {tuple(k.shape)}"
+                f"{name}: q (batch, heads, N, dim) and k (batch, heads, L, dim) must share batch, heads and dim; got "
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
         if v.shape[:3] != k.shape[:3]:
             raise ValueError(
-                f"{name}: v must be (batch, heads, seq, value_dim) with batch, heads, seq = {tuple(k.shape[:3])} "
+                f"{name}: v must be (batch, heads, L, value_dim) with batch, heads, L = {tuple(k.shape[:3])} "
                 f"like k; got {tuple(v.shape)}"
             )
+        if q.shape[2] != k.shape[2]:
+            self.check_cross_attention(q.shape[2], k.shape[2])
         if self.query_dim is not None and q.shape[-1] != self.query_dim:
             raise ValueError(f"{name}: built for query_dim={self.query_dim}, got q of shape {tuple(q.shape)}")
         if not (q.dtype == k.dtype == v.dtype):
@@ -107,7 +112,22 @@ class Attention(nn.Module):
         if not (q.device == k.device == v.device):
             raise ValueError(f"{name}: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
         if key_lengths is not None:
-            check_key_lengths(key_lengths, batch=q.shape[0], seq=q.shape[2], device=q.device, who=name)
+            check_key_lengths(key_lengths, batch=q.shape[0], seq=k.shape[2], device=q.device, who=name)
+
+    def check_cross_attention(self, queries: int, keys: int) -> None:
+        """Raise a one-line ValueError where this backend cannot attend from ``queries`` positions to
+        a different number of ``keys`` (cross attention): causal, or keys shared with the queries."""
+        name = type(self).__name__
+        if self.shares_query_key:
+            raise ValueError(
+                f"{name}: its keys are its queries (shares_query_key), so it cannot attend from N = {queries} queries "
+                f"to L = {keys} other keys; cross attention takes a backend with separate keys ('linear', 'softmax')"
+            )
+        if self.causal:
+            raise ValueError(
+                f"{name}: causal attention needs as many keys as queries (query i sees keys 0..i); got N = {queries} "
+                f"queries and L = {keys} keys. Cross attention is non-causal: build the backend with causal=False"
+            )
 
     def check_state_request(self, state, return_state: bool, cu_seqlens=None, key_lengths=None) -> None:
         """Raise a clear error if this backend is asked for something it does not support."""
@@ -152,8 +172,12 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
         raise ValueError(f"{who}: key_lengths must lie in [1, {seq}] (the sequence length); got values in [{low}, {high}]")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str) -> list[int]:
-    """The offsets of packed sequences as a Python list, or a ValueError saying what is wrong."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None) -> list[int]:
+    """The offsets of packed sequences as a Python list, or a ValueError saying what is wrong
+    (``keys``: the keys' length, which packed sequences share with the queries' ``total``)."""
+    if keys is not None and keys != total:
+        raise ValueError(f"{who}: packed sequences (cu_seqlens) attend within themselves, so q and k must have one "
+                         f"length; got {total} queries and {keys} keys. Pad the batch and pass key_lengths instead")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
             or cu_seqlens.numel() < 2:
         raise ValueError(f"{who}: cu_seqlens must be a 1-d integer tensor [0, n_1, n_1 + n_2, ..., T] of at least "

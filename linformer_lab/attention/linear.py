@@ -72,7 +72,7 @@ class LinearAttention(Attention):
         phi_q = self.feature_map.forward_queries(q)
         phi_k = self.feature_map.forward_keys(k)
         if cu_seqlens is not None:
-            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__)
+            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
             return ops.packed_linear_attention(
                 phi_q, phi_k, v, offsets, self.causal, eps=self.eps, dot_product=self.causal_dot_product,
                 initial_state=state, return_state=return_state,

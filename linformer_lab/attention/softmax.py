@@ -34,7 +34,7 @@ class SoftmaxAttention(Attention):
             if state is not None or return_state:
                 raise ValueError("SoftmaxAttention: packed sequences (cu_seqlens) take no state; run them padded "
                                  "with key_lengths to carry a KV cache")
-            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__)
+            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
             return torch.cat([
                 F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal,
                                                dropout_p=dropout)
@@ -48,14 +48,15 @@ class SoftmaxAttention(Attention):
         if key_lengths is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
         n = q.shape[2]
-        visible = length_mask(key_lengths, n)[:, None, None, :]  # (B, 1, 1, N)
-        if self.causal:
+        visible = length_mask(key_lengths, k.shape[2])[:, None, None, :]  # (B, 1, 1, L)
+        if self.causal:  # L = N (check_inputs)
             visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout)
 
     def _attend_with_cache(self, q, k, v, key_lengths, state, return_state, dropout):
         b, _, n, _ = q.shape
-        valid_new = None if key_lengths is None else length_mask(key_lengths, n)  # (B, N)
+        length = k.shape[2]  # L new keys (= N but for non-causal cross attention)
+        valid_new = None if key_lengths is None else length_mask(key_lengths, length)  # (B, L)
         if state is None:
             keys, values, valid = k, v, valid_new
         else:
@@ -69,7 +70,7 @@ class SoftmaxAttention(Attention):
             valid = state.valid
             if valid is not None or valid_new is not None:
                 prior = valid if valid is not None else torch.ones(b, state.length, dtype=torch.bool, device=q.device)
-                new = valid_new if valid_new is not None else torch.ones(b, n, dtype=torch.bool, device=q.device)
+                new = valid_new if valid_new is not None else torch.ones(b, length, dtype=torch.bool, device=q.device)
                 valid = torch.cat([prior, new], dim=1)
         total = keys.shape[2]
         visible = None
