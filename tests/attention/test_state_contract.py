@@ -1,8 +1,8 @@
 """The recurrent-state contract (docs/ARCHITECTURE.md, "The recurrent state").
 
-Every attention backend's state offers ``detach()`` and ``nbytes``
+Every attention backend's state offers ``detach()``, ``clone()`` and ``nbytes``
 (:class:`linformer_lab.attention.AttentionState`), and that is all segmented training with a
-detached state and the state-size reports use; a state lacking them is a TypeError naming the
+detached state, copies of a stack's state and the state-size reports use; a state lacking them is a TypeError naming the
 backend and what it lacks; a state of another backend's type given to ``step`` or ``forward``
 is a TypeError naming both types. An out-of-tree backend with its own state type
 (``examples/third_party_attention``, installed here the way an installer would) trains in
@@ -30,7 +30,7 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.models.transformer import Transformer, detach_state, segmented_forward
 from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import state_nbytes
+from linformer_lab.ops.state import clone_state, state_nbytes
 from linformer_lab.registry import ATTENTION
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 
@@ -177,14 +177,14 @@ def test_state_lacking_the_contract_is_a_type_error_naming_backend_and_members()
     x = torch.randn(1, 3, 8)
     assert mha(x).shape == x.shape  # without a state nothing changes
     with pytest.raises(TypeError, match=r"attention backend _BagBackend \(test_state_contract\): the state _Bag .*"
-                                        r"lacks detach\(\) and nbytes of the attention-state contract"):
+                                        r"lacks detach\(\), clone\(\) and nbytes of the attention-state contract"):
         mha(x, return_state=True)
     _, stepped = Transformer(2, 8, 2, attention=AttentionConfig("linear")).step(x[:, 0])
-    for function in (detach_state, state_nbytes):
+    for function in (detach_state, clone_state, state_nbytes):
         with pytest.raises(TypeError, match=rf"{function.__name__}: the state _OnlyDetach \(module test_state_contract\) "
-                                            r"lacks nbytes of the attention-state contract"):
+                                            r"lacks clone\(\) and nbytes of the attention-state contract"):
             function([stepped[0], _OnlyDetach(torch.zeros(2))])
-    with pytest.raises(TypeError, match=r"state _Bag .* lacks detach\(\) and nbytes"):
+    with pytest.raises(TypeError, match=r"state _Bag .* lacks detach\(\), clone\(\) and nbytes"):
         segmented_forward(lambda a, b, state: (None, _Bag(torch.zeros(1))), 4, 2, detach=True)
 
 
