@@ -16,9 +16,10 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
-import copy
 import fcntl
 import os
+import pickle
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from linformer_lab.checkpoint_callbacks import BestCheckpoint, LastCheckpoint
 from linformer_lab.tasks.base import task_settings
 
 #: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
@@ -55,86 +57,37 @@ class CheckpointSettings:
 
 
 class CheckpointMismatchError(Exception):
-    """A ``--ckpt_path`` cannot be used with the configured model (message says why)."""
+    """A ``--ckpt_path`` cannot be used with the configured model (message says why, in one line).
+
+    The subclasses name the cause; the CLI reports each the same way (one line, exit code 2)."""
+
+
+class CheckpointNotFoundError(CheckpointMismatchError):
+    """``--ckpt_path last|best`` finds no checkpoint, or the best one ``last.ckpt`` records is gone."""
 
 
 class UnreadableCheckpointError(CheckpointMismatchError):
     """The file cannot be read as a Lightning checkpoint (missing, truncated, corrupt)."""
 
 
+class UnsafeCheckpointError(UnreadableCheckpointError):
+    """The file holds pickled objects other than tensors and plain data: loading it could run code."""
+
+
+class OtherTaskCheckpointError(CheckpointMismatchError):
+    """The checkpoint was written by another task class."""
+
+
+class OtherAttentionCheckpointError(CheckpointMismatchError):
+    """The checkpoint's attention (backend, feature map, their arguments) is not the configured one."""
+
+
+class OtherShapeCheckpointError(CheckpointMismatchError):
+    """Architecture hyper-parameters or weight shapes differ (the attention agrees)."""
+
+
 class CheckpointSetupError(Exception):
     """The run cannot write its checkpoints safely (message says why and what to do)."""
-
-
-class LastCheckpoint(ModelCheckpoint):
-    """``last.ckpt``: the resume point, written after *every* validation (at every epoch end when
-    there is none), every ``every_n_train_steps`` updates, at the step where ``max_steps`` stops
-    training, and when training ends any other way (``max_time``).
-
-    Lightning's ``save_last`` writes only at steps where a top-k checkpoint was also written, so a
-    run whose validation did not improve had no resume point at all. This callback is placed
-    after the best-model callback, so the ``last.ckpt`` written at a validation records the best
-    checkpoint *of that validation* (``--ckpt_path best`` reads it from there). Saving at the final
-    batch rather than at ``on_train_end`` keeps the epoch open in the loop state, so extending
-    ``max_steps`` continues the same epoch instead of starting the next.
-
-    A stop requested during a batch (``max_time``, or a callback that sets ``should_stop`` at a
-    batch's end) is written at that batch's end too, and every checkpoint written after it in the run (the
-    validation the stop runs, the best model) carries the loop state of that moment: the
-    resumed run continues the same epoch at the next batch and logs each update under its own
-    step. Lightning 2.6 would resume from the state after the stop instead, with the epoch
-    closed (the rest of its batches skipped) and the logged step one short of ``global_step``.
-    """
-
-    def __init__(self, dirpath: str | None, every_n_train_steps: int | None):
-        # one well-known last.ckpt rather than last-v1, last-v2 ...
-        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
-        self.every_n_steps = every_n_train_steps or 0
-        self._loops_at_stop: dict | None = None  # fit-loop state at the batch where a stop was requested
-
-    def _can_save(self, trainer: L.Trainer) -> bool:
-        return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._loops_at_stop = None  # a second fit of the same trainer starts clean
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
-        final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
-        # Checkpoint callbacks run after all others, so a Timer's stop of this batch is seen here
-        # (a stop that min_steps / min_epochs overrule is none).
-        stopping = trainer.should_stop and getattr(trainer.fit_loop, "_can_stop_early", True)
-        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if stopping else None
-        if (periodic or final or stopping) and self._can_save(trainer) and self._last_global_step_saved != step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
-        # Called for every checkpoint this trainer writes (best models too), not only ours; saving
-        # only reads the dict, so the one copy taken at the stop serves every save after it.
-        if self._loops_at_stop is not None and "loops" in checkpoint:
-            checkpoint["loops"]["fit_loop"] = self._loops_at_stop
-        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
-
-    # After every validation, once the best-model callback has seen it: that callback saves at
-    # validation end, or at the epoch end when validation runs once per epoch (Lightning's
-    # _should_save_on_train_epoch_end, the same decision for both callbacks). Written again even
-    # when the batch-end trigger wrote at this step: the best may have changed since.
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self._can_save(trainer) and not self._should_save_on_train_epoch_end(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
-        finished = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if self._can_save(trainer) and self._should_save_on_train_epoch_end(trainer) and finished:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
-        stopped = self._loops_at_stop is not None
-        if self._can_save(trainer) and (stopped or self._last_global_step_saved != trainer.global_step):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule, dirpath: str) -> list[ModelCheckpoint]:
@@ -147,7 +100,7 @@ def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.Lightnin
     monitor, monitor_mode, _ = task_settings(model)
     if monitor and settings.save_top_k != 0:
         callbacks.append(
-            ModelCheckpoint(
+            BestCheckpoint(
                 dirpath=dirpath, monitor=monitor, mode=monitor_mode,
                 save_top_k=settings.save_top_k,
                 # the metric names hold '/', which would make sub-directories in a file name
@@ -225,7 +178,7 @@ def resolve_checkpoint_path(
     candidates = last_checkpoints(root, dirpath)
     if not candidates:
         if ckpt_path == "best" or not fitting:
-            raise CheckpointMismatchError(
+            raise CheckpointNotFoundError(
                 f"--ckpt_path {ckpt_path}: no checkpoint found under {where}; train first (fit) or pass a file."
             )
         return None
@@ -242,7 +195,7 @@ def resolve_checkpoint_path(
             return str(last)
         recorded = _best_from_last(last)
         if recorded is None:
-            raise CheckpointMismatchError(
+            raise CheckpointNotFoundError(
                 f"--ckpt_path best: {last} records no best checkpoint: the run kept none (checkpoint.save_top_k 0, "
                 f"or a task without a monitored metric) or has not validated yet. Pass a file, or use --ckpt_path last."
             )
@@ -251,13 +204,13 @@ def resolve_checkpoint_path(
         # one by its old path, which may be gone or belong to the original run.
         best = next((p for p in (last.parent / Path(recorded).name, Path(recorded)) if p.is_file()), None)
         if best is None:
-            raise CheckpointMismatchError(
+            raise CheckpointNotFoundError(
                 f"--ckpt_path best: {last} records {recorded} as the best checkpoint, but that file is gone and "
                 f"{last.parent} has none of its name. Pass a file, or use --ckpt_path last."
             )
         check_checkpoint(str(best), model)
         return str(best)
-    raise CheckpointMismatchError(
+    raise CheckpointNotFoundError(
         f"--ckpt_path {ckpt_path}: none of the {len(candidates)} run(s) under {where} is of the configured model; "
         f"the newest: {mismatches[0]}"
     )
@@ -332,29 +285,54 @@ def exit_with_error(message: str):
 
 
 def load_checkpoint_header(path: str) -> dict:
-    """``torch.load`` a checkpoint on CPU (memory-mapped when possible, so the weights are not read)."""
+    """``torch.load`` a checkpoint on CPU (memory-mapped when possible, so the weights are not read)
+    with ``weights_only=True``: tensors and plain data only, so a crafted file cannot run code.
+
+    A Lightning checkpoint of the project's tasks holds nothing else (the tasks keep their
+    hyper-parameters as plain data, ``Task.store_attention``); a file that holds other objects is
+    refused (:class:`UnsafeCheckpointError`) before anything in it is built.
+    """
     if not Path(path).is_file():
         raise UnreadableCheckpointError(f"checkpoint {path} does not exist.")
     try:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as mmap_err:  # files in torch's legacy (non-zip) format cannot be mapped
             if "mmap" not in str(mmap_err):
                 raise
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise UnreadableCheckpointError(
-            f"cannot read checkpoint {path}: {type(err).__name__}: {first_line}. "
-            f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
-            f"use another checkpoint from the same directory."
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # A payload must name something to call (a GLOBAL the safe loader refuses); any other
+        # refusal is a damaged file, reported as unreadable below.
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        if found is None:
+            raise _unreadable(path, err) from None
+        raise UnsafeCheckpointError(
+            f"refused checkpoint {path}: it holds a pickled object other than tensors and plain data ({found.group(1)}), "
+            f"which loading would run as code; checkpoints of this project hold none. Use a checkpoint you "
+            f"trained or trust, written by this project's CLI."
         ) from None
+    except Exception as err:
+        raise _unreadable(path, err) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UnreadableCheckpointError(
             f"{path} is not a Lightning checkpoint: it holds a {type(ckpt).__name__}"
             f"{' without a state_dict' if isinstance(ckpt, dict) else ''}."
         )
     return ckpt
+
+
+def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        # the safe loader's advice (retry with weights_only=False) is not ours; its finding is
+        lines = [line for line in lines[1:] if not line.startswith(("Please file", "Check the documentation"))]
+    first_line = lines[0] if lines else ""
+    return UnreadableCheckpointError(
+        f"cannot read checkpoint {path}: {type(err).__name__}: {first_line}. "
+        f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
+        f"use another checkpoint from the same directory."
+    )
 
 
 def check_checkpoint(path: str, model: L.LightningModule) -> None:
@@ -377,17 +355,18 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
         " Evaluate with the configuration it was trained with (a run saves it as config.yaml in its version_N folder)."
     )
     if saved_class is not None and saved_class != want_class:
-        raise CheckpointMismatchError(
+        raise OtherTaskCheckpointError(
             f"checkpoint {path} belongs to another task: it was written by {saved_class}, but the configuration "
             f"builds {want_class}." + hint
         )
 
-    problems = []
+    problems, attention_differs = [], False
     ours = _flatten(dict(model.hparams))
     allowed = set(task_settings(model)[2])
     for key, saved in sorted(_flatten(hparams).items()):
         if key in ours and key.split(".")[0] not in allowed and not _same(saved, ours[key]):
             problems.append(f"{key}: checkpoint {saved!r}, configuration {ours[key]!r}")
+            attention_differs |= key.split(".")[0] == "attention"
 
     state = ckpt["state_dict"]
     expected = model.state_dict()
@@ -405,7 +384,8 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
     if shapes:
         problems.append(f"{len(shapes)} weights of another shape (e.g. {'; '.join(shapes[:3])})")
     if problems:
-        raise CheckpointMismatchError(
+        error = OtherAttentionCheckpointError if attention_differs else OtherShapeCheckpointError
+        raise error(
             f"checkpoint {path} does not fit the configured {type(model).__name__}: " + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "") + "." + hint
         )

@@ -12,6 +12,10 @@ import lightning as L
 import torch
 
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.registry import ATTENTION, PluginError
+
+#: where a checkpoint keeps the sums of the epoch-level training metrics (:attr:`Task.epoch_metrics`)
+EPOCH_SUMS_KEY = "linformer_lab_epoch_sums"
 
 
 class Task(L.LightningModule):
@@ -26,6 +30,15 @@ class Task(L.LightningModule):
       configuration that loads it (optimisation and decoding settings); every other one must
       match, or the CLI refuses the checkpoint with the differences named.
 
+    ``epoch_metrics``: ``(logged name, attribute)`` pairs of epoch-level training metrics, each a
+    torchmetrics ``Metric`` that ``training_step`` updates and does not log. The base logs each
+    at the end of an epoch that ran to its last batch, and only then: an epoch cut short (a
+    ``max_steps`` or ``max_time`` stop) would be reported as if whole. Their sums travel in the
+    checkpoint, so a run resumed mid-epoch reports the whole epoch, equal to an uninterrupted
+    run; where the first part of the epoch cannot be accounted for (a checkpoint without the
+    sums, or more than one process on either side, whose sums rank 0's checkpoint cannot hold)
+    that epoch's value is not logged.
+
     :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a
     configuration that cannot run (a backend the device cannot run, data the model was not
     built for) stops with a :class:`~linformer_lab.validation.ConfigurationError` naming it.
@@ -34,6 +47,10 @@ class Task(L.LightningModule):
     monitor: str | None = None
     monitor_mode: str = "min"
     hparams_free_to_change: tuple[str, ...] = ()
+    epoch_metrics: tuple[tuple[str, str], ...] = ()
+
+    #: True while the running epoch's metric sums miss batches run before a resume
+    epoch_sums_incomplete: bool = False
 
     def store_attention(self, config: AttentionConfig) -> AttentionConfig:
         """Keep ``config`` as ``attention_config`` and in ``hparams`` as plain data; returns it.
@@ -56,10 +73,56 @@ class Task(L.LightningModule):
         # Here, not in __init__: only now are the data module and the run's device known. The
         # model is not on that device yet (the strategy moves it after setup), hence the
         # strategy's root device rather than self.device.
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if trainer is None:
             return
         self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
+
+    # ------------------------------------------------------------------ epoch-level training metrics
+
+    def on_train_epoch_start(self) -> None:
+        # Not called for the epoch a run resumes in the middle of (Lightning): its sums come
+        # from the checkpoint instead (on_load_checkpoint).
+        for _, attribute in self.epoch_metrics:
+            getattr(self, attribute).reset()
+        self.epoch_sums_incomplete = False
+
+    def on_train_epoch_end(self) -> None:
+        if not self.epoch_metrics:
+            return
+        if epoch_ran_to_end(self.trainer) and not self.epoch_sums_incomplete:
+            for name, attribute in self.epoch_metrics:
+                # compute() sums over processes; every rank then logs the same value
+                self.log(name, getattr(self, attribute).compute(), on_step=False, on_epoch=True)
+        if epoch_ran_to_end(self.trainer):
+            for _, attribute in self.epoch_metrics:
+                getattr(self, attribute).reset()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if not self.epoch_metrics:
+            return
+        trainer = attached_trainer(self)
+        checkpoint[EPOCH_SUMS_KEY] = {
+            "world_size": trainer.world_size if trainer is not None else 1,
+            "incomplete": bool(self.epoch_sums_incomplete),
+            "metrics": {attribute: {name: _detached(value) for name, value in getattr(self, attribute).metric_state.items()}
+                        for _, attribute in self.epoch_metrics},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if not self.epoch_metrics:
+            return
+        trainer = attached_trainer(self)
+        saved = checkpoint.get(EPOCH_SUMS_KEY)
+        usable = (saved is not None and saved["world_size"] == 1 and not saved["incomplete"]
+                  and (trainer is None or trainer.world_size == 1))
+        # Lightning then calls on_train_epoch_start only if the checkpoint ends an epoch, which resets both.
+        self.epoch_sums_incomplete = not usable
+        if usable:
+            for attribute, states in saved["metrics"].items():
+                metric = getattr(self, attribute)
+                for name, value in states.items():
+                    setattr(metric, name, _on_device_of(value, getattr(metric, name)))
 
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
         """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot
@@ -67,6 +130,47 @@ class Task(L.LightningModule):
         attention backend can run on ``device``; tasks add their own data checks."""
         if device is not None:
             check_attention_devices(self, torch.device(device))
+
+
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The Trainer running ``module``, or None outside one (``module.trainer`` raises then)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
+
+
+def epoch_ran_to_end(trainer: L.Trainer) -> bool:
+    """Whether the training epoch ending now ran its last batch (False for an epoch cut short by
+    ``max_steps``, ``max_time`` or a requested stop)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    return [_detached(v) for v in value]
+
+
+def _on_device_of(value, current):
+    """A saved metric state on the device of the state it replaces (a list state: as saved)."""
+    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+        return value.to(current.device)
+    return value
+
+
+def recurrent_backends() -> list[str]:
+    """The registered attention backends whose state carries the past exactly (``has_recurrent_form``);
+    a plugin that fails to import is left out (``cli.py plugins --check`` reports it)."""
+    names = []
+    for name in ATTENTION.names():
+        try:
+            backend = ATTENTION.get(name)
+        except PluginError:
+            continue
+        if getattr(backend, "has_recurrent_form", True):
+            names.append(name)
+    return names
 
 
 def check_segment_length(segment_length: int | None, transformer, backend: str) -> None:
@@ -77,8 +181,9 @@ def check_segment_length(segment_length: int | None, transformer, backend: str) 
         raise ValueError(f"segment_length must be a positive number of positions or None, got {segment_length}")
     if not transformer.has_recurrent_form:
         raise ValueError(
-            f"segment_length needs an attention backend whose state carries the past exactly ('linear', "
-            f"'linear_cuda', 'softmax'); {backend!r} has no recurrent form (its outputs depend on later positions)"
+            f"segment_length needs an attention backend whose state carries the past exactly "
+            f"({', '.join(map(repr, recurrent_backends()))}); {backend!r} has no recurrent form "
+            f"(its outputs depend on later positions)"
         )
 
 

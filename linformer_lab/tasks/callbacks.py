@@ -1,17 +1,24 @@
-"""Image grids of samples and completions during training (paper Fig. 3/4), and the PNG helpers
-that :mod:`linformer_lab.tasks.image_generation` also uses for ``predict``."""
+"""Image grids of samples and completions during training (paper Fig. 3/4), the PNG helpers
+that :mod:`linformer_lab.tasks.image_generation` also uses for ``predict``, and the CLI's
+progress bar (:class:`StepsProgressBar`)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["ImageSampleCallback", "occlude_bottom", "image_grid", "save_png", "completion_triptychs"]
+__all__ = ["ImageSampleCallback", "StepsProgressBar", "occlude_bottom", "image_grid", "save_png",
+           "completion_triptychs", "COMPLETION_LEGEND"]
+
+#: Column titles of a completion grid, in the order of :func:`completion_triptychs`.
+COMPLETION_LEGEND = ("prompt (top half)", "generated", "original")
 
 #: Fill value of the occluded (unknown) part of an image: mid grey, so the occluded region is
 #: visible on MNIST's black background as well as on colour images.
@@ -51,15 +58,45 @@ def image_grid(images: torch.Tensor, ncols: int, padding: int = 2, pad_value: in
     return grid
 
 
-def save_png(image: torch.Tensor, path: str, scale: int = 1) -> None:
+def save_png(image: torch.Tensor, path: str, scale: int = 1, legend: Sequence[str] | None = None,
+             tile_width: int | None = None, padding: int = 2) -> None:
     """Write a uint8 ``(C, H, W)`` image (C = 1 or 3) to ``path``; ``scale`` enlarges small
-    images with nearest-neighbour so pixels stay crisp."""
+    images with nearest-neighbour so pixels stay crisp.
+
+    ``legend``: titles of the grid's columns (an :func:`image_grid` of tiles ``tile_width`` wide
+    with ``padding``), written in a white band above them; the titles repeat across the grid."""
     array = image.detach().cpu().permute(1, 2, 0).numpy()
     picture = Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array, mode="L" if array.shape[2] == 1 else "RGB")
     if scale > 1:
         picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    if legend:
+        picture = with_legend(picture, legend, (tile_width or picture.width) * scale, padding * scale)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     picture.save(path)
+
+
+def with_legend(picture: Image.Image, titles: Sequence[str], tile: int, padding: int) -> Image.Image:
+    """``picture`` below a white band naming its columns: tile ``i`` (``tile`` pixels wide after
+    ``padding``) is titled ``titles[i % len(titles)]``, centred, in the largest font (8-16 px)
+    in which every title fits its tile."""
+    columns = max(1, (picture.width - padding) // (tile + padding))
+    size = 16
+    font = ImageFont.load_default(size=size)
+    while size > 8 and max(font.getlength(t) for t in titles) > tile - 2:
+        size -= 1
+        font = ImageFont.load_default(size=size)
+    band = size + 2 * padding + 4
+    out = Image.new(picture.mode, (picture.width, picture.height + band), 255 if picture.mode == "L" else (255,) * 3)
+    out.paste(picture, (0, band))
+    draw = ImageDraw.Draw(out)
+    ink = 0 if picture.mode == "L" else (0, 0, 0)
+    for column in range(columns):
+        title = titles[column % len(titles)]
+        while len(title) > 1 and draw.textlength(title, font=font) > tile:
+            title = title[:-2] + "…"  # a narrow tile: cut the title rather than overlap the next
+        left = padding + column * (tile + padding) + (tile - draw.textlength(title, font=font)) / 2
+        draw.text((left, padding + 2), title, fill=ink, font=font)
+    return out
 
 
 def log_dir_of(trainer: L.Trainer) -> str:
@@ -163,7 +200,8 @@ class ImageSampleCallback(L.Callback):
 
         for name, grid in grids.items():
             path = os.path.join(out_dir, f"{tag}-{name}.png")
-            save_png(grid, path, scale=self.scale)
+            legend = COMPLETION_LEGEND if name == "completions" else None
+            save_png(grid, path, scale=self.scale, legend=legend, tile_width=model.image_shape[-1])
             paths.append(path)
             for logger in trainer.loggers:
                 experiment = getattr(logger, "experiment", None) if _is_tensorboard(logger) else None
@@ -177,3 +215,35 @@ def _is_tensorboard(logger) -> bool:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     return isinstance(logger, TensorBoardLogger)
+
+
+class StepsProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, whose total for a training epoch is the batches the run will
+    actually train in it: ``max_steps`` cuts an epoch short (the quick MNIST run trains 300 of its
+    5,000 batches), so the bar and its time estimate end where training does. Lightning bounds
+    the bar this way only without ``max_epochs``; this bar also counts the batches a resumed epoch
+    already ran, which Lightning's bar shows as done."""
+
+    _done_at_start = 0  # batches of the current epoch run before this process took over
+
+    @property
+    def total_train_batches(self) -> int | float:
+        trainer = self.trainer
+        total = trainer.num_training_batches
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            return total
+        remaining = max(trainer.max_steps - trainer.global_step, 0) * trainer.accumulate_grad_batches
+        return min(total, self._done_at_start + remaining)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # A run resumed in an epoch's middle gets no on_train_epoch_start for that epoch: size the
+        # bar here, counting the batches the checkpoint says ran (0 in a fresh run).
+        self._done_at_start = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        super().on_train_start(trainer, pl_module)
+        total = self.total_train_batches
+        self.train_progress_bar.total = None if math.isinf(total) else int(total)
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+
+    def on_train_epoch_start(self, trainer, *args) -> None:
+        self._done_at_start = 0  # a new epoch (Lightning calls this hook for no resumed one)
+        super().on_train_epoch_start(trainer, *args)

@@ -167,15 +167,51 @@ class CopyTask(Task):
     def test_step(self, batch, batch_idx):
         return self._evaluate(batch, "test")
 
+    #: decoded sequences ``predict`` prints at its end
+    predict_examples = 3
+
+    def on_predict_epoch_start(self) -> None:
+        self._predict_tally = {"correct": 0, "copied": 0, "exact": 0, "sequences": 0, "examples": []}
+
     def predict_step(self, batch, batch_idx):
         """Greedy copy through the recurrent path: ``{"tokens", "predicted", "target_mask",
         "exact"}``, where ``predicted`` holds the model's own copy at the copy positions and
-        ``exact`` (B,) says whether a sequence was copied without a single error."""
+        ``exact`` (B,) says whether a sequence was copied without a single error. The end of
+        ``predict`` prints the copy accuracy over all batches and a few decoded sequences."""
         tokens, target_mask = batch
         predicted = self.generate_copy(tokens, target_mask)
         errors = (predicted != tokens) & target_mask
-        return {"tokens": tokens, "predicted": predicted, "target_mask": target_mask,
-                "exact": ~errors.any(dim=1)}
+        exact = ~errors.any(dim=1)
+        tally = getattr(self, "_predict_tally", None)
+        if tally is not None:
+            tally["correct"] += int((target_mask & ~errors).sum())
+            tally["copied"] += int(target_mask.sum())
+            tally["exact"] += int(exact.sum())
+            tally["sequences"] += len(tokens)
+            for row in range(min(len(tokens), self.predict_examples - len(tally["examples"]))):
+                tally["examples"].append(self.describe_copy(tokens[row], predicted[row], target_mask[row]))
+        return {"tokens": tokens, "predicted": predicted, "target_mask": target_mask, "exact": exact}
+
+    def on_predict_epoch_end(self) -> None:
+        tally = getattr(self, "_predict_tally", None)
+        if not tally or not tally["sequences"]:
+            return
+        self.print(f"copy accuracy {tally['correct'] / max(tally['copied'], 1):.4f} ({tally['correct']} of "
+                   f"{tally['copied']} copied symbols, greedy from the prefix alone); "
+                   f"{tally['exact']} of {tally['sequences']} sequences copied without an error")
+        for line in tally["examples"]:
+            self.print(line)
+
+    def describe_copy(self, tokens: torch.Tensor, predicted: torch.Tensor, target_mask: torch.Tensor) -> str:
+        """One sequence as text: ``given 3 1 4 | copied 3 1 5 (1 wrong: 5 for 4)``; symbols are
+        their ids 1..num_symbols, ``|`` the separator. tokens, predicted int64 (N,), target_mask bool (N,)."""
+        separator = self.hparams.vocab_size - 1
+        given = [int(t) for t, m in zip(tokens.tolist(), target_mask.tolist()) if not m and t not in (0, separator)]
+        want = tokens[target_mask].tolist()
+        got = predicted[target_mask].tolist()
+        wrong = [f"{g} for {w}" for g, w in zip(got, want) if g != w]
+        verdict = "exact" if not wrong else f"{len(wrong)} wrong: {', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}"
+        return f"  given {' '.join(map(str, given))} | copied {' '.join(map(str, got))} ({verdict})"
 
     @torch.no_grad()
     def generate_copy(self, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Training/evaluation: bits/dim of the :class:`PixelTransformer` over all ``N = C H W``
 sub-pixels, logged as ``train/bits_per_dim`` (per step), ``train/bits_per_dim_epoch``,
 ``val/bits_per_dim`` and ``test/bits_per_dim`` (epoch-level :class:`BitsPerDim` metrics,
-summed across processes, so correct under DDP).
+summed across processes, so correct under DDP). ``train/bits_per_dim_epoch`` is logged for
+epochs that ran to their end only, over the whole epoch also after a mid-epoch resume
+(``Task.epoch_metrics``).
 
 Prediction (``trainer.predict``), i.e. generation from a checkpoint:
 
@@ -20,7 +22,8 @@ Prediction (``trainer.predict``), i.e. generation from a checkpoint:
   index batches of size ``predict_batch_size`` and only unconditional samples are made.
 
 Files under ``output_dir`` (default ``<log_dir>/predictions``): ``samples/sample_XXXXX.png``,
-``completions/completion_XXXXX.png`` (``occluded | completion | original`` side by side),
+``completions/completion_XXXXX.png`` (``occluded | completion | original`` side by side, titled
+``prompt (top half) | generated | original``),
 ``samples_grid.png``, ``completions_grid.png`` (the first 64) and ``throughput.json`` with
 images/second and seconds/image of each kind (also printed, and sent to the loggers).
 """
@@ -43,6 +46,7 @@ from linformer_lab.models.static_decoder import DECODERS
 from linformer_lab.models.transformer import segmented_forward
 from linformer_lab.tasks.base import Task, check_segment_length
 from linformer_lab.tasks.callbacks import (
+    COMPLETION_LEGEND,
     completion_triptychs,
     image_grid,
     log_dir_of,
@@ -78,7 +82,10 @@ class ImageGenerationTask(Task):
         temperature: sampling temperature for predict.
         step_weights: the weight copy predict's generation reads (``"model"``, ``"bfloat16"``,
             ``"int8"``; see :meth:`PixelTransformer.generate`): the lossy ones trade a little
-            accuracy for small-batch CPU latency.
+            accuracy for small-batch CPU latency, and pay only where the weight products
+            dominate a step: wide models (the paper's d_model 256) at batch 1 on a CPU. On small
+            models (the quick variant's d_model 64, the CPU recipe's 128) ``int8`` is slower than
+            the exact weights; keep ``"model"`` there (docs/cli.md has the measurements).
         predict_num_samples: unconditional samples made by a predict run (0: completions only).
         predict_batch_size: batch size of the unconditional-only predict run (no dataloader).
         output_dir: predict's output folder (default ``<log_dir>/predictions``).
@@ -103,6 +110,8 @@ class ImageGenerationTask(Task):
 
     monitor = "val/bits_per_dim"
     monitor_mode = "min"
+    #: logged by Task at the end of every whole epoch (its sums kept in checkpoints)
+    epoch_metrics = (("train/bits_per_dim_epoch", "train_bpd"),)
     #: Arguments that may differ between a checkpoint and the configuration that loads it
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
@@ -207,7 +216,6 @@ class ImageGenerationTask(Task):
         self.train_bpd.update(nll)
         batch_size = nll.shape[0]
         self.log("train/bits_per_dim", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
-        self.log("train/bits_per_dim_epoch", self.train_bpd, on_step=False, on_epoch=True, batch_size=batch_size)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -311,7 +319,7 @@ class ImageGenerationTask(Task):
             triptychs = images.view(-1, 3, *images.shape[1:])
             for triptych in triptychs:
                 save_png(image_grid(triptych, ncols=3), os.path.join(folder, f"completion_{state['count'][kind]:05d}.png"),
-                         scale=self.hparams.png_scale)
+                         scale=self.hparams.png_scale, legend=COMPLETION_LEGEND, tile_width=self.model.image_shape[-1])
                 state["count"][kind] += 1
         else:
             for image in images:
@@ -329,7 +337,8 @@ class ImageGenerationTask(Task):
         for kind, ncols in (("samples", 8), ("completions", 6)):
             if state[kind]:
                 save_png(image_grid(torch.cat(state[kind]), ncols=ncols), os.path.join(state["dir"], f"{kind}_grid.png"),
-                         scale=self.hparams.png_scale)
+                         scale=self.hparams.png_scale, tile_width=self.model.image_shape[-1],
+                         legend=COMPLETION_LEGEND if kind == "completions" else None)
         report = {"device": str(self.device), "temperature": self.hparams.temperature,
                   "step_weights": self.hparams.step_weights, "sequence_length": self.model.seq_len}
         for kind in ("samples", "completions"):

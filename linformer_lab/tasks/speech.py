@@ -28,7 +28,7 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.models.bilstm import BiLSTMCTC
 from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
-from linformer_lab.tasks.base import Task
+from linformer_lab.tasks.base import Task, epoch_ran_to_end
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive
 
 
@@ -70,7 +70,9 @@ class SpeechRecognitionTask(Task):
 
     ``forward(features (B, T, 40), lengths (B,)) -> (log_probs (B, T', C), out_lengths (B,))``.
     Logged: ``train/loss``, ``train/epoch_time_s`` (wall time of the training epoch, data
-    loading included), ``val/loss``, ``val/per``, ``test/loss``, ``test/per``, ``lr``.
+    loading included; only for an epoch this process ran whole: not for one cut short by
+    ``max_steps`` or resumed in its middle), ``val/loss``, ``val/per``, ``test/loss``,
+    ``test/per``, ``lr`` (at every epoch end).
     """
 
     #: metric the CLI's "best" checkpoint follows, and in which direction
@@ -240,6 +242,7 @@ class SpeechRecognitionTask(Task):
     # validation time is tracked and subtracted: the logged number is training alone.
 
     def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
         self._epoch_start = time.perf_counter()
         self._validation_seconds = 0.0
 
@@ -253,10 +256,12 @@ class SpeechRecognitionTask(Task):
         self._validation_start = None
 
     def on_train_epoch_end(self) -> None:
-        if self._epoch_start is None:
-            return
-        elapsed = time.perf_counter() - self._epoch_start - self._validation_seconds
-        self.log("train/epoch_time_s", elapsed, on_step=False, on_epoch=True)
+        super().on_train_epoch_end()
+        # No start time: the run resumed in this epoch's middle (Lightning then skips
+        # on_train_epoch_start), so the time of its first part is unknown.
+        if self._epoch_start is not None and epoch_ran_to_end(self.trainer):
+            elapsed = time.perf_counter() - self._epoch_start - self._validation_seconds
+            self.log("train/epoch_time_s", elapsed, on_step=False, on_epoch=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=False, on_epoch=True)
         self._epoch_start = None
 

@@ -1,0 +1,152 @@
+"""The checkpoint callbacks the CLI adds to every fit: :class:`LastCheckpoint` (the resume point)
+and :class:`BestCheckpoint` (the best ``save_top_k`` by the task's monitored metric);
+:mod:`linformer_lab.checkpoints` says where they write and how ``--ckpt_path`` finds them."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import linformer_lab.lightning_compat as compat
+from linformer_lab.tasks.base import epoch_ran_to_end
+
+__all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved"]
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt``: the resume point, written after *every* validation (at every epoch end when
+    there is none), every ``every_n_train_steps`` updates, at the step where ``max_steps`` stops
+    training, and when training ends any other way (``max_time``).
+
+    Lightning's ``save_last`` writes only at steps where a top-k checkpoint was also written, so a
+    run whose validation did not improve had no resume point at all. This callback is placed
+    after the best-model callback, so the ``last.ckpt`` written at a validation records the best
+    checkpoint *of that validation* (``--ckpt_path best`` reads it from there). Saving at the final
+    batch rather than at ``on_train_end`` keeps the epoch open in the loop state, so extending
+    ``max_steps`` continues the same epoch instead of starting the next.
+
+    A stop requested during a batch (``max_time``, or a callback that sets ``should_stop`` at a
+    batch's end) is written at that batch's end too, and every checkpoint written after it in the run (the
+    validation the stop runs, the best model) carries the loop state of that moment: the
+    resumed run continues the same epoch at the next batch and logs each update under its own
+    step. Lightning 2.6 would resume from the state after the stop instead, with the epoch
+    closed (the rest of its batches skipped) and the logged step one short of ``global_step``.
+
+    Lightning has no public hook for these saves: the private members used are read through
+    :mod:`linformer_lab.lightning_compat`.
+    """
+
+    def __init__(self, dirpath: str | None, every_n_train_steps: int | None):
+        # one well-known last.ckpt rather than last-v1, last-v2 ...
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
+        self.every_n_steps = every_n_train_steps or 0
+        self._loops_at_stop: dict | None = None  # fit-loop state at the batch where a stop was requested
+
+    def _can_save(self, trainer: L.Trainer) -> bool:
+        return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._loops_at_stop = None  # a second fit of the same trainer starts clean
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
+        # Checkpoint callbacks run after all others, so a Timer's stop of this batch is seen here
+        # (a stop that min_steps / min_epochs overrule is none).
+        stopping = trainer.should_stop and compat.stop_is_allowed(trainer)
+        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if stopping else None
+        if (periodic or final or stopping) and self._can_save(trainer) and compat.last_saved_step(self) != step:
+            compat.save_last_checkpoint(self, trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
+        # Called for every checkpoint this trainer writes (best models too), not only ours; saving
+        # only reads the dict, so the one copy taken at the stop serves every save after it.
+        if self._loops_at_stop is not None and "loops" in checkpoint:
+            checkpoint["loops"]["fit_loop"] = self._loops_at_stop
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    # After every validation, once the best-model callback has seen it: that callback saves at
+    # validation end, or at the epoch end when validation runs once per epoch (Lightning's own
+    # decision, the same for both callbacks). Written again even when the batch-end trigger wrote
+    # at this step: the best may have changed since.
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._can_save(trainer) and not compat.saves_at_train_epoch_end(self, trainer):
+            compat.save_last_checkpoint(self, trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
+        finished = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self._can_save(trainer) and compat.saves_at_train_epoch_end(self, trainer) and finished:
+            compat.save_last_checkpoint(self, trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
+        stopped = self._loops_at_stop is not None
+        if self._can_save(trainer) and (stopped or compat.last_saved_step(self) != trainer.global_step):
+            compat.save_last_checkpoint(self, trainer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_unless_moved(self, state_dict)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """The best ``save_top_k`` checkpoints by the task's ``monitor``; a run started from another
+    run's checkpoint (evaluating it, fine-tuning from it) keeps its own record (:func:`load_unless_moved`).
+
+    Lightning warns at setup when the folder already holds files, lest a run overwrite another's.
+    The CLI settles that before training (``checkpoints.claim_checkpoint_dir`` refuses such a
+    folder unless this fit resumes the run in it), so the warning could only greet a resume,
+    where the files are expected: it is not shown for this callback's own folder.
+    """
+
+    trained_this_epoch = False  # a batch of the current epoch trained in this process
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.trained_this_epoch = False
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.trained_this_epoch = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.trained_this_epoch = True
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # Where validation runs at epoch ends, Lightning ranks the epoch's weights at its end. An
+        # epoch cut short (a max_steps or max_time stop) ran no validation, and neither did the
+        # epoch end Lightning replays when a run starts from a checkpoint written there: ranked,
+        # their weights would get an earlier validation's metric, or none ("could not find the
+        # monitored key"). The best is what a validation measured; a stop's weights are in last.ckpt.
+        if epoch_ran_to_end(trainer) and self.trained_this_epoch:
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        with warnings.catch_warnings():
+            if self.dirpath is not None:
+                expected = f"Checkpoint directory {self.dirpath} exists and is not empty."
+                warnings.filterwarnings("ignore", message=re.escape(expected) + "$")
+            super().setup(trainer, pl_module, stage)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_unless_moved(self, state_dict)
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key: the record in checkpoints written before this class still loads
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
+def load_unless_moved(callback: ModelCheckpoint, state_dict: dict) -> None:
+    """Restore ``callback``'s record of saved checkpoints only when it writes where the checkpoint's
+    run wrote (a resumed fit). Any other run that loads a checkpoint (validate/test/predict, a fit
+    from a best checkpoint) writes into its own folder and starts its own record, which is what
+    Lightning does too, after a warning that the folder changed: expected here, nothing to act on."""
+    if state_dict.get("dirpath", callback.dirpath) == callback.dirpath:
+        ModelCheckpoint.load_state_dict(callback, state_dict)
