@@ -38,12 +38,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+import linformer_lab.lightning_compat as compat
 from linformer_lab.checkpoints import (
     CHECKPOINT_ERROR_EXIT_CODE,
     CheckpointMismatchError,
@@ -71,6 +72,7 @@ from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resol
 )
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
+from linformer_lab.tasks.callbacks import StepsProgressBar
 from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes copied into the model argument of the same name when both exist
@@ -105,6 +107,10 @@ class LinformerCLI(LightningCLI):
     """
 
     def __init__(self, args=None, run: bool = True, **kwargs):
+        try:  # the private Lightning members we rely on, before any work (lightning_compat)
+            compat.check()
+        except compat.LightningCompatError as err:
+            exit_with_error(str(err))
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("parser_class", LinformerArgumentParser)
         # Every run logs into its own version_N directory, so the saved config never collides;
@@ -179,8 +185,9 @@ class LinformerCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         self._check_linked_arguments()
-        config = self._get(self.config_init, "trainer")
-        settings: CheckpointSettings = self._get(self.config_init, "checkpoint")
+        section = self.config_init.get(str(self.subcommand), self.config_init)
+        config = section.get("trainer")
+        settings: CheckpointSettings = section.get("checkpoint")
         root = Path(config["default_root_dir"])
         fitting = self.subcommand == "fit"
         resume = self._resolve_ckpt_path(root, settings)
@@ -208,7 +215,10 @@ class LinformerCLI(LightningCLI):
         ours = []
         if settings.enabled and config.get("enable_checkpointing") is not False and not has_own:
             ours = default_checkpoint_callbacks(settings, self.model, dirpath=None)
-        config["callbacks"] = callbacks + ours
+        # a bar whose total is what max_steps lets the epoch run, not the whole epoch
+        bar = [StepsProgressBar()] if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks) else []
+        config["callbacks"] = callbacks + bar + ours
         trainer = super().instantiate_trainer(**kwargs)
         if isinstance(self.model, Task):  # data that does not fit the model, a backend the device cannot run
             try:
@@ -415,6 +425,7 @@ def run_lightning_cli(argv: list[str]) -> int:
             # Lightning's hint that it could use more dataloader workers: the copy data is
             # generated in the main process on purpose: a batch costs far less than a training step.
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+            compat.ignore_upstream_warnings()
             LinformerCLI()
     except SystemExit as done:
         if done.code not in (0, None) or not help_requested(argv):
