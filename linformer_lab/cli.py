@@ -62,7 +62,7 @@ from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resol
     SUBCOMMANDS,
     class_help,
     condense_parse_error,
-    config_class_paths,
+    config_classes,
     help_requested,
     main,
     parse_error_line,
@@ -430,8 +430,8 @@ def run_lightning_cli(argv: list[str]) -> int:
     except SystemExit as done:
         if done.code not in (0, None) or not help_requested(argv):
             raise
-        classes = config_class_paths(argv)
-        print("".join(f"\n{class_help(path, group)}" for group, path in classes.items()) if classes else
+        classes = config_classes(argv)
+        print("".join(f"\n{class_help(path, group, values)}" for group, (path, values) in classes.items()) if classes else
               "\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
     except ConfigurationError as err:
         # a check at the start of the run (Task.setup) refused the configuration: one line, as

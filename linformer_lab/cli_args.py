@@ -216,42 +216,51 @@ def resolve_config_args(argv: list[str]) -> list[str]:
     return out
 
 
-def config_class_paths(argv: list[str]) -> dict[str, str]:
-    """``{"model": class path, "data": class path}`` as the ``--config`` files in ``argv`` set
-    them (a later file wins), read as plain YAML."""
+def config_classes(argv: list[str]) -> dict[str, tuple[str, dict]]:
+    """``{"model": (class path, init_args), "data": (...)}`` as the ``--config`` files in ``argv``
+    set them (a later file's class wins, its arguments update the earlier ones), read as plain YAML."""
     import yaml
 
-    found = {}
+    found: dict[str, tuple[str, dict]] = {}
     for i, arg in enumerate(argv):
         value = argv[i + 1] if arg in ("-c", "--config") and i + 1 < len(argv) else (
             arg[len("--config="):] if arg.startswith("--config=") else None)
         if value is None:
             continue
-        text = Path(value).read_text() if Path(value).is_file() else value
-        content = yaml.safe_load(text) or {}
+        content = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
         section = content.get(argv[0], content) if isinstance(content, dict) else {}
         for group in ("model", "data"):
             node = section.get(group) if isinstance(section, dict) else None
             if isinstance(node, dict) and node.get("class_path"):
-                found[group] = node["class_path"]
+                earlier = found.get(group, (None, {}))
+                same = earlier[0] == node["class_path"]
+                found[group] = (node["class_path"], {**(earlier[1] if same else {}), **(node.get("init_args") or {})})
     return found
 
 
-def class_help(class_path: str, group: str) -> str:
+def class_help(class_path: str, group: str, values: dict | None = None) -> str:
     """The ``--GROUP.*`` options of ``class_path`` as ``--GROUP.help`` lists them, plus those of
-    its class-typed arguments (``--model.attention.backend``), without the usage lines."""
+    its class-typed arguments (``--model.attention.backend``), without the usage lines; the
+    defaults shown are ``values`` (a config's ``init_args``) where it sets them."""
     from jsonargparse import ArgumentParser
 
     cls = import_class(class_path)
-    parts = [(cls, group)]
-    for name, annotation in _init_parameters(cls):
-        parts += [(inner, f"{group}.{name}") for inner in _classes_in(annotation)]
+    values = values or {}
+    nested = {name: _classes_in(annotation) for name, annotation in _init_parameters(cls)}
+    parts = [(cls, group, {k: v for k, v in values.items() if not nested.get(k)})]  # nested ones: own part
+    for name, classes in nested.items():
+        inner_values = values.get(name) if isinstance(values.get(name), dict) else {}
+        parts += [(inner, f"{group}.{name}", inner_values) for inner in classes]
     sections = []
-    for klass, prefix in parts:
+    for klass, prefix, given in parts:
         parser = ArgumentParser(prog=f"--{prefix}", add_help=False)
         parser.add_class_arguments(klass, prefix, fail_untyped=False)
-        sections.append(parser.format_help().split("\n\n", 1)[-1].rstrip())
-    return f"{group} options of {class_path}:\n" + "\n\n".join(sections) + "\n"
+        known = {action.dest for action in parser._actions}
+        parser.set_defaults({f"{prefix}.{k}": v for k, v in given.items() if f"{prefix}.{k}" in known})
+        body = parser.format_help().split("\n\n", 1)[-1].rstrip().split("\n", 1)[-1]  # without usage and group title
+        sections.append(f"--{prefix}.* ({klass.__module__}.{klass.__qualname__}):\n{body}")
+    source = " (defaults: the config's values)" if values else ""
+    return f"{group} options{source}:\n" + "\n\n".join(sections) + "\n"
 
 
 # ---------------------------------------------------------------------- argv

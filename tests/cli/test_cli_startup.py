@@ -141,16 +141,22 @@ def test_help_with_a_config_lists_its_model_and_data_options():
     code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--help"])
     assert code == 0, err
     assert "--trainer.max_steps" in out  # LightningCLI's own help comes first
-    model, data = out.index("model options of linformer_lab.tasks.copy_task.CopyTask"), out.index(
-        "data options of linformer_lab.data.copy.CopyDataModule")
-    for option in ("--model.n_layers", "--model.d_model", "--model.segment_length", "--model.attention.backend",
-                   "--model.attention.feature_map"):
-        assert option in out[model:data], option
-    for option in ("--data.batch_size", "--data.max_length"):
-        assert option in out[data:], option
+    model = out.index("--model.* (linformer_lab.tasks.copy_task.CopyTask)")
+    attention = out.index("--model.attention.* (linformer_lab.attention.config.AttentionConfig)")
+    data = out.index("--data.* (linformer_lab.data.copy.CopyDataModule)")
+    assert model < attention < data
+    for option in ("--model.n_layers", "--model.d_model", "--model.segment_length"):
+        assert option in out[model:attention], option
+    for option in ("--model.attention.backend", "--model.attention.feature_map"):
+        assert option in out[attention:data], option
+    # the defaults shown are the config's (max_length 62, dropout 0.1), not the classes' (128, 0.0)
+    max_length = out[data:][out[data:].index("--data.max_length"):]
+    assert "default: 62)" in " ".join(max_length[:max_length.index("--data.num_symbols")].split())
+    dropout = out[model:attention][out[model:attention].index("--model.dropout"):]
+    assert "default: 0.1)" in " ".join(dropout[:dropout.index("--model.lr ")].split())
     code, out, _ = run_cli(["validate", "--config", "mnist_cpu_linear.yaml", "-h"])
-    assert code == 0 and "model options of linformer_lab.tasks.image_generation.ImageGenerationTask" in out
-    assert "data options of linformer_lab.data.images.MNISTDataModule" in out
+    assert code == 0 and "--model.* (linformer_lab.tasks.image_generation.ImageGenerationTask)" in out
+    assert "--data.* (linformer_lab.data.images.MNISTDataModule)" in out
 
 
 def test_help_without_a_config_says_how_to_see_the_model_options():
