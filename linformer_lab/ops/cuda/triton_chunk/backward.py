@@ -163,14 +163,13 @@ def chunk_dq_dk_backward(
     mask = tmask[:, None] & kmask[None, :]
     k_offs = b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k + t[:, None] * st_k + ck[None, :]
     v_off = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
-    xq = tl.load(Q + k_offs, mask=mask, other=0.0).to(tl.float32)
-    xk = tl.load(K + k_offs, mask=mask, other=0.0).to(tl.float32)
-    if ELU:
-        q = tl.where(mask, tl.maximum(tl.where(xq > 0, xq + 1.0, tl.exp(xq)), tiny), 0.0).to(DT).to(tl.float32)
-        k = tl.where(mask, tl.maximum(tl.where(xk > 0, xk + 1.0, tl.exp(xk)), tiny), 0.0).to(DT).to(tl.float32)
-    else:
-        q = xq
-        k = xk
+    q = tl.load(Q + k_offs, mask=mask, other=0.0)
+    k = tl.load(K + k_offs, mask=mask, other=0.0)
+    if ELU:  # phi in the input dtype (fewer registers); its derivative min(phi, 1) is taken from it
+        q = q.to(tl.float32)
+        q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT)
+        k = k.to(tl.float32)
+        k = tl.where(mask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k)), tiny), 0.0).to(DT)
     bmat = tl.zeros([BT, BT], dtype=tl.float32)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -198,8 +197,8 @@ def chunk_dq_dk_backward(
     dq += tl.dot(bmat.to(SD), k.to(SD), input_precision=PREC)
     dk += tl.dot(tl.trans(bmat.to(SD)), q.to(SD), input_precision=PREC) + dzc[None, :]
     if ELU:
-        dq = dq * tl.minimum(q, 1.0)
-        dk = dk * tl.minimum(k, 1.0)
+        dq = dq * tl.minimum(q.to(tl.float32), 1.0)
+        dk = dk * tl.minimum(k.to(tl.float32), 1.0)
     tl.store(DQ + k_offs, dq.to(DQ.dtype.element_ty), mask=mask)
     tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=mask)
 

@@ -34,10 +34,12 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """Triton's precision for fp32 products: tf32 for fp16 inputs (the same 10-bit mantissa), for
-    fp32 inputs what ``torch.set_float32_matmul_precision`` asks ("highest": exact fp32)."""
+    """Triton's precision for fp32 products: tf32 for fp16 inputs (the same 10-bit mantissa); for
+    fp32 inputs what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" three tf32
+    products that carry fp32's accuracy (on the tensor cores: the plain fp32 product compiles to a
+    register-hungry loop of scalar fused multiply-adds)."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
+        return "tf32x3"
     return "tf32"
 
 
@@ -52,15 +54,26 @@ def pow2(n: int, cap: int = 128) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def _prune_value_tile(configs, named_args, **kwargs):
-    """Drop configs whose value tile is wider than the padded M (they would only repeat work)."""
-    widest = pow2(kwargs["M"])
+def tile(dtype: torch.dtype, half: int = 64) -> int:
+    """The widest feature/value tile for an input dtype: ``half`` for fp16/bf16, half of it
+    (at least 32) for fp32, whose tiles and three-product tf32 take twice the registers."""
+    return half if dtype in _HALF else max(32, half // 2)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose value tile is wider than the padded M or than the dtype allows (they
+    would repeat work or spill registers), and, where states are fp32 (fp16 and fp32 inputs),
+    4-warp configs of the dq/dk kernel (its fp32 operands spill at 4 warps)."""
+    dtype = named_args["Q"].dtype
+    widest = min(pow2(kwargs["M"]), tile(dtype, 128))
     kept = [cfg for cfg in configs if cfg.kwargs["BV"] <= widest]
-    return kept or [triton.Config({"BV": widest}, num_warps=4, num_stages=2)]
+    if dtype != torch.bfloat16 and "R" in named_args and "DQ" in named_args:
+        kept = [cfg for cfg in kept if cfg.num_warps >= 8]
+    return kept or [triton.Config({"BV": min(widest, tile(dtype))}, num_warps=8, num_stages=2)]
 
 
 def _tuned(kernel, configs):
-    return triton.autotune(configs, key=["C", "M", "BT"], prune_configs_by={"early_config_prune": _prune_value_tile})(kernel)
+    return triton.autotune(configs, key=["C", "M", "BT"], prune_configs_by={"early_config_prune": _prune})(kernel)
 
 
 @functools.cache
@@ -73,17 +86,17 @@ def kernels(interpret: bool) -> SimpleNamespace:
         return SimpleNamespace(tuned=False, **jit)
     out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 128}, num_warps=8, num_stages=2),
                triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
-    grad_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2)]
+    grad_cfg = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
     return SimpleNamespace(
         tuned=True, **{**jit, "chunk_output_forward": _tuned(jit["chunk_output_forward"], out_cfg),
                        "chunk_dq_dk_backward": _tuned(jit["chunk_dq_dk_backward"], grad_cfg),
                        "chunk_dv_backward": _tuned(jit["chunk_dv_backward"], grad_cfg)})
 
 
-def _state_tiles(c: int, m: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """(BK, BV) of the state walks: 64 (or the padded size), halved down to 32 while the grid
-    ``cdiv(C, BK) cdiv(M, BV) rows`` has fewer programs than two per multiprocessor."""
-    bk, bv = pow2(c, 64), pow2(m, 64)
+def _state_tiles(c: int, m: int, rows: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(BK, BV) of the state walks: 64 (fp32: 32) or the padded size, halved down to 32 while the
+    grid ``cdiv(C, BK) cdiv(M, BV) rows`` has fewer programs than two per multiprocessor."""
+    bk, bv = pow2(c, tile(dtype)), pow2(m, tile(dtype))
     if device.type != "cuda":
         return bk, bv
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -164,7 +177,7 @@ def run_states_forward(k, v, s0, z0, lay: Layout, elu: bool):
     zstates = torch.empty(lay.chunks, lay.heads, lay.c, device=dev, dtype=torch.float32)
     s_final = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     z_final = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
-    bk, bv = _state_tiles(lay.c, lay.m, lay.sequences * lay.heads, dev)
+    bk, bv = _state_tiles(lay.c, lay.m, lay.sequences * lay.heads, dev, lay.dtype)
     grid = (triton.cdiv(lay.m, bv), triton.cdiv(lay.c, bk), lay.sequences * lay.heads)
     kern.chunk_states_forward[grid](
         k, v, s0 if s0 is not None else s_final, z0 if z0 is not None else z_final, states, zstates, s_final, z_final,
@@ -182,7 +195,7 @@ def run_output_forward(q, k, v, states, zstates, lay: Layout, elu: bool, eps: fl
     kern.chunk_output_forward[grid](
         q, k, v, out, den, states, zstates, lay.cu if lay.varlen else q, lay.offsets if lay.varlen else q,
         lay.table if lay.varlen else q, lay.time, lay.heads, *lay.strides, tiny(lay.dtype), eps,
-        BK=pow2(lay.c), **_fixed(kern, lay, pow2(lay.m, 64)), **_common(lay, elu))
+        BK=pow2(lay.c, tile(lay.dtype, 128)), **_fixed(kern, lay, pow2(lay.m, tile(lay.dtype))), **_common(lay, elu))
     return out, den
 
 
@@ -192,14 +205,14 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
     dev = q.device
     states, zstates, _, _ = run_states_forward(k, v, s0, z0, lay, elu)
     r = torch.empty_like(den)
-    bv = pow2(lay.m, 64)
+    bv = pow2(lay.m, tile(lay.dtype))
     kern.backward_prepare[(triton.cdiv(lay.time, 64), lay.batch * lay.heads)](
         grad_out, out, den, r, lay.time, lay.heads, *lay.strides[3:], M=lay.m, BT=64, BV=bv)
     dstates = torch.empty_like(states)
     dzstates = torch.empty_like(zstates)
     ds0 = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     dz0 = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
-    bk, bvs = _state_tiles(lay.c, lay.m, lay.sequences * lay.heads, dev)
+    bk, bvs = _state_tiles(lay.c, lay.m, lay.sequences * lay.heads, dev, lay.dtype)
     has_final = ds_final is not None
     kern.chunk_states_backward[(triton.cdiv(lay.m, bvs), triton.cdiv(lay.c, bk), lay.sequences * lay.heads)](
         q, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dstates, dzstates, ds0,
@@ -208,7 +221,7 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     table = dict(CU=lay.cu if lay.varlen else q, CHUNK_OFF=lay.offsets if lay.varlen else q,
                  CHUNK_TABLE=lay.table if lay.varlen else q)
-    bk = pow2(lay.c, 64)
+    bk = pow2(lay.c, tile(lay.dtype))
     kern.chunk_dq_dk_backward[_chunk_grid(lay, lambda meta: triton.cdiv(lay.c, bk))](
         q, k, v, grad_out, den, r, states, zstates, dstates, dzstates, dq, dk, **table, T=lay.time, H=lay.heads,
         sb_k=lay.strides[0], sh_k=lay.strides[1], st_k=lay.strides[2], sb_v=lay.strides[3], sh_v=lay.strides[4],
@@ -218,3 +231,50 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
         sb_v=lay.strides[3], sh_k=lay.strides[1], st_k=lay.strides[2], sh_v=lay.strides[4], st_v=lay.strides[5],
         tiny=tiny(lay.dtype), BK=bk, **_fixed(kern, lay, bv), **_common(lay, elu))
     return dq, dk, dv, ds0, dz0
+
+
+def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int, chunk: int = 64, varlen: bool = False,
+                elu: bool = True) -> dict:
+    """Compile every kernel for a GPU of ``capability`` (e.g. ``(9, 0)``) without needing one
+    (Triton's own ptxas): ``{kernel name: triton CompiledKernel}`` (``.asm["cubin"]``, ``["ptx"]``,
+    ``.metadata.shared``), one config each, pointers and strides 16-divisible as a real launch of
+    contiguous tensors sees them. For checking compilation, instructions and registers on a CPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    dt, sd = name[dtype], name[state_dtype(dtype)]
+    f32, i32 = "fp32", "i32"
+    pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, DQ=dt, DK=dt, DV=dt, STATES=sd, DSTATES=sd, CU=i32, CHUNK_OFF=i32,
+                    CHUNK_TABLE=i32)
+    base = dict(C=c, M=m, BT=chunk, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype))
+    bk, bv = pow2(c, tile(dtype)), pow2(m, tile(dtype))
+    walk = dict(BK=bk, BV=bv, INTERPRET=False, MAX_CHUNKS=0)
+    # (constexprs, (warps, stages)): the state walks as launched, the others their first config
+    kernels_meta = {
+        (forward, "chunk_states_forward"): (dict(base, HAS_INIT=True, **walk), (4, 3)),
+        (forward, "chunk_output_forward"): (dict(base, BK=pow2(c, tile(dtype, 128)), BV=bv), (4, 2)),
+        (backward, "backward_prepare"): (dict(M=m, BT=64, BV=pow2(m, 64)), (4, 3)),
+        (backward, "chunk_states_backward"): (dict(base, HAS_DFINAL=True, **walk), (4, 3)),
+        (backward, "chunk_dq_dk_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
+        (backward, "chunk_dv_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
+    }
+    compiled = {}
+    for (module, kernel), (constexprs, (warps, stages)) in kernels_meta.items():
+        fn = triton.jit(getattr(module, kernel))
+        signature, attrs = {}, {}
+        for i, arg in enumerate(fn.arg_names):
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg in ("tiny", "eps"):
+                signature[arg] = f32
+            elif arg in ("T", "H"):
+                signature[arg] = i32
+            elif arg.startswith(("sb_", "sh_", "st_")):
+                signature[arg], attrs[(i,)] = i32, [["tt.divisibility", 16]]
+            else:  # a pointer: the tensors above, fp32 for states, normalisers and their gradients
+                signature[arg], attrs[(i,)] = "*" + pointers.get(arg, f32), [["tt.divisibility", 16]]
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+        compiled[kernel] = triton.compile(source, target=target, options=dict(num_warps=warps, num_stages=stages))
+    return compiled

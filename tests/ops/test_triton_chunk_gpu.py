@@ -1,0 +1,122 @@
+"""The Triton chunk kernels compiled for a GPU: for Hopper on any machine (Triton's own ptxas and
+cuobjdump; no GPU needed), and run on a CUDA GPU at N = 65,536 in fp32, fp16 and bf16 against
+the float64 chunked reference of the library (``ops.linear_attention.causal_linear_attention``,
+an independent implementation: PyTorch matmuls per chunk and a cumulative sum).
+
+The interpreter tests (``test_triton_chunk.py``) run the same kernels' arithmetic, but not
+Triton's compiler: a kernel can be right in numpy and not compile, or compile to slow code
+(no tensor-core instructions, registers spilled to local memory). The compile tests catch that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention  # noqa: E402
+from linformer_lab.ops.linear_attention import causal_linear_attention  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _tool(name: str) -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def _sass_and_resources(cubin: bytes, tmp_path: Path) -> tuple[str, str]:
+    path = tmp_path / "inspected.cubin"
+    path.write_bytes(cubin)
+    tool = [str(_tool("cuobjdump"))]
+    sass = subprocess.run([*tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    resources = subprocess.run([*tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return sass, resources
+
+
+#: Compiles the kernels for sm_90 in a fresh interpreter (the compiler needs the real
+#: triton.language, which an earlier import under TRITON_INTERPRET=1 replaced) and writes the cubins.
+_COMPILE = """
+import sys, torch
+from linformer_lab.ops.cuda.triton_chunk import launch
+compiled = launch.compile_for((9, 0), getattr(torch, sys.argv[1]), 128, 128, chunk=64, varlen=sys.argv[2] == "1")
+for name, kernel in compiled.items():
+    open(f"{sys.argv[3]}/{name}.cubin", "wb").write(kernel.asm["cubin"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, varlen", [("bfloat16", False), ("float16", True), ("float32", False)],
+                         ids=["bf16", "fp16-packed", "fp32"])
+def test_kernels_compile_for_hopper(tmp_path, dtype, varlen):
+    """Every kernel compiles for sm_90 at C = M = 128 with chunk 64; in fp16 and bf16 the products
+    run on Hopper's warpgroup tensor-core instructions (HGMMA) and nothing spills to local memory."""
+    if not _tool("cuobjdump").exists():
+        pytest.skip("this Triton wheel carries no cuobjdump")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", _COMPILE, dtype, str(int(varlen)), str(tmp_path)], env=env, check=True,
+                   cwd=REPO, timeout=600)
+    names = {"chunk_states_forward", "chunk_output_forward", "backward_prepare", "chunk_states_backward",
+             "chunk_dq_dk_backward", "chunk_dv_backward"}
+    assert {p.stem for p in tmp_path.glob("*.cubin")} == names
+    for name in sorted(names):
+        sass, resources = _sass_and_resources((tmp_path / f"{name}.cubin").read_bytes(), tmp_path)
+        stack = int(re.search(r"STACK:(\d+)", resources).group(1))
+        if dtype == "float32":  # fp32 is for accuracy: its three-product tf32 may spill a little
+            continue
+        assert stack == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: local memory ({resources.strip()})"
+        if name != "backward_prepare":
+            assert "HGMMA" in sass, f"{name}: no warpgroup tensor-core instruction in the SASS"
+
+
+def _reference(q, k, v, eps=1e-6):
+    """float64 causal linear attention with the elu feature map: the library's PyTorch path."""
+    return causal_linear_attention(torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1, v, eps=eps)
+
+
+@CUDA
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)],
+                         ids=["fp32", "fp16", "bf16"])
+def test_long_sequence_against_float64(dtype, tol):
+    """N = 65,536 (1,024 chunks of 64): outputs and the gradients of q, k, v, ||got - ref|| / ||ref||."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h, n, d = 1, 2, 65_536, 64
+    q, k, v, grad = (torch.randn(b, h, n, d, device="cuda", generator=gen) for _ in range(4))
+    fast = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    refs = [x.detach().double().requires_grad_() for x in fast]
+    out = chunk_linear_attention(*fast)
+    want = _reference(*refs)
+    out.backward(grad.to(dtype))
+    want.backward(grad.double())
+    for name, got, ref in [("out", out, want), *((f"grad {n}", x.grad, r.grad) for n, x, r in zip("qkv", fast, refs))]:
+        assert torch.isfinite(got).all(), f"{dtype} {name}: non-finite values"
+        error = ((got.double() - ref).norm() / ref.norm()).item()
+        assert error < tol, f"{dtype} {name}: relative error {error:.3g} > {tol:g}"
+
+
+@CUDA
+@pytest.mark.slow
+def test_state_and_packing_on_gpu_in_bf16():
+    """bf16 (untestable in the interpreter) with state in and out and packed sequences, against
+    the same kernel in fp32: the bf16 path shares everything but its dtypes."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h, d, edges = 4, 64, torch.tensor([0, 100, 1000, 1000, 5000], device="cuda")
+    q, k, v = (torch.randn(1, h, 5000, d, device="cuda", generator=gen) for _ in range(3))
+    s0 = torch.rand(4, h, d, d, device="cuda", generator=gen)
+    z0 = torch.rand(4, h, d, device="cuda", generator=gen)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        results[dtype] = chunk_linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), initial_state=(s0, z0),
+                                                return_final_state=True, cu_seqlens=edges)
+    (out32, (s32, z32)), (out16, (s16, z16)) = results[torch.float32], results[torch.bfloat16]
+    for name, got, ref in (("out", out16, out32), ("S_N", s16, s32), ("z_N", z16, z32)):
+        error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert error < 3e-2, f"bf16 {name}: relative error {error:.3g} against fp32"
