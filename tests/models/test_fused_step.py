@@ -27,7 +27,7 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models import fused_step
 from linformer_lab.models.generation import fast_step, weight_copies_for_steps
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops import cpu
+from linformer_lab.ops import build_cache, cpu, kernels
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n_layers=2, d_model=16, n_heads=4, d_ff=32)
@@ -115,7 +115,7 @@ def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, dtyp
     model = _model(MNIST, dtype)
     x = _inputs(model, 2, 10)
     fused, _ = _fast(model, x)
-    monkeypatch.setenv(fused_step.ENV_VARIABLE, "0")
+    monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
     python, _ = _fast(model, x)
     torch.testing.assert_close(fused, python, **TOLERANCE[dtype])
 
@@ -152,13 +152,13 @@ def test_the_fused_step_continues_a_prefilled_state(extension, taken):
 
 @pytest.mark.parametrize("off", ["environment", "no-extension"])
 def test_switched_off_the_python_step_runs(request, taken, monkeypatch, off):
-    """LINFORMER_LAB_FUSED_STEP=0 (with the extension there), or an extension that cannot be had: the
-    Python step, the same numbers."""
+    """LINFORMER_LAB_KERNELS=fused_step=reference (with the extension there), or an extension that
+    cannot be had: the Python step, the same numbers."""
     if off == "environment":
         request.getfixturevalue("extension")
-        monkeypatch.setenv(fused_step.ENV_VARIABLE, "0")
+        monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
     else:
-        monkeypatch.setattr(cpu, "fused_module", lambda: None)
+        monkeypatch.setattr(cpu.FUSED_STEP, "module", lambda: None)
     model = _model()
     x = _inputs(model, 2, 6)
     with torch.no_grad():
@@ -217,7 +217,7 @@ def test_no_compiler_means_unavailable_with_one_warning(monkeypatch, tmp_path):
     None, and fast_step keeps to the Python path (above)."""
     monkeypatch.setattr(cpu.FUSED_STEP, "_module", None)
     monkeypatch.setattr(cpu.FUSED_STEP, "_failure", None)
-    monkeypatch.setenv("LINFORMER_LAB_CPU_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv(build_cache.VARIABLE, str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-linformer-lab")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu.load()

@@ -2,7 +2,7 @@
 causal_dot.cpp through linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64
 O(N^2) reference. Each test that is not about one of them runs on both paths (the ``kernel``
 fixture: the recurrence, which these shapes fit, and the chunk kernel, forced with
-``LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0``); tests/ops/test_causal_recurrence.py covers the
+``LINFORMER_LAB_KERNELS=causal=chunk``); tests/ops/test_causal_recurrence.py covers the
 recurrence's own cases (register widths, blocks, thread splits).
 
 Checked: outputs, gradients of q, k, v, an initial state and a final state, at lengths below,
@@ -21,8 +21,8 @@ import warnings
 import pytest
 import torch
 
-from linformer_lab.ops import cpu
-from linformer_lab.ops.linear_attention import chunk, cpu_kernel, naive
+from linformer_lab.ops import build_cache, cpu, kernels
+from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel, naive
 
 #: against the float64 reference: fp32 rounding of sums of up to N products of O(1) numbers
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
@@ -47,7 +47,7 @@ def taken(monkeypatch):
     calls, original = [], cpu_kernel.CausalDotProductCPU.apply
 
     def spy(*args):
-        calls.append(args[3])  # the chunk length
+        calls.append(args[4])  # the chunk length (after q, k, v and the algorithm)
         return original(*args)
 
     monkeypatch.setattr(cpu_kernel.CausalDotProductCPU, "apply", spy)
@@ -57,9 +57,8 @@ def taken(monkeypatch):
 @pytest.fixture(params=["recurrence", "chunk"])
 def kernel(request, monkeypatch, extension):
     """Runs a test on each C++ path: the recurrence, and the chunk kernel (for every shape with
-    LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0)."""
-    if request.param == "chunk":
-        monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
+    LINFORMER_LAB_KERNELS=causal=chunk)."""
+    monkeypatch.setenv(kernels.SWITCH, "causal=chunk" if request.param == "chunk" else "")
     return request.param
 
 
@@ -111,10 +110,10 @@ def _reference(q, k, v, s0, grad, grad_final):
 def _kernel(q, k, v, s0, grad, grad_final, dtype, chunk_size=None, with_state=True):
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, s0)]
     if with_state:
-        out, final = chunk.causal_dot_product(*leaves[:3], chunk_size, initial_state=leaves[3], return_final_state=True)
+        out, final = causal_dot_product(*leaves[:3], chunk_size, initial_state=leaves[3], return_final_state=True)
         ((out * grad.to(dtype)).sum() + (final * grad_final.to(dtype)).sum()).backward()
         return [out, final] + [t.grad for t in leaves]
-    out = chunk.causal_dot_product(*leaves[:3], chunk_size)
+    out = causal_dot_product(*leaves[:3], chunk_size)
     (out * grad.to(dtype)).sum().backward()
     return [out] + [t.grad for t in leaves[:3]]
 
@@ -153,7 +152,7 @@ def test_row_and_chunk_schedules_agree_with_the_reference(extension, monkeypatch
     """The chunk kernel's schedules. One thread: rows in order. Two threads: rows in parallel
     (BxH = 8, 64) or chunks in parallel (BxH = 1, 3), which then scans the chunk states: both
     give the reference."""
-    monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
+    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
     before = torch.get_num_threads()
     torch.set_num_threads(n_threads)
     try:
@@ -191,7 +190,7 @@ def test_gradcheck(extension, threads):
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, 4, s, True)
+        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, "chunk", 4, s, True)  # C = 3 fits no register
 
     assert torch.autograd.gradcheck(both, leaves)
 
@@ -210,7 +209,7 @@ def test_same_result_as_the_chunk_path(kernel, threads):
     """The kernel and the pure-PyTorch reference path agree with each other in float32 too."""
     q, k, v, s0, grad, grad_final = _inputs(2, 4, 257, 32, 32)
     args = [t.float() for t in (q, k, v)]
-    ours = cpu_kernel.CausalDotProductCPU.apply(*args, 64, s0.float(), True)
+    ours = cpu_kernel.CausalDotProductCPU.apply(*args, kernel, 64, s0.float(), True)
     reference = chunk.CausalDotProduct.apply(*args, 64, s0.float(), True)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
@@ -220,11 +219,11 @@ def test_same_result_as_the_chunk_path(kernel, threads):
 def test_other_cases_keep_to_the_chunk_path(monkeypatch, taken, case):
     dtype = torch.float32
     if case == "switched off":
-        monkeypatch.setenv(cpu_kernel.ENV_VARIABLE, "0")
+        monkeypatch.setenv(kernels.SWITCH, "causal=reference")
     else:
         dtype = getattr(torch, case)
     q, k, v, *_ = _inputs(1, 2, 40, 8, 8)
-    out = chunk.causal_dot_product(q.to(dtype), k.to(dtype), v.to(dtype))
+    out = causal_dot_product(q.to(dtype), k.to(dtype), v.to(dtype))
     assert taken == []
     want = naive.causal_dot_product_naive(*(t.to(dtype).double() for t in (q, k, v)))
     scale = want.abs().max()  # half-precision outputs: rounded to ~3 digits of the largest
@@ -238,18 +237,18 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
                                                          cpu.CAUSAL_DOT.purpose))
     monkeypatch.setattr(cpu, "CAUSAL_RECURRENCE", cpu.Extension("linformer_lab_causal_recurrence",
                                                                 "causal_recurrence.cpp", cpu.CAUSAL_RECURRENCE.purpose))
-    monkeypatch.setenv("LINFORMER_LAB_CPU_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv(build_cache.VARIABLE, str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-linformer-lab")
     q, k, v, *_ = _inputs(1, 1, 20, 4, 4)
     with pytest.warns(RuntimeWarning) as record:
-        out = chunk.causal_dot_product(q, k, v)
+        out = causal_dot_product(q, k, v)
     messages = [str(w.message) for w in record]
     assert len(messages) == 2, messages  # one per extension
     assert "keeps to the chunked C++ kernel" in messages[0] and "keeps to the pure-PyTorch chunk path" in messages[1]
     torch.testing.assert_close(out, naive.causal_dot_product_naive(q, k, v))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        chunk.causal_dot_product(q, k, v)  # not retried, not warned again
+        causal_dot_product(q, k, v)  # not retried, not warned again
     assert taken == []
 
 
@@ -276,7 +275,7 @@ def test_every_instruction_set_version_matches_the_reference(kernel, ran, thread
 def test_double_backward_is_an_error_not_a_wrong_answer(extension):
     q, k, v, *_ = _inputs(1, 1, 8, 4, 4)
     q.requires_grad_()
-    (grad_q,) = torch.autograd.grad(chunk.causal_dot_product(q, k, v).sum(), q, create_graph=True)
+    (grad_q,) = torch.autograd.grad(causal_dot_product(q, k, v).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         grad_q.sum().backward()
 
@@ -291,7 +290,7 @@ def test_thread_count_changing_between_forward_and_backward(kernel, forward_thre
     leaves = [t.detach().float().requires_grad_() for t in tensors[:4]]
     try:
         torch.set_num_threads(forward_threads)
-        out, final = cpu_kernel.CausalDotProductCPU.apply(*leaves[:3], 32, leaves[3], True)
+        out, final = cpu_kernel.CausalDotProductCPU.apply(*leaves[:3], kernel, 32, leaves[3], True)
         torch.set_num_threads(backward_threads)
         ((out * tensors[4].float()).sum() + (final * tensors[5].float()).sum()).backward()
     finally:

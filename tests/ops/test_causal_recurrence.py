@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, extension, ran  # noqa: F401 - fixtures
 
-from linformer_lab.ops import cpu
-from linformer_lab.ops.linear_attention import chunk, cpu_kernel
+from linformer_lab.ops import cpu, kernels
+from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel
 
 ISAS = ["avx512", "avx2", "baseline"]
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def _run(tensors, dtype, with_state, n_threads):
     before = torch.get_num_threads()
     torch.set_num_threads(n_threads)
     try:
-        out, final = chunk.causal_dot_product(*leaves[:3], initial_state=leaves[3] if with_state else None,
+        out, final = causal_dot_product(*leaves[:3], initial_state=leaves[3] if with_state else None,
                                               return_final_state=True)
         ((out * grad).sum() + (final * grad_final).sum()).backward()
     finally:
@@ -92,7 +92,7 @@ def test_recurrence_matches_the_float64_reference(isa, ran, shape, dtype, n_thre
 ])
 def test_dims_that_do_not_fit_take_the_chunk_kernel(recurrence, ran, dims, dtype, path):  # noqa: F811
     c, m = dims
-    assert cpu_kernel.path(c, m, dtype) == path
+    assert kernels.select("causal", *(torch.empty(1, 1, 1, d, dtype=dtype) for d in (c, c, m))).name == path
     tensors = _inputs(2, 1, 150, c, m)
     _close(_run(tensors, dtype, True, 2), _reference(*tensors), dtype)
     assert ran == [(path, "forward"), (path, "backward")]
@@ -114,7 +114,7 @@ def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
     """No gradient reaches the output (None into the backward): the gradients come from the final state alone."""
     q, k, v, s0, _, grad_final = _inputs(1, 2, 200, 16, 32)
     leaves = [t.float().requires_grad_() for t in (q, k, v, s0)]
-    _, final = chunk.causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
+    _, final = causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
     (final * grad_final.float()).sum().backward()
     want = _reference(q, k, v, s0, torch.zeros(1, 2, 200, 32, dtype=torch.float64), grad_final)
     assert not leaves[0].grad.any()  # the final state does not depend on q
@@ -125,8 +125,8 @@ def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
 
 
 def test_switched_off_runs_the_chunk_kernel(monkeypatch, recurrence, ran):  # noqa: F811
-    monkeypatch.setenv(cpu_kernel.RECURRENCE_VARIABLE, "0")
-    assert cpu_kernel.path(16, 16, torch.float32) == "chunk"
+    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
+    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "chunk"
     tensors = _inputs(1, 2, 100, 16, 16)
     _close(_run(tensors, torch.float32, True, 2), _reference(*tensors), torch.float32)
     assert ran == [("chunk", "forward"), ("chunk", "backward")]
@@ -152,7 +152,7 @@ def test_gradcheck(recurrence, ran):  # noqa: F811
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, 4, s, True)
+        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, "recurrence", 4, s, True)
 
     assert torch.autograd.gradcheck(both, leaves)
     assert {path for path, _ in ran} == {"recurrence"}
@@ -163,7 +163,7 @@ def _pooled_call(q, k, v, grad):
     results = []
     for dtype, fn in ((torch.float32, cpu_kernel.CausalDotProductCPU.apply), (torch.float64, chunk.CausalDotProduct.apply)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        args = (*leaves, 64) if dtype == torch.float32 else leaves
+        args = (*leaves, "recurrence", 64) if dtype == torch.float32 else leaves
         out = fn(*args)
         out.backward(grad.to(dtype))
         results.append([out.detach()] + [t.grad for t in leaves])
@@ -207,7 +207,7 @@ def test_pool_limit_from_the_environment(recurrence):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
     code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "
             "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
-            "cpu_kernel.CausalDotProductCPU.apply(q, q, q, 64).sum().backward(); "
+            "cpu_kernel.CausalDotProductCPU.apply(q, q, q, 'recurrence', 64).sum().backward(); "
             "print(*m.pool_stats(), m.set_pool_limit(0))")
     # out, grad q, grad k, grad v: 32 MiB each, the states 8 MiB; all freed, the pool keeps what fits 48 MiB
     for value, limit in (("0", 0), ("48", 48 << 20)):

@@ -7,7 +7,7 @@ and float32, on every instruction set this CPU has, for the sizes compiled in (D
 with chunks of 32) and run-time sizes, one round and several, causal and not, with padding and
 with rows that see no key at all; whole lsh attention, outputs and gradients, on both paths
 against the one-query-at-a-time definition (``lsh_attention_naive``, autograd); that the kernel
-is taken on CPU and ``LINFORMER_LAB_CPU_LSH=0`` keeps to the PyTorch step; clear errors for
+is taken on CPU and ``LINFORMER_LAB_KERNELS=lsh_window=reference`` keeps to the PyTorch step; clear errors for
 malformed inputs. Tests that need the extension skip where it cannot be built (no compiler).
 """
 
@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 
-from linformer_lab.ops import cpu, lsh
+from linformer_lab.ops import cpu, kernels, lsh
 
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
 
@@ -110,7 +110,7 @@ def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(extensio
 def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hashes, causal, monkeypatch, extension):
     """Whole lsh attention on each path of step 4, against autograd through the one-query-at-a-
     time definition, in float64 (padding from key_lengths and from a partial last chunk)."""
-    monkeypatch.setenv(lsh.ENV_VARIABLE, "1" if path == "kernel" else "0")
+    monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=reference")
     torch.manual_seed(n_hashes)
     rotations = torch.randn(8, n_hashes, 4, dtype=torch.float64)
     q0, v0 = torch.randn(2, 2, 21, 8, dtype=torch.float64), torch.randn(2, 2, 21, 5, dtype=torch.float64)
@@ -127,7 +127,7 @@ def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hash
 
 
 def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, extension):
-    monkeypatch.setenv(lsh.ENV_VARIABLE, "1")
+    monkeypatch.setenv(kernels.SWITCH, "")
     calls = []
     original = lsh._WindowAttentionCPU.apply
     monkeypatch.setattr(lsh._WindowAttentionCPU, "apply", lambda *args: calls.append(1) or original(*args))
@@ -135,7 +135,7 @@ def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, ext
     rotations = torch.randn(8, 2, 4)
     on = lsh.lsh_attention(q, v, rotations, 8, True)
     assert len(calls) == 1
-    monkeypatch.setenv(lsh.ENV_VARIABLE, "0")
+    monkeypatch.setenv(kernels.SWITCH, "lsh_window=reference")
     off = lsh.lsh_attention(q, v, rotations, 8, True)
     assert len(calls) == 1
     torch.testing.assert_close(on, off, **TOLERANCE[torch.float32])
