@@ -9,7 +9,7 @@ attention with the elu map, seed 0; untrained: the cost does not depend on the w
 fp32, under the kernels and ``"model"`` weight copies ``generate`` steps with:
 
 * **step**: ``--steps`` consecutive ``fast_step`` calls continuing a state (made once, before),
-  fused (the default) and Python (``LINFORMER_LAB_FUSED_STEP=0``), beside the floor: only the four weight
+  fused (the default) and Python (``LINFORMER_LAB_KERNELS=fused_step=reference``), beside the floor: only the four weight
   products of every layer (``step_linear``, as ``benchmarks/paper/generation.py``'s
   ``matvec_floor``), the same number of times. Reported per step.
 * **image**: a whole ``generate`` call (784 sub-pixels, temperature 1), fused and Python.
@@ -37,10 +37,9 @@ OUT = results_dir(__file__) / "fused_step"
 def measure(batch: int, steps: int, rounds: int, threads: int | None) -> list[dict]:
     import torch
 
-    from linformer_lab.models import fused_step
     from linformer_lab.models.generation import fast_step, generation_kernels, step_linear, weight_copies_for_steps
     from linformer_lab.models.pixel_transformer import PixelTransformer
-    from linformer_lab.ops import cpu
+    from linformer_lab.ops import cpu, kernels
 
     if threads:
         torch.set_num_threads(threads)
@@ -55,7 +54,7 @@ def measure(batch: int, steps: int, rounds: int, threads: int | None) -> list[di
                for layer in transformer.layers]
 
     def switch(on: bool):
-        os.environ[fused_step.ENV_VARIABLE] = "1" if on else "0"
+        os.environ[kernels.SWITCH] = "" if on else "fused_step=reference"
 
     def stepping(on: bool):
         with torch.inference_mode():

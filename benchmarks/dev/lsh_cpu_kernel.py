@@ -1,5 +1,5 @@
 """lsh attention on CPU: the C++ window step (``ops/cpu/lsh_window.cpp``) against the pure-PyTorch
-one it replaced (``LINFORMER_LAB_CPU_LSH=0``), interleaved in one process.
+one it replaced (``LINFORMER_LAB_KERNELS=lsh_window=reference``), interleaved in one process.
 
     uv run python benchmarks/dev/lsh_cpu_kernel.py --threads 1
 
@@ -35,7 +35,7 @@ from common import (  # noqa: E402
     write_csv,
 )
 
-PATHS = {"pytorch": "0", "kernel": "1"}
+PATHS = {"pytorch": "lsh_window=reference", "kernel": ""}
 #: (what, batch, heads, positions, head size, chunk)
 ATTENTION_SHAPES = [
     ("copy task, 1-128 symbols", 64, 2, 256, 32, 32),
@@ -47,7 +47,7 @@ ATTENTION_SHAPES = [
 def on_path(path: str, fn):
     """``fn`` run with step 4 of lsh attention on ``path`` (the switch is read at every call)."""
     def call():
-        os.environ["LINFORMER_LAB_CPU_LSH"] = PATHS[path]
+        os.environ["LINFORMER_LAB_KERNELS"] = PATHS[path]
         return fn()
     return call
 
