@@ -1,5 +1,5 @@
 """The causal numerator on CPU, head-to-head over a grid of shapes (issue #23): our C++ kernel
-(``CausalDotProductCPU``, which runs ``linformer_lab/ops/cpu/causal_recurrence.cpp`` where C and M
+(the C++ algorithm ``linformer_lab/ops/kernels.py`` selects: ``ops/cpu/causal_recurrence.cpp`` where C and M
 fit whole registers and ``causal_dot.cpp`` otherwise), the same with the recurrence switched off
 (the chunk kernel, ``causal_dot.cpp``, at every shape: before / after), our pure-PyTorch chunk path
 (``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's CPU
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import platform
 import shlex
@@ -89,44 +90,51 @@ def flops(n: int, c: int, m: int, chunk: int) -> int:
     return sum(l * l * (4 * c + 3 * m) + 14 * l * c * m for l in lengths)
 
 
-def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
-    """(FLOPs of one fwd+bwd of one row, path) of the algorithm ``CausalDotProductCPU`` runs for
-    fp32 (C, M): the recurrence's 16 C M per position, or the chunked algorithm's :func:`flops`."""
+@functools.cache
+def kernel_algorithm(c: int, m: int) -> str | None:
+    """The C++ algorithm that ``ops/kernels.py`` selects for the causal op on fp32 CPU tensors of
+    (C, M): ``recurrence`` or ``chunk``; None where the PyTorch reference would run."""
     import torch
 
+    from linformer_lab.ops import kernels
     from linformer_lab.ops.linear_attention import cpu_kernel
 
-    path = cpu_kernel.path(c, m, torch.float32)
+    q, v = torch.zeros(1, 1, 1, c), torch.zeros(1, 1, 1, m)
+    name = kernels.select("causal", q, q, v).name
+    return name if name in cpu_kernel.ALGORITHMS else None
+
+
+def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
+    """(FLOPs of one fwd+bwd of one row, path) of the algorithm the kernel runs for fp32 (C, M):
+    the recurrence's 16 C M per position, or the chunked algorithm's :func:`flops`."""
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    path = kernel_algorithm(c, m)
     if path == "recurrence":
         return 16 * n * c * m, path
-    return flops(n, c, m, cpu_kernel.default_chunk_size(c, m)), path or "none"
+    return flops(n, c, m, cpu_kernel.cpp_chunk_size(c, m)), path or "none"
 
 
-def _chunk_kernel(torch):
-    """``CausalDotProductCPU`` with the recurrence switched off (its environment variable is read
-    per forward; the backward follows the forward's path)."""
+def _kernel(q, k, v, chunk):
+    """The causal op on the C++ algorithm the dispatch selects for these (C, M)."""
     from linformer_lab.ops.linear_attention import cpu_kernel
 
-    def run(q, k, v, chunk):
-        before = os.environ.get(cpu_kernel.RECURRENCE_VARIABLE)
-        os.environ[cpu_kernel.RECURRENCE_VARIABLE] = "0"
-        try:
-            return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk)
-        finally:
-            if before is None:
-                del os.environ[cpu_kernel.RECURRENCE_VARIABLE]
-            else:
-                os.environ[cpu_kernel.RECURRENCE_VARIABLE] = before
-    return run
+    return cpu_kernel.causal_dot_product(q, k, v, kernel_algorithm(q.shape[-1], v.shape[-1]), chunk)
+
+
+def _chunk_kernel(q, k, v, chunk):
+    """The C++ chunked algorithm (``causal_dot.cpp``) at every shape: the kernel before the recurrence."""
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    return cpu_kernel.causal_dot_product(q, k, v, "chunk", chunk)
 
 
 def _kernel_before(commit: str):
-    """``CausalDotProductCPU`` with causal_recurrence.cpp as it was at a git ``commit`` (with the
-    headers beside it then), built as a module of another name (Python keeps one module per name)
-    and put in place of the current one for the whole fwd + bwd (``context``): before / after a
-    change, interleaved in one process."""
+    """The kernel with causal_recurrence.cpp as it was at a git ``commit`` (with the headers beside
+    it then), built as a module of another name (Python keeps one module per name) and put in
+    place of the current one for the whole fwd + bwd (``context``): before / after a change,
+    interleaved in one process."""
     from linformer_lab.ops import cpu
-    from linformer_lab.ops.linear_attention import cpu_kernel
 
     with tempfile.TemporaryDirectory(prefix="causal_recurrence_before-") as folder:  # the build is cached elsewhere
         source = os.path.join(common.export_revision(commit, folder), "linformer_lab", "ops", "cpu", "causal_recurrence.cpp")
@@ -135,7 +143,7 @@ def _kernel_before(commit: str):
         before = cpu.Extension("linformer_lab_causal_recurrence_before", source, "no before / after").load()
 
     def run(q, k, v, chunk):
-        return cpu_kernel.CausalDotProductCPU.apply(q, k, v, chunk)
+        return _kernel(q, k, v, chunk)
     run.context, run.module = (lambda: cpu.CAUSAL_RECURRENCE.substituted(before)), before
     return run
 
@@ -155,15 +163,16 @@ def traffic_bytes(b: int, h: int, n: int, d: int) -> int:
 
 
 def implementations(torch, before_revision: str | None = None):
-    from linformer_lab.ops.linear_attention import chunk, cpu_kernel
+    from linformer_lab.ops import cpu
+    from linformer_lab.ops.linear_attention import chunk
 
     impls = {}
-    if cpu_kernel.applies(*(torch.zeros(1, 1, 1, 1),) * 3, None):
-        impls["kernel"] = lambda q, k, v, L: cpu_kernel.CausalDotProductCPU.apply(q, k, v, L)
+    if kernel_algorithm(16, 16) is not None:
+        impls["kernel"] = _kernel
         if before_revision:
             impls["kernel_before"] = _kernel_before(before_revision)
-        if cpu_kernel.cpu.CAUSAL_DOT.module() is not None:
-            impls["chunk_kernel"] = _chunk_kernel(torch)
+        if cpu.CAUSAL_DOT.module() is not None:
+            impls["chunk_kernel"] = _chunk_kernel
     impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
     try:
         from fast_transformers.causal_product import causal_dot_product as ft
@@ -178,7 +187,7 @@ def measure(torch, impls, shape, args) -> dict:
     from linformer_lab.ops.linear_attention import cpu_kernel
 
     b, h, n, d = shape
-    chunk = cpu_kernel.default_chunk_size(d, d)
+    chunk = cpu_kernel.cpp_chunk_size(d, d)
     gen = torch.Generator().manual_seed(0)
     # feature-mapped (elu + 1, positive) queries and keys, as the numerator sees them
     q, k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_() for _ in range(2))
@@ -246,9 +255,9 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "other implementation's allocations and cache traffic between them), and their GEMM fraction.",
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls "
         "(rounds A B C, C B A, B C A, A C B, ...). "
-        "Ratios > 1: the kernel is faster. Kernel: `CausalDotProductCPU` on the path in the `path` column "
+        "Ratios > 1: the kernel is faster. Kernel: the C++ algorithm `ops/kernels.py` selects, in the `path` column "
         "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
-        "LINFORMER_LAB_CPU_CAUSAL_RECURRENCE=0 (causal_dot.cpp at every shape: the kernel before the recurrence); "
+        "`causal=chunk` (causal_dot.cpp at every shape: the kernel before the recurrence); "
         "chunk path: the pure-PyTorch chunk.py. GEMM fraction: the FLOPs of the path that ran per second over the "
         "GEMM rate at the start: the recurrence's 16 C M per position, or the chunked algorithm's "
         "l^2 (4C + 3M) + 14 l C M per chunk of l positions.",
@@ -270,7 +279,7 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         for line, r in zip(table, rows):
             line += [common.fmt(r.get("kernel_before_ms"), 2), common.fmt(r.get("ft_over_kernel_before"), 2),
                      common.fmt(r.get("kernel_before_over_kernel"), 2)]
-        lines[-1:-1] = [f"- Kernel before: `CausalDotProductCPU` with causal_recurrence.cpp as at revision "
+        lines[-1:-1] = [f"- Kernel before: the kernel with causal_recurrence.cpp as at revision "
                         f"`{args.before_revision_id}` (`--before-revision`), timed interleaved with the others."]
     lines.append(common.markdown_table(header, table))
     ratios = [r["ft_over_kernel"] for r in rows if "ft_over_kernel" in r]
