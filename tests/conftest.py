@@ -11,6 +11,10 @@ import sys
 import warnings
 from pathlib import Path
 
+# Triton fixes its mode when first imported (lightning imports it): on a machine without a CUDA GPU
+# its interpreter runs the Triton kernels on CPU tensors (tests/ops/test_triton_chunk.py).
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
+
 import lightning as L
 import torch
 
