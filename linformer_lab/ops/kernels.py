@@ -86,8 +86,8 @@ class Candidate:
 
 
 def _cpu_inputs(*tensors) -> bool:
-    """CPU tensors (None: absent), the first ones (all but Nones) of one dtype, float32 or float64,
-    with CPU autocast off: what the C++ kernels take."""
+    """All on CPU (Nones skipped), the first one float32 or float64, CPU autocast off: what the C++
+    kernels take (the callers check that the inputs share the first one's dtype)."""
     present = [t for t in tensors if t is not None]
     dtype = present[0].dtype
     return (dtype in _CPU_DTYPES and not torch.is_autocast_enabled("cpu")
@@ -107,9 +107,10 @@ def _causal_cuda(q, k, v, initial_state=None) -> bool:
 
 def _recurrence_fits(q, k, v, initial_state=None) -> bool:
     """C and M are multiples of a register width of the recurrence's instruction set."""
+    if not _causal_cpu(q, k, v, initial_state):
+        return False  # before asking the build: CUDA inputs must not build a CPU extension
     module = _cpu_module("CAUSAL_RECURRENCE")
-    return _causal_cpu(q, k, v, initial_state) and module is not None \
-        and module.fits(q.shape[-1], v.shape[-1], torch.empty(0, dtype=q.dtype))
+    return module is not None and module.fits(q.shape[-1], v.shape[-1], torch.empty(0, dtype=q.dtype))
 
 
 def _lsh_cpu(q, k, v) -> bool:
