@@ -71,8 +71,10 @@ def three_losses(model: CopyTask, tokens: torch.Tensor, mask: torch.Tensor) -> d
 
 
 def measure(checkpoint: Path, batches: int) -> dict:
-    model = CopyTask.load_from_checkpoint(checkpoint, map_location="cpu").eval()
-    saved = load_checkpoint_header(str(checkpoint))  # memory-mapped: the weights are not read again
+    # the header first: it refuses a file holding anything but tensors and plain data (which the
+    # full load below, weights_only=True too, would also refuse, less clearly)
+    saved = load_checkpoint_header(str(checkpoint))  # memory-mapped: the weights are not read yet
+    model = CopyTask.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     data_args = {k: v for k, v in saved["datamodule_hyper_parameters"].items() if not k.startswith("_")}
     data = CopyDataModule(**{**data_args, "val_batches": batches, "num_workers": 0})
     data.setup("validate")

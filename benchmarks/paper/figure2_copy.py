@@ -151,7 +151,8 @@ def logged_run(method: str, command: list[str], log_root: Path) -> dict:
     seconds = None
     checkpoints = sorted(root.glob("version_*/checkpoints/last.ckpt"), key=os.path.getmtime)
     if checkpoints:
-        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False).get("callbacks", {})
+        # tensors and plain data only: a checkpoint found under the log root runs no code
+        state = torch.load(checkpoints[-1], map_location="cpu", weights_only=True).get("callbacks", {})
         timers = [v for k, v in state.items() if k.startswith("Timer")]
         seconds = timers[0]["time_elapsed"]["train"] if timers else None
     return {"method": method, "command": command, "seconds": seconds, "rows": rows}
