@@ -189,6 +189,35 @@ def test_pytorch_form_equals_the_definition(chunk):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("feature_map, with_lengths", [("elu", False), ("elu", True), ("poly2", False)],
+                         ids=["elu-fused", "elu-key_lengths", "poly2"])
+def test_backend_equals_the_causal_attention_reference(device, feature_map, with_lengths):
+    """``backend.causal_attention`` (the GPU candidate of the ``causal_attention`` op and
+    ``linear_cuda``'s causal forward) equals that op's reference: the elu map fused or, with
+    key_lengths or another map, applied first; state in and out; gradients."""
+    from linformer_lab.attention.linear import LinearAttention
+    from linformer_lab.ops import kernels
+    from linformer_lab.ops.cuda.triton_chunk import backend
+
+    attention = LinearAttention(causal=True, query_dim=4, feature_map=feature_map).to(device)
+    c = attention.feature_map.output_dim
+    q, k, v = inputs(2, 2, 21, 4, 6, torch.float32, device=device)
+    s0 = torch.rand(2, 2, c, 6, device=device).requires_grad_()
+    z0 = torch.rand(2, 2, c, device=device).requires_grad_()
+    lengths = torch.tensor([21, 13], device=device) if with_lengths else None
+    assert backend.fuses(attention.feature_map) == (feature_map == "elu")
+
+    def run(implementation, *args):
+        *tensors, s0, z0 = args
+        out, state = implementation(attention.feature_map, *tensors, lengths, 1e-6, attention.causal_dot_product,
+                                    (s0, z0), True)
+        return out, state[0], state[1]
+
+    compare(lambda *x: run(backend.causal_attention, *x), lambda *x: run(kernels.reference("causal_attention").run, *x),
+            (q, k, v, s0, z0), torch.float32, f"backend {feature_map}")
+
+
+@pytest.mark.slow
 def test_torch_compile_traces_through_the_custom_op(device):
     """``torch.compile(fullgraph=True)`` traces the op (fake tensors, registered autograd): same
     outputs and gradients as eager."""

@@ -35,6 +35,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result  # a fact of the machine: torch.compile need not trace find_spec
 def is_available() -> bool:
     """True when :func:`chunk_linear_attention` can run on this machine's GPU."""
     return unavailable_reason() is None

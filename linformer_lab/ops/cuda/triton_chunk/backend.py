@@ -1,0 +1,58 @@
+"""The Triton chunk kernel as the attention layers call it: the ``causal_attention`` op of
+:mod:`linformer_lab.ops.kernels` (``linear`` on a GPU) and ``linear_cuda``'s causal forward.
+
+The arguments are those of the op's reference, ``(feature_map, q, k, v, key_lengths, eps,
+dot_product, initial_state, return_state)``, plus ``cu_seqlens``: unmapped q, k ``(B, H, N, D)``, v
+``(B, H, N, M)``, the backend's feature map, its state ``(S, Z)``. The elu map (eq. 7) runs inside
+the kernels; any other map, or elu with ``key_lengths`` (masked keys must be exactly zero after
+the map), is applied here first and the kernels take the mapped inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
+from linformer_lab.ops.linear_attention import joint_state
+from linformer_lab.ops.masks import length_mask
+
+#: The feature map computed inside the kernels, by its exact class (a subclass may change it).
+FUSED_MAP = "linformer_lab.feature_maps.elu.EluFeatureMap"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fuses(feature_map) -> bool:
+    """True when the kernels apply ``feature_map`` themselves (the elu map of eq. 7)."""
+    kind = type(feature_map)
+    return f"{kind.__module__}.{kind.__qualname__}" == FUSED_MAP
+
+
+def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """CUDA tensors on one device, v float32, float16 or bfloat16 (q and k are cast to it), self
+    attention of one length, something to compute, and the kernels runnable here."""
+    from linformer_lab.ops.cuda import triton_chunk
+
+    return (q.device.type == "cuda" and k.device == q.device and v.device == q.device and v.dtype in _DTYPES
+            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0
+            and triton_chunk.is_available())
+
+
+def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
+                     return_state=False, cu_seqlens=None):
+    """Causal eq. 9-12 in the Triton kernels: ``(B, H, N, M)`` in v's dtype, with ``return_state``
+    also the state after the last position as a ``LinearState`` (fp32; one row per packed
+    sequence with ``cu_seqlens``). ``dot_product`` is not used: the kernels compute the numerator."""
+    if fuses(feature_map) and key_lengths is None:
+        q, k, mapped = q.to(v.dtype), k.to(v.dtype), "elu"
+    else:
+        q, k, mapped = feature_map.forward_queries(q).to(v.dtype), feature_map.forward_keys(k).to(v.dtype), None
+        if key_lengths is not None:  # keys past a row's length enter neither the outputs nor the state
+            valid = length_mask(key_lengths, k.shape[-2])[:, None, :, None]
+            k, v = k * valid, v * valid
+    state = None if initial_state is None else (initial_state[0], initial_state[1])
+    result = chunk_linear_attention(q, k, v, feature_map=mapped, eps=eps, initial_state=state,
+                                    return_final_state=return_state, cu_seqlens=cu_seqlens)
+    if not return_state:
+        return result
+    out, (s_n, z_n) = result
+    return out, joint_state(s_n, z_n)
