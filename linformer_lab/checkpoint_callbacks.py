@@ -12,7 +12,6 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import linformer_lab.lightning_compat as compat
-from linformer_lab.tasks.base import epoch_ran_to_end
 
 __all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved"]
 
@@ -104,27 +103,20 @@ class BestCheckpoint(ModelCheckpoint):
     where the files are expected: it is not shown for this callback's own folder.
     """
 
-    trained_this_epoch = False  # a batch of the current epoch trained in this process
+    validated_at: int | None = None  # global_step of this process's latest validation
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self.trained_this_epoch = False
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        self.trained_this_epoch = False
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.trained_this_epoch = True
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.validated_at = trainer.global_step
+        super().on_validation_end(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        # Where validation runs at epoch ends, Lightning ranks the epoch's weights at its end. An
-        # epoch cut short (a max_steps or max_time stop) ran no validation, and neither did the
-        # epoch end Lightning replays when a run starts from a checkpoint written there: ranked,
-        # their weights would get an earlier validation's metric, or none ("could not find the
-        # monitored key"). The best is what a validation measured; a stop's weights are in last.ckpt.
-        if epoch_ran_to_end(trainer) and self.trained_this_epoch:
+        # Where validation runs at epoch ends, Lightning ranks the weights at every epoch end. Some
+        # epoch ends have no validation of those weights: an epoch cut short by max_steps, and
+        # the epoch end Lightning replays when a run starts from a checkpoint written there.
+        # Ranked, their weights would get an earlier validation's metric, or none ("could not find
+        # the monitored key"); a stop's weights are in last.ckpt. (A requested stop validates.)
+        if self.validated_at == trainer.global_step:
             super().on_train_epoch_end(trainer, pl_module)
 
     def setup(self, trainer, pl_module, stage: str) -> None:

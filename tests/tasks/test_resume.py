@@ -14,6 +14,7 @@ Why the weights can be identical (not just close):
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -98,7 +99,7 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     pause = f'[{{"class_path": "test_resume.PauseAfterStep", "init_args": {{"step": {KILL_AT}}}}}]'
     proc = cli_subprocess(
         ["fit", *tiny_copy_args(resumed, backend, *common, f"--trainer.callbacks={pause}")],
-        env={"PYTHONPATH": str(REPO / "tests")},
+        env={"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(REPO / "tests")])},  # this file, conftest
     )
     kill_once_checkpointed(proc, checkpoint_dir(resumed) / "last.ckpt", KILL_AT)
 

@@ -6,6 +6,7 @@ re-runs the same run in its own root, and no run writes into another's checkpoin
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def test_killed_mnist_fit_resumes_from_its_last_validation(tmp_path):
     resumed = tmp_path / "resumed"
     pause = json.dumps([{"class_path": "test_resume.PauseAfterStep", "init_args": {"step": kill_at}}])
     proc = cli_subprocess(["fit", *tiny_mnist_args(resumed, f"--trainer.max_steps={total}", f"--trainer.callbacks+={pause}")],
-                          env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"})
+                          env={"PYTHONPATH": os.pathsep.join(str(Path(__file__).resolve().parents[i]) for i in (0, 1)),
+                               "OMP_NUM_THREADS": "1"})  # test_resume, conftest
     kill_once_checkpointed(proc, checkpoint_dir(resumed) / "last.ckpt", kill_at)
 
     code, _, err = run_cli(["fit", *tiny_mnist_args(resumed, f"--trainer.max_steps={total}"), "--ckpt_path", "last"])
