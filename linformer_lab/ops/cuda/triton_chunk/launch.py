@@ -11,6 +11,7 @@ still fill the chip.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import SimpleNamespace
 
@@ -25,6 +26,11 @@ _HALF = (torch.float16, torch.bfloat16)
 def interpreting() -> bool:
     """True when Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
     return bool(triton.knobs.runtime.interpret)
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one (a no-op on CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,12 +67,13 @@ def tile(dtype: torch.dtype, half: int = 64) -> int:
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop configs whose value tile is wider than the padded M or than the dtype allows (they
-    would repeat work or spill registers), and, where states are fp32 (fp16 and fp32 inputs),
-    4-warp configs of the dq/dk kernel (its fp32 operands spill at 4 warps)."""
+    """Keep the configs whose value tile is at most the padded M and what the dtype allows (wider
+    ones repeat work or spill registers) and at least min(M, 64); where states are fp32 (fp16 and
+    fp32 inputs), drop the dq/dk kernel's 4-warp configs (its fp32 operands spill there). None
+    left (a small M): one config of that M's width."""
     dtype = named_args["Q"].dtype
     widest = min(pow2(kwargs["M"]), tile(dtype, 128))
-    kept = [cfg for cfg in configs if cfg.kwargs["BV"] <= widest]
+    kept = [cfg for cfg in configs if min(widest, 64) <= cfg.kwargs["BV"] <= widest]
     if dtype != torch.bfloat16 and "R" in named_args and "DQ" in named_args:
         kept = [cfg for cfg in kept if cfg.num_warps >= 8]
     return kept or [triton.Config({"BV": min(widest, tile(dtype))}, num_warps=8, num_stages=2)]
@@ -84,8 +91,8 @@ def kernels(interpret: bool) -> SimpleNamespace:
         (backward, "chunk_states_backward"), (backward, "chunk_dq_dk_backward"), (backward, "chunk_dv_backward"))}
     if interpret:  # one fixed config: timing configs means nothing in numpy
         return SimpleNamespace(tuned=False, **jit)
-    out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 128}, num_warps=8, num_stages=2),
-               triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
+    out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+               triton.Config({"BV": 128}, num_warps=8, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
     grad_cfg = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
     return SimpleNamespace(
         tuned=True, **{**jit, "chunk_output_forward": _tuned(jit["chunk_output_forward"], out_cfg),

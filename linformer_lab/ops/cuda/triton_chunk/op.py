@@ -58,8 +58,9 @@ def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | Non
         z_n = z0.clone() if z0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, dtype=torch.float32)
         return torch.empty_like(v), q.new_ones(lay.batch, lay.heads, lay.time, dtype=torch.float32), s_n, z_n
     elu = feature_map == "elu"
-    states, zstates, s_n, z_n = launch.run_states_forward(k, v, s0, z0, lay, elu)
-    out, den = launch.run_output_forward(q, k, v, states, zstates, lay, elu, eps)
+    with launch.on_device(q.device):
+        states, zstates, s_n, z_n = launch.run_states_forward(k, v, s0, z0, lay, elu)
+        out, den = launch.run_output_forward(q, k, v, states, zstates, lay, elu, eps)
     return out, den, s_n, z_n
 
 
@@ -94,7 +95,8 @@ def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ds0, dz0
     s0 = None if s0 is None else s0.to(torch.float32).contiguous()
     z0 = None if z0 is None else z0.to(torch.float32).contiguous()
-    return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
+    with launch.on_device(q.device):
+        return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
 
 
 @chunk_linear_attention_bwd.register_fake
