@@ -7,6 +7,7 @@ from torch import nn
 
 from linformer_lab.ops.linear_attention.recurrent import LinearState
 from linformer_lab.ops.state import AttentionState, check_state
+from linformer_lab.registry import ATTENTION, PluginError
 
 __all__ = [
     "Attention",
@@ -79,7 +80,7 @@ class Attention(nn.Module):
             raise ValueError(
                 f"attention backend {type(self).__name__} does not use a feature map, but "
                 f"feature_map={_describe(feature_map)} was given. Feature maps apply to the "
-                f"linear backends ('linear', 'linear_cuda'); leave feature_map unset here."
+                f"backends that use one ({backends_with('uses_feature_map')}); leave feature_map unset here."
             )
         self.causal = bool(causal)
         self.query_dim = query_dim
@@ -135,13 +136,14 @@ class Attention(nn.Module):
         if (state is not None or return_state) and not self.supports_state:
             raise ValueError(
                 f"attention backend {name} does not take or return a state in its parallel forward "
-                f"(supports_state = False); the built-in 'linear', 'linear_cuda', 'softmax' and 'lsh' do"
+                f"(supports_state = False); these installed backends do: {backends_with('supports_state')}"
             )
         if cu_seqlens is not None:
             if not self.supports_packed:
                 raise ValueError(
                     f"attention backend {name} does not take packed sequences (cu_seqlens; supports_packed = False); "
-                    f"the built-in 'linear', 'linear_cuda' and 'softmax' do. Pad the batch and pass key_lengths instead"
+                    f"these installed backends do: {backends_with('supports_packed')}. Pad the batch and pass "
+                    f"key_lengths instead"
                 )
             if key_lengths is not None:
                 raise ValueError(f"{name}: give either cu_seqlens (packed) or key_lengths (padded), not both")
@@ -188,6 +190,22 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str,
     if offsets[0] != 0 or offsets[-1] != total or any(b <= a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence), got {offsets}")
     return offsets
+
+
+def backends_with(capability: str) -> str:
+    """The registered backends whose class sets ``capability`` (``uses_feature_map``,
+    ``supports_state``, ``supports_packed``, ``has_recurrent_form``), quoted and comma-separated,
+    for error messages that list the valid choices; a plugin that fails to import is left out
+    (``cli.py plugins --check`` reports it)."""
+    names = []
+    for name in ATTENTION.names():
+        try:
+            backend = ATTENTION.get(name)
+        except PluginError:
+            continue
+        if getattr(backend, capability, False):
+            names.append(name)
+    return ", ".join(map(repr, names))
 
 
 def _describe(feature_map) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.masks import length_mask
@@ -142,8 +143,8 @@ class TransformerCTC(nn.Module):
         self.packed = packed
         backend = self.transformer.layers[0].attention.attention
         if packed and not backend.supports_packed:
-            raise ValueError(f"packed=True needs an attention backend that takes packed sequences ('linear', "
-                             f"'linear_cuda', 'softmax'); {type(backend).__name__} does not")
+            raise ValueError(f"packed=True needs an attention backend that takes packed sequences "
+                             f"({backends_with('supports_packed')}); {type(backend).__name__} does not")
 
     def embed(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, F), (B,) -> (B, T', d_model), (B,)``: projection plus positions."""

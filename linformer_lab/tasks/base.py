@@ -11,8 +11,8 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.registry import ATTENTION, PluginError
 
 #: where a checkpoint keeps the sums of the epoch-level training metrics (:attr:`Task.epoch_metrics`)
 EPOCH_SUMS_KEY = "linformer_lab_epoch_sums"
@@ -159,20 +159,6 @@ def _on_device_of(value, current):
     return value
 
 
-def recurrent_backends() -> list[str]:
-    """The registered attention backends whose state carries the past exactly (``has_recurrent_form``);
-    a plugin that fails to import is left out (``cli.py plugins --check`` reports it)."""
-    names = []
-    for name in ATTENTION.names():
-        try:
-            backend = ATTENTION.get(name)
-        except PluginError:
-            continue
-        if getattr(backend, "has_recurrent_form", True):
-            names.append(name)
-    return names
-
-
 def check_segment_length(segment_length: int | None, transformer, backend: str) -> None:
     """Raise a ValueError unless ``segment_length`` is None or usable with this transformer."""
     if segment_length is None:
@@ -182,7 +168,7 @@ def check_segment_length(segment_length: int | None, transformer, backend: str) 
     if not transformer.has_recurrent_form:
         raise ValueError(
             f"segment_length needs an attention backend whose state carries the past exactly "
-            f"({', '.join(map(repr, recurrent_backends()))}); {backend!r} has no recurrent form "
+            f"({backends_with('has_recurrent_form')}); {backend!r} has no recurrent form "
             f"(its outputs depend on later positions)"
         )
 
