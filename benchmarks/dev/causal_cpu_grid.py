@@ -1,7 +1,6 @@
 """The causal numerator on CPU, head-to-head over a grid of shapes (issue #23): our C++ kernel
-(the C++ algorithm ``linformer_lab/ops/kernels.py`` selects: ``ops/cpu/causal_recurrence.cpp`` where C and M
-fit whole registers and ``causal_dot.cpp`` otherwise), the same with the recurrence switched off
-(the chunk kernel, ``causal_dot.cpp``, at every shape: before / after), our pure-PyTorch chunk path
+(``ops/cpu/causal_recurrence.cpp``, which ``linformer_lab/ops/kernels.py`` selects on CPU; the chunked
+C++ kernel ``causal_dot.cpp`` that it replaced was deleted: its column stays empty), our pure-PyTorch chunk path
 (``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's CPU
 kernel, forward+backward, fp32, 2 threads, timed interleaved in one process.
 
@@ -97,36 +96,28 @@ def kernel_algorithm(c: int, m: int) -> str | None:
     import torch
 
     from linformer_lab.ops import kernels
-    from linformer_lab.ops.linear_attention import cpu_kernel
 
     q, v = torch.zeros(1, 1, 1, c), torch.zeros(1, 1, 1, m)
     name = kernels.select("causal", q, q, v).name
-    return name if name in cpu_kernel.ALGORITHMS else None
+    return name if name == "recurrence" else None
 
 
 def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
     """(FLOPs of one fwd+bwd of one row, path) of the algorithm the kernel runs for fp32 (C, M):
     the recurrence's 16 C M per position, or the chunked algorithm's :func:`flops`."""
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    from linformer_lab.ops.linear_attention import chunk
 
     path = kernel_algorithm(c, m)
     if path == "recurrence":
         return 16 * n * c * m, path
-    return flops(n, c, m, cpu_kernel.cpp_chunk_size(c, m)), path or "none"
+    return flops(n, c, m, chunk.reference_chunk_size(c, m)), path or "none"
 
 
 def _kernel(q, k, v, chunk):
     """The causal op on the C++ algorithm the dispatch selects for these (C, M)."""
     from linformer_lab.ops.linear_attention import cpu_kernel
 
-    return cpu_kernel.causal_dot_product(q, k, v, kernel_algorithm(q.shape[-1], v.shape[-1]), chunk)
-
-
-def _chunk_kernel(q, k, v, chunk):
-    """The C++ chunked algorithm (``causal_dot.cpp``) at every shape: the kernel before the recurrence."""
-    from linformer_lab.ops.linear_attention import cpu_kernel
-
-    return cpu_kernel.causal_dot_product(q, k, v, "chunk", chunk)
+    return cpu_kernel.causal_dot_product(q, k, v, chunk)
 
 
 def _kernel_before(commit: str):
@@ -163,7 +154,6 @@ def traffic_bytes(b: int, h: int, n: int, d: int) -> int:
 
 
 def implementations(torch, before_revision: str | None = None):
-    from linformer_lab.ops import cpu
     from linformer_lab.ops.linear_attention import chunk
 
     impls = {}
@@ -171,8 +161,6 @@ def implementations(torch, before_revision: str | None = None):
         impls["kernel"] = _kernel
         if before_revision:
             impls["kernel_before"] = _kernel_before(before_revision)
-        if cpu.CAUSAL_DOT.module() is not None:
-            impls["chunk_kernel"] = _chunk_kernel
     impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
     try:
         from fast_transformers.causal_product import causal_dot_product as ft
@@ -184,10 +172,8 @@ def implementations(torch, before_revision: str | None = None):
 
 
 def measure(torch, impls, shape, args) -> dict:
-    from linformer_lab.ops.linear_attention import cpu_kernel
-
     b, h, n, d = shape
-    chunk = cpu_kernel.cpp_chunk_size(d, d)
+    chunk = None  # the recurrence has none; the chunk path takes its own
     gen = torch.Generator().manual_seed(0)
     # feature-mapped (elu + 1, positive) queries and keys, as the numerator sees them
     q, k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_() for _ in range(2))
@@ -256,8 +242,8 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls "
         "(rounds A B C, C B A, B C A, A C B, ...). "
         "Ratios > 1: the kernel is faster. Kernel: the C++ algorithm `ops/kernels.py` selects, in the `path` column "
-        "(recurrence: causal_recurrence.cpp; chunk: causal_dot.cpp); chunk kernel: the same with "
-        "`causal=chunk` (causal_dot.cpp at every shape: the kernel before the recurrence); "
+        "(recurrence: causal_recurrence.cpp); chunk kernel: causal_dot.cpp, deleted (odd C, M are zero-padded "
+        "for the recurrence), its columns empty; "
         "chunk path: the pure-PyTorch chunk.py. GEMM fraction: the FLOPs of the path that ran per second over the "
         "GEMM rate at the start: the recurrence's 16 C M per position, or the chunked algorithm's "
         "l^2 (4C + 3M) + 14 l C M per chunk of l positions.",
@@ -354,12 +340,11 @@ def main(argv=None):
     if "kernel" in impls:
         from linformer_lab.ops import cpu
 
-        for extension in (cpu.CAUSAL_RECURRENCE, cpu.CAUSAL_DOT):
-            if args.isa and extension.module() is not None:
-                extension.load().set_instruction_set(args.isa)
+        if args.isa:
+            cpu.CAUSAL_RECURRENCE.load().set_instruction_set(args.isa)
         if args.isa and "kernel_before" in impls:
             impls["kernel_before"].module.set_instruction_set(args.isa)
-        env["isa"] = cpu.CAUSAL_DOT.load().instruction_set()
+        env["isa"] = cpu.CAUSAL_RECURRENCE.load().instruction_set()
     print("implementations:", ", ".join(impls), flush=True)
     shapes, skipped = grid_shapes(args)
     rows = []

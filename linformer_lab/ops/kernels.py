@@ -8,7 +8,7 @@ reference, which runs anywhere; every kernel is tested equal to it.
 ====================  ====================================  =========================================
 op                    candidates, first to last             called from
 ====================  ====================================  =========================================
-``causal``            cuda, recurrence, chunk, reference    :func:`causal_dot_product` (the numerator
+``causal``            cuda, recurrence, reference           :func:`causal_dot_product` (the numerator
                                                             of eq. 9, ``ops.linear_attention``)
 ``lsh_window``        cpp, reference                        ``ops/lsh.py``'s ``window_attention``
 ``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
@@ -105,14 +105,6 @@ def _causal_cuda(q, k, v, initial_state=None) -> bool:
             and 1 <= q.shape[-1] <= _CUDA_MAX_DIM and 1 <= v.shape[-1] <= _CUDA_MAX_DIM)
 
 
-def _recurrence_fits(q, k, v, initial_state=None) -> bool:
-    """C and M are multiples of a register width of the recurrence's instruction set."""
-    if not _causal_cpu(q, k, v, initial_state):
-        return False  # before asking the build: CUDA inputs must not build a CPU extension
-    module = _cpu_module("CAUSAL_RECURRENCE")
-    return module is not None and module.fits(q.shape[-1], v.shape[-1], torch.empty(0, dtype=q.dtype))
-
-
 def _lsh_cpu(q, k, v) -> bool:
     return q.dtype == k.dtype == v.dtype and _cpu_inputs(q, k, v)
 
@@ -136,7 +128,8 @@ def _cpu_module(name: str):
 
 
 def _cpu_available(name: str) -> Callable[[], bool]:
-    return lambda: _cpu_module(name) is not None
+    # torch.compile traces the call as its value: whether the build can be had is settled once per process
+    return torch.compiler.assume_constant_result(lambda: _cpu_module(name) is not None)
 
 
 def _cpu_isa(name: str) -> Callable[[], str]:
@@ -171,17 +164,16 @@ def _causal_reference(q, k, v, chunk_size=None, initial_state=None, return_final
     return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
 
 
-def _causal_cpp(algorithm: str) -> Callable:
-    def run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
-        from linformer_lab.ops.linear_attention import cpu_kernel
+def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+    from linformer_lab.ops.linear_attention import cpu_kernel
 
-        return cpu_kernel.causal_dot_product(q, k, v, algorithm, chunk_size, initial_state, return_final_state)
-
-    return run
+    return cpu_kernel.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
 def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
-    return cuda_kernel().causal_dot_product(q, k, v, initial_state, return_final_state)
+    from linformer_lab.ops import cuda  # loaded: the candidate applies only where cuda_kernel() loaded it
+
+    return cuda.causal_dot_product(q, k, v, initial_state, return_final_state)
 
 
 def _lsh_window(implementation: str) -> Callable:
@@ -220,14 +212,10 @@ CANDIDATES: dict[str, list[Candidate]] = {
     "causal": [
         Candidate("cuda", "CUDA kernel (ops/cuda/causal_linear_attention.cu)",
                   "CUDA tensors of one dtype (float32, float16, bfloat16), 1 <= C, M <= 256, the extension built",
-                  _causal_cuda, lambda: cuda_kernel() is not None, _causal_cuda_run),
+                  _causal_cuda, torch.compiler.assume_constant_result(lambda: cuda_kernel() is not None), _causal_cuda_run),
         Candidate("recurrence", "C++ recurrence (ops/cpu/causal_recurrence.cpp)",
-                  "CPU tensors, float32 or float64, CPU autocast off, C and M multiples of a register width",
-                  _recurrence_fits, _cpu_available("CAUSAL_RECURRENCE"), _causal_cpp("recurrence"),
-                  _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate("chunk", "C++ chunked kernel (ops/cpu/causal_dot.cpp)",
-                  "CPU tensors, float32 or float64, CPU autocast off",
-                  _causal_cpu, _cpu_available("CAUSAL_DOT"), _causal_cpp("chunk"), _cpu_isa("CAUSAL_DOT")),
+                  "CPU tensors, float32 or float64, CPU autocast off (C, M zero-padded to whole registers)",
+                  _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(REFERENCE, "PyTorch chunked reference (ops/linear_attention/chunk.py)", _ALWAYS,
                   _everywhere, lambda: True, _causal_reference),
     ],
@@ -281,13 +269,18 @@ def _parse_switch(value: str) -> dict[str, str]:
     return choice
 
 
+@torch.compiler.assume_constant_result  # torch.compile reads the switch when it traces, as its value
+def _forced_name(op: str) -> str | None:
+    return forced().get(op)
+
+
 def select(op: str, *args) -> Candidate:
     """The candidate that computes ``op`` for these arguments (those of its candidates' ``accepts``):
     the first that applies, or under the switch the forced one where it applies; the reference
     otherwise."""
     if op not in CANDIDATES:
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(CANDIDATES)}")
-    want = forced().get(op)
+    want = _forced_name(op)
     for candidate in CANDIDATES[op]:
         if (want is None or candidate.name in (want, REFERENCE)) and candidate.applies(*args):
             return candidate

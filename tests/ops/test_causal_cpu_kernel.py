@@ -1,17 +1,15 @@
-"""The C++ CPU kernels of the causal numerator (linformer_lab/ops/cpu/causal_recurrence.cpp and
-causal_dot.cpp through linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64
-O(N^2) reference. Each test that is not about one of them runs on both paths (the ``kernel``
-fixture: the recurrence, which these shapes fit, and the chunk kernel, forced with
-``LINFORMER_LAB_KERNELS=causal=chunk``); tests/ops/test_causal_recurrence.py covers the
-recurrence's own cases (register widths, blocks, thread splits).
+"""The C++ CPU kernel of the causal numerator (linformer_lab/ops/cpu/causal_recurrence.cpp through
+linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64 O(N^2) reference;
+tests/ops/test_causal_recurrence.py covers the recurrence's own cases (register widths, blocks,
+thread splits), tests/ops/test_custom_ops.py its operators.
 
-Checked: outputs, gradients of q, k, v, an initial state and a final state, at lengths below,
-at and past the chunk, C != M, C and M from 16 to 128, one row and many, both parallel
-schedules (rows, and chunks when there are fewer rows than threads), float32 and float64,
-non-contiguous inputs, empty inputs; that ``causal_dot_product`` takes the kernel on CPU (a
-spy) and keeps to the pure-PyTorch chunk path when switched off, for other dtypes, or without
-the extension (one warning). The tests that need the extension skip, saying why, where it
-cannot be built (no C++ compiler); CI has one, so there they run (and build it).
+Checked: outputs, gradients of q, k, v, an initial state and a final state, C != M, C and M from
+16 to 128 and ones that fill no whole register (7, 33, 65; poly2's 561 features at D = 32: zero-
+padded), one row and many, float32 and float64, non-contiguous inputs, empty inputs; that
+``causal_dot_product`` takes the kernel on CPU (a spy) and keeps to the pure-PyTorch reference
+when switched off, for other dtypes, or without the extension (one warning). The tests that need
+the extension skip, saying why, where it cannot be built (no C++ compiler); CI has one, so there
+they run (and build it).
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def extension():
     """The built extension. A skip only where there is no C++ compiler (and no cached build):
     where there is one, as in CI, a failed build fails the tests."""
     try:
-        cpu.CAUSAL_RECURRENCE.load()
-        return cpu.CAUSAL_DOT.load()
+        return cpu.CAUSAL_RECURRENCE.load()
     except RuntimeError as error:
         if cpu.find_compiler() is not None:
             raise
@@ -43,32 +40,31 @@ def extension():
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Counts the calls that went through the kernel's autograd Function."""
-    calls, original = [], cpu_kernel.CausalDotProductCPU.apply
+    """(C, M) of every call that went through the kernel's entry point (cpu_kernel.causal_dot_product)."""
+    calls, original = [], cpu_kernel.causal_dot_product
 
-    def spy(*args):
-        calls.append(args[4])  # the chunk length (after q, k, v and the algorithm)
-        return original(*args)
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[-1], v.shape[-1]))
+        return original(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernel.CausalDotProductCPU, "apply", spy)
+    monkeypatch.setattr(cpu_kernel, "causal_dot_product", spy)
     return calls
 
 
-@pytest.fixture(params=["recurrence", "chunk"])
-def kernel(request, monkeypatch, extension):
-    """Runs a test on each C++ path: the recurrence, and the chunk kernel (for every shape with
-    LINFORMER_LAB_KERNELS=causal=chunk)."""
-    monkeypatch.setenv(kernels.SWITCH, "causal=chunk" if request.param == "chunk" else "")
-    return request.param
+@pytest.fixture
+def kernel(monkeypatch, extension):
+    """The C++ path by its candidate's name, whatever the environment's switch."""
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
+    return "recurrence"
 
 
 @pytest.fixture
 def ran(monkeypatch, extension):
-    """(path, "forward" / "backward") of every call into the two extensions."""
+    """(path, "forward" / "backward") of every call into the extension."""
     calls = []
-    for name, ext in [("recurrence", cpu.CAUSAL_RECURRENCE.load()), ("chunk", cpu.CAUSAL_DOT.load())]:
-        for fn in ("forward", "backward"):
-            monkeypatch.setattr(ext, fn, _recording(getattr(ext, fn), (name, fn), calls))
+    ext = cpu.CAUSAL_RECURRENCE.load()
+    for fn in ("forward", "backward"):
+        monkeypatch.setattr(ext, fn, _recording(getattr(ext, fn), ("recurrence", fn), calls))
     return calls
 
 
@@ -81,8 +77,8 @@ def _recording(original, call, calls):
 
 @pytest.fixture
 def threads():
-    """Runs a test with 2 threads (so fewer rows than threads take the chunk-parallel schedule),
-    restoring the count after."""
+    """Runs a test with 2 threads (so fewer rows than threads split a row's work), restoring the
+    count after."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield 2
@@ -125,7 +121,7 @@ def _close(got, want, dtype, scale_by_reference=True):
         torch.testing.assert_close(g.double() / scale, w / scale, **TOLERANCE[dtype], msg=lambda m, n=name: f"{n}: {m}")
 
 
-SHAPES = [  # (B, H, N, C, M, chunk): N below, at and past the chunk; C != M; C, M from 16 to 128
+SHAPES = [  # (B, H, N, C, M, chunk): C != M; C, M from 16 to 128; odd ones padded; the chunk is unused
     (1, 1, 37, 16, 16, None),
     (1, 1, 64, 32, 32, 64),
     (2, 3, 130, 32, 16, None),
@@ -133,6 +129,10 @@ SHAPES = [  # (B, H, N, C, M, chunk): N below, at and past the chunk; C != M; C,
     (1, 1, 150, 128, 128, None),
     (3, 2, 97, 64, 128, 16),
     (4, 8, 70, 16, 32, None),
+    (2, 1, 300, 7, 7, None),  # odd head sizes: zero-padded to whole registers
+    (1, 2, 90, 33, 5, None),
+    (1, 1, 80, 65, 65, None),
+    (1, 2, 50, 561, 32, None),  # poly2's features at D = 32: 1 + 32 + 32 * 33 / 2
 ]
 
 
@@ -146,26 +146,9 @@ def test_kernel_matches_the_float64_reference(kernel, ran, taken, threads, shape
     assert ran == [(kernel, "forward"), (kernel, "backward")]
 
 
-@pytest.mark.parametrize("n_threads", [1, 2])
-@pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 4), (8, 8)], ids=lambda r: f"BxH={r[0] * r[1]}")
-def test_row_and_chunk_schedules_agree_with_the_reference(extension, monkeypatch, ran, taken, rows, n_threads):
-    """The chunk kernel's schedules. One thread: rows in order. Two threads: rows in parallel
-    (BxH = 8, 64) or chunks in parallel (BxH = 1, 3), which then scans the chunk states: both
-    give the reference."""
-    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
-    before = torch.get_num_threads()
-    torch.set_num_threads(n_threads)
-    try:
-        tensors = _inputs(*rows, 300, 32, 48, seed=n_threads)
-        _close(_kernel(*tensors, torch.float32, 64), _reference(*tensors), torch.float32)
-    finally:
-        torch.set_num_threads(before)
-    assert taken == [64]
-    assert set(ran) == {("chunk", "forward"), ("chunk", "backward")}
-
-
-def test_without_states_and_non_contiguous_inputs(kernel, taken, threads):
-    q, k, v, s0, grad, grad_final = _inputs(2, 3, 70, 16, 16)
+@pytest.mark.parametrize("c", [16, 7])
+def test_without_states_and_non_contiguous_inputs(kernel, taken, threads, c):
+    q, k, v, s0, grad, grad_final = _inputs(2, 3, 70, c, 16)
     q, k, v = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k, v))  # same values, other strides
     assert not q.is_contiguous()
     got = _kernel(q, k, v, s0, grad, grad_final, torch.float32, with_state=False)
@@ -175,8 +158,8 @@ def test_without_states_and_non_contiguous_inputs(kernel, taken, threads):
 
 
 def test_non_contiguous_initial_state_and_final_gradient(kernel, ran, threads):
-    """A transposed S_0 and a transposed gradient of S_N: the kernels read raw rows, so the
-    Function hands them contiguous copies (before, both kernels read the transposed memory)."""
+    """A transposed S_0 and a transposed gradient of S_N: the kernel reads raw rows, so the
+    operator hands it contiguous copies."""
     q, k, v, s0, grad, grad_final = _inputs(1, 2, 70, 16, 16)
     s0, grad_final = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (s0, grad_final))
     assert not s0.is_contiguous() and not grad_final.is_contiguous()
@@ -186,30 +169,30 @@ def test_non_contiguous_initial_state_and_final_gradient(kernel, ran, threads):
 
 
 def test_gradcheck(extension, threads):
-    q, k, v, s0, _, _ = _inputs(1, 2, 11, 3, 2)
+    q, k, v, s0, _, _ = _inputs(1, 2, 11, 3, 5)
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, "chunk", 4, s, True)  # C = 3 fits no register
+        return cpu_kernel.causal_dot_product(a, b, c, None, s, True)  # C = 3, M = 5 fit no register: padded
 
     assert torch.autograd.gradcheck(both, leaves)
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4)], ids=["N=0", "B=0"])
+@pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4), (1, 2, 0, 3, 5)], ids=["N=0", "B=0", "N=0 padded"])
 def test_empty_inputs(kernel, taken, shape):
     tensors = _inputs(*shape)
     got = _kernel(*tensors, torch.float64, 4)
     want = _reference(*tensors)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    assert taken == [4]
+    assert taken == [shape[3:]]
 
 
 def test_same_result_as_the_chunk_path(kernel, threads):
     """The kernel and the pure-PyTorch reference path agree with each other in float32 too."""
     q, k, v, s0, grad, grad_final = _inputs(2, 4, 257, 32, 32)
     args = [t.float() for t in (q, k, v)]
-    ours = cpu_kernel.CausalDotProductCPU.apply(*args, kernel, 64, s0.float(), True)
+    ours = cpu_kernel.causal_dot_product(*args, None, s0.float(), True)
     reference = chunk.CausalDotProduct.apply(*args, 64, s0.float(), True)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
@@ -231,10 +214,8 @@ def test_other_cases_keep_to_the_chunk_path(monkeypatch, taken, case):
 
 
 def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
-    """No cached build and no compiler: the causal op warns (once per extension) and keeps to the
-    pure-PyTorch chunk path."""
-    monkeypatch.setattr(cpu, "CAUSAL_DOT", cpu.Extension("linformer_lab_causal_dot", "causal_dot.cpp",
-                                                         cpu.CAUSAL_DOT.purpose))
+    """No cached build and no compiler: the causal op warns once and keeps to the pure-PyTorch
+    chunk path."""
     monkeypatch.setattr(cpu, "CAUSAL_RECURRENCE", cpu.Extension("linformer_lab_causal_recurrence",
                                                                 "causal_recurrence.cpp", cpu.CAUSAL_RECURRENCE.purpose))
     monkeypatch.setenv(build_cache.VARIABLE, str(tmp_path))
@@ -243,8 +224,7 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
     with pytest.warns(RuntimeWarning) as record:
         out = causal_dot_product(q, k, v)
     messages = [str(w.message) for w in record]
-    assert len(messages) == 2, messages  # one per extension
-    assert "keeps to the chunked C++ kernel" in messages[0] and "keeps to the pure-PyTorch chunk path" in messages[1]
+    assert len(messages) == 1 and "keeps to the PyTorch reference" in messages[0], messages
     torch.testing.assert_close(out, naive.causal_dot_product_naive(q, k, v))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -256,14 +236,14 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
 def test_every_instruction_set_version_matches_the_reference(kernel, ran, threads, isa):
     """The hot loops exist once per instruction set; the CPU's best runs by default, and every
     version this CPU can run gives the reference (CI thus checks the ones its CPU has)."""
-    extension = cpu.CAUSAL_RECURRENCE.load() if kernel == "recurrence" else cpu.CAUSAL_DOT.load()
+    extension = cpu.CAUSAL_RECURRENCE.load()
     try:
         before = extension.set_instruction_set(isa)
     except RuntimeError as error:
         pytest.skip(str(error))
     try:
         assert extension.instruction_set() == isa
-        for shape in [(1, 1, 100, 16, 48, 32), (2, 4, 70, 32, 32, 64)]:  # chunk schedule, row schedule
+        for shape in [(1, 1, 100, 16, 48, 32), (2, 4, 70, 32, 32, 64), (1, 2, 60, 7, 9, None)]:
             *bhncm, chunk_size = shape
             tensors = _inputs(*bhncm)
             _close(_kernel(*tensors, torch.float32, chunk_size), _reference(*tensors), torch.float32)
@@ -276,21 +256,19 @@ def test_double_backward_is_an_error_not_a_wrong_answer(extension):
     q, k, v, *_ = _inputs(1, 1, 8, 4, 4)
     q.requires_grad_()
     (grad_q,) = torch.autograd.grad(causal_dot_product(q, k, v).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    with pytest.raises(RuntimeError, match="no autograd formula|does not require grad"):
         grad_q.sum().backward()
 
 
 @pytest.mark.parametrize("forward_threads,backward_threads", [(2, 1), (1, 2)])
 def test_thread_count_changing_between_forward_and_backward(kernel, forward_threads, backward_threads):
-    """Chunk kernel: with 2 threads one row runs chunk-parallel (the forward keeps its chunk
-    states), with 1 row by row (the backward recomputes them): either pass may meet either
-    schedule. Recurrence: the backward splits one row's passes over 2 threads, or not."""
+    """The backward splits one row's passes over 2 threads, or not, whatever the forward did."""
     tensors = _inputs(1, 1, 200, 16, 32)
     before = torch.get_num_threads()
     leaves = [t.detach().float().requires_grad_() for t in tensors[:4]]
     try:
         torch.set_num_threads(forward_threads)
-        out, final = cpu_kernel.CausalDotProductCPU.apply(*leaves[:3], kernel, 32, leaves[3], True)
+        out, final = cpu_kernel.causal_dot_product(*leaves[:3], None, leaves[3], True)
         torch.set_num_threads(backward_threads)
         ((out * tensors[4].float()).sum() + (final * tensors[5].float()).sum()).backward()
     finally:

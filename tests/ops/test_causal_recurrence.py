@@ -4,8 +4,8 @@ float64, every instruction-set version this CPU runs, C and M from 12 to 128 inc
 take narrower registers (12, 24, 40), N below, at and past the 256-position block and not a
 multiple of anything, an initial state given or not, one to three threads (so the backward runs
 rows in parallel and, for fewer rows than threads, the two passes of a row in parallel). A spy
-asserts that the recurrence is the path taken where C and M fit it, and the chunk kernel where
-they do not (D = 7). Helpers come from tests/ops/test_causal_cpu_kernel.py.
+asserts that the recurrence is the path taken whether C and M fit it or are zero-padded to it
+(D = 7). Helpers come from tests/ops/test_causal_cpu_kernel.py.
 """
 
 from __future__ import annotations
@@ -84,15 +84,17 @@ def test_recurrence_matches_the_float64_reference(isa, ran, shape, dtype, n_thre
     assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
-@pytest.mark.parametrize("dims,dtype,path", [
-    ((7, 7), torch.float32, "chunk"),     # no register width divides 7
-    ((6, 10), torch.float32, "chunk"),    # 4 floats do not divide 6
-    ((6, 10), torch.float64, "recurrence"),  # 2 doubles do
-    ((16, 8), torch.float32, "recurrence"),
+@pytest.mark.parametrize("dims,dtype,padded", [
+    ((7, 7), torch.float32, True),     # no register width divides 7
+    ((6, 10), torch.float32, True),    # 4 floats do not divide 6
+    ((6, 10), torch.float64, False),   # 2 doubles do
+    ((16, 8), torch.float32, False),
 ])
-def test_dims_that_do_not_fit_take_the_chunk_kernel(recurrence, ran, dims, dtype, path):  # noqa: F811
+def test_dims_that_do_not_fit_run_zero_padded(recurrence, ran, dims, dtype, padded):  # noqa: F811
     c, m = dims
+    path = "recurrence"
     assert kernels.select("causal", *(torch.empty(1, 1, 1, d, dtype=dtype) for d in (c, c, m))).name == path
+    assert (cpu_kernel.recurrence_dims(c, m, dtype) != dims) == padded
     tensors = _inputs(2, 1, 150, c, m)
     _close(_run(tensors, dtype, True, 2), _reference(*tensors), dtype)
     assert ran == [(path, "forward"), (path, "backward")]
@@ -124,12 +126,12 @@ def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
     assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
-def test_switched_off_runs_the_chunk_kernel(monkeypatch, recurrence, ran):  # noqa: F811
-    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
-    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "chunk"
+def test_switched_off_runs_the_reference(monkeypatch, recurrence, ran):  # noqa: F811
+    monkeypatch.setenv(kernels.SWITCH, "causal=reference")
+    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "reference"
     tensors = _inputs(1, 2, 100, 16, 16)
     _close(_run(tensors, torch.float32, True, 2), _reference(*tensors), torch.float32)
-    assert ran == [("chunk", "forward"), ("chunk", "backward")]
+    assert ran == []
 
 
 def test_states_kept_for_the_backward_are_one_per_block(recurrence):
@@ -152,7 +154,7 @@ def test_gradcheck(recurrence, ran):  # noqa: F811
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.CausalDotProductCPU.apply(a, b, c, "recurrence", 4, s, True)
+        return cpu_kernel.causal_dot_product(a, b, c, None, s, True)
 
     assert torch.autograd.gradcheck(both, leaves)
     assert {path for path, _ in ran} == {"recurrence"}
@@ -161,10 +163,9 @@ def test_gradcheck(recurrence, ran):  # noqa: F811
 def _pooled_call(q, k, v, grad):
     """(out, grad q, grad k, grad v) of the kernel in float32, and of the pure-PyTorch chunk path in float64."""
     results = []
-    for dtype, fn in ((torch.float32, cpu_kernel.CausalDotProductCPU.apply), (torch.float64, chunk.CausalDotProduct.apply)):
+    for dtype, fn in ((torch.float32, cpu_kernel.causal_dot_product), (torch.float64, chunk.CausalDotProduct.apply)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        args = (*leaves, "recurrence", 64) if dtype == torch.float32 else leaves
-        out = fn(*args)
+        out = fn(*leaves)
         out.backward(grad.to(dtype))
         results.append([out.detach()] + [t.grad for t in leaves])
     return results
@@ -207,7 +208,7 @@ def test_pool_limit_from_the_environment(recurrence):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
     code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "
             "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
-            "cpu_kernel.CausalDotProductCPU.apply(q, q, q, 'recurrence', 64).sum().backward(); "
+            "cpu_kernel.causal_dot_product(q, q, q).sum().backward(); "
             "print(*m.pool_stats(), m.set_pool_limit(0))")
     # out, grad q, grad k, grad v: 32 MiB each, the states 8 MiB; all freed, the pool keeps what fits 48 MiB
     for value, limit in (("0", 0), ("48", 48 << 20)):

@@ -26,19 +26,16 @@ def candidate(op: str, name: str) -> kernels.Candidate:
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Stand-ins for the builds: ``builds(recurrence=True, chunk=False, ...)`` sets whether each
-    candidate's build can be had (the recurrence, when available, fits every shape here)."""
+    """Stand-ins for the builds: ``builds(recurrence=True, lsh=False, ...)`` sets whether each
+    candidate's build can be had."""
     monkeypatch.delenv(kernels.SWITCH, raising=False)
 
     def set_builds(**available):
         for (op, name), ok in {("causal", "cuda"): available.get("cuda", False),
                                ("causal", "recurrence"): available.get("recurrence", False),
-                               ("causal", "chunk"): available.get("chunk", False),
                                ("lsh_window", "cpp"): available.get("lsh", False),
                                ("fused_step", "cpp"): available.get("fused", False)}.items():
             monkeypatch.setattr(candidate(op, name), "available", lambda ok=ok: ok)
-        # the recurrence's own condition asks its build which C, M fit: here, all that the chunk kernel takes
-        monkeypatch.setattr(candidate("causal", "recurrence"), "accepts", candidate("causal", "chunk").accepts)
 
     return set_builds
 
@@ -54,24 +51,23 @@ def qkv(device="cpu", dtype=torch.float32, c=8, m=8):
 # ---------------------------------------------------------------- conditions
 
 
-def test_cpu_float32_and_float64_take_the_first_cpp_kernel_that_builds(builds):
-    builds(recurrence=True, chunk=True)
+def test_cpu_float32_and_float64_take_the_cpp_kernel_where_it_builds(builds):
+    builds(recurrence=True)
     assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=torch.float64)) == "recurrence"
-    builds(recurrence=False, chunk=True)
-    assert chosen("causal", *qkv()) == "chunk"
+    assert chosen("causal", *qkv(c=7, m=5)) == "recurrence"  # zero-padded to whole registers
     builds()
     assert chosen("causal", *qkv()) == "reference"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_on_cpu_takes_the_reference(builds, dtype):
-    builds(recurrence=True, chunk=True, lsh=True)
+    builds(recurrence=True, lsh=True)
     assert chosen("causal", *qkv(dtype=dtype)) == "reference"
     assert chosen("lsh_window", *qkv(dtype=dtype)) == "reference"
 
 
 def test_cpu_autocast_and_mixed_dtypes_take_the_reference(builds):
-    builds(recurrence=True, chunk=True, lsh=True, fused=True)
+    builds(recurrence=True, lsh=True, fused=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert chosen("causal", *qkv()) == "reference"
         assert chosen("fused_step", torch.zeros(1, 16)) == "reference"
@@ -88,7 +84,7 @@ def test_fused_step_only_for_small_cpu_batches(builds):
 
 
 def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
-    builds(recurrence=True, chunk=True, cuda=True)
+    builds(recurrence=True, cuda=True)
     with FakeTensorMode():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert chosen("causal", *qkv("cuda", dtype)) == "cuda"
@@ -96,7 +92,7 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
         assert chosen("causal", *qkv("cuda", torch.float64)) == "reference"
         assert chosen("lsh_window", *qkv("cuda")) == "reference"
         assert chosen("fused_step", torch.zeros(1, 16, device="cuda")) == "reference"
-        builds(recurrence=True, chunk=True, cuda=False)
+        builds(recurrence=True, cuda=False)
         assert chosen("causal", *qkv("cuda")) == "reference"
     assert chosen("causal", *qkv()) == "recurrence"  # CPU tensors never take the CUDA kernel
 
@@ -106,7 +102,7 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
 
 @pytest.mark.parametrize("value, expected", [
     ("", {}), ("auto", {}), ("reference", {op: "reference" for op in kernels.CANDIDATES}),
-    ("causal=chunk", {"causal": "chunk"}),
+    ("causal=recurrence", {"causal": "recurrence"}),
     (" causal = reference , lsh_window=cpp ", {"causal": "reference", "lsh_window": "cpp"}),
 ])
 def test_switch_values(monkeypatch, value, expected):
@@ -115,19 +111,19 @@ def test_switch_values(monkeypatch, value, expected):
 
 
 def test_switch_forces_a_candidate_where_it_applies_and_the_reference_elsewhere(builds, monkeypatch):
-    builds(recurrence=True, chunk=True, lsh=True, fused=True, cuda=True)
-    monkeypatch.setenv(kernels.SWITCH, "causal=chunk")
-    assert chosen("causal", *qkv()) == "chunk"
+    builds(recurrence=True, lsh=True, fused=True, cuda=True)
+    monkeypatch.setenv(kernels.SWITCH, "causal=recurrence")
+    assert chosen("causal", *qkv()) == "recurrence"
     assert chosen("lsh_window", *qkv()) == "cpp"  # other ops unaffected
     with FakeTensorMode():
-        assert chosen("causal", *qkv("cuda")) == "reference"  # chunk does not apply to CUDA tensors
+        assert chosen("causal", *qkv("cuda")) == "reference"  # the recurrence does not apply to CUDA tensors
     monkeypatch.setenv(kernels.SWITCH, "reference")
     assert [chosen("causal", *qkv()), chosen("lsh_window", *qkv()), chosen("fused_step", torch.zeros(1, 4))] \
         == ["reference"] * 3
 
 
 @pytest.mark.parametrize("value, names", [
-    ("causal=fast", "its kernels: cuda, recurrence, chunk, reference"),
+    ("causal=fast", "its kernels: cuda, recurrence, reference"),
     ("attention=reference", "an op among causal, lsh_window, fused_step, causal_attention"),
     ("0", "is not 'auto', 'reference' or op=kernel"),
 ])
@@ -147,10 +143,10 @@ def test_an_unknown_op_names_the_ops():
 
 
 def test_describe_names_the_chosen_candidate_per_op(builds, monkeypatch):
-    builds(recurrence=False, chunk=True, fused=False)
-    monkeypatch.setattr(candidate("causal", "chunk"), "detail", lambda: "avx2")
+    builds(recurrence=True, fused=False)
+    monkeypatch.setattr(candidate("causal", "recurrence"), "detail", lambda: "avx2")
     lines = kernels.describe()
-    assert lines[0] == "causal op on cpu (float32, C = M = 32): C++ chunked kernel (ops/cpu/causal_dot.cpp), avx2"
+    assert lines[0] == "causal op on cpu (float32, C = M = 32): C++ recurrence (ops/cpu/causal_recurrence.cpp), avx2"
     assert lines[1].startswith("lsh_window op on cpu (float32): PyTorch window step")
     assert lines[2].startswith("fused_step op on cpu (float32, batch 1): Python step")
     assert lines[-1].startswith(f"{kernels.SWITCH} unset")
@@ -176,9 +172,9 @@ def naive_linear(attention, q, k, v):
 
 @pytest.fixture(scope="module")
 def extensions():
-    """The real C++ causal kernels; a skip only without a C++ compiler (CI has one)."""
+    """The real C++ causal kernel; a skip only without a C++ compiler (CI has one)."""
     try:
-        return cpu.CAUSAL_RECURRENCE.load(), cpu.CAUSAL_DOT.load()
+        return cpu.CAUSAL_RECURRENCE.load()
     except RuntimeError as error:
         if cpu.find_compiler() is not None:
             raise
@@ -186,13 +182,13 @@ def extensions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("c, m, kernel", [(16, 16, "recurrence"), (7, 5, "chunk")])
+@pytest.mark.parametrize("c, m, kernel", [(16, 16, "recurrence"), (7, 5, "recurrence")])  # 7, 5: zero-padded
 @pytest.mark.parametrize("switch", ["", "reference"])
 def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
         extensions, monkeypatch, c, m, kernel, switch):
     monkeypatch.setenv(kernels.SWITCH, switch)
     ran = []
-    for name in ("recurrence", "chunk", "reference"):
+    for name in ("recurrence", "reference"):
         entry = candidate("causal", name)
         monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
     attention = ll.build_attention("linear", causal=True, query_dim=c)
@@ -208,9 +204,8 @@ def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
 
 
 @pytest.mark.slow
-def test_the_real_builds_select_by_register_width(extensions):
-    assert chosen("causal", *qkv(c=32, m=32)) == "recurrence"
-    assert chosen("causal", *qkv(c=7, m=5)) == "chunk"
+def test_the_real_build_is_selected_for_every_width(extensions):
+    assert chosen("causal", *qkv(c=32, m=32)) == chosen("causal", *qkv(c=7, m=5)) == "recurrence"
     assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
 
 

@@ -3,11 +3,10 @@
 * :data:`FUSED_STEP` (``fused_step.cpp``): the fused RNN step of a stack of linear-attention
   (elu + 1) layers, which :mod:`linformer_lab.models.fused_step` calls from
   :func:`~linformer_lab.models.generation.fast_step`;
-* :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``) and :data:`CAUSAL_DOT`
-  (``causal_dot.cpp``): the causal numerator of linear attention, forward and backward, as a
-  register-resident recurrence and as the chunked algorithm, which
-  :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (the recurrence where C and M are
-  multiples of a register width, the chunk kernel for the rest);
+* :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``): the causal numerator of linear
+  attention, forward and backward, as a register-resident recurrence, which
+  :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (C and M zero-padded to whole
+  registers) through the operators of :mod:`linformer_lab.ops.custom_ops`;
 * :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
   attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention` calls.
 
@@ -49,7 +48,7 @@ import torch
 
 from linformer_lab.ops import build_cache
 
-__all__ = ["CAUSAL_DOT", "CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW", "Extension", "build_dir", "cache_root", "find_compiler",
+__all__ = ["CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW", "Extension", "build_dir", "cache_root", "find_compiler",
            "fused_module", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
@@ -213,11 +212,9 @@ class Extension:
 
 FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
                        "generation keeps to the Python step (linformer_lab.models.generation.fast_step)")
-CAUSAL_DOT = Extension("linformer_lab_causal_dot", "causal_dot.cpp",
-                       "the causal linear-attention numerator keeps to the pure-PyTorch chunk path "
-                       "(linformer_lab.ops.linear_attention.chunk)")
 CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
-                              "the causal linear-attention numerator keeps to the chunked C++ kernel (causal_dot.cpp)")
+                              "the causal linear-attention numerator keeps to the PyTorch reference "
+                              "(linformer_lab.ops.linear_attention.chunk)")
 
 LSH_WINDOW = Extension("linformer_lab_lsh_window", "lsh_window.cpp",
                        "lsh attention keeps to its pure-PyTorch window step (linformer_lab.ops.lsh.window_attention_torch)")

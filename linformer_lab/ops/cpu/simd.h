@@ -1,5 +1,5 @@
-// What the causal-numerator kernels of this folder (causal_dot.cpp, causal_recurrence.cpp) share:
-// SIMD registers as GCC vector types, their loads and stores, prefetching, and the choice at run
+// What the kernels of this folder (causal_recurrence.cpp, lsh_window.cpp) share:
+// SIMD registers as GCC vector types, their loads and stores, and the choice at run
 // time among the versions of the hot loops compiled for AVX-512, AVX2 + FMA and the SSE2 baseline.
 //
 // Each kernel is built into a module of its own (linformer_lab/ops/cpu/__init__.py, whose build
@@ -45,13 +45,6 @@ INLINE typename Register<T, B>::type load(const T* p) {
 }
 template <typename T, int B>
 INLINE void store(T* p, typename Register<T, B>::type x) { std::memcpy(p, &x, sizeof(x)); }
-
-// Asks for [p, p + n) in cache ahead of use: a backward walks its blocks from last to first,
-// against the hardware prefetchers.
-template <typename T>
-void prefetch(const T* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 2);
-}
 
 enum class Isa { kAvx512, kAvx2, kBaseline };
 

@@ -7,11 +7,10 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
   8, 9) and the loop over t of eq. 10-12. Slow on purpose; the tests compare against it.
 * :mod:`.chunk` -- the causal numerator as a chunked ``autograd.Function`` (matmuls per chunk,
   eq. 13-15 backward), no ``(N, C, M)`` tensor: the PyTorch reference of the kernels in
-* :mod:`.cpu_kernel` -- the same Function over C++ CPU kernels: a register-resident recurrence
-  (``linformer_lab/ops/cpu/causal_recurrence.cpp``) where C and M fit whole SIMD registers, else
-  the same chunked algorithm (``causal_dot.cpp``).
+* :mod:`.cpu_kernel` -- the same contract on the C++ CPU kernel: a register-resident recurrence
+  (``linformer_lab/ops/cpu/causal_recurrence.cpp``), C and M zero-padded to whole SIMD registers.
   :func:`causal_dot_product` runs the kernel that :mod:`linformer_lab.ops.kernels` picks for the
-  inputs' device and dtype (these two, the CUDA kernel, or the reference).
+  inputs' device and dtype (this one, the CUDA kernel, or the reference).
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs.

@@ -1,108 +1,74 @@
-"""The causal numerator on CPU through the C++ kernels in ``linformer_lab/ops/cpu/``.
+"""The causal numerator on CPU through the C++ recurrence (``linformer_lab/ops/cpu/causal_recurrence.cpp``).
 
 Same contract as :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct` (initial
-state in, final state out, gradients into both), two C++ algorithms behind one Function,
-:class:`CausalDotProductCPU`; :mod:`linformer_lab.ops.kernels` decides which runs (its
-candidates ``recurrence`` and ``chunk`` of the ``causal`` op, with their conditions):
+state in, final state out, gradients into both); :mod:`linformer_lab.ops.kernels` decides where
+it runs (the ``recurrence`` candidate of the ``causal`` op: CPU, float32 / float64, autocast off).
 
-* ``"recurrence"`` (``causal_recurrence.cpp``): the plain recurrence S_t = S_{t-1} + k_t v_t^T
-  with a tile of the state held in SIMD registers while the positions stream past; 16 C M
-  flops per position (fwd+bwd), all of them broadcast FMAs. It runs where C and M are both
-  multiples of a register width (4 floats / 2 doubles or more), and there it beats the chunked
-  kernel at every shape measured: its column tails are whole registers,
-  where the chunked kernel's are scalar. Its large outputs come from a pool of reused buffers
-  (``ops/cpu/output_pool.h``), since a fresh buffer costs a page fault per 4 KiB. The chunk
-  length is unused.
-* ``"chunk"`` (``causal_dot.cpp``): the chunked algorithm of
-  :mod:`~linformer_lab.ops.linear_attention.chunk` (per chunk an L x L masked product plus the
-  product with the state) in cache-resident C++ loops; for the other C, M (odd ones, D = 7).
-
-Both use AVX2 / AVX-512 where the CPU has them; ``tests/ops/test_causal_cpu_kernel.py`` holds both
-to a float64 O(N^2) reference.
+The recurrence is the plain S_t = S_{t-1} + k_t v_t^T with a tile of the state held in SIMD
+registers while the positions stream past: 16 C M flops per position (fwd+bwd), all of them
+broadcast FMAs, so its loops need C and M in whole registers. Other C, M (odd head sizes, poly2's
+1 + D + D (D + 1) / 2 features) are zero-padded up to whole registers (:func:`recurrence_dims`):
+zero columns of q and k, and zero columns of v, add nothing to any state or output, and the
+padded columns of the results are cut off. The kernel runs as the ``torch.library`` operator of
+:mod:`linformer_lab.ops.custom_ops`, so ``torch.compile`` traces through it. Its large outputs come
+from a pool of reused buffers (``ops/cpu/output_pool.h``), since a fresh buffer costs a page fault
+per 4 KiB. ``tests/ops/test_causal_cpu_kernel.py`` holds it to a float64 O(N^2) reference.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from linformer_lab.ops import cpu
+from linformer_lab.ops import cpu, custom_ops
 
-__all__ = ["ALGORITHMS", "CausalDotProductCPU", "causal_dot_product", "cpp_chunk_size"]
-
-#: The C++ algorithms, by the name :mod:`linformer_lab.ops.kernels` gives them.
-ALGORITHMS = ("recurrence", "chunk")
+__all__ = ["causal_dot_product", "recurrence_dims"]
 
 
-def cpp_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """The chunk length of the C++ chunked kernel (``causal_dot.cpp``) when none is given: 32 up to
-    D = 32, else 64, the fastest or near it from D = 16 to 128 as measured. At
-    least min(C, M) up to D = 64 keeps the (N / L, C, M) chunk states that the backward recomputes
-    (one row's per thread) no larger than an input row; at C = M = 128 they are twice its size,
-    still O(N). (The PyTorch reference has its own rule: ``chunk.reference_chunk_size``.)"""
-    return 32 if min(feature_dim, value_dim) <= 32 else 64
+def _padded(size: int, width: int) -> int:
+    return -(-size // width) * width
 
 
-def causal_dot_product(q, k, v, algorithm: str, chunk_size: int | None = None, initial_state=None,
-                       return_final_state: bool = False):
-    """:func:`~linformer_lab.ops.linear_attention.causal_dot_product` on ``algorithm`` (one of
-    :data:`ALGORITHMS`; the caller has checked that it applies). ``chunk_size``: the chunked
-    kernel's (None: :func:`cpp_chunk_size`)."""
-    chunk = chunk_size or cpp_chunk_size(q.shape[-1], v.shape[-1])
-    return CausalDotProductCPU.apply(q, k, v, algorithm, chunk, initial_state, return_final_state)
+@torch.compiler.assume_constant_result  # traced as its value: the extension is built and asked once per shape
+def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(C', M') that the recurrence runs (C, M) as in ``dtype``: (C, M) where they fill whole
+    registers, else both zero-padded to the register width with the fewest vector FMAs per
+    position (C' M' / width: D = 7 pads to 8 floats, D = 33 to 48 where AVX-512 has 16); None
+    where the extension cannot be had (warned once) or ``dtype`` is not float32 / float64."""
+    module = cpu.CAUSAL_RECURRENCE.module()
+    if module is None or dtype not in (torch.float32, torch.float64):
+        return None
+    like = torch.empty(0, dtype=dtype)
+    if module.fits(feature_dim, value_dim, like):
+        return feature_dim, value_dim
+    widths = []  # in elements, the widest register of the instruction set in use down to 16 bytes
+    width = module.width(64, 64, like) // like.element_size()
+    while width * like.element_size() >= 16:
+        widths.append(width)
+        width //= 2
+    best = min(widths, key=lambda w: (_padded(feature_dim, w) * _padded(value_dim, w) / w, -w))
+    return _padded(feature_dim, best), _padded(value_dim, best)
 
 
-def _flat_rows(x: torch.Tensor) -> torch.Tensor:
-    """``(B, H, N, X) -> (B H, N, X)``, contiguous (the kernel reads raw rows)."""
-    return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]).contiguous()
-
-
-class CausalDotProductCPU(torch.autograd.Function):
-    """``apply(q, k, v, algorithm, chunk_size, initial_state=None, return_final_state=False)``: as
-    :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct`, on ``algorithm``
-    (``"recurrence"`` or ``"chunk"``; the chunk length is the chunked kernel's, the recurrence ignores it).
-    Saved for backward: the inputs and states. The recurrence keeps the state at every block
-    start ((B H, N / 256, C, M), at most half an input for M <= 128); the chunk kernel keeps S_0
-    and recomputes the chunk-boundary states, one K^T V per chunk, except where the forward ran
-    chunks in parallel and has them anyway (chunk.py keeps them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, algorithm: str, chunk_size: int, initial_state=None, return_final_state: bool = False):
-        b, h, _, c = q.shape
-        m = v.shape[-1]
-        ctx.algorithm = algorithm
-        # contiguous: the C++ kernels index raw rows, and causal_dot.cpp's clone of S_0 keeps a transposed one's strides
-        initial = None if initial_state is None else initial_state.reshape(b * h, c, m).contiguous()
-        qr, kr, vr = _flat_rows(q), _flat_rows(k), _flat_rows(v)
-        if ctx.algorithm == "recurrence":
-            out, final, states = cpu.CAUSAL_RECURRENCE.load().forward(qr, kr, vr, initial)
-            initial = None  # states[:, 0] is S_0
-        else:
-            out, final, states = cpu.CAUSAL_DOT.load().forward(qr, kr, vr, initial, chunk_size)
-        ctx.chunk, ctx.shape4 = chunk_size, (b, h, q.shape[2])
-        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-        ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
-        ctx.save_for_backward(qr, kr, vr, initial, states)  # chunk kernel: states empty unless chunks ran in parallel
-        out = out.view(b, h, q.shape[2], m)
-        if not return_final_state:
-            return out
-        return out, final.view(b, h, c, m)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the C++ backward is not differentiable: say so, not wrong
-    def backward(ctx, grad_out, grad_final=None):
-        qr, kr, vr, initial, states = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(vr)
-        grad_out = _flat_rows(grad_out.to(qr.dtype)) if grad_out.dim() == 4 else grad_out.contiguous()
-        final = None if grad_final is None else grad_final.reshape(qr.shape[0], qr.shape[2], vr.shape[2]).contiguous()
-        if ctx.algorithm == "recurrence":
-            gq, gk, gv, grad_initial = cpu.CAUSAL_RECURRENCE.load().backward(qr, kr, vr, grad_out, states, final)
-        else:
-            gq, gk, gv, grad_initial = cpu.CAUSAL_DOT.load().backward(qr, kr, vr, grad_out, initial, states, final,
-                                                                       ctx.chunk)
-        shape = ctx.shape4
-        grad_initial = None if ctx.initial_dtype is None else grad_initial.view(*shape[:2], *grad_initial.shape[1:])
-        if grad_initial is not None:
-            grad_initial = grad_initial.to(ctx.initial_dtype)
-        return (gq.view(*shape, gq.shape[-1]), gk.view(*shape, gk.shape[-1]), gv.view(*shape, gv.shape[-1]),
-                None, None, grad_initial, None)
+def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
+                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
+    """:func:`~linformer_lab.ops.linear_attention.causal_dot_product` on the recurrence:
+    ``q, k (B, H, N, C), v (B, H, N, M)`` float32 / float64 on CPU, ``initial_state`` S_0
+    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)``, with ``return_final_state`` ``(out, S_N)``.
+    ``chunk_size`` is the reference's and unused here."""
+    c, m = q.shape[-1], v.shape[-1]
+    dims = recurrence_dims(c, m, q.dtype)
+    if dims is None:
+        raise RuntimeError(f"the C++ causal recurrence does not run {q.dtype} here: it takes float32 or float64, "
+                           "and needs the causal_recurrence.cpp extension built")
+    pad_c, pad_m = dims[0] - c, dims[1] - m
+    if pad_c or pad_m:
+        q, k, v = F.pad(q, (0, pad_c)), F.pad(k, (0, pad_c)), F.pad(v, (0, pad_m))
+        if initial_state is not None:
+            initial_state = F.pad(initial_state, (0, pad_m, 0, pad_c))
+    else:  # the operator reads contiguous rows; copied here, the copies are what it saves for the backward
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, final, _ = custom_ops.causal_recurrence_forward(q, k, v, initial_state)
+    if pad_c or pad_m:
+        out, final = out[..., :m], final[..., :c, :m]
+    return (out, final) if return_final_state else out
