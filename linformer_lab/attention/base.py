@@ -170,6 +170,10 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
     if key_lengths.device != device:
         raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
     low, high = int(key_lengths.min()), int(key_lengths.max())
+    if torch.compiler.is_compiling():  # a traced graph cannot branch on tensor values: a runtime assert instead
+        torch._check(low >= 1)
+        torch._check(high <= seq)
+        return
     if low < 1 or high > seq:
         raise ValueError(f"{who}: key_lengths must lie in [1, {seq}] (the sequence length); got values in [{low}, {high}]")
 

@@ -64,7 +64,8 @@ _MEMBERS = (("detach", "detach()"), ("clone", "clone()"), ("nbytes", "nbytes"))
 def _lacks(state) -> list[str]:
     """The members of the contract that ``state`` lacks (what ``isinstance(state, AttentionState)``
     looks at)."""
-    return [label for name, label in _MEMBERS if not hasattr(state, name)]
+    # the class first: hasattr on the state would compute nbytes, which a traced (symbolic) tensor cannot
+    return [label for name, label in _MEMBERS if not (hasattr(type(state), name) or hasattr(state, name))]
 
 
 def _listed(names: list[str]) -> str:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from linformer_lab.ops import custom_ops
 from linformer_lab.ops.cuda import toolchain
 from linformer_lab.ops.cuda.toolchain import Arch, build, cache_root, default_archs, find_cuda_home, parse_arch_list
 from linformer_lab.ops.linear_attention import dot_product_with_state
@@ -101,6 +101,7 @@ def load(verbose: bool = False):
                     f"GPU compute capability {uncovered[0][0]}.{uncovered[0][1]}; add it or unset the variable"
                 )
             build(archs, verbose=verbose)
+        custom_ops.register_cuda_ops()  # fake functions and the gradient: torch.compile traces through the kernel
         _ops = getattr(torch.ops, toolchain.OPS_NAMESPACE)
     return _ops
 
@@ -110,21 +111,16 @@ def load(verbose: bool = False):
 # ------------------------------------------------------------------------------------------------
 
 
-class _CausalDotProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ops = load()
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ctx.save_for_backward(q, k, v)
-        return ops.causal_dot_product_fwd(q, k, v)
+@torch.compiler.assume_constant_result  # torch.compile traces the call as its value: loaded once per process
+def _loaded() -> bool:
+    return load() is not None
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v = ctx.saved_tensors
-        mask = [bool(x) for x in ctx.needs_input_grad[:3]]
-        grad_q, grad_k, grad_v = load().causal_dot_product_bwd(q, k, v, grad_out.contiguous(), mask)
-        return grad_q, grad_k, grad_v
+
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The stateless numerator; its gradient is registered with the operator
+    (:func:`linformer_lab.ops.custom_ops.register_cuda_ops`)."""
+    _loaded()
+    return _ops.causal_dot_product_fwd(q.contiguous(), k.contiguous(), v.contiguous())
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None = None,
@@ -147,5 +143,5 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initia
         inputs; the backward pass (eq. 13-15) uses O(N (D + M)) memory.
     """
     if initial_state is None and not return_final_state:
-        return _CausalDotProduct.apply(q, k, v)
-    return dot_product_with_state(_CausalDotProduct.apply, q, k, v, initial_state, return_final_state)
+        return _kernel(q, k, v)
+    return dot_product_with_state(_kernel, q, k, v, initial_state, return_final_state)
