@@ -78,7 +78,24 @@ def train_rate(config: str, device: str, compile: str, batch: int | None, second
     _sync(device)
     elapsed = time.perf_counter() - start
     return {"part": "train", "config": config, "compile": compile, "batch": batch, "updates": done,
-            "ms_per_update": elapsed / done * 1e3, "images_per_s": done * batch / elapsed, "warmup_s": warmup}
+            "ms_per_update": elapsed / done * 1e3, "images_per_s": done * batch / elapsed, "warmup_s": warmup,
+            "kernels_per_update": kernel_launches(lambda: update(done), device)}
+
+
+def kernel_launches(call, device: str) -> int | None:
+    """GPU kernels one call launches (torch.profiler), the count that launch overhead multiplies."""
+    if device != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - a profiler that cannot run here: the column stays empty
+        return None
 
 
 def training(device: str, budget, dry_run: bool) -> list[dict]:
@@ -176,7 +193,7 @@ def generation(device: str, budget, dry_run: bool) -> list[dict]:
 
 def training_table(rows: list[dict]) -> list[list]:
     return [[r["config"], r["compile"], r["batch"], r["updates"], f"{r['ms_per_update']:.1f}", f"{r['images_per_s']:.0f}",
-             f"{r['warmup_s']:.1f}"] for r in rows if r["part"] == "train"]
+             f"{r['warmup_s']:.1f}", r.get("kernels_per_update") or "—"] for r in rows if r["part"] == "train"]
 
 
 def generation_table(rows: list[dict]) -> list[list]:
