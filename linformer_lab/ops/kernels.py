@@ -12,9 +12,9 @@ op                    candidates, first to last             called from
                                                             of eq. 9, ``ops.linear_attention``)
 ``lsh_window``        cpp, reference                        ``ops/lsh.py``'s ``window_attention``
 ``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
-``causal_attention``  reference                             ``attention/linear.py``: the slot of a
-                                                            fused GPU kernel (feature map, numerator
-                                                            and normaliser in one)
+``causal_attention``  triton, reference                     ``attention/linear.py``: eq. 9-12 with
+                                                            the feature map, numerator and normaliser
+                                                            in one GPU kernel (``ops/cuda/triton_chunk``)
 ====================  ====================================  =========================================
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
@@ -205,6 +205,25 @@ def _causal_attention_reference(feature_map, q, k, v, key_lengths, eps, dot_prod
                                    dot_product, initial_state, return_state)
 
 
+def _causal_attention_triton(feature_map, q, k, v) -> bool:
+    from linformer_lab.ops.cuda.triton_chunk import backend
+
+    return backend.accepts(feature_map, q, k, v)
+
+
+def _causal_attention_triton_run(*args):
+    """The reference's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
+    from linformer_lab.ops.cuda.triton_chunk import backend
+
+    return backend.causal_attention(*args)
+
+
+def _triton_available() -> bool:
+    from linformer_lab.ops.cuda import triton_chunk
+
+    return triton_chunk.is_available()
+
+
 _ALWAYS = "always"
 
 #: op -> its candidates, first to last; the reference is last (module docstring: adding a kernel).
@@ -235,6 +254,10 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   _everywhere, lambda: True, lambda *args: None),
     ],
     "causal_attention": [
+        Candidate("triton", "Triton chunk kernel, elu and the normaliser fused (ops/cuda/triton_chunk)",
+                  "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
+                  "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
+                  _causal_attention_triton, _triton_available, _causal_attention_triton_run),
         Candidate(REFERENCE, "feature map, then the causal op and the normaliser in PyTorch", _ALWAYS,
                   _everywhere, lambda: True, _causal_attention_reference),
     ],

@@ -222,6 +222,21 @@ def test_backend_equals_the_causal_attention_reference(device, feature_map, with
             (q, k, v, s0, z0), torch.float32, f"backend {feature_map}")
 
 
+def test_dispatch_lists_the_kernel_first_for_cuda_only(monkeypatch):
+    """The ``causal_attention`` op of the kernel dispatch has the kernel first and the reference
+    last; CPU tensors get the reference, also when the switch forces the kernel by its name."""
+    from linformer_lab.feature_maps import build_feature_map
+    from linformer_lab.ops import kernels
+
+    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", kernels.REFERENCE]
+    feature_map = build_feature_map("elu", query_dim=4)
+    q = torch.randn(1, 2, 8, 4)
+    assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.REFERENCE
+    monkeypatch.setenv(kernels.SWITCH, "causal_attention=triton")
+    assert kernels.forced() == {"causal_attention": "triton"}
+    assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.REFERENCE
+
+
 @pytest.mark.slow
 def test_torch_compile_traces_through_the_custom_op(device):
     """``torch.compile(fullgraph=True)`` traces the op (fake tensors, registered autograd): same
