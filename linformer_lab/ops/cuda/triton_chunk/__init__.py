@@ -8,7 +8,12 @@ over (sequence x head, chunk, tile), state in and out, packed sequences.
 * :func:`chunk_linear_attention_reference` -- the same algorithm and signature in PyTorch
   (``reference.py``), for tests and as the readable form;
 * ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients;
-  ``launch.py`` -- compiling (lazily, so ``TRITON_INTERPRET=1`` runs them on a CPU) and launching.
+  ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU) and
+  launching; ``backend.py`` -- the kernel with the arguments of the ``causal_attention`` op of
+  :mod:`linformer_lab.ops.kernels`, whose GPU candidate it is, and of ``linear_cuda``.
+
+Without a GPU only the interpreter runs them; a GPU session checks them with
+``tests/ops/test_triton_chunk_gpu.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Compiling and launching the Triton kernels of ``forward.py`` and ``backward.py``.
 
 The kernels are wrapped with ``triton.jit`` on first use, once per mode: under
-``TRITON_INTERPRET=1`` (read then, not at import) Triton's interpreter runs them on CPU tensors
-in numpy (fp32, fp16), which is how CI tests them. On a GPU the three kernels that are parallel
+``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU tensors in numpy (fp32, fp16), which
+is how CI tests them. The variable must be set before triton is first imported: triton.language's
+own functions (``tl.sum``) take their mode then (``tests/conftest.py`` sets it). On a GPU the three kernels that are parallel
 over chunks carry a small autotuning space (their value-tile width and warps, keyed by C, M, the
 chunk and the dtypes); the two state walks take their tiles from the grid size: tiles of 64,
 halved while the grid has fewer programs than two per multiprocessor, so that short batches
