@@ -239,16 +239,24 @@ def test_dispatch_lists_the_kernel_first_for_cuda_only(monkeypatch):
 
 @pytest.mark.slow
 def test_torch_compile_traces_through_the_custom_op(device):
-    """``torch.compile(fullgraph=True)`` traces the op (fake tensors, registered autograd): same
+    """``torch.compile(fullgraph=True)`` traces the op (fake tensors, registered autograd) and the
+    layers' entry to it (``backend.accepts``, ``backend.causal_attention`` with a state): same
     outputs and gradients as eager."""
-    q, k, v = inputs(1, 2, 20, 8, 8, torch.float32, device=device)
+    from linformer_lab.attention import build_attention
+    from linformer_lab.ops.cuda.triton_chunk import backend
 
-    def f(q, k, v):
-        return chunk_linear_attention(q * 0.5, k, v, chunk_size=16).square().sum()
+    feature_map = build_attention("linear", causal=True, query_dim=8).feature_map
+    q, k, v, s0, z0 = inputs(1, 2, 20, 8, 8, torch.float32, state=True, device=device)
 
-    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    def f(q, k, v, s0, z0):
+        out, state = backend.causal_attention(feature_map, q * 0.5, k, v, None, 1e-6, None, (s0, z0), True)
+        accepted = backend.accepts(feature_map, q, k, v)  # False on CPU tensors: traced all the same
+        return out.square().sum() + state[0].sum() + state[1].sum() + accepted
+
+    tensors = (q, k, v, s0, z0)
+    eager = torch.autograd.grad(f(*tensors), tensors)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    for got, want in zip(torch.autograd.grad(compiled(q, k, v), (q, k, v)), eager):
+    for got, want in zip(torch.autograd.grad(compiled(*tensors), tensors), eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
