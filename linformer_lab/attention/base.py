@@ -290,9 +290,11 @@ class SequenceBuffer:
         if torch.is_grad_enabled() and (x_t.requires_grad or store.data.requires_grad):
             data = torch.cat([self.filled, x_t.unsqueeze(dim)], dim=dim)
             return SequenceBuffer._holding(_Storage(data, length + 1), dim, length + 1)
-        if store.used != length or length == store.data.shape[dim]:
-            # a longer buffer holds position `length` already, or there is no room: storage of
-            # its own, twice the size (so a chain of appends copies O(1) times per position)
+        if store.used != length or length == store.data.shape[dim] or \
+                (store.data.is_inference() and not torch.is_inference_mode_enabled()):
+            # a longer buffer holds position `length` already, or there is no room (or the storage
+            # was made under inference mode, which only it may write): storage of its own, twice
+            # the size (so a chain of appends copies O(1) times per position)
             shape = list(store.data.shape)
             shape[dim] = max(2 * length, 16)
             data = store.data.new_empty(shape)

@@ -260,3 +260,15 @@ def test_the_fast_step_leaves_a_callers_state_and_continues_it_alike(backend, co
         snapshot, kept = _tensors(state), clone_state(state)  # fast_step may update its own state: a clone keeps it
         fast_step(model, x[:, -1], state)
         assert _same(_tensors(kept), snapshot)
+
+
+def test_a_cache_prefilled_under_inference_mode_steps_under_no_grad():
+    """Storage made under inference mode cannot be written outside it: the append copies instead."""
+    backend = _backend(AttentionConfig("softmax"))
+    qkv = _sequence(backend, PREFIX + 2, seed=8)
+    with torch.inference_mode():
+        state = _prefilled(backend, qkv, "forward")
+    with torch.no_grad():
+        got, _ = _steps(backend, qkv, state, start=PREFIX)
+        want, _ = _steps(backend, qkv, None)
+    assert_close("softmax after an inference-mode prefill", want[:, :, PREFIX:], got, **TOL)
