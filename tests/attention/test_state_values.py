@@ -115,6 +115,10 @@ def test_a_step_leaves_its_state_and_repeats_exactly(config, how):
     assert _same(_tensors(state), before), f"{config_id(config)}: step changed the state it was given"
     assert torch.equal(first, again), f"{config_id(config)}: two steps from one state differ"
     assert after_first is not state and _same(_tensors(after_first), _tensors(after_again))
+    if backend.supports_state:  # the parallel form continuing the state leaves it as it was too
+        chunk = tuple(x[:, :, PREFIX:] for x in qkv)
+        out, _ = backend(*chunk, state=state, return_state=True)
+        assert torch.equal(out, backend(*chunk, state=state)) and _same(_tensors(state), before)
 
 
 @pytest.mark.parametrize("how", ["forward", "steps"])
