@@ -7,6 +7,29 @@ import torch
 from linformer_lab.feature_maps.base import FeatureMap
 
 
+class EluPlusOne(torch.autograd.Function):
+    """``phi(x) = elu(x) + 1`` with a backward that needs only ``phi``: the derivative is 1 for
+    x > 0 and exp(x) = phi(x) otherwise, i.e. ``min(phi(x), 1)``.
+
+    Autograd through the ``where`` / ``exp`` / ``clamp`` graph keeps several tensors and runs
+    several elementwise kernels over q and k per layer; this keeps phi and runs a clamp and a
+    product. Twice differentiable: the backward is made of differentiable operations on the
+    saved output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        # exp(x) of the unused branch may overflow to inf for large x; where() discards it, and
+        # no gradient flows through this graph (the backward below is written out)
+        out = torch.where(x > 0, x + 1, torch.exp(x))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad * out.clamp(max=1)
+
+
 class EluFeatureMap(FeatureMap):
     """``elu(x) + 1``, elementwise; ``output_dim == query_dim``.
 
@@ -26,8 +49,7 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        # exp of the clamped input: the unused branch stays finite, so its zero gradient stays 0, not 0 * inf
-        out = torch.where(x > 0, x + 1, torch.exp(x.clamp_max(0.0)))
+        out = EluPlusOne.apply(x)
         if x.dtype in (torch.float16, torch.bfloat16):
             out = out.clamp_min(torch.finfo(x.dtype).tiny)
         return out

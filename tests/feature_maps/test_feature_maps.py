@@ -48,9 +48,9 @@ def test_elu_matches_definition_and_stays_positive_in_half_precision():
 
 
 def test_elu_gradients_are_autograds_of_the_definition_to_second_order():
-    """The map's gradients (autograd through where(x > 0, x + 1, exp(min(x, 0)))) against float64
-    autograd of elu(x) + 1, first and second order, at points on both sides of 0 and far out where
-    exp(x) of an unclamped unused branch would overflow; and gradcheck/gradgradcheck of the map itself."""
+    """EluPlusOne's written-out backward (min(phi, 1)) against float64 autograd of elu(x) + 1, first
+    and second order, at points on both sides of 0 and far out where exp(x) of the unused branch
+    overflows; and gradcheck/gradgradcheck of the map itself."""
     fm = ll.build_feature_map("elu", query_dim=5)
     x = torch.tensor([[-40.0, -3.0, -0.2, 0.3, 100.0], [-1.0, 0.01, -0.01, 5.0, 1000.0]], dtype=torch.float64,
                      requires_grad=True)
