@@ -26,7 +26,8 @@ __all__ = ["causal_dot_product", "recurrence_dims"]
 
 
 def _padded(size: int, width: int) -> int:
-    return -(-size // width) * width
+    """``size`` up to a multiple of ``width``, at least one (an empty C or M runs one zero register)."""
+    return max(1, -(-size // width)) * width
 
 
 @torch.compiler.assume_constant_result  # traced as its value: the extension is built and asked once per shape
