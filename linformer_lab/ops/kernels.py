@@ -54,6 +54,7 @@ REFERENCE = "reference"
 FUSED_MAX_BATCH = 16
 
 _CPU_DTYPES = (torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The CUDA kernel's largest C and M (its shared-memory tiles).
 _CUDA_MAX_DIM = 256
@@ -95,7 +96,11 @@ def _cpu_inputs(*tensors) -> bool:
 
 
 def _causal_cpu(q, k, v, initial_state=None) -> bool:
-    return q.dtype == k.dtype == v.dtype and _cpu_inputs(q, k, v, initial_state)
+    """CPU tensors, q, k, v of one dtype, under CPU autocast too: the recurrence runs float16 and
+    bfloat16 as float32, as the reference does (``ops/linear_attention/cpu_kernel.py``)."""
+    tensors = [t for t in (q, k, v, initial_state) if t is not None]
+    return (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_DTYPES + _HALF_DTYPES
+            and all(t.device.type == "cpu" for t in tensors))
 
 
 def _causal_cuda(q, k, v, initial_state=None) -> bool:
@@ -233,7 +238,8 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors of one dtype (float32, float16, bfloat16), 1 <= C, M <= 256, the extension built",
                   _causal_cuda, torch.compiler.assume_constant_result(lambda: cuda_kernel() is not None), _causal_cuda_run),
         Candidate("recurrence", "C++ recurrence (ops/cpu/causal_recurrence.cpp)",
-                  "CPU tensors, float32 or float64, CPU autocast off (C, M zero-padded to whole registers)",
+                  "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), C, M "
+                  "zero-padded to whole registers",
                   _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(REFERENCE, "PyTorch chunked reference (ops/linear_attention/chunk.py)", _ALWAYS,
                   _everywhere, lambda: True, _causal_reference),

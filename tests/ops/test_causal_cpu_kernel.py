@@ -6,8 +6,8 @@ thread splits), tests/ops/test_custom_ops.py its operators.
 Checked: outputs, gradients of q, k, v, an initial state and a final state, C != M, C and M from
 16 to 128 and ones that fill no whole register (7, 33, 65; poly2's 561 features at D = 32: zero-
 padded), one row and many, float32 and float64, non-contiguous inputs, empty inputs; that
-``causal_dot_product`` takes the kernel on CPU (a spy) and keeps to the pure-PyTorch reference
-when switched off, for other dtypes, or without the extension (one warning). The tests that need
+``causal_dot_product`` takes the kernel on CPU (a spy; float16 / bfloat16 too, run as float32) and
+keeps to the pure-PyTorch reference when switched off or without the extension (one warning). The tests that need
 the extension skip, saying why, where it cannot be built (no C++ compiler); CI has one, so there
 they run (and build it).
 """
@@ -199,7 +199,7 @@ def test_same_result_as_the_chunk_path(kernel, threads):
 
 
 @pytest.mark.parametrize("case", ["switched off", "float16", "bfloat16"])
-def test_other_cases_keep_to_the_chunk_path(monkeypatch, taken, case):
+def test_half_inputs_take_the_kernel_and_switched_off_the_chunk_path(monkeypatch, taken, case):
     dtype = torch.float32
     if case == "switched off":
         monkeypatch.setenv(kernels.SWITCH, "causal=reference")
@@ -207,7 +207,8 @@ def test_other_cases_keep_to_the_chunk_path(monkeypatch, taken, case):
         dtype = getattr(torch, case)
     q, k, v, *_ = _inputs(1, 2, 40, 8, 8)
     out = causal_dot_product(q.to(dtype), k.to(dtype), v.to(dtype))
-    assert taken == []
+    assert taken == ([] if case == "switched off" else [(8, 8)])  # half inputs run as float32
+    assert out.dtype == dtype
     want = naive.causal_dot_product_naive(*(t.to(dtype).double() for t in (q, k, v)))
     scale = want.abs().max()  # half-precision outputs: rounded to ~3 digits of the largest
     torch.testing.assert_close(out.double() / scale, want / scale, rtol=0, atol=1e-2)

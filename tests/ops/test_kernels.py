@@ -60,16 +60,20 @@ def test_cpu_float32_and_float64_take_the_cpp_kernel_where_it_builds(builds):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_on_cpu_takes_the_reference(builds, dtype):
+def test_half_precision_on_cpu_takes_the_recurrence_for_causal_else_the_reference(builds, dtype):
     builds(recurrence=True, lsh=True)
-    assert chosen("causal", *qkv(dtype=dtype)) == "reference"
+    assert chosen("causal", *qkv(dtype=dtype)) == "recurrence"  # run as float32 (tests/ops/test_kernels_half.py)
     assert chosen("lsh_window", *qkv(dtype=dtype)) == "reference"
+    builds()
+    assert chosen("causal", *qkv(dtype=dtype)) == "reference"
 
 
-def test_cpu_autocast_and_mixed_dtypes_take_the_reference(builds):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_autocast_takes_the_recurrence_for_causal_and_mixed_dtypes_the_reference(builds, dtype):
     builds(recurrence=True, lsh=True, fused=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert chosen("causal", *qkv()) == "reference"
+    with torch.autocast("cpu", dtype=dtype):
+        assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=dtype)) == "recurrence"
+        assert chosen("lsh_window", *qkv()) == "reference"
         assert chosen("fused_step", torch.zeros(1, 16)) == "reference"
     q, k, v = qkv()
     assert chosen("causal", q, k, v.double()) == "reference"

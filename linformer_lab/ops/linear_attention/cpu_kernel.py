@@ -2,7 +2,10 @@
 
 Same contract as :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct` (initial
 state in, final state out, gradients into both); :mod:`linformer_lab.ops.kernels` decides where
-it runs (the ``recurrence`` candidate of the ``causal`` op: CPU, float32 / float64, autocast off).
+it runs (the ``recurrence`` candidate of the ``causal`` op: CPU tensors of one dtype, under CPU
+autocast too). float16 / bfloat16 inputs run as float32, as the reference accumulates them
+(:func:`~linformer_lab.ops.linear_attention.chunk.compute_dtype`): the output comes back in the
+inputs' dtype, S_N in float32, the gradients in the inputs' dtypes.
 
 The recurrence is the plain S_t = S_{t-1} + k_t v_t^T with a tile of the state held in SIMD
 registers while the positions stream past: 16 C M flops per position (fwd+bwd), all of them
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.ops import cpu, custom_ops
+from linformer_lab.ops.linear_attention.chunk import compute_dtype
 
 __all__ = ["causal_dot_product", "recurrence_dims"]
 
@@ -54,14 +58,29 @@ def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tup
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                        initial_state: torch.Tensor | None = None, return_final_state: bool = False):
     """:func:`~linformer_lab.ops.linear_attention.causal_dot_product` on the recurrence:
-    ``q, k (B, H, N, C), v (B, H, N, M)`` float32 / float64 on CPU, ``initial_state`` S_0
-    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)``, with ``return_final_state`` ``(out, S_N)``.
-    ``chunk_size`` is the reference's and unused here."""
+    ``q, k (B, H, N, C), v (B, H, N, M)`` of one dtype on CPU, ``initial_state`` S_0
+    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in that dtype, with ``return_final_state``
+    ``(out, S_N)``, S_N in the compute dtype (float32 for float16 / bfloat16 inputs, module
+    docstring). ``chunk_size`` is the reference's and unused here."""
+    dtype = q.dtype
+    compute = compute_dtype(dtype)
+    # the operator takes only float32 / float64: autocast off around it, as around the reference's
+    # two passes, so that nothing on the way in or out is recast to half precision
+    with torch.autocast("cpu", enabled=False):
+        out, final = _recurrence(q.to(compute), k.to(compute), v.to(compute),
+                                 None if initial_state is None else initial_state.to(compute))
+    out = out.to(dtype)
+    return (out, final) if return_final_state else out
+
+
+def _recurrence(q, k, v, initial_state):
+    """The operator on ``q, k, v, initial_state`` of one float32 / float64 dtype, C and M padded to
+    what it runs: ``(out, S_N)``."""
     c, m = q.shape[-1], v.shape[-1]
     dims = recurrence_dims(c, m, q.dtype)
     if dims is None:
-        raise RuntimeError(f"the C++ causal recurrence does not run {q.dtype} here: it takes float32 or float64, "
-                           "and needs the causal_recurrence.cpp extension built")
+        raise RuntimeError(f"the C++ causal recurrence does not run {q.dtype} here: it takes float32, float64, "
+                           "float16 or bfloat16 (as float32), and needs the causal_recurrence.cpp extension built")
     pad_c, pad_m = dims[0] - c, dims[1] - m
     if pad_c or pad_m:
         q, k, v = F.pad(q, (0, pad_c)), F.pad(k, (0, pad_c)), F.pad(v, (0, pad_m))
@@ -72,4 +91,4 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     out, final, _ = custom_ops.causal_recurrence_forward(q, k, v, initial_state)
     if pad_c or pad_m:
         out, final = out[..., :m], final[..., :c, :m]
-    return (out, final) if return_final_state else out
+    return out, final
