@@ -87,8 +87,8 @@ class Candidate:
 
 
 def _cpu_inputs(*tensors) -> bool:
-    """All on CPU (Nones skipped), the first one float32 or float64, CPU autocast off: what the C++
-    kernels take (the callers check that the inputs share the first one's dtype)."""
+    """All on CPU (Nones skipped), the first one float32 or float64, CPU autocast off: what the lsh and
+    fused-step C++ kernels take (the callers check that the inputs share the first one's dtype)."""
     present = [t for t in tensors if t is not None]
     dtype = present[0].dtype
     return (dtype in _CPU_DTYPES and not torch.is_autocast_enabled("cpu")
