@@ -94,6 +94,7 @@ def test_quick_mnist_variant_then_its_saved_config_resumes_tests_and_predicts(tm
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_every_cli_command_of_the_docs_parses(doc, tmp_path):
     """Each ``cli.py`` command the README and docs/ show is accepted by the real CLI

@@ -70,6 +70,7 @@ def _install_example(site: Path) -> None:
     (info / "RECORD").write_text("")
 
 
+@pytest.mark.slow
 def test_third_party_feature_map_works_by_name(tmp_path):
     _install_example(tmp_path)
     result = _run(tmp_path, """
@@ -87,6 +88,7 @@ def test_third_party_feature_map_works_by_name(tmp_path):
     assert "linformer-lab-softplus==0.1.0" in result.stdout
 
 
+@pytest.mark.slow
 def test_two_distributions_registering_one_name_is_an_error_naming_both(tmp_path):
     for dist in ("plugin_a", "plugin_b"):
         _write_distribution(
@@ -107,6 +109,7 @@ def test_two_distributions_registering_one_name_is_an_error_naming_both(tmp_path
     assert "plugin_a==0.1.0" in result.stdout and "plugin_b==0.1.0" in result.stdout
 
 
+@pytest.mark.slow
 def test_plugin_that_fails_to_import_is_named_and_others_still_work(tmp_path):
     _write_distribution(
         tmp_path, "broken_plugin", "broken_mod",
@@ -128,6 +131,7 @@ def test_plugin_that_fails_to_import_is_named_and_others_still_work(tmp_path):
     assert "LinearAttention" in result.stdout
 
 
+@pytest.mark.slow
 def test_registered_object_of_wrong_type_is_rejected(tmp_path):
     _write_distribution(
         tmp_path, "odd_plugin", "odd_mod", "def not_a_class():\n    pass\n",

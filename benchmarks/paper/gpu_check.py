@@ -34,8 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/paper/: the parts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py (the parts sit beside this script)
 import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 """The GPU kernel benchmark: causal attention kernels against kernels, forward and forward+backward,
 on the grid of the project's GPU issue, bf16, interleaved; the HBM roofline fraction of our
-forward at B2 T16384 H16 D128. Runs alone or as the kernel part of ``gpu_check.py``.
+forward at B2 T16384 H16 D128. The kernel part of ``gpu_check.py``, which also runs it alone
+(``--parts kernel``).
 
 Methods, each on inputs already in its own layout (the layout change is not timed):
 
@@ -17,21 +18,18 @@ Each cell is the median over rounds of CUDA-event times, the methods interleaved
 (A B C, C B A, ...). ``--dry-run`` runs the same code on the CPU at toy sizes in fp32, with
 Triton's interpreter for ours (``TRITON_INTERPRET=1``, set before Triton is imported).
 
-    PYTHONPATH=. python3 benchmarks/paper/gpu_check_kernel.py --out DIR [--budget-s 200]
-    uv run python benchmarks/paper/gpu_check_kernel.py --dry-run --out DIR
+    PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --parts kernel --out DIR [--budget-s 200]
+    uv run python benchmarks/paper/gpu_check.py --parts kernel --dry-run --out DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
 
 #: (B, T, H, D) of the issue's grid; the last two are the MNIST model's attention.
@@ -276,35 +274,3 @@ def report_lines(rows: list[dict]) -> list[str]:
                    f"reading q, k, v and writing the output once at the measured copy bandwidth "
                    f"({r['bandwidth_gb_s']:.0f} GB/s): **{r['fraction']:.1%}** of the roofline.", ""]
     return md
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_kernels_<device>.{md,csv}")
-    parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU, Triton interpreted")
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
-
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
-    from gpu_check import Budget, device_label, header
-
-    budget = Budget(args.budget_s)
-    device = "cpu" if args.dry_run else "cuda"
-    start = time.monotonic()
-    summary, rows = measure(device, budget, args.dry_run)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"gpu_kernels_{device_label(device)}"
-    md = header("GPU kernel benchmark", "benchmarks/paper/gpu_check_kernel.py", sys.argv[1:] if argv is None else argv,
-                device) + report_lines(rows) + ["## Skipped", ""] + [f"- {s}" for s in budget.skipped or ["nothing"]]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
-    common.write_csv(str(stem.with_suffix(".csv")), rows)
-    print("\n".join([f"== kernels ({time.monotonic() - start:.0f} s) ==", *summary, f"wrote {stem}.md/.csv"]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -96,6 +96,7 @@ def test_every_module_bootstraps_one_way_and_writes_to_its_rooms_results(path):
     assert not re.search(r"""["']results["']""", text), "results folder spelled out: use common.results_dir(__file__)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
 def test_every_benchmark_parses_its_options(script):
     """``python benchmarks/<room>/<script>.py --help`` from the repository root, as the README runs them."""
@@ -206,6 +207,7 @@ def test_generation_times_the_trained_checkpoints(tmp_path, monkeypatch):
     assert mnist_table1.timing_lines() == []
 
 
+@pytest.mark.slow
 def test_cpu_floors_reports_a_training_update_against_the_gemm_rate(tmp_path):
     """dev/cpu_floors.py --quick: the GEMM rate, the training update with images/s, its share of the
     GEMM rate and a profile, under the common provenance header."""
@@ -258,6 +260,7 @@ def test_mnist_table1_reads_a_resumed_run_in_version_order(tmp_path, monkeypatch
     assert result["fit_minutes"] == 3.0 and result["test_bpd"] is None
 
 
+@pytest.mark.slow
 def test_every_mnist_probe_parses_through_the_real_cli():
     """Each probe of benchmarks/dev/mnist_probes.py is the README's MNIST command plus its flags: the
     CLI must accept them and hand every value over as given (an int that arrived as a float, or a
@@ -296,6 +299,7 @@ def test_causal_grid_shapes_option_runs_only_those_shapes():
             causal_cpu_grid.parse_shape(bad)
 
 
+@pytest.mark.slow
 def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     """causal_cpu_grid.py --before-revision: causal_recurrence.cpp as at a revision (here HEAD),
     built under another module name, runs as 'kernel before', interleaved, with its ratio in the
@@ -387,6 +391,7 @@ def test_command_line_shows_arguments_but_not_folders():
     assert common.command_line("g.py", ["--out=runs/results", "--tag", "out"]) == "python g.py --out=DIR --tag out"
 
 
+@pytest.mark.slow
 def test_mnist_lr_reads_settings_from_the_saved_config(tmp_path):
     """dev/mnist_lr.py: lr, seed and attention come from each run's saved config.yaml, validation
     and test bits/dim from its metrics, minutes from fit_seconds.json; a wrong root is named."""

@@ -21,6 +21,7 @@ finally:
     sys.path.remove(str(REPO / "benchmarks" / "paper"))
 
 
+@pytest.mark.slow
 def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
     """figure2_copy.py --merge: a second invocation (other methods) rewrites the results with the first
     invocation's runs read back from its CSVs, curves and commands intact; --max-minutes reaches the
@@ -56,6 +57,7 @@ def test_figure2_merge_keeps_the_runs_of_earlier_invocations(tmp_path):
     assert (tmp_path / "figure2_copy.md").read_text().count("| softmax | 30 | 30 updates | 2.0000 |") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["softmax", "linear", "lsh1", "lsh4"])
 def test_figure2_command_trains_through_the_real_cli(tmp_path, method):
     """The exact ``cli.py fit`` command figure2_copy.py runs, at a tiny scale and with --n-heads, trains
@@ -94,6 +96,7 @@ def test_figure2_device_flags_reach_the_command(tmp_path, monkeypatch):
     assert figure2_copy.device_line(gpu).startswith(f"Some GPU 80GB (host: {cpu}")
 
 
+@pytest.mark.slow
 def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
     """figure2_copy.py through the real CLI: a run writes last.ckpt every --save-every updates; --resume
     continues it (a new version, the same checkpoint) to more updates; --from-logs reports the curve of

@@ -58,6 +58,7 @@ def test_skip_and_freeze_leave_packages_out(lock, tmp_path):
     assert offline_wheels.read_freeze(freeze) == {"lightning", "pyyaml"}
 
 
+@pytest.mark.slow
 def test_print_only_and_unknown_skip_through_the_command_line(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "w"), "--print-only", "--skip", "lightning"],
                           capture_output=True, text=True, cwd=REPO)

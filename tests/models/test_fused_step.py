@@ -261,6 +261,7 @@ def test_every_source_the_builds_compile_ships_in_the_package():
         assert not unshipped, f"{package}: {unshipped} not in pyproject's package-data"
 
 
+@pytest.mark.slow
 def test_a_cached_build_loads_without_a_compiler(extension):
     """A later process loads the cached library without compiling: no compiler needed then."""
     code = "from linformer_lab.ops import cpu; print(cpu.load().__file__)"

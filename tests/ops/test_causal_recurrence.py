@@ -204,6 +204,7 @@ def test_large_outputs_come_back_from_the_pool(recurrence, ran):  # noqa: F811
     assert ran[:2] == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
+@pytest.mark.slow
 def test_pool_limit_from_the_environment(recurrence):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
     code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
+@pytest.mark.slow
 def test_ddp_two_cpu_processes(tmp_path):
     args = tiny_copy_args(tmp_path, "linear", "--data.val_batches=4", "--trainer.max_epochs=2",
                           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu")

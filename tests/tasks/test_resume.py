@@ -83,6 +83,7 @@ def assert_resumed_like_straight(straight: Path, resumed: Path, steps: range) ->
         assert loss == pytest.approx(straight_rows[step], abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["linear"])
 def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
     common = ["--trainer.max_steps", str(TOTAL_STEPS), "--checkpoint.every_n_train_steps", str(KILL_AT)]
@@ -152,6 +153,7 @@ def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
     assert_resumed_like_straight(straight, stopped / "version_1", range(stop_at, TOTAL_STEPS))
 
 
+@pytest.mark.slow
 def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
     """`--trainer.max_time` (docs/cli.md): the run stops wherever its clock runs out; resumed to a few
     more updates it has the uninterrupted run's losses at every step and its final weights."""
