@@ -1,4 +1,8 @@
-"""Shared helpers for the CLI tests: a tiny copy-task configuration and ways to run ``cli.py``."""
+"""Shared test helpers: tolerances and the registered attention configs, a tiny copy-task
+configuration and ways to run ``cli.py``, and the kernel tests' fixtures (the built C++ CPU
+extensions and each instruction-set version of their loops; a missing extension is a skip only
+where there is no C++ compiler and no cached build: where there is one, as in CI, a failed build
+fails the tests instead of hiding them)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
 
 import lightning as L
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,3 +171,60 @@ class BatchCounter(L.Callback):
 
     def teardown(self, trainer, pl_module, stage):
         Path(self.path).write_text(json.dumps(self.counts))
+
+
+# ---------------------------------------------------------------- kernel fixtures (tests/ops/)
+
+#: The versions of the hot loops each extension carries, widest first.
+INSTRUCTION_SETS = ["avx512", "avx2", "baseline"]
+
+
+def _built(extension, what: str):
+    """``extension`` (an ``ops.cpu.Extension``) loaded, or a skip where it cannot be built here."""
+    from linformer_lab.ops import cpu
+
+    try:
+        return extension.load()
+    except RuntimeError as error:
+        if cpu.find_compiler() is not None:
+            raise
+        pytest.skip(f"needs {what}, which cannot be built here ({error})")
+
+
+def _on_instruction_set(extension, name: str):
+    """Runs the test on one version of the extension's loops (a skip where the CPU lacks it), and
+    restores the version chosen before."""
+    try:
+        before = extension.set_instruction_set(name)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    yield name
+    extension.set_instruction_set(before)
+
+
+@pytest.fixture(scope="session")
+def causal_extension():
+    """The causal numerator's register recurrence (``ops/cpu/causal_recurrence.cpp``), built."""
+    from linformer_lab.ops import cpu
+
+    return _built(cpu.CAUSAL_RECURRENCE, "the causal CPU kernel extension")
+
+
+@pytest.fixture(scope="session")
+def lsh_extension():
+    """lsh attention's window step (``ops/cpu/lsh_window.cpp``), built."""
+    from linformer_lab.ops import cpu
+
+    return _built(cpu.LSH_WINDOW, "the lsh window extension")
+
+
+@pytest.fixture(params=INSTRUCTION_SETS)
+def causal_isa(request, causal_extension):
+    """Each instruction-set version of the recurrence that the CPU can run."""
+    yield from _on_instruction_set(causal_extension, request.param)
+
+
+@pytest.fixture(params=INSTRUCTION_SETS)
+def lsh_isa(request, lsh_extension):
+    """Each instruction-set version of the lsh window step that the CPU can run."""
+    yield from _on_instruction_set(lsh_extension, request.param)

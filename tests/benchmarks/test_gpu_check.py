@@ -49,8 +49,8 @@ def test_without_a_gpu_a_real_run_says_what_to_do(tmp_path):
 
 @pytest.mark.slow
 def test_the_kernel_part_runs_alone(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/paper/gpu_check.py", "--parts", "kernel", "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "benchmarks/paper/gpu_check.py", "--parts", "kernel", "--dry-run", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "gpu_check_cpu_dry_run.md").read_text()
     assert "## Kernels: median ms" in report and "| ours |" in report

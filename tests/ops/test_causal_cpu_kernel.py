@@ -26,18 +26,6 @@ from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_ke
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
 
 
-@pytest.fixture(scope="module")
-def extension():
-    """The built extension. A skip only where there is no C++ compiler (and no cached build):
-    where there is one, as in CI, a failed build fails the tests."""
-    try:
-        return cpu.CAUSAL_RECURRENCE.load()
-    except RuntimeError as error:
-        if cpu.find_compiler() is not None:
-            raise
-        pytest.skip(f"needs the causal CPU kernel extension, which cannot be had here ({error})")
-
-
 @pytest.fixture
 def taken(monkeypatch):
     """(C, M) of every call that went through the kernel's entry point (cpu_kernel.causal_dot_product)."""
@@ -52,14 +40,14 @@ def taken(monkeypatch):
 
 
 @pytest.fixture
-def kernel(monkeypatch, extension):
+def kernel(monkeypatch, causal_extension):
     """The C++ path by its candidate's name, whatever the environment's switch."""
     monkeypatch.delenv(kernels.SWITCH, raising=False)
     return "recurrence"
 
 
 @pytest.fixture
-def ran(monkeypatch, extension):
+def ran(monkeypatch, causal_extension):
     """(path, "forward" / "backward") of every call into the extension."""
     calls = []
     ext = cpu.CAUSAL_RECURRENCE.load()
@@ -168,7 +156,7 @@ def test_non_contiguous_initial_state_and_final_gradient(kernel, ran, threads):
     assert ran == [(kernel, "forward"), (kernel, "backward")]
 
 
-def test_gradcheck(extension, threads):
+def test_gradcheck(causal_extension, threads):
     q, k, v, s0, _, _ = _inputs(1, 2, 11, 3, 5)
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
@@ -237,23 +225,23 @@ def test_no_extension_falls_back_with_one_warning(monkeypatch, tmp_path, taken):
 def test_every_instruction_set_version_matches_the_reference(kernel, ran, threads, isa):
     """The hot loops exist once per instruction set; the CPU's best runs by default, and every
     version this CPU can run gives the reference (CI thus checks the ones its CPU has)."""
-    extension = cpu.CAUSAL_RECURRENCE.load()
+    causal_extension = cpu.CAUSAL_RECURRENCE.load()
     try:
-        before = extension.set_instruction_set(isa)
+        before = causal_extension.set_instruction_set(isa)
     except RuntimeError as error:
         pytest.skip(str(error))
     try:
-        assert extension.instruction_set() == isa
+        assert causal_extension.instruction_set() == isa
         for shape in [(1, 1, 100, 16, 48, 32), (2, 4, 70, 32, 32, 64), (1, 2, 60, 7, 9, None)]:
             *bhncm, chunk_size = shape
             tensors = _inputs(*bhncm)
             _close(_kernel(*tensors, torch.float32, chunk_size), _reference(*tensors), torch.float32)
     finally:
-        extension.set_instruction_set(before)
+        causal_extension.set_instruction_set(before)
     assert {path for path, _ in ran} == {kernel}
 
 
-def test_double_backward_is_an_error_not_a_wrong_answer(extension):
+def test_double_backward_is_an_error_not_a_wrong_answer(causal_extension):
     q, k, v, *_ = _inputs(1, 1, 8, 4, 4)
     q.requires_grad_()
     (grad_q,) = torch.autograd.grad(causal_dot_product(q, k, v).sum(), q, create_graph=True)

@@ -18,29 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, extension, ran  # noqa: F401 - fixtures
+from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, ran  # noqa: F401 - fixtures
 
 from linformer_lab.ops import cpu, kernels
 from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel
 
-ISAS = ["avx512", "avx2", "baseline"]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def recurrence(extension):  # noqa: F811 - the fixture
-    return cpu.CAUSAL_RECURRENCE.load()
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, recurrence):
-    """Each instruction-set version the CPU can run (skipped where it cannot), restored after."""
-    try:
-        before = recurrence.set_instruction_set(request.param)
-    except RuntimeError as error:
-        pytest.skip(str(error))
-    yield request.param
-    recurrence.set_instruction_set(before)
 
 
 def _run(tensors, dtype, with_state, n_threads):
@@ -74,7 +57,7 @@ CASES = [  # (B, H, N, C, M): C = M over the benchmark dims, C != M, narrower re
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
-def test_recurrence_matches_the_float64_reference(isa, ran, shape, dtype, n_threads, with_state):  # noqa: F811
+def test_recurrence_matches_the_float64_reference(causal_isa, ran, shape, dtype, n_threads, with_state):  # noqa: F811
     tensors = list(_inputs(*shape, seed=n_threads))
     if not with_state:
         tensors[3] = torch.zeros_like(tensors[3])
@@ -90,7 +73,7 @@ def test_recurrence_matches_the_float64_reference(isa, ran, shape, dtype, n_thre
     ((6, 10), torch.float64, False),   # 2 doubles do
     ((16, 8), torch.float32, False),
 ])
-def test_dims_that_do_not_fit_run_zero_padded(recurrence, ran, dims, dtype, padded):  # noqa: F811
+def test_dims_that_do_not_fit_run_zero_padded(causal_extension, ran, dims, dtype, padded):  # noqa: F811
     c, m = dims
     path = "recurrence"
     assert kernels.select("causal", *(torch.empty(1, 1, 1, d, dtype=dtype) for d in (c, c, m))).name == path
@@ -100,19 +83,19 @@ def test_dims_that_do_not_fit_run_zero_padded(recurrence, ran, dims, dtype, padd
     assert ran == [(path, "forward"), (path, "backward")]
 
 
-def test_register_width_per_shape(isa, recurrence):
+def test_register_width_per_shape(causal_isa, causal_extension):
     """The widest register that divides C and M, at most the instruction set's."""
-    widest = {"avx512": 64, "avx2": 32, "baseline": 16}[isa]
+    widest = {"avx512": 64, "avx2": 32, "baseline": 16}[causal_isa]
     fp32, fp64 = torch.empty(0), torch.empty(0, dtype=torch.float64)
-    assert recurrence.width(16, 64, fp32) == min(64, widest)
-    assert recurrence.width(24, 24, fp32) == min(32, widest)
-    assert recurrence.width(12, 40, fp32) == 16
-    assert recurrence.width(8, 8, fp64) == min(64, widest)
-    assert recurrence.width(7, 16, fp32) == 0 and not recurrence.fits(7, 16, fp32)
-    assert recurrence.width(0, 16, fp32) == 0
+    assert causal_extension.width(16, 64, fp32) == min(64, widest)
+    assert causal_extension.width(24, 24, fp32) == min(32, widest)
+    assert causal_extension.width(12, 40, fp32) == 16
+    assert causal_extension.width(8, 8, fp64) == min(64, widest)
+    assert causal_extension.width(7, 16, fp32) == 0 and not causal_extension.fits(7, 16, fp32)
+    assert causal_extension.width(0, 16, fp32) == 0
 
 
-def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
+def test_only_the_final_state_used(causal_extension, ran):  # noqa: F811
     """No gradient reaches the output (None into the backward): the gradients come from the final state alone."""
     q, k, v, s0, _, grad_final = _inputs(1, 2, 200, 16, 32)
     leaves = [t.float().requires_grad_() for t in (q, k, v, s0)]
@@ -126,7 +109,7 @@ def test_only_the_final_state_used(recurrence, ran):  # noqa: F811
     assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
-def test_switched_off_runs_the_reference(monkeypatch, recurrence, ran):  # noqa: F811
+def test_switched_off_runs_the_reference(monkeypatch, causal_extension, ran):  # noqa: F811
     monkeypatch.setenv(kernels.SWITCH, "causal=reference")
     assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "reference"
     tensors = _inputs(1, 2, 100, 16, 16)
@@ -134,12 +117,12 @@ def test_switched_off_runs_the_reference(monkeypatch, recurrence, ran):  # noqa:
     assert ran == []
 
 
-def test_states_kept_for_the_backward_are_one_per_block(recurrence):
+def test_states_kept_for_the_backward_are_one_per_block(causal_extension):
     """Memory O(N): the forward keeps S before each block of 256 positions, S_0 first."""
     q, k, v, s0, *_ = (t.float() for t in _inputs(2, 1, 600, 16, 32))
     rows = [t.reshape(2, *t.shape[2:]).contiguous() for t in (q, k, v, s0)]
-    out, final, states = recurrence.forward(*rows)
-    block = recurrence.block()
+    out, final, states = causal_extension.forward(*rows)
+    block = causal_extension.block()
     assert block == 256 and states.shape == (2, 3, 16, 32)
     torch.testing.assert_close(states[:, 0], rows[3])
     torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :block].transpose(1, 2) @ rows[2][:, :block])
@@ -148,7 +131,7 @@ def test_states_kept_for_the_backward_are_one_per_block(recurrence):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_gradcheck(recurrence, ran):  # noqa: F811
+def test_gradcheck(causal_extension, ran):  # noqa: F811
     """float64 finite differences, S_0 in and S_N out (C = 4, M = 2: registers of 2 doubles)."""
     q, k, v, s0, _, _ = _inputs(1, 2, 11, 4, 2)
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
@@ -171,7 +154,7 @@ def _pooled_call(q, k, v, grad):
     return results
 
 
-def test_large_outputs_come_back_from_the_pool(recurrence, ran):  # noqa: F811
+def test_large_outputs_come_back_from_the_pool(causal_extension, ran):  # noqa: F811
     """Outputs of 4 MiB and more (output_pool.h) are handed out again once their tensors die. A
     reused buffer holds the last call's numbers, so the second call checks that every element is
     written; the pool then keeps no more than its limit, and none at limit 0."""
@@ -182,30 +165,30 @@ def test_large_outputs_come_back_from_the_pool(recurrence, ran):  # noqa: F811
         q, k, v, _, grad, _ = _inputs(*shape, seed=seed)
         return _pooled_call(q, k, v, grad)
 
-    before = recurrence.set_pool_limit(0)  # empty to start
+    before = causal_extension.set_pool_limit(0)  # empty to start
     try:
-        recurrence.set_pool_limit(1 << 30)
-        _, reused, made = recurrence.pool_stats()
+        causal_extension.set_pool_limit(1 << 30)
+        _, reused, made = causal_extension.pool_stats()
         call(1)  # its results die at once: their buffers go to the pool
-        assert recurrence.pool_stats() == [4 * mib8, reused, made + 4]
+        assert causal_extension.pool_stats() == [4 * mib8, reused, made + 4]
         got, want = call(2)
-        assert recurrence.pool_stats() == [0, reused + 4, made + 4]  # all four reused, nothing fresh
+        assert causal_extension.pool_stats() == [0, reused + 4, made + 4]  # all four reused, nothing fresh
         for name, g, w in zip(["out", "grad q", "grad k", "grad v"], got, want):
             scale = w.abs().max().item()
             torch.testing.assert_close(g.double() / scale, w / scale, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         del got, want, g, w  # (g: the last, grad v)
-        assert recurrence.pool_stats()[0] == 4 * mib8
-        recurrence.set_pool_limit(20 << 20)
-        assert recurrence.pool_stats()[0] == 2 * mib8
-        recurrence.set_pool_limit(0)
-        assert recurrence.pool_stats()[0] == 0
+        assert causal_extension.pool_stats()[0] == 4 * mib8
+        causal_extension.set_pool_limit(20 << 20)
+        assert causal_extension.pool_stats()[0] == 2 * mib8
+        causal_extension.set_pool_limit(0)
+        assert causal_extension.pool_stats()[0] == 0
     finally:
-        recurrence.set_pool_limit(before)
+        causal_extension.set_pool_limit(before)
     assert ran[:2] == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
 @pytest.mark.slow
-def test_pool_limit_from_the_environment(recurrence):
+def test_pool_limit_from_the_environment(causal_extension):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
     code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "
             "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
@@ -224,16 +207,17 @@ def test_pool_limit_from_the_environment(recurrence):
             assert (held, reused, made) == (0, 0, 0)
 
 
-def test_another_build_substitutes_for_the_current_one(recurrence, ran):  # noqa: F811
+def test_another_build_substitutes_for_the_current_one(causal_extension, ran):  # noqa: F811
     """Extension.substituted (benchmarks time an earlier revision's build beside the current one):
     within the block the kernel calls the given module, after it the process's own again. (A
     stand-in records its calls and passes them to the current build.)"""
     other_calls = []
-    other = types.SimpleNamespace(fits=recurrence.fits, **{fn: _recording(getattr(recurrence, fn), ("other", fn), other_calls)
-                                                           for fn in ("forward", "backward")})
+    other = types.SimpleNamespace(fits=causal_extension.fits,
+                                  **{fn: _recording(getattr(causal_extension, fn), ("other", fn), other_calls)
+                                     for fn in ("forward", "backward")})
     tensors = _inputs(1, 2, 40, 16, 16)
     with cpu.CAUSAL_RECURRENCE.substituted(other):
         assert cpu.CAUSAL_RECURRENCE.load() is other and cpu.CAUSAL_RECURRENCE.module() is other
         _close(_run(tensors, torch.float32, True, 1), _reference(*tensors), torch.float32)
     assert other_calls == [("other", "forward"), ("other", "backward")]
-    assert cpu.CAUSAL_RECURRENCE.load() is recurrence
+    assert cpu.CAUSAL_RECURRENCE.load() is causal_extension

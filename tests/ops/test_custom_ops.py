@@ -11,21 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linformer_lab.ops import cpu, custom_ops
+from linformer_lab.ops import custom_ops
 from linformer_lab.ops.linear_attention import cpu_kernel, naive
 
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
-
-
-@pytest.fixture(scope="module")
-def extension():
-    """The built recurrence. A skip only where there is no C++ compiler (and no cached build)."""
-    try:
-        return cpu.CAUSAL_RECURRENCE.load()
-    except RuntimeError as error:
-        if cpu.find_compiler() is not None:
-            raise
-        pytest.skip(f"needs the causal CPU kernel extension, which cannot be had here ({error})")
 
 
 def inputs(b, h, n, c, m, dtype=torch.float64, state=False, seed=0):
@@ -49,17 +38,17 @@ def reference(q, k, v, s0):
 
 @pytest.mark.slow  # opcheck traces with AOT autograd: several seconds
 @pytest.mark.parametrize("state", [False, True])
-def test_forward_operator_passes_opcheck(extension, state):
+def test_forward_operator_passes_opcheck(causal_extension, state):
     """Schema, fake function (shapes and dtypes as the kernel's), the registered gradient and
     AOT dispatch, with N past one saved block (two states)."""
-    q, k, v, s0 = inputs(2, 2, extension.block() + 3, 4, 8, state=state)
+    q, k, v, s0 = inputs(2, 2, causal_extension.block() + 3, 4, 8, state=state)
     for t in (q, k, v) + (() if s0 is None else (s0,)):
         t.requires_grad_(True)
     torch.library.opcheck(custom_ops.causal_recurrence_forward, (q, k, v, s0))
 
 
 @pytest.mark.slow
-def test_backward_operator_passes_opcheck(extension):
+def test_backward_operator_passes_opcheck(causal_extension):
     q, k, v, s0 = inputs(1, 3, 40, 8, 4, state=True)
     _, final, states = custom_ops.causal_recurrence_forward(q, k, v, s0)
     torch.library.opcheck(custom_ops.causal_recurrence_backward, (q, k, v, torch.randn_like(v), states,
@@ -67,11 +56,11 @@ def test_backward_operator_passes_opcheck(extension):
     torch.library.opcheck(custom_ops.causal_recurrence_backward, (q, k, v, torch.randn_like(v), states, None))
 
 
-def test_fake_states_match_the_kernel(extension):
+def test_fake_states_match_the_kernel(causal_extension):
     """The fake function's saved-state shape is the kernel's: one (C, M) state per block begun."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for n in (0, 1, extension.block(), extension.block() + 1):
+    for n in (0, 1, causal_extension.block(), causal_extension.block() + 1):
         q, k, v, _ = inputs(1, 2, n, 4, 4)
         real = custom_ops.causal_recurrence_forward(q, k, v, None)
         with FakeTensorMode() as mode:
@@ -81,12 +70,12 @@ def test_fake_states_match_the_kernel(extension):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("c, m", [(7, 7), (33, 5), (3, 16), (12, 12), (65, 65), (561, 32), (4, 0), (0, 4)])
-def test_padded_recurrence_matches_the_float64_reference(extension, dtype, c, m):
+def test_padded_recurrence_matches_the_float64_reference(causal_extension, dtype, c, m):
     """Odd C, M (head sizes 7, 33, 65; poly2's 561 features at D = 32; 12, which fills 4-float
     registers; an empty C or M, padded to one zero register), with an initial state, the final
     state's gradient and N past one block: outputs, S_N and the gradients of q, k, v and S_0
     against autograd of the float64 reference."""
-    n = extension.block() + 9 if c * m < 2000 else 40
+    n = causal_extension.block() + 9 if c * m < 2000 else 40
     leaves = [t.requires_grad_(True) for t in inputs(2, 1, n, c, m, dtype, state=True)]
     grad_out, grad_final = torch.randn(2, 1, n, m, dtype=dtype), torch.randn(2, 1, c, m, dtype=dtype)
     out, final = cpu_kernel.causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
@@ -103,23 +92,23 @@ def test_padded_recurrence_matches_the_float64_reference(extension, dtype, c, m)
                                    msg=lambda text, name=name: f"{name} (C={c}, M={m}, {dtype}): {text}")
 
 
-def test_recurrence_dims_fill_whole_registers(extension):
+def test_recurrence_dims_fill_whole_registers(causal_extension):
     """Where C, M fit they stay; else the padded sizes fit the kernel, exceed (C, M) by less than
     one of its widest registers, and are the ones with the fewest vector FMAs per position."""
     like = torch.empty(0)
-    widest = extension.width(64, 64, like) // 4
+    widest = causal_extension.width(64, 64, like) // 4
     assert cpu_kernel.recurrence_dims(16, 32, torch.float32) == (16, 32)
     assert cpu_kernel.recurrence_dims(7, 7, torch.float16) is None
     for c, m in [(7, 7), (33, 33), (65, 65), (561, 32), (3, 5)]:
         pc, pm = cpu_kernel.recurrence_dims(c, m, torch.float32)
-        assert extension.fits(pc, pm, like) and 0 <= pc - c < widest and 0 <= pm - m < widest, (c, m, pc, pm)
-        width = extension.width(pc, pm, like) // 4
+        assert causal_extension.fits(pc, pm, like) and 0 <= pc - c < widest and 0 <= pm - m < widest, (c, m, pc, pm)
+        width = causal_extension.width(pc, pm, like) // 4
         for w in (widest, widest // 2, widest // 4):
             if w >= 4:
                 assert pc * pm / width <= (-(-c // w) * w) * (-(-m // w) * w) / w
 
 
-def test_a_second_derivative_is_an_error(extension):
+def test_a_second_derivative_is_an_error(causal_extension):
     q, k, v, _ = inputs(1, 1, 5, 4, 4)
     q.requires_grad_(True)
     (grad_q,) = torch.autograd.grad(cpu_kernel.causal_dot_product(q, k, v).sum(), q, create_graph=True)

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import linformer_lab as ll
-from linformer_lab.ops import cpu, kernels
+from linformer_lab.ops import kernels
 from linformer_lab.ops.linear_attention import naive
 
 
@@ -174,22 +174,11 @@ def naive_linear(attention, q, k, v):
     return naive.attention_from_similarity(similarity, v.double(), causal=True, eps=attention.eps)
 
 
-@pytest.fixture(scope="module")
-def extensions():
-    """The real C++ causal kernel; a skip only without a C++ compiler (CI has one)."""
-    try:
-        return cpu.CAUSAL_RECURRENCE.load()
-    except RuntimeError as error:
-        if cpu.find_compiler() is not None:
-            raise
-        pytest.skip(f"needs the causal CPU kernel extensions ({error})")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("c, m, kernel", [(16, 16, "recurrence"), (7, 5, "recurrence")])  # 7, 5: zero-padded
 @pytest.mark.parametrize("switch", ["", "reference"])
 def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
-        extensions, monkeypatch, c, m, kernel, switch):
+        causal_extension, monkeypatch, c, m, kernel, switch):
     monkeypatch.setenv(kernels.SWITCH, switch)
     ran = []
     for name in ("recurrence", "reference"):
@@ -208,7 +197,7 @@ def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
 
 
 @pytest.mark.slow
-def test_the_real_build_is_selected_for_every_width(extensions):
+def test_the_real_build_is_selected_for_every_width(causal_extension):
     assert chosen("causal", *qkv(c=32, m=32)) == chosen("causal", *qkv(c=7, m=5)) == "recurrence"
     assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
 

@@ -13,23 +13,12 @@ import contextlib
 import pytest
 import torch
 
-from linformer_lab.ops import cpu, kernels
+from linformer_lab.ops import kernels
 from linformer_lab.ops.linear_attention import naive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("causal_extension")]
 
 HALF = [torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def extension():
-    """The built extension; a skip only where there is no C++ compiler (and no cached build)."""
-    try:
-        return cpu.CAUSAL_RECURRENCE.load()
-    except RuntimeError as error:
-        if cpu.find_compiler() is not None:
-            raise
-        pytest.skip(f"needs the causal CPU kernel extension, which cannot be had here ({error})")
 
 
 def _inputs(c, m, seed=0):

@@ -18,31 +18,9 @@ import itertools
 import pytest
 import torch
 
-from linformer_lab.ops import cpu, kernels, lsh
+from linformer_lab.ops import kernels, lsh
 
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
-
-
-@pytest.fixture(scope="module")
-def extension():
-    """The built extension; a skip only where there is no C++ compiler (CI has one)."""
-    try:
-        return cpu.LSH_WINDOW.load()
-    except RuntimeError as error:
-        if cpu.find_compiler() is not None:
-            raise
-        pytest.skip(f"needs the lsh window extension, which cannot be had here ({error})")
-
-
-@pytest.fixture(params=["avx512", "avx2", "baseline"])
-def instruction_set(request, extension):
-    """Runs a test on one version of the hot loops (skipped where the CPU lacks it), restored after."""
-    try:
-        before = extension.set_instruction_set(request.param)
-    except RuntimeError as error:
-        pytest.skip(str(error))
-    yield request.param
-    extension.set_instruction_set(before)
 
 
 def _window_inputs(b, h, n_chunks, chunk, d, m, n_hashes, dtype, padded):
@@ -77,7 +55,7 @@ SHAPES = [  # (chunks per round, chunk, D, M): compiled-in sizes (W = 64, D = M 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("n_hashes,causal,padded", list(itertools.product([1, 2, 4], [True, False], [False, True])))
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{c}x{s}-d{d}-m{m}" for c, s, d, m in SHAPES])
-def test_kernel_equals_the_pytorch_window_step(instruction_set, shape, n_hashes, causal, padded, dtype):
+def test_kernel_equals_the_pytorch_window_step(lsh_isa, shape, n_hashes, causal, padded, dtype):
     chunks_per_round, chunk, d, m = shape
     inputs = _window_inputs(2, 3, chunks_per_round * n_hashes, chunk, d, m, n_hashes, dtype, padded)
     grad_out = torch.randn(*inputs[2].shape[:-1], m, dtype=dtype)
@@ -88,7 +66,7 @@ def test_kernel_equals_the_pytorch_window_step(instruction_set, shape, n_hashes,
         torch.testing.assert_close(a, b, **TOLERANCE[dtype], msg=lambda text, name=name: f"{name}: {text}")
 
 
-def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(extension):
+def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(lsh_extension):
     """Causal position 0 in a window of its own (every key masked): lse -inf, a zero output,
     zero gradients, however large the incoming gradient of its normaliser."""
     positions = torch.arange(4).reshape(1, 1, 4)
@@ -107,7 +85,7 @@ def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(extensio
 
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])
 @pytest.mark.parametrize("n_hashes,causal", list(itertools.product([1, 4], [True, False])))
-def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hashes, causal, monkeypatch, extension):
+def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hashes, causal, monkeypatch, lsh_extension):
     """Whole lsh attention on each path of step 4, against autograd through the one-query-at-a-
     time definition, in float64 (padding from key_lengths and from a partial last chunk)."""
     monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=reference")
@@ -126,7 +104,7 @@ def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hash
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, extension):
+def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, lsh_extension):
     monkeypatch.setenv(kernels.SWITCH, "")
     calls = []
     original = lsh._WindowAttentionCPU.apply
@@ -141,17 +119,17 @@ def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, ext
     torch.testing.assert_close(on, off, **TOLERANCE[torch.float32])
 
 
-def test_malformed_inputs_name_the_expected_shapes(extension):
+def test_malformed_inputs_name_the_expected_shapes(lsh_extension):
     q = torch.randn(2, 3, 4, 8)
     positions, valid = torch.zeros(2, 3, 4, dtype=torch.int64), torch.ones(2, 3, 4, dtype=torch.bool)
     chunks = torch.zeros(2, 3, 4, 0, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"q, k \(G, C, S, D\)"):
-        extension.forward(q, q[:1], q, positions, valid, chunks, True)
+        lsh_extension.forward(q, q[:1], q, positions, valid, chunks, True)
     with pytest.raises(RuntimeError, match="positions \\(int64\\) and valid \\(bool\\)"):
-        extension.forward(q, q, q, positions.int(), valid, chunks, True)
+        lsh_extension.forward(q, q, q, positions.int(), valid, chunks, True)
     with pytest.raises(RuntimeError, match="chunks int32"):
-        extension.forward(q, q, q, positions, valid, chunks.long(), True)
+        lsh_extension.forward(q, q, q, positions, valid, chunks.long(), True)
     with pytest.raises(RuntimeError, match="one round of hashing takes no chunk ids"):
-        extension.forward(q, q, q, positions, valid, torch.zeros(2, 3, 4, 1, dtype=torch.int32), True)
+        lsh_extension.forward(q, q, q, positions, valid, torch.zeros(2, 3, 4, 1, dtype=torch.int32), True)
     with pytest.raises(RuntimeError, match="contiguous CPU tensors of one dtype"):
-        extension.forward(q, q.double(), q, positions, valid, chunks, True)
+        lsh_extension.forward(q, q.double(), q, positions, valid, chunks, True)
