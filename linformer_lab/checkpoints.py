@@ -185,7 +185,7 @@ def resolve_checkpoint_path(
     mismatches = []
     for last in candidates:
         try:
-            check_checkpoint(str(last), model)
+            ckpt = check_checkpoint(str(last), model)
         except UnreadableCheckpointError:
             raise
         except CheckpointMismatchError as err:
@@ -193,7 +193,7 @@ def resolve_checkpoint_path(
             continue
         if ckpt_path == "last":
             return str(last)
-        recorded = _best_from_last(last)
+        recorded = _best_from_last(ckpt)
         if recorded is None:
             raise CheckpointNotFoundError(
                 f"--ckpt_path best: {last} records no best checkpoint: the run kept none (checkpoint.save_top_k 0, "
@@ -216,9 +216,8 @@ def resolve_checkpoint_path(
     )
 
 
-def _best_from_last(last_path: Path) -> str | None:
-    """The path last.ckpt's checkpoint callback recorded as its best (it may no longer exist)."""
-    ckpt = load_checkpoint_header(str(last_path))
+def _best_from_last(ckpt: dict) -> str | None:
+    """The path a loaded last.ckpt's checkpoint callback recorded as its best (it may no longer exist)."""
     for key, state in (ckpt.get("callbacks") or {}).items():
         if key.startswith("ModelCheckpoint") and state.get("best_model_path"):
             return state["best_model_path"]
@@ -335,8 +334,9 @@ def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
     )
 
 
-def check_checkpoint(path: str, model: L.LightningModule) -> None:
-    """Raise :class:`CheckpointMismatchError` unless the checkpoint at ``path`` fits ``model``.
+def check_checkpoint(path: str, model: L.LightningModule) -> dict:
+    """Raise :class:`CheckpointMismatchError` unless the checkpoint at ``path`` fits ``model``;
+    returns the loaded checkpoint (:func:`load_checkpoint_header`), so a caller need not read it again.
 
     Checked, in order: the file loads; it was written for the same task class (the
     ``_class_path`` LightningCLI stores in the hyper-parameters); the architecture
@@ -389,6 +389,7 @@ def check_checkpoint(path: str, model: L.LightningModule) -> None:
             f"checkpoint {path} does not fit the configured {type(model).__name__}: " + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "") + "." + hint
         )
+    return ckpt
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
