@@ -99,26 +99,27 @@ def check_state(state, who: str) -> None:
         )
 
 
-def detach_state(state):
-    """``state`` (one backend's, or a stack's list of them; None) cut from the autograd graph, the
-    same numbers: what truncated back-propagation through time carries to the next segment."""
+def _map_states(state, method: str):
+    """``state`` (one backend's, a list / tuple of them, or None) with each backend state replaced
+    by the result of calling its contract member ``method`` (``"detach"`` or ``"clone"``)."""
     if state is None:
         return None
     if _is_container(state):
-        return type(state)(detach_state(s) for s in state)
-    check_state(state, "detach_state")
-    return state.detach()
+        return type(state)(_map_states(s, method) for s in state)
+    check_state(state, f"{method}_state")
+    return getattr(state, method)()
+
+
+def detach_state(state):
+    """``state`` (one backend's, or a stack's list of them; None) cut from the autograd graph, the
+    same numbers: what truncated back-propagation through time carries to the next segment."""
+    return _map_states(state, "detach")
 
 
 def clone_state(state):
     """``state`` (one backend's, or a stack's list of them; None) with the same numbers in memory
     of its own: a copy to keep while a step that updates states in place runs on."""
-    if state is None:
-        return None
-    if _is_container(state):
-        return type(state)(clone_state(s) for s in state)
-    check_state(state, "clone_state")
-    return state.clone()
+    return _map_states(state, "clone")
 
 
 def state_nbytes(state) -> int:
