@@ -12,6 +12,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import linformer_lab.lightning_compat as compat
+from linformer_lab.tasks.base import epoch_ran_to_end
 
 __all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved"]
 
@@ -79,8 +80,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
-        finished = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if self._can_save(trainer) and compat.saves_at_train_epoch_end(self, trainer) and finished:
+        if self._can_save(trainer) and compat.saves_at_train_epoch_end(self, trainer) and epoch_ran_to_end(trainer):
             compat.save_last_checkpoint(self, trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
