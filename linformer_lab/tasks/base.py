@@ -88,15 +88,13 @@ class Task(L.LightningModule):
         self.epoch_sums_incomplete = False
 
     def on_train_epoch_end(self) -> None:
-        if not self.epoch_metrics:
+        if not self.epoch_metrics or not epoch_ran_to_end(self.trainer):
             return
-        if epoch_ran_to_end(self.trainer) and not self.epoch_sums_incomplete:
-            for name, attribute in self.epoch_metrics:
+        for name, attribute in self.epoch_metrics:
+            if not self.epoch_sums_incomplete:
                 # compute() sums over processes; every rank then logs the same value
                 self.log(name, getattr(self, attribute).compute(), on_step=False, on_epoch=True)
-        if epoch_ran_to_end(self.trainer):
-            for _, attribute in self.epoch_metrics:
-                getattr(self, attribute).reset()
+            getattr(self, attribute).reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if not self.epoch_metrics:
