@@ -100,10 +100,9 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.attention_config = as_config(attention, "Transformer")
-        query_dim = head_dims(d_model, n_heads)[0]
-        self.layers = nn.ModuleList(
-            TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, causal=causal, dropout=dropout,
-                             attention=self.attention_config.build(causal=causal, query_dim=query_dim))
+        self.layers = nn.ModuleList(  # each layer builds its own backend from the config
+            TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, attention=self.attention_config, causal=causal,
+                             dropout=dropout)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
