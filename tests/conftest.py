@@ -97,6 +97,20 @@ def tiny_copy_args(root: Path, backend: str = "linear", *extra: str) -> list[str
     ]
 
 
+def tiny_mnist_args(root: Path, *extra: str) -> list[str]:
+    """The README's MNIST config at toy size on real MNIST: 4 updates an epoch, validation every 2,
+    no progress bar (a later ``--trainer.enable_progress_bar=true`` in ``extra`` turns it on)."""
+    return [
+        "--config", "mnist_linear.yaml",
+        "--model.n_layers=1", "--model.d_model=16", "--model.n_heads=2", "--model.d_ff=32", "--model.num_mixtures=2",
+        "--data.batch_size=4", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
+        "--trainer.precision=32-true", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={root}", *extra,
+    ]
+
+
 @contextlib.contextmanager
 def _restored_torch_flags():
     # `trainer.deterministic` switches torch's global flags; don't leak them into other tests.

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, run_cli, tiny_copy_args
+from conftest import read_metrics, run_cli, tiny_copy_args, tiny_mnist_args
 from PIL import Image
 
 from linformer_lab.tasks.callbacks import COMPLETION_LEGEND, image_grid, save_png
@@ -20,16 +20,8 @@ EPOCH_METRIC = "train/bits_per_dim_epoch"
 
 
 def tiny_mnist(root: Path, *extra: str) -> list[str]:
-    """The README's MNIST config at toy size on real MNIST: epochs of 4 updates, validation every 2."""
-    return [
-        "--config", "mnist_linear.yaml",
-        "--model.n_layers=1", "--model.d_model=16", "--model.n_heads=2", "--model.d_ff=32", "--model.num_mixtures=2",
-        "--data.batch_size=4", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
-        "--trainer.precision=32-true", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
-        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.callbacks=[]",
-        f"--trainer.default_root_dir={root}", *extra,
-    ]
+    """conftest's toy MNIST run with no callbacks from the config (no sample images to draw)."""
+    return tiny_mnist_args(root, "--trainer.callbacks=[]", *extra)
 
 
 def hidden_in_a_fresh_process() -> set[str]:

@@ -12,25 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import BatchCounter, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args
+from conftest import BatchCounter, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args, tiny_mnist_args
 from test_resume import kill_once_checkpointed
 
 from linformer_lab.checkpoints import CheckpointSetupError, claim_checkpoint_dir
 
 assert BatchCounter  # referenced by class path below ("conftest.BatchCounter")
-
-
-def tiny_mnist_args(root: Path, *extra: str) -> list[str]:
-    """The README's MNIST config at toy size on real MNIST: 4 updates an epoch, validation every 2."""
-    return [
-        "--config", "mnist_linear.yaml",
-        "--model.n_layers=1", "--model.d_model=16", "--model.n_heads=2", "--model.d_ff=32", "--model.num_mixtures=2",
-        "--data.batch_size=4", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
-        "--trainer.precision=32-true", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={root}", *extra,
-    ]
 
 
 def losses(log_dirs: list[Path], key: str = "train/loss") -> dict[int, float]:
