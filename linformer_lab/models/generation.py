@@ -81,6 +81,7 @@ __all__ = [
     "generation_kernels",
     "noise_per_position",
     "quantize_int8",
+    "split_heads",
     "step_linear",
     "weight_copies_for_steps",
 ]
@@ -145,7 +146,7 @@ def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
 
 def _attention_step(attention: MultiHeadAttention, x_t: torch.Tensor, state):
     """``MultiHeadAttention.step``: ``(B, d_model) -> ((B, d_model), state)``."""
-    q, k, v = _heads(attention, step_linear(x_t, attention.qkv))
+    q, k, v = split_heads(attention, step_linear(x_t, attention.qkv))
     backend = attention.attention
     if isinstance(backend, LinearAttention) and type(backend).step is LinearAttention.step:
         out, state = _linear_attention_step(backend, q, k, v, state)
@@ -154,7 +155,7 @@ def _attention_step(attention: MultiHeadAttention, x_t: torch.Tensor, state):
     return step_linear(out.flatten(1), attention.out), state
 
 
-def _heads(attention: MultiHeadAttention, qkv: torch.Tensor):
+def split_heads(attention: MultiHeadAttention, qkv: torch.Tensor):
     """The fused projection ``(B, parts x heads x dim)``, laid out as ``MultiHeadAttention``
     documents, -> q, k, v each ``(B, heads, dim)``, as views; k is q for shared-QK backends."""
     batch, heads = qkv.shape[0], attention.n_heads

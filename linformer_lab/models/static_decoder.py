@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from linformer_lab.attention.base import KVCache
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.softmax import SoftmaxAttention
-from linformer_lab.models.generation import NOISE_BLOCK, step_linear
+from linformer_lab.models.generation import NOISE_BLOCK, split_heads, step_linear
 
 __all__ = ["DECODERS", "SPAN_BLOCK", "StaticDecoder", "choose_decoder", "decode", "static_support"]
 
@@ -212,7 +212,7 @@ class StaticDecoder:
             attention = layer.attention
             h = torch.layer_norm(x, layer.norm_attention.normalized_shape, layer.norm_attention.weight,
                                  layer.norm_attention.bias, layer.norm_attention.eps)
-            q, k, v = _split_heads(attention, step_linear(h, attention.qkv))
+            q, k, v = split_heads(attention, step_linear(h, attention.qkv))
             out = buffers.attend(q, k, v, self.position, span)
             x = x + step_linear(out.flatten(1), attention.out)
             up, activation, _, down = layer.feedforward
@@ -238,13 +238,6 @@ class StaticDecoder:
         following = (position + 1).clamp_(max=self.length - 1)  # past the last position: unused
         self.x.copy_(F.embedding(value, self.model.value_embedding.weight) + self.table.index_select(0, following))
         position.add_(1)
-
-
-def _split_heads(attention, qkv: torch.Tensor):
-    """The fused projection ``(B, (2 D + M) H)`` -> q, k ``(B, H, D)``, v ``(B, H, M)``."""
-    heads, d, m = attention.n_heads, attention.query_dim, attention.value_dim
-    q, k, v = qkv.split([heads * d, heads * d, heads * m], dim=-1)
-    return q.view(-1, heads, d), k.view(-1, heads, d), v.view(-1, heads, m)
 
 
 def whole_image_noise(head, batch: int, positions: int, temperature: float, generator, device):
