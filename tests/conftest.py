@@ -111,6 +111,18 @@ def tiny_mnist_args(root: Path, *extra: str) -> list[str]:
     ]
 
 
+def fit_saving_every_step(model: L.LightningModule, datamodule, dirpath: Path, ckpt_path: Path | None = None) -> None:
+    """Two epochs of ``model`` on ``datamodule`` on CPU with a checkpoint ``step=N.ckpt`` in
+    ``dirpath`` after every update (resumed from ``ckpt_path`` when given): the data resume tests
+    restart from each step's checkpoint and compare the batches seen."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ckpt], limit_val_batches=0, accelerator="cpu")
+    trainer.fit(model, datamodule, ckpt_path=ckpt_path)
+
+
 @contextlib.contextmanager
 def _restored_torch_flags():
     # `trainer.deterministic` switches torch's global flags; don't leak them into other tests.

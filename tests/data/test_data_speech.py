@@ -14,6 +14,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import fit_saving_every_step
 
 from linformer_lab.data import espeak
 from linformer_lab.data import phonemes as P
@@ -353,15 +354,10 @@ def test_speech_resume_sees_same_batches(corpus_root, tmp_path):
     """The speech train loader resumes mid-epoch like the copy and image loaders (one
     EpochSampler protocol): a run resumed from any step's checkpoint sees exactly the batches
     an uninterrupted run saw from that step on, in the same order."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     def fit(name, ckpt_path=None):
         dm = S.SpeechDataModule(root=str(corpus_root), hours=TINY_HOURS, seed=SEED, batch_size=4, progress=False)
         model = RecordBatches()
-        ckpt = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[ckpt], limit_val_batches=0, accelerator="cpu")
-        trainer.fit(model, dm, ckpt_path=ckpt_path)
+        fit_saving_every_step(model, dm, tmp_path / name, ckpt_path)
         return model.seen
 
     full = fit("full")
