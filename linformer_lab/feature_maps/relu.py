@@ -1,0 +1,51 @@
+"""phi(x) = relu(x) and phi(x) = relu(x)^2: the plainest non-negative maps."""
+
+from __future__ import annotations
+
+import torch
+
+from linformer_lab.feature_maps.base import FeatureMap
+
+
+class ReluFeatureMap(FeatureMap):
+    """``phi(x) = max(x, 0)``, elementwise; ``output_dim == query_dim``.
+
+    The map of cosFormer without its reweighting (Qin et al. 2022, "cosFormer: Rethinking
+    Softmax in Attention", eq. 6: ``sim(q, k) = relu(q)^T relu(k)``). Unlike ``elu + 1`` it can
+    be exactly zero: a query whose features are all zero, or whose visible keys' features are,
+    gets a normaliser of ``eps`` alone and an output of zero (finite, never 0/0).
+    """
+
+    @property
+    def output_dim(self) -> int:
+        return self.query_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return torch.relu(x)
+
+    def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``sum_i max(q_i, 0) max(k_i, 0)``, written with clamp rather than relu."""
+        return q.clamp_min(0) @ k.clamp_min(0).transpose(-1, -2)
+
+
+class SquaredReluFeatureMap(FeatureMap):
+    """``phi(x) = max(x, 0)^2``, elementwise; ``output_dim == query_dim``.
+
+    The squared ReLU of Primer (So et al. 2021, "Primer: Searching for Efficient Transformers
+    for Language Modeling", §3: ``relu(x)^2``), used as a feature map as in the flash-linear-
+    attention library's ``squared_relu``. Sharper than ``relu``: large query and key entries
+    dominate the similarity.
+    """
+
+    @property
+    def output_dim(self) -> int:
+        return self.query_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return torch.relu(x).square()
+
+    def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``sum_i max(q_i, 0)^2 max(k_i, 0)^2``."""
+        return (q.clamp_min(0) ** 2) @ (k.clamp_min(0) ** 2).transpose(-1, -2)
