@@ -247,3 +247,44 @@ def test_maps_beyond_the_paper_stay_finite_at_four_times_the_scale(name, dtype):
     assert torch.isfinite(out).all(), name
     ref = _reference(attn, q, k, v)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.05
+
+
+def _triton_device() -> str | None:
+    """Where the Triton chunk kernels run in this process: the CPU under Triton's interpreter (set
+    by tests/conftest.py without a GPU), a CUDA GPU, or None (no Triton)."""
+    try:
+        from linformer_lab.ops.cuda.triton_chunk import launch
+    except ImportError:
+        return None
+    if launch.interpreting():
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m for m in FEATURE_MAPS if m not in ("elu", "poly2")])  # those two: tests/ops
+def test_every_map_through_the_triton_chunk_kernel(name):
+    """The GPU candidate of the causal attention op (``ops/cuda/triton_chunk/backend.py``), which fuses
+    elu alone and applies any other map before its kernels: outputs, the final state and the gradients
+    of q, k, v and the map's weights equal the op's PyTorch reference (under Triton's interpreter on a
+    machine without a GPU)."""
+    device = _triton_device()
+    if device is None:
+        pytest.skip("needs Triton")
+    from linformer_lab.ops.cuda.triton_chunk import backend
+
+    attention = _attention(name, d=4, dtype=torch.float32).to(device)
+    assert not backend.fuses(attention.feature_map)
+    # one row of 21 positions: two chunks of the interpreter's 16, each program run in Python
+    q, k, v = (t[:1, :1].to(device).requires_grad_() for t in _inputs(torch.float32, d=4, n=21))
+    results = []
+    for run in (backend.causal_attention, kernels.reference("causal_attention").run):
+        out, state = run(attention.feature_map, q, k, v, None, attention.eps, attention.causal_dot_product, None, True)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], device=device)).sum() + state[0].sum(),
+                                    [q, k, v, *attention.feature_map.parameters()])
+        results.append((out, state[0], *grads))
+    labels = ["out", "state", "q", "k", "v"] + [n for n, _ in attention.feature_map.named_parameters()]
+    assert len(labels) == len(results[0])
+    for label, got, want in zip(labels, *results):
+        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert error < 1e-4, f"{name}: {label}: relative error {error:.3g}"
