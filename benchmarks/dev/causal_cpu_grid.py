@@ -69,7 +69,7 @@ LENGTHS = [256, 4096, 65536]
 ISSUE_SHAPES = [(4, 8, 4096, 64), (1, 8, 16384, 32), (1, 8, 4096, 32), (8, 8, 1024, 64), (2, 4, 8192, 128),
                 (16, 8, 512, 32)]
 #: the feature maps of the whole-attention columns (``--feature-maps``): every built-in one, elu + 1 first
-FEATURE_MAPS = ("elu", "relu", "squared_relu", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor",
+FEATURE_MAPS = ("elu", "relu", "squared_relu", "sigmoid", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor",
                 "random_fourier")
 
 

@@ -38,7 +38,8 @@ import common  # noqa: E402
 RESULTS = str(common.results_dir(__file__))
 H, D, M = 8, 32, 32
 #: the feature maps beyond elu + 1 in the default methods, as ``linear/<map>``
-FEATURE_MAPS = ("relu", "squared_relu", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor", "random_fourier")
+FEATURE_MAPS = ("relu", "squared_relu", "sigmoid", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor",
+                "random_fourier")
 #: one fwd+bwd at this N precedes each memory measurement: the first call of any size adds
 #: ~40 MB of RSS on CPU (code pages, thread pools) that is no cost of the N measured
 WARMUP_N = 256

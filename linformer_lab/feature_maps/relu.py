@@ -1,4 +1,4 @@
-"""phi(x) = relu(x) and phi(x) = relu(x)^2: the plainest non-negative maps."""
+"""Elementwise non-negative maps: relu(x), relu(x)^2 and sigmoid(x)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,25 @@ class SquaredReluFeatureMap(FeatureMap):
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``sum_i max(q_i, 0)^2 max(k_i, 0)^2``."""
         return (q.clamp_min(0) ** 2) @ (k.clamp_min(0) ** 2).transpose(-1, -2)
+
+
+class SigmoidFeatureMap(FeatureMap):
+    """``phi(x) = 1 / (1 + exp(-x))``, elementwise; ``output_dim == query_dim``.
+
+    One of the elementwise non-negative maps the flash-linear-attention library ships (Yang &
+    Zhang 2024, ``fla.modules.feature_map``, ``sigmoid``): every feature lies in (0, 1), so the
+    similarity is bounded by D and positive, and the normaliser never comes near zero; its
+    drawback is the other side, a map too flat to make attention sharp.
+    """
+
+    @property
+    def output_dim(self) -> int:
+        return self.query_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return torch.sigmoid(x)
+
+    def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``sum_i s(q_i) s(k_i)`` with ``s(x) = exp(x) / (1 + exp(x))``, written in that form."""
+        return (torch.exp(q) / (1 + torch.exp(q))) @ (torch.exp(k) / (1 + torch.exp(k))).transpose(-1, -2)

@@ -236,7 +236,7 @@ def test_every_map_in_half_precision_is_finite_and_close(name, dtype, mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name", ["dpfp", "hedgehog", "rebased", "relu", "squared_relu", "t2r", "taylor"])
+@pytest.mark.parametrize("name", ["dpfp", "hedgehog", "rebased", "relu", "sigmoid", "squared_relu", "t2r", "taylor"])
 def test_maps_beyond_the_paper_stay_finite_at_four_times_the_scale(name, dtype):
     """Half inputs of 4 standard deviations: the products of taylor, rebased and dpfp (and the
     fourth powers of squared_relu in the kernel) stay within fp16's range, hedgehog's softmax is
@@ -288,3 +288,12 @@ def test_every_map_through_the_triton_chunk_kernel(name):
     for label, got, want in zip(labels, *results):
         error = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert error < 1e-4, f"{name}: {label}: relative error {error:.3g}"
+
+
+def test_sigmoid_is_its_definition_and_bounded():
+    q, k = _pairs()
+    fm = ll.build_feature_map("sigmoid", query_dim=5)
+    logistic = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
+    assert_close("sigmoid", logistic(q) @ logistic(k).transpose(-1, -2), _similarity(fm, q, k), rtol=1e-12, atol=1e-12)
+    features = fm(50 * q)
+    assert ((features >= 0) & (features <= 1)).all()

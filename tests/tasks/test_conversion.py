@@ -115,3 +115,27 @@ def test_distillation_lowers_the_attention_loss_and_trains_only_the_feature_maps
     for name, p in student.named_parameters():
         changed = not torch.equal(p.detach(), before[name])
         assert changed == (id(p) in trained), f"{name}: changed={changed}"
+
+
+def test_image_task_builds_its_teacher_from_the_checkpoint_and_distills_on_images():
+    """ImageGenerationTask: the teacher that initialise_from builds is the checkpoint's softmax model
+    (its weights, frozen); distillation on image batches through forward_batch lowers the loss."""
+    from linformer_lab.tasks.image_generation import ImageGenerationTask
+
+    shape = dict(image_shape=(1, 4, 4), n_layers=1, n_heads=2, d_model=16, d_ff=32, num_mixtures=2)
+    torch.manual_seed(0)
+    softmax = ImageGenerationTask(attention="softmax", **shape)
+    with torch.no_grad():
+        softmax.model.transformer.layers[0].attention.qkv.weight.mul_(4.0)  # peaked attention to learn
+    checkpoint = {"hyper_parameters": dict(softmax.hparams), "state_dict": softmax.state_dict()}
+    student = ImageGenerationTask(attention={"backend": "linear", "feature_map": "hedgehog"}, init_from="s.ckpt",
+                                  distill_steps=30, **shape)
+    student.initialise_from(checkpoint, "s.ckpt")
+    teacher = student.distillation.teacher
+    assert teacher.attention_config.backend == "softmax" and not teacher.training
+    assert all(torch.equal(v, softmax.state_dict()[k]) for k, v in teacher.state_dict().items())
+    assert not any(p.requires_grad for p in teacher.parameters())
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (4, 1, 4, 4), generator=gen, dtype=torch.uint8), torch.zeros(4)) for _ in range(3)]
+    losses = distill_feature_maps(student, teacher, batches, teacher.forward_batch, steps=30, lr=1e-2)
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
