@@ -7,7 +7,23 @@ import torch
 from linformer_lab.feature_maps.base import FeatureMap
 
 
-class ReluFeatureMap(FeatureMap):
+class ElementwiseFeatureMap(FeatureMap):
+    """A map applied to each entry alone, ``phi(x)_i = f(x_i)``: ``output_dim == query_dim``;
+    subclasses define ``elementwise(x)``, f on a tensor."""
+
+    @property
+    def output_dim(self) -> int:
+        return self.query_dim
+
+    def elementwise(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return self.elementwise(x)
+
+
+class ReluFeatureMap(ElementwiseFeatureMap):
     """``phi(x) = max(x, 0)``, elementwise; ``output_dim == query_dim``.
 
     The map of cosFormer without its reweighting (Qin et al. 2022, "cosFormer: Rethinking
@@ -16,12 +32,7 @@ class ReluFeatureMap(FeatureMap):
     gets a normaliser of ``eps`` alone and an output of zero (finite, never 0/0).
     """
 
-    @property
-    def output_dim(self) -> int:
-        return self.query_dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+    def elementwise(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
 
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -29,7 +40,7 @@ class ReluFeatureMap(FeatureMap):
         return q.clamp_min(0) @ k.clamp_min(0).transpose(-1, -2)
 
 
-class SquaredReluFeatureMap(FeatureMap):
+class SquaredReluFeatureMap(ElementwiseFeatureMap):
     """``phi(x) = max(x, 0)^2``, elementwise; ``output_dim == query_dim``.
 
     The squared ReLU of Primer (So et al. 2021, "Primer: Searching for Efficient Transformers
@@ -38,12 +49,7 @@ class SquaredReluFeatureMap(FeatureMap):
     dominate the similarity.
     """
 
-    @property
-    def output_dim(self) -> int:
-        return self.query_dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+    def elementwise(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x).square()
 
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -51,7 +57,7 @@ class SquaredReluFeatureMap(FeatureMap):
         return (q.clamp_min(0) ** 2) @ (k.clamp_min(0) ** 2).transpose(-1, -2)
 
 
-class SigmoidFeatureMap(FeatureMap):
+class SigmoidFeatureMap(ElementwiseFeatureMap):
     """``phi(x) = 1 / (1 + exp(-x))``, elementwise; ``output_dim == query_dim``.
 
     One of the elementwise non-negative maps the flash-linear-attention library ships (Yang &
@@ -60,12 +66,7 @@ class SigmoidFeatureMap(FeatureMap):
     drawback is the other side, a map too flat to make attention sharp.
     """
 
-    @property
-    def output_dim(self) -> int:
-        return self.query_dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+    def elementwise(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(x)
 
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
