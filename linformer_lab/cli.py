@@ -53,6 +53,7 @@ from linformer_lab.checkpoints import (
     claim_checkpoint_dir,
     default_checkpoint_callbacks,
     exit_with_error,
+    load_checkpoint_header,
     new_run_version,
     resolve_checkpoint_path,
     resumed_run_dir,
@@ -225,6 +226,12 @@ class LinformerCLI(LightningCLI):
                 self.model.check_run(self.datamodule, trainer.strategy.root_device)
             except ConfigurationError as err:
                 self._stop(str(err))
+            init_from = self.model.hparams.get("init_from")
+            if fitting and init_from:  # a trained model of another attention to start from (tasks/conversion.py)
+                try:
+                    self.model.initialise_from(load_checkpoint_header(init_from), init_from)
+                except (CheckpointMismatchError, ConfigurationError) as err:
+                    self._stop(str(err))
 
         if ours:
             run_dir = trainer.log_dir or str(root)  # None under fast_dev_run (which saves nothing)

@@ -34,6 +34,12 @@ Before / after a change to causal_recurrence.cpp, in one run: ``--before-revisio
 the source (and the headers beside it) as at git revision REV under another module name, and
 times it as "kernel before".
 
+Feature maps: per shape also the whole causal ``linear`` attention (feature map, numerator,
+normaliser; fwd+bwd from unmapped q, k) with each map of ``--feature-maps`` (default: every
+built-in map), timed in the same interleaved rounds, as ms and as a ratio to elu + 1: what a map
+beyond the paper costs. A map whose features ``(B, H, N, C)`` hold more than ``--max-elements``
+numbers is left out at that shape (taylor and rebased have C ~ D^2 / 2).
+
 Results: ``benchmarks/dev/results/causal_linear_cpu_grid{_quick}{tag}.{csv,md}``.
 """
 
@@ -62,6 +68,9 @@ LENGTHS = [256, 4096, 65536]
 #: (B, H, N, D = M) of issue #23
 ISSUE_SHAPES = [(4, 8, 4096, 64), (1, 8, 16384, 32), (1, 8, 4096, 32), (8, 8, 1024, 64), (2, 4, 8192, 128),
                 (16, 8, 512, 32)]
+#: the feature maps of the whole-attention columns (``--feature-maps``): every built-in one, elu + 1 first
+FEATURE_MAPS = ("elu", "relu", "squared_relu", "sigmoid", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor",
+                "random_fourier")
 
 
 def grid_shapes(args) -> tuple[list[tuple], list[tuple]]:
@@ -185,6 +194,7 @@ def measure(torch, impls, shape, args) -> dict:
                                        getattr(fn, "context", contextlib.nullcontext))
 
     cases = {name: case(fn) for name, fn in impls.items()}
+    cases.update(feature_map_cases(torch, shape, args.feature_maps, args.max_elements))
     start = time.perf_counter()
     for fn in cases.values():  # warm-up, and one call's time to size the repeats
         fn()
@@ -219,7 +229,28 @@ def measure(torch, impls, shape, args) -> dict:
                                                     2)
     if "fast_transformers" in times:
         row["ft_over_chunk"] = round(times["fast_transformers"]["median"] / times["chunk"]["median"], 2)
+    for name in args.feature_maps:
+        if f"map_{name}" in times and "map_elu" in times:
+            row[f"map_{name}_over_elu"] = round(times[f"map_{name}"]["median"] / times["map_elu"]["median"], 2)
     return row
+
+
+def feature_map_cases(torch, shape, names, max_elements: int) -> dict:
+    """``map_<name>``: fwd+bwd of causal ``linear`` attention with feature map ``name`` from unmapped
+    q, k ``(B, H, N, D)`` (v of D too), for each name whose features fit ``max_elements``."""
+    import linformer_lab as ll
+
+    b, h, n, d = shape
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(3))
+    grad = torch.randn(b, h, n, d, generator=gen)
+    cases = {}
+    for name in names:
+        attention = ll.build_attention("linear", causal=True, query_dim=d, feature_map=name)
+        if b * h * n * attention.feature_map.output_dim > max_elements:
+            continue
+        cases[f"map_{name}"] = common.forward_backward(lambda attention=attention: attention(q, k, v), (q, k, v), grad)
+    return cases
 
 
 def write_report(args, rows, skipped, env, path_md) -> str:
@@ -282,6 +313,15 @@ def write_report(args, rows, skipped, env, path_md) -> str:
     if before:
         lines += ["", f"Chunk kernel / kernel (before / after the recurrence): min {before[0]:.2f}, "
                       f"median {before[len(before) // 2]:.2f}, max {before[-1]:.2f} over {len(before)} shapes."]
+    if args.feature_maps:
+        lines += ["", "### Causal linear attention with each feature map", "",
+                  "Fwd+bwd of the whole attention (feature map, numerator, normaliser) from unmapped q, k, median ms "
+                  "in the same interleaved rounds, and in brackets the ratio to elu + 1 (above 1: slower); — where the "
+                  f"features would hold more than {args.max_elements:,} numbers.", ""]
+        maps_table = [[r["B"], r["H"], r["N"], r["D"]]
+                      + [f"{common.fmt(r.get(f'map_{m}_ms'), 2)} ({common.fmt(r.get(f'map_{m}_over_elu'), 2)})"
+                         if r.get(f"map_{m}_ms") else "—" for m in args.feature_maps] for r in rows]
+        lines.append(common.markdown_table(["B", "H", "N", "D", *args.feature_maps], maps_table))
     if skipped:
         lines += ["", f"Skipped (more than {args.max_elements:,} numbers per input tensor): "
                       + ", ".join("x".join(map(str, s)) for s in skipped) + " (B x H x N x D)."]
@@ -304,6 +344,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a few small shapes, 3 repeats: a smoke run of ~1 minute")
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=None, metavar="BxHxNxD",
                    help="only these shapes (D = M), e.g. to rerun the slow ones with more --repeats and --budget")
+    p.add_argument("--feature-maps", type=_map_list, default=list(FEATURE_MAPS), metavar="A,B,...",
+                   help="feature maps of the whole-attention columns (default: every built-in one; 'none': no columns)")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--before-revision", default=None, metavar="REV",
                    help="also time causal_recurrence.cpp as at this git revision (built under another module name), "
@@ -358,6 +400,14 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     common.write_csv(os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.csv"), rows)
     print(write_report(args, rows, skipped, env, os.path.join(args.out, f"causal_linear_cpu_grid{suffix}.md")))
+
+
+def _map_list(text: str) -> list[str]:
+    """``"elu,t2r"`` -> ["elu", "t2r"] (elu first, the ratios' base); ``"none"`` -> []."""
+    if text == "none":
+        return []
+    names = [name for name in text.split(",") if name]
+    return ["elu"] + [name for name in names if name != "elu"]
 
 
 def _lscpu_model() -> str | None:

@@ -1,5 +1,7 @@
 """Paper Fig. 1 (§4.1.2): forward+backward time and peak memory per sample against the
-sequence length, for softmax, linear (and linear_cuda on GPU) and Reformer's lsh-1/4/8.
+sequence length, for softmax, linear (and linear_cuda on GPU) and Reformer's lsh-1/4/8, and
+beyond the paper linear attention with each other built-in feature map (``linear/<map>``:
+relu, t2r, hedgehog, taylor, ...), whose cost against elu + 1 the figure then shows.
 
 N = 2^9 ... 2^16 with the batch size inversely proportional to N: B = max(1, tokens / N)
 (``--tokens``, default 2^13 on CPU, 2^16 on GPU; past N = tokens, B stays 1). The paper
@@ -16,7 +18,7 @@ configuration; on GPU, ``torch.cuda.max_memory_allocated`` minus the memory allo
 the call. Time: median over interleaved rounds (method A, B, C, A, B, C, ...) in one child
 per N, after one warm-up call.
 
-    uv run python benchmarks/paper/scaling.py            # full CPU run (~15-18 min on 2 loaded cores)
+    uv run python benchmarks/paper/scaling.py            # full CPU run (paper methods ~15-18 min on 2 cores; maps add)
     uv run python benchmarks/paper/scaling.py --quick    # smoke run (< 1 min)
 
 Writes ``benchmarks/paper/results/scaling_<device>.{csv,md,png}``.
@@ -35,16 +37,21 @@ import common  # noqa: E402
 
 RESULTS = str(common.results_dir(__file__))
 H, D, M = 8, 32, 32
+#: the feature maps beyond elu + 1 in the default methods, as ``linear/<map>``
+FEATURE_MAPS = ("relu", "squared_relu", "sigmoid", "dpfp", "taylor", "rebased", "t2r", "hedgehog", "poly2", "favor",
+                "random_fourier")
 #: one fwd+bwd at this N precedes each memory measurement: the first call of any size adds
 #: ~40 MB of RSS on CPU (code pages, thread pools) that is no cost of the N measured
 WARMUP_N = 256
 
 
 def _spec(method: str) -> tuple[str, dict]:
-    """'lsh-4' -> ('lsh', {'n_hashes': 4, ...}); other names are backends as is."""
+    """'lsh-4' -> ('lsh', {'n_hashes': 4, ...}); 'linear/t2r' -> ('linear', {'feature_map': 't2r'});
+    other names are backends as is."""
     if method.startswith("lsh-"):
         return "lsh", {"n_hashes": int(method[4:]), "bucket_size": 32, "n_buckets": 64}
-    return method, {}
+    backend, _, feature_map = method.partition("/")
+    return backend, ({"feature_map": feature_map} if feature_map else {})
 
 
 def _case(method: str, b: int, n: int, device: str, causal: bool):
@@ -224,7 +231,8 @@ def markdown(rows, methods, lengths, header_lines):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--methods", default="softmax,linear,linear_cuda,lsh-1,lsh-4,lsh-8")
+    p.add_argument("--methods", default=",".join(["softmax", "linear", "linear_cuda", "lsh-1", "lsh-4", "lsh-8"]
+                                                 + [f"linear/{m}" for m in FEATURE_MAPS]))
     p.add_argument("--tokens", type=int, default=None, help="B * N (default 2^13 on CPU, 2^16 on GPU)")
     p.add_argument("--min-log2n", type=int, default=9)
     p.add_argument("--max-log2n", type=int, default=16)
@@ -261,7 +269,7 @@ def main(argv=None):
         f"- device: {env.get('device_name')}; {mach['logical_cpus']} logical CPUs, {mach['mem_gib']} GiB; "
         f"torch {env.get('torch')}, {args.threads} threads",
         f"- H={H}, D=M={D}, {'causal' if args.causal else 'non-causal'}, fp32; B = max(1, {args.tokens} / N); "
-        f"linear: elu+1 feature map, default chunk; lsh: 64 buckets, chunks of 32 (shared QK)",
+        f"linear: elu+1 feature map (linear/<map>: that map), default chunk; lsh: 64 buckets, chunks of 32 (shared QK)",
         f"- time: median of up to {args.repeats} interleaved fwd+bwd calls after a warm-up; memory: "
         + (f"peak-RSS increase of one fwd+bwd in a fresh child process, after a warm-up call at N={WARMUP_N}"
            if args.device == "cpu" else "torch.cuda.max_memory_allocated increase")

@@ -22,7 +22,7 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
-from linformer_lab.tasks.base import Task, check_segment_length
+from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 
@@ -45,6 +45,9 @@ class CopyTask(Task):
             segment (:func:`~linformer_lab.models.transformer.segmented_forward`).
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).
+        init_from, distill_steps, distill_lr: start from a checkpoint of this task with another
+            attention, optionally distilling the feature maps first (as
+            :class:`~linformer_lab.tasks.image_generation.ImageGenerationTask`).
 
     Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
     logits (B, n, vocab_size)`` for any n <= sequence_length.
@@ -56,7 +59,7 @@ class CopyTask(Task):
     #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
     #: (optimisation only; the CLI's checkpoint check compares all others)
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
-                              "detach_state")
+                              "detach_state", "init_from", "distill_steps", "distill_lr")
 
     def __init__(
         self,
@@ -74,6 +77,9 @@ class CopyTask(Task):
         weight_decay: float = 0.0,
         segment_length: int | None = None,
         detach_state: bool = False,
+        init_from: str | None = None,
+        distill_steps: int = 0,
+        distill_lr: float = 1e-3,
     ):
         super().__init__()
         check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
@@ -83,6 +89,7 @@ class CopyTask(Task):
         check_at_least("lr_decay_steps", lr_decay_steps, 1, "optimizer updates before the decay", allow_none=True)
         check_positive("lr_decay_factor", lr_decay_factor, "factor applied to the learning rate")
         check_non_negative("weight_decay", weight_decay)
+        check_conversion(init_from, distill_steps, distill_lr)
         self.save_hyperparameters()
         # the public edge: the user's form becomes a config here, the Transformer takes that
         attention = self.store_attention(AttentionConfig.coerce(attention))
@@ -143,6 +150,11 @@ class CopyTask(Task):
         loss = F.cross_entropy(picked_logits, picked_targets)
         correct = (picked_logits.argmax(-1) == picked_targets).sum()
         return loss, correct, picked_targets.numel()
+
+    def forward_batch(self, batch) -> torch.Tensor:
+        """The training loss's forward pass on ``batch`` (attention distillation runs the teacher on it)."""
+        tokens, target_mask = batch
+        return self.copy_loss(tokens, target_mask)[0]
 
     # ------------------------------------------------------------------ Lightning
 

@@ -44,7 +44,7 @@ from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.static_decoder import DECODERS
 from linformer_lab.models.transformer import segmented_forward
-from linformer_lab.tasks.base import Task, check_segment_length
+from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
 from linformer_lab.tasks.callbacks import (
     COMPLETION_LEGEND,
     completion_triptychs,
@@ -103,6 +103,14 @@ class ImageGenerationTask(Task):
             compile (seconds to minutes); the weights and checkpoints are the eager model's.
         decoder: how predict's generation steps (``PixelTransformer.generate(decoder=...)``):
             ``"auto"`` a CUDA graph on a GPU, the ``fast_step`` loop on CPU.
+        init_from: a checkpoint of this task with another attention (a trained softmax model) to
+            start from: every weight whose name and shape match is loaded at the start of ``fit``
+            (:meth:`Task.initialise_from`, a table of what loaded printed), the rest keeps its
+            initial values. The way to turn a trained softmax model into a linear one.
+        distill_steps: before the first update, this many updates of attention distillation
+            (Hedgehog's first stage): only the feature maps' weights train, to match the softmax
+            attention weights of the ``init_from`` model (:mod:`linformer_lab.tasks.conversion`).
+        distill_lr: Adam learning rate of those updates.
 
     ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``hparams_free_to_change``
     which arguments a checkpoint may have had different.
@@ -116,7 +124,8 @@ class ImageGenerationTask(Task):
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
-                              "segment_length", "detach_state", "compile", "decoder")
+                              "segment_length", "detach_state", "compile", "decoder",
+                              "init_from", "distill_steps", "distill_lr")
 
     def __init__(
         self,
@@ -143,6 +152,9 @@ class ImageGenerationTask(Task):
         detach_state: bool = False,
         compile: str = "none",
         decoder: str = "auto",
+        init_from: str | None = None,
+        distill_steps: int = 0,
+        distill_lr: float = 1e-3,
     ):
         super().__init__()
         image_shape = [int(s) for s in image_shape]
@@ -159,6 +171,7 @@ class ImageGenerationTask(Task):
             raise ConfigurationError(f"compile must be one of {', '.join(map(repr, COMPILE_CHOICES))}, got {compile!r}")
         if decoder not in DECODERS:
             raise ConfigurationError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}")
+        check_conversion(init_from, distill_steps, distill_lr)
         self.save_hyperparameters()
         self.model = PixelTransformer(  # coerces the attention argument: the one place on this path
             attention=attention, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
@@ -201,6 +214,10 @@ class ImageGenerationTask(Task):
 
     def _nll(self, batch) -> torch.Tensor:
         return self._batch_nll(self._images(batch))  # (B, N) nats
+
+    def forward_batch(self, batch) -> torch.Tensor:
+        """The training loss's forward pass on ``batch``: ``(B, N)`` nats (attention distillation runs the teacher on it)."""
+        return self.model.nll(self._images(batch))
 
     def training_step(self, batch, batch_idx):
         if self.hparams.get("segment_length"):

@@ -36,8 +36,11 @@ TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
 def _backend(config):
+    """The backend in float64 with its parameters (learned feature maps' weights) frozen: a state made
+    from trainable weights is on the autograd graph, and ``copy.deepcopy`` refuses such a tensor
+    (as it refuses any non-leaf tensor); the states a generation loop branches are made without it."""
     torch.manual_seed(0)
-    return config.build(causal=True, query_dim=D).to(torch.float64)
+    return config.build(causal=True, query_dim=D).to(torch.float64).requires_grad_(False)
 
 
 def _sequence(backend, length: int, seed: int):

@@ -1,0 +1,64 @@
+"""``--model.init_from`` and ``--model.distill_steps`` through the real CLI: a tiny softmax copy run
+converted to linear attention with elu, t2r and hedgehog (distilled first), then evaluated from its
+own checkpoint; the refusals, each one line and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import checkpoint_dir, read_metrics, run_cli, tiny_copy_args
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def softmax_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("softmax")
+    code, _, err = run_cli(["fit", *tiny_copy_args(root, "softmax", "--trainer.max_steps=3")])
+    assert code == 0, err
+    return checkpoint_dir(root) / "last.ckpt"
+
+
+@pytest.mark.parametrize("feature_map, distill", [("elu", 0), ("t2r", 0), ("hedgehog", 4)])
+def test_a_softmax_run_converts_to_linear_attention(softmax_checkpoint, tmp_path, feature_map, distill):
+    args = tiny_copy_args(tmp_path, "linear", f"--model.attention.feature_map={feature_map}",
+                          f"--model.init_from={softmax_checkpoint}", f"--model.distill_steps={distill}",
+                          "--trainer.max_steps=2")
+    code, out, err = run_cli(["fit", *args])
+    assert code == 0, err
+    assert f"init_from {softmax_checkpoint}: attention softmax -> linear/{feature_map}" in out
+    assert "loaded   transformer.layers.*.attention.qkv.weight" in out
+    assert ("new      transformer.layers.*.attention.attention.feature_map." in out) == (feature_map != "elu")
+    assert "dropped  (none)" in out
+    rows = read_metrics(tmp_path / "version_0")
+    distilled = [r["distill/attention_loss"] for r in rows if "distill/attention_loss" in r]
+    assert len(distilled) == distill and all(v > 0 for v in distilled)
+    assert (f"attention distillation: update {distill} of {distill}" in out) == bool(distill)
+    # the converted model trained on: its checkpoint holds the softmax model's embedding after two updates
+    converted = torch.load(checkpoint_dir(tmp_path) / "last.ckpt", weights_only=True)
+    original = torch.load(softmax_checkpoint, weights_only=True)
+    assert converted["global_step"] == 2
+    assert converted["hyper_parameters"]["attention"]["feature_map"] == feature_map
+    assert converted["state_dict"]["head.weight"].shape == original["state_dict"]["head.weight"].shape
+    # evaluated from its own checkpoint, with no init_from in the configuration
+    code, out, err = run_cli(["test", *tiny_copy_args(tmp_path / "test", "linear", f"--model.attention.feature_map={feature_map}",
+                                                      f"--ckpt_path={checkpoint_dir(tmp_path) / 'last.ckpt'}")])
+    assert code == 0, err
+
+
+def test_init_from_refusals_are_one_line(softmax_checkpoint, tmp_path):
+    cases = {
+        "--model.d_model=32": "differs from the configured one beyond its attention (d_model: checkpoint 16, configuration 32)",
+        "--model.distill_steps=2": "'elu' has no weights to train",
+    }
+    for extra, message in cases.items():
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / extra[8:16], "linear",
+                                                       f"--model.init_from={softmax_checkpoint}", extra)])
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint")
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "garbage", "linear", f"--model.init_from={garbage}")])
+    assert code == 2 and f"error: cannot read checkpoint {garbage}" in err, err
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "nofile", "linear", "--model.distill_steps=2")])
+    assert code == 2 and "distill_steps=2 needs init_from" in err, err
