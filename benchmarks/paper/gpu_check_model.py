@@ -226,7 +226,7 @@ def figure2(device: str, budget, out: Path, dry_run: bool) -> list[dict]:
     else:
         command += ["--paper", "--accelerator", "cuda", "--jobs", "8", "--max-minutes", f"{left / 60:.2f}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    (out / "figure2.log").write_text(done.stdout + done.stderr)
+    (out / "figure2_copy.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         budget.skipped.append(f"Fig. 2 failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
     summaries = sorted(results.glob("*_summary.csv"))
