@@ -345,13 +345,16 @@ def top_level_help() -> str:
 
 def plugins_command(argv: list[str]) -> int:
     """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
-    with the distribution(s) that register it; ``--check`` also imports each one."""
+    with the distribution(s) that register it; ``--check`` also imports each one, and checks every
+    kernel that can run here against its reference (:mod:`linformer_lab.kernel_check`: a failing
+    one is an error line naming the switch that forces the reference, exit code 1)."""
     import argparse
 
     from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
     parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
-    parser.add_argument("--check", action="store_true", help="import every plugin and report failures")
+    parser.add_argument("--check", action="store_true",
+                        help="import every plugin and check every kernel against its reference; report failures")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -373,14 +376,17 @@ def plugins_command(argv: list[str]) -> int:
             failed |= len(dists) > 1
             entries.append(entry)
         report[title] = {"group": registry.group, "plugins": entries}
-    kernel_lines = []
-    if args.check:  # --check also says which kernel computes each op here (ops/kernels.py)
+    kernel_lines, checked = [], []
+    if args.check:  # --check also says which kernel computes each op here and checks every kernel
+        import linformer_lab.kernel_check as kernel_check
         from linformer_lab.ops import kernels
 
-        kernel_lines = kernels.describe()
+        kernel_lines, checked = kernels.describe(), kernel_check.check_kernels()
+        failed |= any(result.failed for result in checked)
 
     if args.json:
-        print(json.dumps({**report, "kernels": kernel_lines} if args.check else report, indent=2))
+        print(json.dumps({**report, "kernels": kernel_lines, "kernel_check": [r.as_dict() for r in checked]}
+                         if args.check else report, indent=2))
     else:
         for title, section in report.items():
             print(f"{title} (entry-point group {section['group']!r}):")
@@ -390,6 +396,11 @@ def plugins_command(argv: list[str]) -> int:
         if kernel_lines:
             print("kernels (ops/kernels.py):")
             print("\n".join(f"  {line}" for line in kernel_lines))
+            print("kernel check (forward and backward against the float64 reference, small shapes):")
+            print("\n".join(f"  {line}" for line in kernel_check.report(checked)))
+    for result in checked:
+        if result.failed:
+            sys.stderr.write(kernel_check.error_line(result) + "\n")
     return 1 if failed else 0
 
 

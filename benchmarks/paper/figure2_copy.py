@@ -47,6 +47,16 @@ script, the four methods at once on one GPU (``--accelerator cuda``; ``--precisi
 (the committed figure2_copy_gpu.md ran with ``--max-length 128`` instead, before the authors' lengths
 were known here).
 
+**The paper's shape, both recipes, fp32 and bf16** (``--paper``; ``figure2_matrix.py``): softmax and
+linear at 32-62 symbols, d_model 256 (8 heads), batch 64, dropout 0.1, 10,000 updates, with our
+recipe (``configs/copy_*.yaml``) and the authors' (``configs/copy_authors_*.yaml``), each in
+``32-true`` and ``bf16-mixed``: eight runs at once on one GPU, each logging its training loss
+with dropout (``train/loss``) and, on the same batch and weights, without (``train/loss_no_dropout``).
+``--quick`` is the same matrix at toy size on CPU (seconds a run; CI runs it):
+
+    python benchmarks/paper/figure2_copy.py --paper --accelerator cuda --jobs 8 --max-minutes 120
+    uv run python benchmarks/paper/figure2_copy.py --quick --out /tmp/figure2_quick
+
 Runs longer than a sitting (lsh at length 128 on a CPU: hours to days): every run writes its
 ``last.ckpt`` every --save-every updates (default --val-every); ``--resume`` continues each method
 from it (a new version in the same folder; a fresh run where there is none), and ``--from-logs``
@@ -73,10 +83,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+import figure2_matrix  # noqa: E402 (the helper beside this script: --paper, --quick)
 from common import machine_info, results_dir, version_metrics  # noqa: E402
 
 RESULTS = results_dir(__file__)
@@ -88,15 +100,16 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
     """The ``cli.py fit`` command line of one method."""
     root = log_root / method
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": ""}}
+    recipe = "authors_" if getattr(args, "recipe", "ours") == "authors" else ""
     command = [
-        sys.executable, "cli.py", "fit", "--config", f"configs/copy_{method}.yaml",
+        sys.executable, "cli.py", "fit", "--config", f"configs/copy_{recipe}{method}.yaml",
         f"--data.max_length={args.max_length}", f"--data.batch_size={args.batch_size}",
         f"--data.min_length={args.min_length}", f"--model.dropout={args.dropout}",
         f"--data.train_batches_per_epoch={args.steps}", f"--data.val_batches={args.val_batches}",
         f"--model.d_model={args.d_model}", f"--model.n_heads={args.n_heads}", f"--model.lr_decay_steps={args.decay_at}",
         f"--trainer.max_steps={args.steps}", f"--trainer.accelerator={args.accelerator}", "--trainer.devices=1",
         f"--trainer.precision={args.precision}", f"--trainer.val_check_interval={args.val_every}",
-        "--trainer.log_every_n_steps=10", "--trainer.enable_progress_bar=false",
+        f"--trainer.log_every_n_steps={args.log_every}", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={root}", f"--trainer.logger={json.dumps(logger)}",
         # last.ckpt only (no best copies), every --save-every updates: the resume point of --resume
         "--checkpoint.save_top_k=0", f"--checkpoint.every_n_train_steps={args.save_every}",
@@ -104,14 +117,18 @@ def run_command(method: str, args, log_root: Path) -> list[str]:
     if args.max_minutes:
         # Lightning's wall-clock limit: the run stops at the first update past it, its curve kept.
         # Its Timer is restored from the checkpoint, so a resumed run's limit counts the earlier time too.
-        days, minutes = divmod(int(args.max_minutes), 24 * 60)
-        hours, minutes = divmod(minutes, 60)
-        command.append(f"--trainer.max_time={days:02d}:{hours:02d}:{minutes:02d}:00")
+        days, seconds = divmod(round(args.max_minutes * 60), 24 * 3600)
+        hours, seconds = divmod(seconds, 3600)
+        minutes, seconds = divmod(seconds, 60)
+        command.append(f"--trainer.max_time={days:02d}:{hours:02d}:{minutes:02d}:{seconds:02d}")
     if args.resume and list((REPO / root).glob("version_*/checkpoints/last.ckpt")):
         command.append("--ckpt_path=last")
     if method.startswith("lsh"):
         lsh = {"n_hashes": int(method[3:]), "bucket_size": args.bucket_size, "n_buckets": args.n_buckets}
         command.append(f"--model.attention.kwargs={json.dumps(lsh)}")
+    if getattr(args, "loss_without_dropout", False):  # figure2_matrix.py's callback (PYTHONPATH: train())
+        callback = {"class_path": "figure2_matrix.LossWithoutDropout"}
+        command.append(f"--trainer.callbacks+={json.dumps(callback)}")
     return command
 
 
@@ -119,7 +136,8 @@ def train(method: str, args, log_root: Path) -> dict:
     command = run_command(method, args, log_root)
     # One intra-op thread per run: on a shared 2-core machine, 2 threads per process make small
     # tensor ops wait on each other (we measured 100x slower element-wise ops under load).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -144,7 +162,7 @@ def logged_run(method: str, command: list[str], log_root: Path) -> dict:
             for row in csv.DictReader(f):
                 values = {k: float(v) for k, v in row.items() if v != ""}
                 kind = "val" if "val/loss" in values else "train"  # a step logs its training loss and, some, a validation
-                by_step[(int(values["step"]), kind)] = values
+                by_step.setdefault((int(values["step"]), kind), {}).update(values)
     if not by_step:
         raise RuntimeError(f"{method}: no metrics under {root}")
     rows = [by_step[key] for key in sorted(by_step)]
@@ -188,7 +206,8 @@ def updates(run: dict) -> int:
     return max(int(r["step"]) + 1 for r in run["rows"])
 
 
-KEYS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy"}
+KEYS = {"train_loss": "train/loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy",
+        "train_loss_no_dropout": "train/loss_no_dropout"}
 
 
 def earlier_runs(out: Path, name: str, skip: list[str]) -> list[dict]:
@@ -201,7 +220,7 @@ def earlier_runs(out: Path, name: str, skip: list[str]) -> list[dict]:
     with open(out / f"{name}.csv") as f:
         for r in csv.DictReader(f):
             if r["method"] in runs:
-                row = {KEYS[k]: float(r[k]) for k in KEYS if r[k] != ""}
+                row = {KEYS[k]: float(r[k]) for k in KEYS if r.get(k)}  # older files lack the last column
                 runs[r["method"]]["rows"].append({"step": float(r["step"]) - 1, **row})
     return list(runs.values())
 
@@ -212,14 +231,14 @@ def write_results(runs: list[dict], args, out: Path) -> None:
     # CSV: one row per (method, step) with whatever was logged at that step.
     with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["method", "step", "train_loss", "val_loss", "val_accuracy"])
+        writer.writerow(["method", "step", *KEYS])
         for run in runs:
             merged: dict[int, dict] = {}
             for row in run["rows"]:
                 merged.setdefault(int(row["step"]) + 1, {}).update(row)  # step column is 0-based
             for step in sorted(merged):
                 r = merged[step]
-                values = (f"{r[k]:.5f}" if k in r else "" for k in ("train/loss", "val/loss", "val/accuracy"))
+                values = (f"{r[k]:.5f}" if k in r else "" for k in KEYS.values())
                 writer.writerow([run["method"], step, *values])
     with open(out / f"{name}_runs.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -247,6 +266,9 @@ def write_results(runs: list[dict], args, out: Path) -> None:
         m = run["method"]
         label = {"lsh1": "lsh-1", "lsh4": "lsh-4"}.get(m, m)
         ax_train.plot(*curve(run, "train/loss"), color=COLORS[m], label=label, linewidth=1)
+        if any("train/loss_no_dropout" in r for r in run["rows"]):
+            ax_train.plot(*curve(run, "train/loss_no_dropout"), "--", color=COLORS[m], label=f"{label}, no dropout",
+                          linewidth=1)
         ax_val.plot(*curve(run, "val/loss"), "o-", color=COLORS[m], label=label)
         ax_err.plot(*curve(run, "val/accuracy", lambda a: max(1.0 - a, 1e-5)), "o-", color=COLORS[m], label=label)
     panels = ((ax_train, "training loss (every 10 updates)", "cross-entropy on the copy"),
@@ -352,6 +374,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precision", default="32-true", help="Lightning's trainer.precision (default 32-true, fp32)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="the model's dropout (default 0.0; the authors' copy script and configs/copy_*.yaml: 0.1)")
+    parser.add_argument("--recipe", choices=("ours", "authors"), default="ours",
+                        help="configs/copy_<method>.yaml (ours) or configs/copy_authors_<method>.yaml (linear, softmax)")
+    parser.add_argument("--loss-without-dropout", action="store_true",
+                        help="also log train/loss_no_dropout: the training loss of the same batch in eval mode")
+    parser.add_argument("--paper", action="store_true",
+                        help="the paper's shape, both recipes, fp32 and bf16 (figure2_matrix.py; module docstring)")
+    parser.add_argument("--quick", action="store_true", help="--paper's matrix at toy size on CPU (seconds a run)")
+    parser.add_argument("--recipes", nargs="+", choices=("ours", "authors"), default=["ours", "authors"],
+                        help="--paper/--quick: the recipes of the matrix")
+    parser.add_argument("--precisions", nargs="+", choices=("32-true", "bf16-mixed"), default=["32-true", "bf16-mixed"],
+                        help="--paper/--quick: the precisions of the matrix")
+    parser.add_argument("--log-every", type=int, default=10, help="updates between logged training losses")
     parser.add_argument("--log-root", type=Path, default=Path("logs/figure2_copy"),
                         help="where the runs log, relative to the repository root; <root>/<method> is emptied first")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -371,6 +405,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="write the results of --methods from their log folders as they stand (a run still "
                              "going or killed: its updates and seconds up to its last checkpoint); nothing is trained")
     args = parser.parse_args(argv)
+    if args.recipe == "authors" and any(m.startswith("lsh") for m in args.methods):
+        parser.error("--recipe authors has configs for linear and softmax only (configs/copy_authors_*.yaml)")
+    if args.paper or args.quick:
+        figure2_matrix.preset(args, parser)
     args.val_every = min(args.val_every, args.steps)
     args.save_every = args.save_every or args.val_every
     return args
@@ -378,6 +416,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.paper or args.quick:
+        figure2_matrix.run(args, SimpleNamespace(train=train, write_results=write_results, updates=updates,
+                                                 device_line=device_line))
+        return
     if args.report_only:
         runs = sorted(earlier_runs(args.out, args.name, skip=[]), key=lambda run: METHODS.index(run["method"]))
         write_results(runs, args, args.out)

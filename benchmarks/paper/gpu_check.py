@@ -1,36 +1,51 @@
-"""The one prepared GPU check of linformer_lab: at most eight minutes on one H100, every target of
-the project's GPU-speed issue measured in one run, tables written to ``--out``.
+"""The one prepared GPU check of linformer_lab: one call on a lent GPU (15 minutes of device time,
+the machine's start included), every target of the project's GPU issue measured, tables written to
+``--out``.
 
     PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --out DIR           # on a GPU node
     uv run python benchmarks/paper/gpu_check.py --dry-run --out DIR         # every code path, toy sizes, CPU
 
-Parts, in order, each with its share of ``--budget-s`` (unused time passes on) and a check
-before every step (a step that would not fit is skipped and listed under "Skipped"):
+Parts, in order, each run as a child process with its share of ``--budget-s`` (:data:`PARTS`;
+time a part leaves unused passes on, and the last, Fig. 2, gets all that is left). A part checks
+its budget before every step (a step that would not fit is skipped and listed under "Skipped"),
+and a part still running :data:`GRACE_S` after its budget is stopped: every row it measured is
+already in its journal, so the report keeps them.
 
-1. ``tests``: the GPU tests (Triton kernel, CUDA kernel, graphed generation) through pytest;
+1. ``tests``: ``cli.py plugins --check`` (every kernel compiled and compared with its reference),
+   then the GPU tests through pytest: the Triton kernel's GPU file, the graph-decoder tests, the
+   CUDA numerator's GPU file, and the Triton interpreter tests run on the GPU
+   (``LINFORMER_LAB_TRITON_TESTS=cuda``), in that order;
 2. ``kernel``: ours (Triton, fused elu and normaliser), the earlier CUDA kernel, fla's
    ``chunk_linear_attn(normalize=True)`` and SDPA, fwd and fwd+bwd, bf16, interleaved, on the
-   issue's grid; the HBM roofline fraction of our forward at B2 T16384 H16 D128
-   (``gpu_check_kernel.py``, also runnable alone);
+   issue's grid; the first call of each (Triton's compilation and autotuning); the HBM roofline
+   fraction of our forward at B2 T16384 H16 D128 (``gpu_check_kernel.py``);
 3. ``train``: ``mnist_linear.yaml`` against ``mnist_softmax.yaml`` training images/s, eager and
    compiled (``gpu_check_model.py``);
 4. ``generation``: MNIST batch-1 seconds per image, linear against stateful softmax at batch
-   1,000 (both graphed), the largest linear batch.
+   1,000 (both graphed), the largest linear batch;
+5. ``figure2``: ``figure2_copy.py --paper`` (the paper's copy-task model, our and the authors'
+   recipe, fp32 and bf16) for the time left.
 
-Writes ``gpu_check_<device>.md`` (device, torch/Triton/fla versions, date, command, the targets
-table, every table) and ``gpu_check_<device>.csv`` (all rows), plus ``gpu_check_tests.log``.
-``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the eager static
-decoder for the graph; no compilation), which ``tests/benchmarks/test_gpu_check.py`` runs.
+Writes ``gpu_check_<device>.md`` (device, versions, date, command, the targets table, every table),
+``gpu_check_<device>.csv`` (all rows) and ``gpu_check_logs.tar.gz`` (each part's log and journal,
+``plugins_check.json``, ``pytest.log``, Fig. 2's reports): three files, inside the device tool's
+limit of eight. ``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the eager
+static decoder for the graph; no compilation; pytest only collects the GPU tests), which
+``tests/benchmarks/test_gpu_check.py`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,18 +53,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-#: The GPU test files (their CPU tests run too; a GPU-less machine skips the rest).
-GPU_TESTS = ["tests/models/test_generation_graph.py", "tests/ops/test_triton_chunk.py", "tests/ops/test_linear_cuda_gpu.py"]
-#: Shares of the budget: tests, kernels, training, generation.
-SHARES = {"tests": 0.14, "kernel": 0.30, "train": 0.28, "generation": 0.28}
+#: The GPU test files, in the order they run (the most important first: a part stopped at its
+#: budget loses the last). Their CPU tests run too; a GPU-less machine skips the rest.
+GPU_TESTS = ["tests/ops/test_triton_chunk_gpu.py", "tests/models/test_generation_graph.py",
+             "tests/ops/test_linear_cuda_gpu.py", "tests/ops/test_triton_chunk.py"]
+#: What makes tests/ops/test_triton_chunk.py run on the GPU instead of skipping there.
+GPU_TEST_ENV = {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
+#: Seconds of each part at the default budget (shares of ``--budget-s``), in the order they run:
+#: plugins --check up to 120 (a bare machine builds the C++ CPU extensions and the .cu numerator,
+#: ~30 s with 16 jobs, and Triton compiles its kernels for fp32 and bf16, forward and backward),
+#: the GPU tests the rest of 170 (each new shape compiles: the interpreter file, last, may be cut);
+#: the kernel grid 90 (7 shapes, compile and autotune at each first call); training 50;
+#: generation 50; Fig. 2 the rest (60 or more). With the machine's start (~3 minutes) and the
+#: wheels' install, one run leaves about 3.5 minutes of the 15 for a rerun of a part.
+PARTS = {"tests": 170, "kernel": 90, "train": 50, "generation": 50, "figure2": 60}
+#: A part still running this long after its budget is stopped (its own checks should stop it first).
+GRACE_S = 20
+
+
+class Journal(list):
+    """A list whose items are also appended, as JSON lines, to a file: what a part measured
+    survives the part being stopped."""
+
+    def __init__(self, path: Path | None, kind: str):
+        super().__init__()
+        self.path, self.kind = path, kind
+
+    def append(self, item) -> None:
+        super().append(item)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({self.kind: item}, default=str) + "\n")
 
 
 class Budget:
-    """Seconds left for a part; steps that would not fit are recorded as skipped."""
+    """Seconds left for a part; steps that would not fit are recorded as skipped; ``keep(rows)``
+    records measured rows as they come (in the part's journal when there is one)."""
 
-    def __init__(self, seconds: float, skipped: list[str] | None = None):
+    def __init__(self, seconds: float, skipped: list[str] | None = None, journal: Path | None = None):
         self.end = time.monotonic() + seconds
-        self.skipped = [] if skipped is None else skipped
+        self.skipped = Journal(journal, "skipped") if skipped is None else skipped
+        self.rows = Journal(journal, "row")
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -59,6 +103,45 @@ class Budget:
             self.skipped.append(f"{what} (needs ~{seconds:.0f} s, {max(self.left(), 0):.0f} s left)")
             return False
         return True
+
+    def keep(self, rows: list[dict]) -> list[dict]:
+        for row in rows:
+            self.rows.append(row)
+        return rows
+
+
+def read_journal(path: Path) -> tuple[list[dict], list[str]]:
+    """``(rows, skipped)`` a part wrote to its journal (a line cut by a stop is dropped)."""
+    rows, skipped = [], []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        (rows.append(item["row"]) if "row" in item else skipped.append(item["skipped"]))
+    return rows, skipped
+
+
+def run_part(command: list[str], seconds: float, log: Path, env: dict | None = None) -> tuple[int | None, float]:
+    """Run ``command`` (a part's child, or any command) with output to ``log``, in its own process
+    group, stopped with everything it started (pytest, training runs) after ``seconds``: ``(exit
+    code or None when stopped, seconds taken)``."""
+    start = time.monotonic()
+    with open(log, "a") as out:
+        child = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env=env)
+        try:
+            return child.wait(timeout=max(seconds, 1)), time.monotonic() - start
+        except subprocess.TimeoutExpired:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(child.pid, sig)
+                    child.wait(timeout=wait)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+            out.write(f"\n[stopped after {time.monotonic() - start:.0f} s: over its {seconds:.0f} s]\n")
+            return None, time.monotonic() - start
 
 
 def device_label(device: str) -> str:
@@ -90,21 +173,38 @@ def header(title: str, script: str, argv: list[str], device: str) -> list[str]:
             f"command: `{common.command_line(script, argv)}`", ""]
 
 
+def _env() -> dict:
+    return {**os.environ, **GPU_TEST_ENV, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def part_tests(device: str, budget: Budget, out: Path, dry_run: bool) -> list[dict]:
-    if dry_run:
-        budget.skipped.append("the GPU tests (no GPU in a dry run; CI runs their CPU parts)")
-        return []
+    """``cli.py plugins --check --json`` (a row per kernel, device and dtype), then pytest on
+    :data:`GPU_TESTS` with :data:`GPU_TEST_ENV` (collection only in a dry run)."""
+    log = out / "pytest.log"
+    check = out / "plugins_check.json"
+    code, seconds = run_part([sys.executable, "cli.py", "plugins", "--check", "--json"], min(120, budget.left()),
+                             check, env=_env())
+    text = check.read_text()
+    try:  # the JSON report, then any error lines (stderr goes to the same file)
+        results = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]["kernel_check"]
+    except (ValueError, KeyError):
+        results = []
+        budget.skipped.append(f"cli.py plugins --check: no report (exit {code}; its output is in the logs)")
+    budget.keep([{"part": "kernel_check", **r} for r in results])
+    budget.keep([{"part": "tests", "method": "cli.py plugins --check", "seconds": seconds, "exit": code,
+                  "result": ", ".join(f"{sum(r['status'] == s for r in results)} {s}"
+                                      for s in ("pass", "FAIL", "error", "not here"))}])
     files = [f for f in GPU_TESTS if (REPO / f).exists()]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    try:
-        done = subprocess.run([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x", "-rfE"],
-                              cwd=REPO, capture_output=True, text=True, timeout=max(budget.left(), 10), env=env)
-        text, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as err:
-        text, code = f"{err.stdout or ''}\nstopped after {budget.left():.0f} s", 124
-    (out / "gpu_check_tests.log").write_text(text if isinstance(text, str) else text.decode())
-    last = ([line for line in str(text).splitlines() if line.strip()] or ["(no output)"])[-1]
-    return [{"part": "tests", "method": " ".join(files), "result": last, "exit": code}]
+    command = [sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
+    code, seconds = run_part(command + (["--collect-only", "-q"] if dry_run else []), budget.left(), log, env=_env())
+    text = log.read_text()
+    counts = {word: len(re.findall(rf" {word}\b", text)) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    last = ([line for line in text.splitlines() if line.strip()] or ["(no output)"])[-1]
+    result = last if code is not None else f"stopped at its budget: {counts}"
+    return budget.keep([{"part": "tests", "method": " ".join(files), "result": result, "exit": code, "seconds": seconds,
+                         **{k.lower(): v for k, v in counts.items()}, "env": " ".join(f"{k}={v}" for k, v in
+                                                                          GPU_TEST_ENV.items())}])
 
 
 def _best(rows, part, key, **match):
@@ -184,7 +284,13 @@ def report(rows: list[dict], skipped: list[str], args, device: str) -> list[str]
     md = header("GPU check", "benchmarks/paper/gpu_check.py", args.argv, device)
     md += ["## Targets (the GPU-speed issue; ratios from this run)", "",
            common.markdown_table(["what", "must", "aim", "measured", "verdict"], targets(rows)), ""]
-    md += ["## Tests", ""] + [f"- `{r['method']}`: {r['result']} (exit {r['exit']})" for r in rows if r["part"] == "tests"]
+    md += ["## Tests", ""] + [f"- `{r['method']}`: {r['result']} (exit {r['exit']}, {r.get('seconds', 0):.0f} s)"
+                              for r in rows if r["part"] == "tests"]
+    md += ["", "## Kernel check (`cli.py plugins --check`: each kernel against its float64 reference)", "",
+           common.markdown_table(["op", "kernel", "device", "dtype", "status", "rel. error", "allowed", "detail"],
+                                 [[r["op"], r["candidate"], r["device"], r["dtype"], r["status"],
+                                   _sci(r.get("error")), _sci(r.get("allowed")), r["detail"][:120]]
+                                  for r in rows if r["part"] == "kernel_check"]), ""]
     md += [""] + gpu_check_kernel.report_lines(rows)
     md += ["## Training (images/s; an update = training_step, backward, RAdam; bf16 autocast on a GPU)", "",
            common.markdown_table(["config", "compile", "batch", "updates", "ms/update", "images/s", "warm-up s",
@@ -193,50 +299,81 @@ def report(rows: list[dict], skipped: list[str], args, device: str) -> list[str]
            "## Generation (MNIST model, random weights; one whole generate call per sample, median)", "",
            common.markdown_table(["role", "method", "batch", "decoder", "step weights", "s per call", "s per image", "images/s"],
                                  gpu_check_model.generation_table(rows)), ""]
+    md += gpu_check_model.figure2_lines(rows)
     return md + ["## Skipped", ""] + [f"- {s}" for s in skipped or ["nothing"]]
+
+
+def _sci(value) -> str:
+    return "—" if value is None else f"{value:.1e}"
+
+
+def run_child(args) -> int:
+    """One part in this process (``--child PART``), its rows and skips journaled as they come."""
+    import gpu_check_kernel
+    import gpu_check_model
+
+    device = "cpu" if args.dry_run else "cuda"
+    budget = Budget(args.budget_s, journal=args.journal)
+    parts = {"tests": lambda: part_tests(device, budget, args.out, args.dry_run),
+             "kernel": lambda: gpu_check_kernel.measure(device, budget, args.dry_run),
+             "train": lambda: gpu_check_model.training(device, budget, args.dry_run),
+             "generation": lambda: gpu_check_model.generation(device, budget, args.dry_run),
+             "figure2": lambda: gpu_check_model.figure2(device, budget, args.out, args.dry_run)}
+    parts[args.child]()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the result files")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (what the tests run)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="seconds for all parts (default 420)")
-    parser.add_argument("--parts", nargs="+", choices=list(SHARES), default=list(SHARES))
+    parser.add_argument("--budget-s", type=float, default=float(sum(PARTS.values())),
+                        help=f"seconds for all parts (default {sum(PARTS.values())})")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in a child process
+    parser.add_argument("--journal", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.dry_run:  # before anything imports Triton: the kernels run in its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import gpu_check_kernel
-    import gpu_check_model
+    if args.child:
+        return run_child(args)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
     device = "cpu" if args.dry_run else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     end, skipped, rows = time.monotonic() + args.budget_s, [], []
-    parts = {"tests": lambda b: part_tests(device, b, args.out, args.dry_run),
-             "kernel": lambda b: gpu_check_kernel.measure(device, b, args.dry_run)[1],
-             "train": lambda b: gpu_check_model.training(device, b, args.dry_run),
-             "generation": lambda b: gpu_check_model.generation(device, b, args.dry_run)}
-    names = [p for p in SHARES if p in args.parts]
+    names = [p for p in PARTS if p in args.parts]
     for i, name in enumerate(names):
         left = end - time.monotonic()
-        share = left * SHARES[name] / sum(SHARES[p] for p in names[i:])
-        start = time.monotonic()
-        try:
-            rows += parts[name](Budget(share, skipped))
-        except Exception as err:  # noqa: BLE001 - one part's failure must not cost the others' results
-            skipped.append(f"part {name} failed: {type(err).__name__}: {str(err)[:300]}")
-        print(f"== {name}: {time.monotonic() - start:.0f} s of {share:.0f} s ==", flush=True)
+        share = max(left * PARTS[name] / sum(PARTS[p] for p in names[i:]), 0)
+        journal, log = work / f"{name}.jsonl", work / f"{name}.log"
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--journal", str(journal),
+                   "--budget-s", f"{share:.1f}", "--out", str(work), *(["--dry-run"] if args.dry_run else [])]
+        code, seconds = run_part(command, share + GRACE_S, log)
+        got, skips = read_journal(journal)
+        rows += got
+        skipped += skips
+        if code is None:
+            skipped.append(f"part {name} stopped after {seconds:.0f} s (its budget {share:.0f} s): "
+                           f"the {len(got)} rows it measured before are kept")
+        elif code:
+            tail = " | ".join(log.read_text().strip().splitlines()[-3:])[-400:]
+            skipped.append(f"part {name} failed (exit {code}): {tail}")
+        print(f"== {name}: {seconds:.0f} s of {share:.0f} s, {len(got)} rows ==", flush=True)
     stem = args.out / f"gpu_check_{device_label(device)}"
     md = report(rows, skipped, args, device)
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     common.write_csv(str(stem.with_suffix(".csv")), rows)
+    with tarfile.open(args.out / "gpu_check_logs.tar.gz", "w:gz") as tar:
+        tar.add(work, arcname="gpu_check_logs")
     table = md.index("## Targets (the GPU-speed issue; ratios from this run)")
     print("\n".join(md[table:table + 11]))
     print("\n".join(f"skipped: {s}" for s in skipped))
-    print(f"wrote {stem}.md and {stem}.csv")
+    print(f"wrote {stem}.md, {stem}.csv and {args.out / 'gpu_check_logs.tar.gz'}")
     return 0
 
 

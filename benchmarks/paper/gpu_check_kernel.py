@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
@@ -148,7 +149,11 @@ def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int) 
         try:
             inputs, grad = _inputs(shape, layout, dtype, device, seed=hash(shape) % 1000)
             for key, call in _calls(fn, inputs, grad).items():
+                start = time.perf_counter()
                 call()  # warm-up: compilation, autotuning
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                row[f"first_{key}_s"] = time.perf_counter() - start  # Triton: compile and autotune included
                 calls[name, key] = call
         except Exception as err:  # noqa: BLE001 - reported in the table, the other methods go on
             row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
@@ -221,23 +226,30 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
     found, missing = methods(device)
     for name, why in missing.items():
         budget.skipped.append(f"kernel method {name}: {why}")
-    rows = agreement(found, device)
+    rows = budget.keep(agreement(found, device))
     grid = DRY_GRID if dry_run else GRID
     dtype = torch.float32 if dry_run else torch.bfloat16
     rounds, inner = (1, 1) if dry_run else (7, 3)
-    for shape in grid:
-        if budget.allows(2 if dry_run else 25, f"kernel timings at {shape}"):
-            rows += time_shape(shape, found, dtype, device, rounds, inner)
-    bandwidth = copy_bandwidth(device)
-    rows.append({"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9})
+    bandwidth = copy_bandwidth(device)  # first: the roofline row needs it as soon as its shape is timed
+    rows += budget.keep([{"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9}])
+    for shape in sorted(grid, key=lambda s: s != ROOFLINE_SHAPE):  # the roofline's shape first
+        if budget.allows(2 if dry_run else 12, f"kernel timings at {shape}"):
+            rows += budget.keep(time_shape(shape, found, dtype, device, rounds, inner))
+            if shape == ROOFLINE_SHAPE and (top := roofline(rows, bandwidth)):
+                rows += budget.keep([top])
     top = roofline(rows, bandwidth)
-    if top:
-        rows.append(top)
     summary = [f"kernel timings at {len([r for r in rows if r['part'] == 'kernel' and r['method'] == 'sdpa'])} shapes, "
                f"methods {', '.join(found)}"]
     if top:
         summary.append(f"roofline B2 T16384 H16 D128 fwd: {top['fraction']:.1%} of {top['bandwidth_gb_s']:.0f} GB/s")
     return summary, rows
+
+
+def first_call_seconds(rows: list[dict], method: str = "ours") -> float:
+    """Seconds the first calls of ``method`` took beyond their steady-state time, over every shape
+    and pass: Triton's compilation and autotuning."""
+    return sum(r.get(f"first_{key}_s", 0) - r.get(f"{key}_ms", 0) / 1e3 for r in rows
+               if r["part"] == "kernel" and r["method"] == method for key in ("fwd", "fwd_bwd"))
 
 
 def ratio_rows(rows: list[dict]) -> list[list]:
@@ -268,6 +280,13 @@ def report_lines(rows: list[dict]) -> list[str]:
                                  for r in rows if r["part"] == "kernel"]), "",
           "## Kernels: ratios (time of ours / time of the other; below 1 ours is faster)", "",
           common.markdown_table(["B×T×H×D", *[f"{a}/{b} {k.replace('_', '+')}" for a, b, k in RATIOS]], ratio_rows(rows)), ""]
+    md += ["## Kernels: first call (compilation and, for Triton, autotuning at each new shape), seconds", "",
+           common.markdown_table(["method", "B×T×H×D", "fwd first", "fwd+bwd first", "fwd steady ms", "fwd+bwd steady ms"],
+                                 [[r["method"], "×".join(str(r[k]) for k in "BTHD"), common.fmt(r.get("first_fwd_s"), 2),
+                                   common.fmt(r.get("first_fwd_bwd_s"), 2), common.fmt(r.get("fwd_ms"), 3),
+                                   common.fmt(r.get("fwd_bwd_ms"), 3)] for r in rows if r["part"] == "kernel"]), "",
+           f"First calls of ours, all shapes: {first_call_seconds(rows):.1f} s (the compile and autotune time, "
+           "less the calls' own time).", ""]
     for r in rows:
         if r["part"] == "roofline":
             md += [f"Roofline: ours forward at B2 T16384 H16 D128 {r['fwd_ms']:.3f} ms against {r['floor_ms']:.3f} ms for "

@@ -1,7 +1,8 @@
 """The model parts of ``gpu_check.py``: MNIST training images/s (``configs/mnist_linear.yaml``
-against ``configs/mnist_softmax.yaml``, eager and compiled) and MNIST generation speed (batch 1,
+against ``configs/mnist_softmax.yaml``, eager and compiled), MNIST generation speed (batch 1,
 batch 1,000 linear against stateful softmax, the largest batch), each step checked against the
-part's time budget.
+part's time budget, and Fig. 2 at the paper's shape for the time left (``figure2_copy.py --paper``;
+``--quick``'s toy matrix, reduced to one run of each recipe, in a dry run).
 
 Training: the configs' model on random images at the config's batch (the paper's 10) and at
 :data:`BIG_BATCH`, bf16 autocast on a GPU as ``precision: bf16-mixed``; an update is
@@ -14,7 +15,11 @@ capture included), the median of its repeats.
 
 from __future__ import annotations
 
+import csv
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,7 +114,7 @@ def training(device: str, budget, dry_run: bool) -> list[dict]:
         if not budget.allows(need, f"training {config} compile={compile} batch={batch or 'config'}"):
             continue
         try:
-            rows.append(train_rate(config, device, compile, batch, seconds, dry_run))
+            rows += budget.keep([train_rate(config, device, compile, batch, seconds, dry_run)])
         except Exception as err:  # noqa: BLE001 - reported, the other rows go on
             budget.skipped.append(f"training {config} compile={compile}: {type(err).__name__}: {str(err)[:200]}")
     if dry_run:
@@ -181,11 +186,11 @@ def generation(device: str, budget, dry_run: bool) -> list[dict]:
             budget.skipped.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
             continue
         seconds = statistics.median(samples)
-        rows.append({"part": "generation", "role": role, "method": method, "batch": batch, "decoder": decoder,
+        rows += budget.keep([{"part": "generation", "role": role, "method": method, "batch": batch, "decoder": decoder,
                      "step_weights": weights,
                      "seconds": seconds, "seconds_per_image": seconds / batch, "images_per_s": batch / seconds,
                      "samples": ";".join(f"{s:.4f}" for s in samples),
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
     return rows
@@ -199,3 +204,46 @@ def training_table(rows: list[dict]) -> list[list]:
 def generation_table(rows: list[dict]) -> list[list]:
     return [[r["role"], r["method"], r["batch"], r["decoder"], r["step_weights"], f"{r['seconds']:.3f}",
              f"{r['seconds_per_image']:.4f}", f"{r['images_per_s']:.1f}"] for r in rows if r["part"] == "generation"]
+
+
+#: Seconds a Fig. 2 run needs before its first update (imports, CUDA start, the first compile) and
+#: the script after the runs stop (reports): Lightning's max_time counts neither.
+FIGURE2_OVERHEAD_S = 60
+
+
+def figure2(device: str, budget, out: Path, dry_run: bool) -> list[dict]:
+    """``figure2_copy.py --paper`` (eight runs at once on the GPU) stopped by Lightning's max_time
+    within the budget; a dry run: ``--quick`` with one run of each recipe. Rows of part
+    ``figure2``; the reports go to ``out/figure2``."""
+    left = budget.left() - FIGURE2_OVERHEAD_S
+    if not dry_run and not budget.allows(FIGURE2_OVERHEAD_S + 60, "Fig. 2 at the paper's shape"):
+        return []
+    results = out / "figure2"
+    command = [sys.executable, str(REPO / "benchmarks" / "paper" / "figure2_copy.py"), "--out", str(results),
+               "--log-root", tempfile.mkdtemp(prefix="figure2_logs_")]  # checkpoints stay out of the results
+    if dry_run:
+        command += ["--quick", "--methods", "linear", "--precisions", "bf16-mixed", "--jobs", "2"]
+    else:
+        command += ["--paper", "--accelerator", "cuda", "--jobs", "8", "--max-minutes", f"{left / 60:.2f}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    (out / "figure2_copy.log").write_text(done.stdout + done.stderr)
+    if done.returncode:
+        budget.skipped.append(f"Fig. 2 failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+    summaries = sorted(results.glob("*_summary.csv"))
+    rows = [{"part": "figure2", **r} for path in summaries for r in csv.DictReader(path.open())]
+    return budget.keep(rows)
+
+
+def figure2_lines(rows: list[dict]) -> list[str]:
+    """Markdown of the Fig. 2 part: a row per run."""
+    def cell(value):
+        return "—" if value in (None, "") else f"{float(value):.4f}"
+
+    table = [[r["recipe"], r["precision"], r["method"], r.get("updates") or r.get("error", ""), cell(r.get("train_loss")),
+              cell(r.get("train_loss_no_dropout")), cell(r.get("val_loss")), cell(r.get("val_accuracy"))]
+             for r in rows if r["part"] == "figure2"]
+    import common
+
+    return ["## Fig. 2 at the paper's shape for the time left (`figure2_copy.py --paper`; its files in the logs archive)",
+            "", common.markdown_table(["recipe", "precision", "method", "updates", "train loss", "train loss, no dropout",
+                                       "val loss", "val copy accuracy"], table), ""]

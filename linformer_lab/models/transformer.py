@@ -1,6 +1,9 @@
 """The transformer of paper eq. 1, with a parallel path and a recurrent path (§3.4).
 
-Each layer is pre-norm: ``x = x + attention(norm(x)); x = x + feedforward(norm(x))``.
+Each layer is pre-norm by default: ``x = x + attention(norm(x)); x = x + feedforward(norm(x))``;
+``norm_first=False`` makes it post-norm, as in Vaswani et al. and the authors' copy-task model:
+``x = norm(x + attention(x)); x = norm(x + feedforward(x))``. The feed-forward's activation is GELU
+by default, ReLU on request.
 ``forward`` runs a whole sequence (training, evaluation); ``step`` runs one position with a
 per-layer state (generation). Both go through the same weights, and a test checks that
 they agree for every backend.
@@ -17,11 +20,22 @@ from linformer_lab.attention.config import AttentionConfig, as_config, layer_att
 from linformer_lab.attention.multihead import MultiHeadAttention, head_dims
 from linformer_lab.ops.state import detach_state
 
+#: The feed-forward activations a layer offers (``activation``).
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
 
 class TransformerLayer(nn.Module):
     """One layer: ``(B, N, d_model) -> (B, N, d_model)``; ``attention`` as for
     :class:`~linformer_lab.attention.multihead.MultiHeadAttention`: a backend name, a dict of
-    :class:`AttentionConfig` fields, a config, None (the default), or a built :class:`Attention`."""
+    :class:`AttentionConfig` fields, a config, None (the default), or a built :class:`Attention`.
+    ``norm_first`` (default True): pre-norm; False: post-norm (module docstring). ``activation``:
+    ``"gelu"`` (default) or ``"relu"``.
+
+    A post-norm layer keeps its norms as ``norm_after_attention`` / ``norm_after_ff`` and has no
+    ``norm_attention`` / ``norm_ff`` (None): the generation fast paths read those two as the
+    pre-norm's, so on a post-norm stack they fail at once instead of computing another function;
+    such a stack steps through :meth:`step`.
+    """
 
     def __init__(
         self,
@@ -31,34 +45,48 @@ class TransformerLayer(nn.Module):
         attention: AttentionConfig | Attention | str | dict | None = None,
         causal: bool = True,
         dropout: float = 0.0,
+        norm_first: bool = True,
+        activation: str = "gelu",
     ):
         super().__init__()
-        self.norm_attention = nn.LayerNorm(d_model)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"TransformerLayer: unknown activation {activation!r}; valid choices: {', '.join(ACTIVATIONS)}")
+        self.norm_first = norm_first
+        if norm_first:
+            self.norm_attention, self.norm_ff = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        else:
+            self.norm_after_attention, self.norm_after_ff = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+            self.norm_attention = self.norm_ff = None
         attention = layer_attention(attention, causal=causal, query_dim=head_dims(d_model, n_heads)[0])
         self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
-        self.norm_ff = nn.LayerNorm(d_model)
         self.feedforward = nn.Sequential(
-            nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
+            nn.Linear(d_model, d_ff), ACTIVATIONS[activation](), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
         )
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None, state=None, return_state: bool = False,
                 cu_seqlens: torch.Tensor | None = None):
         """``(B, N, d_model) -> (B, N, d_model)``, with ``return_state`` ``(out, attention state)``."""
-        attended = self.attention(self.norm_attention(x), key_lengths=key_lengths, state=state, return_state=return_state,
-                                  cu_seqlens=cu_seqlens)
+        attended = self.attention(self.norm_attention(x) if self.norm_first else x, key_lengths=key_lengths, state=state,
+                                  return_state=return_state, cu_seqlens=cu_seqlens)
         attended, state = attended if return_state else (attended, None)
-        x = x + self.dropout(attended)
-        x = x + self.dropout(self.feedforward(self.norm_ff(x)))
+        x = self._feedforward_block(x, attended)
         return (x, state) if return_state else x
+
+    def _feedforward_block(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer once the attention ran: both residuals, the feed-forward, the norms."""
+        if self.norm_first:
+            x = x + self.dropout(attended)
+            return x + self.dropout(self.feedforward(self.norm_ff(x)))
+        x = self.norm_after_attention(x + self.dropout(attended))
+        return self.norm_after_ff(x + self.dropout(self.feedforward(x)))
 
     def step(self, x_t: torch.Tensor, state=None):
         """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``, with the
         attention's state (None at a sequence's first position; a new one is returned, the given
         one is left as it was)."""
-        attended, state = self.attention.step(self.norm_attention(x_t), state)
-        x_t = x_t + self.dropout(attended)
-        return x_t + self.dropout(self.feedforward(self.norm_ff(x_t))), state
+        attended, state = self.attention.step(self.norm_attention(x_t) if self.norm_first else x_t, state)
+        return self._feedforward_block(x_t, attended), state
 
 
 class Transformer(nn.Module):
@@ -85,7 +113,7 @@ class Transformer(nn.Module):
     Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (a backend name such as
     ``"softmax"``, a dict of :class:`AttentionConfig` fields, a config, or None for the default
     ``linear`` with ``elu``; coerced here once, kept as :attr:`attention_config`, and built once per
-    layer), causal, dropout.
+    layer), causal, dropout, norm_first and activation (each layer's: :class:`TransformerLayer`).
     """
 
     def __init__(
@@ -97,12 +125,14 @@ class Transformer(nn.Module):
         attention: AttentionConfig | str | dict | None = None,
         causal: bool = True,
         dropout: float = 0.0,
+        norm_first: bool = True,
+        activation: str = "gelu",
     ):
         super().__init__()
         self.attention_config = as_config(attention, "Transformer")
         self.layers = nn.ModuleList(  # each layer builds its own backend from the config
             TransformerLayer(d_model, n_heads, d_ff or 4 * d_model, attention=self.attention_config, causal=causal,
-                             dropout=dropout)
+                             dropout=dropout, norm_first=norm_first, activation=activation)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)

@@ -12,6 +12,16 @@ use the image experiments' 256 = 8 heads x 32 dims, feed-forward 4 x 256):
 
 Optimisation as in the paper: RAdam, lr 1e-3, divided by 10 after 3000 updates (a step
 schedule stepped every optimizer update, not every epoch).
+
+**The authors' recipe.** Their copy-task script differs from ours in six places, each an option
+here whose default keeps ours (``configs/copy_authors_{linear,softmax}.yaml`` turn them all on):
+``clip_per_parameter=1.0`` (each parameter tensor's gradient norm clipped to 1 on its own, not
+the global norm), ``weight_decay=0.01`` with ``decoupled_weight_decay=True`` (RAdam decaying the
+weights as AdamW does), the softmax backend's ``dropout: 0.1`` on the attention weights
+(``attention.kwargs``), ``norm_first=False`` with ``activation="relu"`` (post-norm layers, ReLU
+feed-forward), ``positions="sinusoid_concat"`` (a fixed sinusoid of d_model / 2 dimensions
+concatenated to a token embedding of the other half) and ``score_separator=True`` (the training
+loss also scores the separator, which ends the random prefix at a random length).
 """
 
 from __future__ import annotations
@@ -24,6 +34,21 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
 from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
+
+#: How positions enter the model (``positions``): a learned embedding added to the token
+#: embedding (ours), or the authors' fixed sinusoid concatenated to it.
+POSITIONS = ("learned", "sinusoid_concat")
+
+
+def sinusoid(length: int, width: int) -> torch.Tensor:
+    """Vaswani et al.'s fixed position code, ``(length, width)`` float32: column 2i is
+    sin(p / 10000^(2i / width)), column 2i + 1 its cosine (an odd width ends on a sine)."""
+    position = torch.arange(length, dtype=torch.float64)[:, None]
+    frequency = 10000.0 ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
+    code = torch.zeros(length, width, dtype=torch.float64)
+    code[:, 0::2] = torch.sin(position * frequency)
+    code[:, 1::2] = torch.cos(position * frequency[: width // 2])
+    return code.float()
 
 
 class CopyTask(Task):
@@ -48,6 +73,15 @@ class CopyTask(Task):
         init_from, distill_steps, distill_lr: start from a checkpoint of this task with another
             attention, optionally distilling the feature maps first (as
             :class:`~linformer_lab.tasks.image_generation.ImageGenerationTask`).
+        decoupled_weight_decay: RAdam's weight decay applied to the weights directly (AdamW's),
+            not added to the gradient.
+        clip_per_parameter: clip the gradient of every parameter tensor to this norm on its own
+            (None: no clipping; the trainer's ``gradient_clip_val`` still clips the global norm).
+        norm_first, activation: pre-norm (True) or post-norm layers; ``"gelu"`` or ``"relu"``.
+        positions: ``"learned"`` (an embedding added to the tokens') or ``"sinusoid_concat"``
+            (:func:`sinusoid` of d_model // 2 dimensions after a token embedding of the rest).
+        score_separator: the training loss also scores the separator (its position is the
+            random length); validation and test keep to the copy, comparable across recipes.
 
     Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
     logits (B, n, vocab_size)`` for any n <= sequence_length.
@@ -59,7 +93,8 @@ class CopyTask(Task):
     #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
     #: (optimisation only; the CLI's checkpoint check compares all others)
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
-                              "detach_state", "init_from", "distill_steps", "distill_lr")
+                              "detach_state", "init_from", "distill_steps", "distill_lr",
+                              "decoupled_weight_decay", "clip_per_parameter", "score_separator")
 
     def __init__(
         self,
@@ -80,9 +115,22 @@ class CopyTask(Task):
         init_from: str | None = None,
         distill_steps: int = 0,
         distill_lr: float = 1e-3,
+        decoupled_weight_decay: bool = False,
+        clip_per_parameter: float | None = None,
+        norm_first: bool = True,
+        activation: str = "gelu",
+        positions: str = "learned",
+        score_separator: bool = False,
     ):
         super().__init__()
         check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
+        if clip_per_parameter is not None:
+            check_positive("clip_per_parameter", clip_per_parameter, "largest gradient norm of one parameter tensor")
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+        if positions == "sinusoid_concat" and d_model < 2:
+            raise ValueError(f"positions='sinusoid_concat' splits d_model between tokens and positions: d_model >= 2, "
+                             f"got {d_model}")
         check_at_least("vocab_size", vocab_size, 2, "token ids: padding, symbols and separator")
         check_at_least("sequence_length", sequence_length, 1, "positions of the position embedding")
         check_positive("lr", lr, "learning rate")
@@ -95,23 +143,32 @@ class CopyTask(Task):
         attention = self.store_attention(AttentionConfig.coerce(attention))
         self.sequence_length = sequence_length
 
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(sequence_length, d_model)
+        learned = positions == "learned"
+        self.token_embedding = nn.Embedding(vocab_size, d_model if learned else d_model - d_model // 2)
+        self.position_embedding = nn.Embedding(sequence_length, d_model) if learned else None
         self.transformer = Transformer(
-            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, attention=attention
+            n_layers, d_model, n_heads, d_ff, causal=True, dropout=dropout, attention=attention, norm_first=norm_first,
+            activation=activation,
         )
         self.head = nn.Linear(d_model, vocab_size)
         check_segment_length(segment_length, self.transformer, attention.backend)
-        # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
-        # stream then starts at the scale of what the layers add to it.
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        nn.init.normal_(self.position_embedding.weight, std=0.02)
+        if learned:
+            # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
+            # stream then starts at the scale of what the layers add to it.
+            nn.init.normal_(self.token_embedding.weight, std=0.02)
+            nn.init.normal_(self.position_embedding.weight, std=0.02)
+        else:  # the authors': nn.Embedding's N(0, 1) beside the unit sinusoid, which is fixed (rebuilt, not saved)
+            self.register_buffer("position_code", sinusoid(sequence_length, d_model // 2), persistent=False)
 
     # ------------------------------------------------------------------ model
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions: int64 of one shape S -> (*S, d_model)."""
-        return self.token_embedding(tokens) + self.position_embedding(positions)
+        """tokens, positions: int64 of shapes that broadcast to S -> (*S, d_model)."""
+        if self.position_embedding is not None:
+            return self.token_embedding(tokens) + self.position_embedding(positions)
+        embedded, code = self.token_embedding(tokens), self.position_code[positions]
+        shape = torch.broadcast_shapes(embedded.shape[:-1], code.shape[:-1])
+        return torch.cat([embedded.expand(*shape, -1), code.to(embedded.dtype).expand(*shape, -1)], dim=-1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i."""
@@ -131,12 +188,16 @@ class CopyTask(Task):
         hidden, state = self.transformer(self.embed(tokens[:, start:stop], positions), state=state, return_state=True)
         return self.head(hidden), state
 
-    def copy_loss(self, tokens: torch.Tensor, target_mask: torch.Tensor, segment_length: int | None = None):
-        """Teacher-forced next-token loss on the copied positions.
+    def copy_loss(self, tokens: torch.Tensor, target_mask: torch.Tensor, segment_length: int | None = None,
+                  score_separator: bool = False):
+        """Teacher-forced next-token loss on the copied positions (and the separator's, with
+        ``score_separator``).
 
-        Returns ``(loss, correct, count)``: mean cross-entropy over the copy tokens, and how many
-        of the ``count`` copy tokens the greedy argmax predicts right.
+        Returns ``(loss, correct, count)``: mean cross-entropy over the scored tokens, and how many
+        of the ``count`` scored tokens the greedy argmax predicts right.
         """
+        if score_separator:
+            target_mask = target_mask | (tokens == self.hparams.vocab_size - 1)
         # Predict token t+1 from tokens <= t: the model never needs the last column as input.
         inputs = tokens[:, :-1]
         if segment_length:
@@ -160,7 +221,8 @@ class CopyTask(Task):
 
     def training_step(self, batch, batch_idx):
         tokens, target_mask = batch
-        loss, _, _ = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"))
+        loss, _, _ = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"),
+                                    self.hparams.get("score_separator", False))
         self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
         return loss
 
@@ -248,9 +310,20 @@ class CopyTask(Task):
             x_t = out[:, t + 1]
         return out
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """The trainer's clipping (``gradient_clip_val``), after ``clip_per_parameter``'s, which
+        bounds every parameter tensor's gradient norm on its own (the authors' recipe)."""
+        limit = self.hparams.get("clip_per_parameter")
+        if limit is not None:
+            for parameter in self.parameters():
+                if parameter.grad is not None:
+                    nn.utils.clip_grad_norm_(parameter, limit)
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.RAdam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        optimizer = torch.optim.RAdam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                      decoupled_weight_decay=hp.get("decoupled_weight_decay", False))
         if hp.lr_decay_steps is None:
             return optimizer
         # interval "step": the paper's schedule counts gradient updates, not epochs.

@@ -118,3 +118,78 @@ def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
     assert 0 < run["seconds"] < 600 and figure2_copy.updates(run) == 6
     figure2_copy.main([*small, "--steps", "10", "--from-logs", "--name", "partial"])
     assert "| linear | 6 | not finished (continues with --resume) |" in (tmp_path / "out" / "partial.md").read_text()
+
+
+def test_paper_preset_runs_the_papers_shape_with_both_recipes_in_fp32_and_bf16(tmp_path):
+    """--paper: 32-62 symbols, d_model 256 in 8 heads, batch 64, dropout 0.1, 10,000 updates, lr drop at
+    3,000; softmax and linear; each run with its recipe's config, its precision and the no-dropout loss."""
+    args = figure2_copy.parse_args(["--paper", "--accelerator", "cuda"])
+    cells = figure2_copy.figure2_matrix.variants(args)
+    assert [(v.recipe, v.precision) for v, _ in cells] == [("ours", "32-true"), ("ours", "bf16-mixed"),
+                                                         ("authors", "32-true"), ("authors", "bf16-mixed")]
+    assert args.methods == ["softmax", "linear"] and args.name == "figure2_paper"
+    for variant, root in cells:
+        for method in args.methods:
+            command = figure2_copy.run_command(method, variant, root)
+            config = f"configs/copy_{'authors_' if variant.recipe == 'authors' else ''}{method}.yaml"
+            assert command[command.index("--config") + 1] == config
+            assert {"--data.min_length=32", "--data.max_length=62", "--model.d_model=256", "--model.n_heads=8",
+                    "--data.batch_size=64", "--model.dropout=0.1", "--trainer.max_steps=10000",
+                    "--model.lr_decay_steps=3000", f"--trainer.precision={variant.precision}",
+                    "--trainer.accelerator=cuda"} <= set(command)
+            assert any(a.startswith("--trainer.callbacks+=") and "figure2_matrix.LossWithoutDropout" in a for a in command)
+    assert figure2_copy.parse_args(["--paper", "--steps", "50"]).steps == 50  # a flag given wins over the preset
+    with pytest.raises(SystemExit):
+        figure2_copy.parse_args(["--recipe", "authors", "--methods", "lsh1"])  # no authors' config for lsh
+    timed = figure2_copy.parse_args(["--max-minutes", "1.5"])
+    assert "--trainer.max_time=00:00:01:30" in figure2_copy.run_command("linear", timed, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_the_loss_without_dropout_is_the_training_loss_when_nothing_drops(tmp_path, dropout):
+    """LossWithoutDropout logs the loss of the batch about to be trained on, same weights, eval mode: with
+    no dropout it is the training loss itself (the same number at every logged step); with dropout not."""
+    import lightning as L
+    from conftest import read_metrics
+    from lightning.pytorch.loggers import CSVLogger
+
+    from linformer_lab.data.copy import CopyDataModule
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    L.seed_everything(0)
+    data = CopyDataModule(min_length=2, max_length=6, batch_size=4, train_batches_per_epoch=4, val_batches=1)
+    task = CopyTask(vocab_size=data.vocab_size, sequence_length=data.sequence_length, d_model=16, n_heads=2,
+                    n_layers=1, dropout=dropout)
+    trainer = L.Trainer(max_steps=4, log_every_n_steps=1, accelerator="cpu", logger=CSVLogger(tmp_path, name=""),
+                        callbacks=[figure2_copy.figure2_matrix.LossWithoutDropout()], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(task, data)
+    rows = [r for r in read_metrics(tmp_path / "version_0") if "train/loss" in r]
+    assert len(rows) == 4 and all("train/loss_no_dropout" in r for r in rows)
+    gaps = [abs(r["train/loss"] - r["train/loss_no_dropout"]) for r in rows]
+    if dropout == 0:
+        assert max(gaps) < 1e-6
+    else:
+        assert min(gaps) > 1e-4
+
+
+@pytest.mark.slow
+def test_quick_matrix_trains_both_recipes_through_the_cli(tmp_path):
+    """--quick: the paper's matrix at toy size through cli.py fit (here reduced to linear in bf16), both
+    recipes; the summary, each recipe's report and curve with and without dropout."""
+    out = tmp_path / "out"
+    figure2_copy.main(["--quick", "--methods", "linear", "--precisions", "bf16-mixed", "--jobs", "2", "--out", str(out),
+                       "--log-root", str(tmp_path / "logs")])
+    with open(out / "figure2_quick_summary.csv") as f:
+        summary = {r["recipe"]: r for r in csv.DictReader(f)}
+    assert set(summary) == {"ours", "authors"}
+    for recipe, row in summary.items():
+        assert row["updates"] == "4" and row["precision"] == "bf16-mixed" and not row["error"]
+        assert float(row["train_loss"]) > 0 and float(row["train_loss_no_dropout"]) > 0
+        curve = (out / f"figure2_quick_{recipe}_bf16.csv").read_text().splitlines()
+        assert curve[0] == "method,step,train_loss,val_loss,val_accuracy,train_loss_no_dropout"
+        assert sum(1 for line in curve[1:] if line.split(",")[5]) == 4  # logged at every update
+        assert f"copy_{'authors_' if recipe == 'authors' else ''}linear.yaml" in \
+            (out / f"figure2_quick_{recipe}_bf16_runs.csv").read_text()
+    assert "| authors | bf16-mixed | linear | 4 |" in (out / "figure2_quick.md").read_text()

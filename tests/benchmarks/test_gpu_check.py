@@ -1,39 +1,144 @@
-"""benchmarks/paper/gpu_check.py's dry run: every part at toy sizes on CPU, through the command line
-(Triton's interpreter for our kernel, the eager static decoder for the graph), so the one GPU
-command cannot rot between the rare runs on a GPU."""
+"""benchmarks/paper/gpu_check.py, the one GPU command: its plan against the device's 15 minutes
+(the command in benchmarks/README.md), a part stopped at its budget keeping what it measured, and
+its dry run (every part at toy sizes on CPU, through the command line: Triton's interpreter for
+our kernel, the eager static decoder for the graph, pytest collecting the GPU tests, Fig. 2's
+toy matrix), so the command cannot rot between the rare runs on a GPU."""
 
 from __future__ import annotations
 
 import csv
+import os
+import re
+import shlex
 import subprocess
 import sys
+import tarfile
+import time
 
 import pytest
 from conftest import REPO
 
+sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+try:
+    import gpu_check
+finally:
+    sys.path.remove(str(REPO / "benchmarks" / "paper"))
+    sys.path.remove(str(REPO / "benchmarks"))
+
+#: The device's budget for a session, a machine's start, and what a rerun of a part needs (seconds).
+DEVICE_BUDGET_S, MACHINE_START_S, RERUN_S = 900, 180, 200
+
+
+def readme_command() -> tuple[list[str], int]:
+    """The device command of benchmarks/README.md's GPU section: (gpu_check.py's arguments, timeout_s)."""
+    section = (REPO / "benchmarks" / "README.md").read_text().split("## The GPU check on a lent device")[1]
+    line = next(line for line in section.splitlines() if "benchmarks/paper/gpu_check.py" in line and "pip install" in line)
+    words = shlex.split(line.split("&&")[-1])
+    timeout = int(re.search(r"`timeout_s: (\d+)`", section).group(1))
+    return words[words.index("benchmarks/paper/gpu_check.py") + 1:], timeout
+
+
+def test_the_readme_command_fits_the_device_budget_with_a_rerun():
+    args, timeout = readme_command()
+    budget = float(args[args.index("--budget-s") + 1])
+    assert budget == sum(gpu_check.PARTS.values())  # the parts' seconds as planned
+    assert timeout >= budget + gpu_check.GRACE_S + 40  # the wheels' install and the report
+    assert MACHINE_START_S + timeout + RERUN_S <= DEVICE_BUDGET_S
+    assert args[:2] == ["--out", "$OUT"]
+    section = (REPO / "benchmarks" / "README.md").read_text().split("## The GPU check on a lent device")[1]
+    for part, seconds in list(gpu_check.PARTS.items())[:-1]:  # the table says each part's seconds
+        assert re.search(rf"^\| {part} \| {seconds} \|", section, flags=re.M), part
+    assert re.search(r"^\| figure2 \| the rest \|", section, flags=re.M)
+
+
+def test_the_test_part_runs_both_triton_files_and_the_graph_decoder_on_the_gpu():
+    assert all((REPO / f).is_file() for f in gpu_check.GPU_TESTS)
+    assert {"tests/ops/test_triton_chunk.py", "tests/ops/test_triton_chunk_gpu.py",
+            "tests/models/test_generation_graph.py"} <= set(gpu_check.GPU_TESTS)
+    assert gpu_check.GPU_TESTS[0] == "tests/ops/test_triton_chunk_gpu.py"  # the GPU checks proper first
+    # the switch that makes the interpreter file run compiled on a GPU instead of skipping there
+    assert gpu_check.GPU_TEST_ENV == {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
+    assert 'os.environ.get("LINFORMER_LAB_TRITON_TESTS") == "cuda"' in (REPO / "tests/ops/test_triton_chunk.py").read_text()
+
+
+def test_a_budget_journals_rows_and_skips_as_they_come(tmp_path):
+    journal = tmp_path / "part.jsonl"
+    budget = gpu_check.Budget(0.0, journal=journal)
+    assert not budget.allows(5, "a step")
+    assert budget.keep([{"part": "kernel", "fwd_ms": 1.5}]) == [{"part": "kernel", "fwd_ms": 1.5}]
+    with open(journal, "a") as f:
+        f.write('{"row": {"part": "cut off')  # a line cut by the stop is dropped
+    rows, skipped = gpu_check.read_journal(journal)
+    assert rows == [{"part": "kernel", "fwd_ms": 1.5}] and skipped == ["a step (needs ~5 s, 0 s left)"]
+
 
 @pytest.mark.slow
-def test_dry_run_writes_every_table(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/paper/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_a_part_over_its_budget_is_stopped_with_its_children_and_keeps_its_rows(tmp_path):
+    journal, log = tmp_path / "part.jsonl", tmp_path / "part.log"
+    script = (f"import json, subprocess, sys, time\n"
+              f"open({str(journal)!r}, 'a').write(json.dumps({{'row': {{'part': 'x', 'n': 1}}}}) + '\\n')\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              "print('grandchild', child.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    code, seconds = gpu_check.run_part([sys.executable, "-c", script], 5, log)
+    assert code is None and seconds < 30
+    assert gpu_check.read_journal(journal)[0] == [{"part": "x", "n": 1}]
+    text = log.read_text()
+    assert "[stopped after" in text
+    pid = int(re.search(r"grandchild (\d+)", text).group(1))
+    for _ in range(50):  # the grandchild went with its group (reaped by init once killed)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the part's own child outlived the stop")
+
+
+@pytest.mark.slow
+def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
+    args, _ = readme_command()
+    args = [str(tmp_path) if a == "$OUT" else a for a in args]
+    args[args.index("--budget-s") + 1] = "3000"  # toy sizes, but a loaded 2-core CPU: every part to its end
+    done = subprocess.run([sys.executable, "benchmarks/paper/gpu_check.py", *args, "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
-    for part in ("tests", "kernel", "train", "generation"):
+    for part in gpu_check.PARTS:
         assert f"== {part}:" in done.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check_cpu_dry_run.csv", "gpu_check_cpu_dry_run.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check_cpu_dry_run.csv", "gpu_check_cpu_dry_run.md",
+                                                          "gpu_check_logs.tar.gz"]
     report = (tmp_path / "gpu_check_cpu_dry_run.md").read_text()
-    for section in ("## Targets", "## Kernels: median ms", "## Kernels: ratios", "## Training", "## Generation", "## Skipped"):
+    for section in ("## Targets", "## Tests", "## Kernel check", "## Kernels: median ms", "## Kernels: ratios",
+                    "## Kernels: first call", "## Training", "## Generation", "## Fig. 2", "## Skipped"):
         assert section in report
     assert "--dry-run" in report and "Triton" in report and "torch" in report
+    assert "stopped after" not in report and "failed" not in report, report.split("## Skipped")[1]
     rows = list(csv.DictReader((tmp_path / "gpu_check_cpu_dry_run.csv").read_text().splitlines()))
-    kernel = {r["method"] for r in rows if r["part"] == "kernel" and r["fwd_bwd_ms"]}
-    assert {"ours", "ours_nomap", "sdpa"} <= kernel  # ours through the interpreter, timed fwd and fwd+bwd
+    checked = {(r["op"], r["candidate"]): r["status"] for r in rows if r["part"] == "kernel_check"}
+    assert checked[("causal", "recurrence")] == "pass" and checked[("causal_attention", "triton")] == "not here"
+    tests = [r for r in rows if r["part"] == "tests"]
+    assert tests[0]["method"] == "cli.py plugins --check" and tests[0]["exit"] == "0"
+    assert tests[1]["method"] == " ".join(gpu_check.GPU_TESTS) and "collected" in tests[1]["result"]
+    assert tests[1]["env"] == "LINFORMER_LAB_TRITON_TESTS=cuda"
+    kernel = {r["method"]: r for r in rows if r["part"] == "kernel" and r["fwd_bwd_ms"]}
+    assert {"ours", "ours_nomap", "sdpa"} <= set(kernel)  # ours through the interpreter, timed fwd and fwd+bwd
+    assert float(kernel["ours"]["first_fwd_bwd_s"]) > 0  # the first call (Triton: compile, autotune) is recorded
     agreement = [float(r["rel_err"]) for r in rows if r["part"] == "agreement"]
     assert agreement and max(agreement) < 1e-5  # fp32 interpreted kernel against the float64 definition
     train = {(r["config"], r["batch"]) for r in rows if r["part"] == "train"}
     assert {("mnist_linear.yaml", "10"), ("mnist_softmax.yaml", "10"), ("mnist_linear.yaml", "64")} <= train
     roles = {(r["role"], r["method"]) for r in rows if r["part"] == "generation"}
     assert {("latency", "linear"), ("batch 1,000", "linear"), ("batch 1,000", "stateful-softmax"), ("largest", "linear")} <= roles
+    figure2 = {(r["recipe"], r["precision"], r["method"]): r for r in rows if r["part"] == "figure2"}
+    assert set(figure2) == {("ours", "bf16-mixed", "linear"), ("authors", "bf16-mixed", "linear")}
+    assert all(r["updates"] == "4" and float(r["train_loss_no_dropout"]) > 0 for r in figure2.values())
     assert "fla: needs a CUDA GPU" in report  # what did not run is said
+    with tarfile.open(tmp_path / "gpu_check_logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"gpu_check_logs/plugins_check.json", "gpu_check_logs/pytest.log", "gpu_check_logs/figure2/figure2_quick.md",
+            "gpu_check_logs/kernel.jsonl"} <= names
 
 
 @pytest.mark.slow

@@ -1,0 +1,262 @@
+"""What ``cli.py plugins --check`` runs on the kernels: every candidate of every op in
+:mod:`linformer_lab.ops.kernels` that can run on this machine, built (the C++ and CUDA
+extensions) or compiled at its first launch (Triton), then compared with its op's PyTorch
+reference at a small shape, forward and backward.
+
+The expectation is the reference in float64 on the same inputs; a candidate passes when its
+normwise relative error, of every output and every input gradient, is within
+``max(FLOOR[dtype], SLACK x the reference's own error in the candidate's dtype)``: a kernel may
+round as the reference does in its dtype (or as GPU matrix units do, the floor), but a wrong
+index or a lost term is an error of order one. The inputs are those the ops see in a model:
+odd lengths, state in and out, values of mean one (the case that exposes cancellation in half
+precision), masked slots.
+
+A candidate that raises (a Triton kernel that fails to compile or launch) or disagrees is a
+failure: :func:`error_line` says it in one line that names the switch forcing the reference
+(``LINFORMER_LAB_KERNELS=<op>=reference``). A candidate that does not apply on a device, or
+whose build cannot be had here, is reported and not a failure: the op then runs on the next
+candidate by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from linformer_lab.ops import kernels
+
+__all__ = ["FLOOR", "SLACK", "CheckResult", "check_kernels", "error_line", "report"]
+
+#: Largest relative error any candidate may have in a dtype, whatever the reference's: float32
+#: products on a GPU's matrix units round to tf32 (10 bits) inside Triton kernels.
+FLOOR = {torch.float64: 1e-10, torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+#: How many times the reference's own error in a dtype a candidate may have.
+SLACK = 8.0
+
+
+@dataclass
+class CheckResult:
+    """One candidate on one device and dtype. ``status``: ``pass``, ``FAIL`` (disagrees),
+    ``error`` (raised: failed to compile or launch), ``not here`` (does not apply or cannot be
+    built here); ``error``/``allowed``: the worst relative error and its bound (None unless run)."""
+
+    op: str
+    candidate: str
+    device: str
+    dtype: str
+    status: str
+    detail: str = ""
+    error: float | None = None
+    allowed: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("FAIL", "error")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- the ops' probes
+#
+# A probe makes an op's inputs on a device in a dtype (the same draws for every dtype) and says how
+# to run a candidate on them: ``probe(device, dtype) -> (accepts_args, leaves, call)``, where
+# ``call(candidate) -> {name: output}`` and ``leaves`` ``{name: input}`` are the tensors whose
+# gradients are compared.
+
+
+def _draw(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _leaves(tensors, device, dtype) -> list[torch.Tensor]:
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in tensors]
+
+
+def _causal(device: str, dtype: torch.dtype):
+    b, h, n, c, m = 2, 2, 37, 8, 12
+    q, k = (_draw(s, b, h, n, c).abs().add(0.1).div(c**0.5) for s in (1, 2))  # feature-mapped: positive
+    v, s0 = _draw(3, b, h, n, m).add(1.0), _draw(4, b, h, c, m)
+    q, k, v, s0 = _leaves((q, k, v, s0), device, dtype)
+
+    def call(candidate):
+        out, s_n = candidate.run(q, k, v, None, s0, True)
+        return {"out": out, "S_N": s_n}
+
+    return (q, k, v, s0), {"q": q, "k": k, "v": v, "S_0": s0}, call
+
+
+def _lsh_window(device: str, dtype: torch.dtype):
+    b, h, chunks, chunk, d, m = 1, 2, 3, 4, 8, 6
+    q, k = (_draw(s, b, h, chunks, chunk, d).div(d**0.5) for s in (5, 6))
+    v = _draw(7, b, h, chunks, chunk, m).add(1.0)
+    generator = torch.Generator().manual_seed(8)
+    positions = torch.stack([torch.randperm(chunks * chunk, generator=generator) for _ in range(b * h)])
+    positions = positions.view(b, h, chunks, chunk).to(device)
+    valid = (torch.rand(b, h, chunks, chunk, generator=generator) > 0.2).to(device)
+    q, k, v = _leaves((q, k, v), device, dtype)
+
+    def call(candidate):
+        out, lse = candidate.run(q, k, v, positions, valid, None, True)
+        return {"out": out, "lse": torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))}  # masked rows: -inf
+
+    return (q, k, v), {"q": q, "k": k, "v": v}, call
+
+
+def _causal_attention(device: str, dtype: torch.dtype):
+    from linformer_lab.feature_maps import build_feature_map
+
+    b, h, n, d, m = 2, 2, 37, 16, 8
+    q, k, v = _draw(9, b, h, n, d), _draw(10, b, h, n, d), _draw(11, b, h, n, m).add(1.0)
+    s0, z0 = _draw(12, b, h, d, m), _draw(13, b, h, d).abs().add(1.0)
+    q, k, v = _leaves((q, k, v), device, dtype)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    s0, z0 = _leaves((s0, z0), device, state_dtype)
+    feature_map = build_feature_map("elu", d).to(device)
+    reference_numerator = kernels.reference("causal").run
+
+    def dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False):
+        return reference_numerator(phi_q, phi_k, v, None, initial_state, return_final_state)
+
+    def call(candidate):
+        out, state = candidate.run(feature_map, q, k, v, None, 1e-6, dot_product, (s0, z0), True)
+        return {"out": out, "S_N": state[0], "Z_N": state[1]}
+
+    return (feature_map, q, k, v), {"q": q, "k": k, "v": v, "S_0": s0, "Z_0": z0}, call
+
+
+def _fused_step(device: str, dtype: torch.dtype):
+    """The fused step is generation's (no backward): ``fast_step`` over a few positions of a
+    small linear-attention stack with the candidate forced, inside a weight-copy block."""
+    from linformer_lab.models.generation import fast_step, weight_copies_for_steps
+    from linformer_lab.models.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(2, 16, 4, 32, attention="linear").to(device=device, dtype=dtype).eval()
+    x = _draw(14, 2, 5, 16).to(device=device, dtype=dtype)
+
+    def call(candidate):
+        outputs, state = [], None
+        with _forced("fused_step", candidate.name), torch.no_grad(), weight_copies_for_steps(model, "model"):
+            for t in range(x.shape[1]):
+                out, state = fast_step(model, x[:, t], state)
+                outputs.append(out)
+        return {"out": torch.stack(outputs, 1)}
+
+    return (x[:, 0],), {}, call
+
+
+PROBES: dict[str, Callable] = {"causal": _causal, "lsh_window": _lsh_window, "fused_step": _fused_step,
+                               "causal_attention": _causal_attention}
+
+
+@contextlib.contextmanager
+def _forced(op: str, name: str):
+    """``LINFORMER_LAB_KERNELS`` forcing ``op``'s candidate ``name`` for the block (restored after)."""
+    before = os.environ.get(kernels.SWITCH)
+    os.environ[kernels.SWITCH] = f"{op}={name}"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[kernels.SWITCH]
+        else:
+            os.environ[kernels.SWITCH] = before
+
+
+# ---------------------------------------------------------------- running and comparing
+
+
+def _relative(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    if got is None or want is None:
+        return 0.0 if got is None and want is None else float("inf")
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if got.shape != want.shape or not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _evaluate(op: str, device: str, dtype: torch.dtype, candidate) -> tuple[list[torch.Tensor], list[str]]:
+    """The candidate's outputs and input gradients on the op's probe, with their names."""
+    _, leaves, call = PROBES[op](device, dtype)
+    with torch.autocast(device, enabled=False):
+        named = call(candidate)
+    outputs, names = list(named.values()), list(named)
+    if leaves:
+        weights = [_draw(20 + i, *o.shape).to(device=o.device, dtype=o.dtype) for i, o in enumerate(outputs)]
+        loss = sum((o * w).sum() for o, w in zip(outputs, weights))
+        outputs += list(torch.autograd.grad(loss, list(leaves.values()), allow_unused=True))
+        names += [f"grad {name}" for name in leaves]
+    return outputs, names
+
+
+def _devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _dtypes(device: str) -> list[torch.dtype]:
+    return [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
+
+
+def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None) -> list[CheckResult]:
+    """Every candidate but the references of ``ops`` (default: all), on ``devices`` (default: the
+    CPU, and CUDA where a GPU is visible) in their dtypes (float32; on a GPU also bfloat16),
+    checked (module docstring)."""
+    results = []
+    for op in ops or list(PROBES):
+        probe = PROBES[op]
+        reference = kernels.reference(op)
+        for device in devices or _devices():
+            for dtype in _dtypes(device):
+                label = str(dtype).removeprefix("torch.")
+                want = None
+                for candidate in kernels.CANDIDATES[op][:-1]:
+                    result = CheckResult(op, candidate.name, device, label, "not here")
+                    results.append(result)
+                    if not candidate.accepts(*probe(device, dtype)[0]):
+                        result.detail = f"needs {candidate.condition}"
+                        continue
+                    if not candidate.available():
+                        result.detail = f"cannot be built or loaded here; {op} runs on its next candidate"
+                        continue
+                    if want is None:  # the expectation, and the reference's own error in this dtype
+                        want, names = _evaluate(op, device, torch.float64, reference)
+                        own = _evaluate(op, device, dtype, reference)[0]
+                        reference_error = max(_relative(g, w) for g, w in zip(own, want))
+                    try:
+                        got, _ = _evaluate(op, device, dtype, candidate)
+                    except Exception as err:  # noqa: BLE001 - any failure to build, compile or launch is the finding
+                        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+                        result.status, result.detail = "error", f"{type(err).__name__}: {first}"
+                        continue
+                    errors = [_relative(g, w) for g, w in zip(got, want)]
+                    worst = max(range(len(errors)), key=errors.__getitem__)
+                    result.error, result.allowed = errors[worst], max(FLOOR[dtype], SLACK * reference_error)
+                    result.status = "pass" if result.error <= result.allowed else "FAIL"
+                    result.detail = f"worst: {names[worst]}; the reference in {label}: {reference_error:.1e}"
+    return results
+
+
+def error_line(result: CheckResult) -> str:
+    """One line for a failed candidate, naming the switch that runs the reference instead."""
+    what = ("failed to compile or launch" if result.status == "error"
+            else f"disagrees with the reference (relative error {result.error:.2e} > {result.allowed:.1e})")
+    return (f"error: kernel {result.op}={result.candidate} on {result.device} {result.dtype} {what}: {result.detail}; "
+            f"run with {kernels.SWITCH}={result.op}={kernels.REFERENCE} (or {kernels.SWITCH}={kernels.REFERENCE} "
+            "for every op) to use the PyTorch reference")
+
+
+def report(results: list[CheckResult]) -> list[str]:
+    """The check as lines, one per candidate, device and dtype."""
+    lines = []
+    for r in results:
+        where = f"{r.op}={r.candidate} on {r.device} {r.dtype}"
+        if r.error is not None:
+            lines.append(f"{where}: {r.status} (relative error {r.error:.1e}, allowed {r.allowed:.1e}; {r.detail})")
+        else:
+            lines.append(f"{where}: {r.status} ({r.detail})")
+    return lines
