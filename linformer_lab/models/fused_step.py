@@ -119,7 +119,7 @@ def _fused_form(transformer: Transformer, held_copy):
     the order ``FusedStack`` takes them, or None when the stack is not of the form it computes."""
     weights, norm_eps, sizes, eps, approximate = [], [], set(), set(), set()
     for layer in transformer.layers:
-        if type(layer) is not TransformerLayer or type(layer.attention) is not MultiHeadAttention:
+        if type(layer) is not TransformerLayer or type(layer.attention) is not MultiHeadAttention or not layer.norm_first:
             return None
         attention, backend = layer.attention, layer.attention.attention
         if attention.shares_query_key or not isinstance(backend, LinearAttention) \

@@ -137,6 +137,8 @@ def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
 
 def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
     """``TransformerLayer.step`` in eval mode (every dropout the identity): ``(B, d_model) -> ((B, d_model), state)``."""
+    if not layer.norm_first or not isinstance(layer.feedforward[1], nn.GELU):
+        return layer.step(x_t, state)  # the authors' post-norm / ReLU layer: the readable step, written for both
     attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
     x_t = x_t + attended
     up, activation, _, down = layer.feedforward  # Linear, GELU, Dropout, Linear

@@ -62,6 +62,8 @@ def static_support(transformer) -> str | None:
         softmax = isinstance(backend, SoftmaxAttention) and type(backend).step is SoftmaxAttention.step
         if not (linear or softmax) or not backend.causal:
             return f"layer {i} uses {type(backend).__name__}, which has no static-buffer step (linear or causal softmax)"
+        if not layer.norm_first:
+            return f"layer {i} is post-norm (norm_first=False); the static step is written for pre-norm layers"
         up, activation, _, down = layer.feedforward
         if not isinstance(activation, torch.nn.GELU):
             return f"layer {i}'s feed-forward is not Linear-GELU-Dropout-Linear"

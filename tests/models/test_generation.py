@@ -18,7 +18,7 @@ from conftest import attention_configs, config_id
 from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.linear import LinearAttention
-from linformer_lab.models import generation
+from linformer_lab.models import generation, static_decoder
 from linformer_lab.models.generation import CPU_MATMUL_MIN_ROWS, fast_step, weight_copies_for_steps
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.models.transformer import Transformer
@@ -76,6 +76,25 @@ def test_fast_step_equals_the_readable_step(config, batch, copies):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     with torch.no_grad():  # and both are the parallel forward
         torch.testing.assert_close(got, model(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["linear", "softmax"])
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "relu"), (False, "gelu")])
+def test_fast_step_and_decoders_take_the_authors_post_norm_relu_layers(backend, norm_first, activation):
+    """The copy task's authors' recipe (post-norm, ReLU) steps through fast_step, the weight-copy
+    block and the decoder choice like the paper's pre-norm GELU stack, equal to the forward."""
+    torch.manual_seed(0)
+    model = Transformer(n_layers=2, d_model=D_MODEL, n_heads=HEADS, d_ff=32, attention=backend, norm_first=norm_first,
+                        activation=activation).double().eval()
+    x = torch.randn(9, LENGTH, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), weight_copies_for_steps(model, "model"):
+        got = _stepped(fast_step, model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), rtol=1e-9, atol=1e-9)
+    assert static_decoder.choose_decoder("auto", model, torch.device("cpu")) == "dynamic"
+    if not norm_first:
+        with pytest.raises(ValueError, match="post-norm"):
+            static_decoder.choose_decoder("static", model, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("config", [c for c in RECURRENT if c.backend == "linear"], ids=config_id)
