@@ -16,7 +16,17 @@ dH_c = dS_N + sum_{i after c} q_i g_i^T and dh_c = dz_N + sum_{i after c} r_i q_
 
 then through phi = elu + 1: dx = dphi * min(phi, 1). g is never rounded to the input dtype: the
 products use o and divide by d afterwards (in fp16, o / d underflows on long sequences).
-Kernels: ``backward_prepare`` (r), ``chunk_states_backward`` (dH_c, dh_c, dS_0, dz_0; the
+
+Half precision: when v has a nonzero mean, S_c g_i and r_i z_c nearly cancel in dq (S_c ~ z_c
+vbar^T, out_i ~ vbar), and so do dH_c v_j and dh_c in dk; the difference is what remains of
+numbers as large as the terms, so every factor of those terms keeps fp32's accuracy: r from the
+fp32 numerator recomputed (never from the output rounded to the input dtype), the states and
+their gradients stored in fp32, and every product with an fp32 operand in three tf32 products
+(``tf32x3``: one would truncate the operand to tf32's 10 bits). Products of two input tiles are
+exact in any precision.
+
+Kernels: ``chunk_numerator_backward`` (r; fp32 inputs: ``backward_prepare`` from the output),
+``chunk_states_backward`` (dH_c, dh_c, dS_0, dz_0; the
 forward states are recomputed by ``chunk_states_forward``, never saved),
 ``chunk_dq_dk_backward`` and ``chunk_dv_backward``, parallel over chunks. Layout, dtypes and
 sequence addressing as in ``forward.py``.
@@ -31,8 +41,9 @@ def backward_prepare(
     DO, O, DEN, R, T, H, sb_v, sh_v, st_v,
     M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BT), B * H)``: R ``(B, H, T)`` fp32 = -(do_i . out_i) / d_i. Position-wise,
-    so packed sequences need no table."""
+    """Grid ``(cdiv(T, BT), B * H)``: R ``(B, H, T)`` fp32 = -(do_i . out_i) / d_i from the stored
+    output: for fp32 inputs only (a half-precision output would lose r to rounding; see
+    ``chunk_numerator_backward``). Position-wise, so packed sequences need no table."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = i_bh // H
@@ -51,6 +62,78 @@ def backward_prepare(
     row = i_bh.to(tl.int64) * T
     den = tl.load(DEN + row + t, mask=tmask, other=1.0)
     tl.store(R + row + t, -dot / den, mask=tmask)
+
+
+def chunk_numerator_backward(
+    Q, K, V, DO, DEN, R, STATES, CU, CHUNK_OFF, CHUNK_TABLE,
+    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid ``(1, chunks, sequences * H)`` (VARLEN as ``chunk_output_forward``): R ``(B, H, T)``
+    fp32 = -(do_i . n_i) / d_i^2 with the numerator n_i = q_i^T S_c + sum_j (q_i . k_j) v_j
+    recomputed in fp32. For half inputs: dq and dk add r_i z to terms it nearly cancels when v
+    has a nonzero mean (S_c o_i ~ z_c (o_i . out_i)), so r must carry fp32's accuracy, which an
+    output rounded to 8 or 11 bits does not."""
+    i_t = tl.program_id(1)
+    i_sh = tl.program_id(2)
+    if VARLEN:
+        s = tl.load(CHUNK_TABLE + 2 * i_t).to(tl.int32)
+        c = tl.load(CHUNK_TABLE + 2 * i_t + 1).to(tl.int32)
+        h = i_sh
+        bos = tl.load(CU + s).to(tl.int32)
+        length = tl.load(CU + s + 1).to(tl.int32) - bos
+        b = i_sh * 0
+        g = (tl.load(CHUNK_OFF + s).to(tl.int32) + c) * H + h
+    else:
+        s = i_sh // H
+        h = i_sh % H
+        c = i_t
+        bos = i_sh * 0
+        length = T
+        b = s
+        g = (s * tl.cdiv(T, BT) + c) * H + h
+    DT = Q.dtype.element_ty
+    tt = tl.arange(0, BT)
+    t = c * BT + tt
+    tmask = t < length
+    k_off = b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k
+    v_off = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    for kk in tl.static_range(0, C, BK):
+        ck = kk + tl.arange(0, BK)
+        mask = tmask[:, None] & (ck < C)[None, :]
+        q = tl.load(Q + k_off + t[:, None] * st_k + ck[None, :], mask=mask, other=0.0)
+        k = tl.load(K + k_off + t[:, None] * st_k + ck[None, :], mask=mask, other=0.0)
+        if ELU:
+            q = q.to(tl.float32)
+            q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT)
+            k = k.to(tl.float32)
+            k = tl.where(mask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k)), tiny), 0.0).to(DT)
+        scores += tl.dot(q, tl.trans(k), input_precision=PREC)
+    scores = tl.where(tt[:, None] >= tt[None, :], scores, 0.0)
+    dot = tl.zeros([BT], dtype=tl.float32)
+    for vv in tl.static_range(0, M, BV):
+        cv = vv + tl.arange(0, BV)
+        vmask = cv < M
+        offs = v_off + t[:, None] * st_v + cv[None, :]
+        vt = tl.load(V + offs, mask=tmask[:, None] & vmask[None, :], other=0.0)
+        num = tl.dot(scores, vt.to(tl.float32), input_precision=PREC)
+        for kk in tl.static_range(0, C, BK):  # q again (cached): one value tile's state at a time
+            ck = kk + tl.arange(0, BK)
+            kmask = ck < C
+            mask = tmask[:, None] & kmask[None, :]
+            q = tl.load(Q + k_off + t[:, None] * st_k + ck[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ELU:
+                q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT).to(tl.float32)
+            state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
+                            mask=kmask[:, None] & vmask[None, :], other=0.0)
+            num += tl.dot(q, state, input_precision=PREC)
+        do = tl.load(DO + offs, mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        dot += tl.sum(do * num, axis=1)
+    pos = (b * H + h).to(tl.int64) * T + bos + t
+    den = tl.load(DEN + pos, mask=tmask, other=1.0)
+    tl.store(R + pos, -dot / (den * den), mask=tmask)
 
 
 def chunk_states_backward(
@@ -79,7 +162,6 @@ def chunk_states_backward(
         b = s
         g0 = s * tl.cdiv(T, BT)
     DT = Q.dtype.element_ty
-    SD = DSTATES.dtype.element_ty
     ck = i_k * BK + tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     kmask = ck < C
@@ -104,7 +186,7 @@ def chunk_states_backward(
         c = n_chunks - 1 - i
         live = c >= 0
         g = (g0 + c) * H + h
-        tl.store(DSTATES + g.to(tl.int64) * (C * M) + state_offs, acc.to(SD), mask=state_mask & live)
+        tl.store(DSTATES + g.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask & live)
         if i_v == 0:
             tl.store(DZSTATES + g.to(tl.int64) * C + ck, dz, mask=kmask & live)
         t = c * BT + tt
@@ -117,8 +199,8 @@ def chunk_states_backward(
         do = tl.load(do_base + t[:, None] * st_v + cv[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0)
         den = tl.load(DEN + pos_base + t, mask=tmask, other=1.0)
         r = tl.load(R + pos_base + t, mask=tmask, other=0.0)
-        grad_num = do.to(tl.float32) / den[:, None]  # g_i, in the state dtype (bf16 or fp32)
-        acc += tl.dot(tl.trans(q.to(SD)), grad_num.to(SD), input_precision=PREC)
+        grad_num = do.to(tl.float32) / den[:, None]  # g_i
+        acc += tl.dot(tl.trans(q.to(tl.float32)), grad_num.to(tl.float32), input_precision=PREC)
         dz += tl.sum(q.to(tl.float32) * r[:, None], axis=0)
     tl.store(DS0 + row.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask)
     if i_v == 0:
@@ -154,7 +236,6 @@ def chunk_dq_dk_backward(
         b = s
         g = (s * tl.cdiv(T, BT) + c) * H + h
     DT = Q.dtype.element_ty
-    SD = STATES.dtype.element_ty
     tt = tl.arange(0, BT)
     t = c * BT + tt
     tmask = t < length
@@ -185,8 +266,8 @@ def chunk_dq_dk_backward(
         state = tl.load(STATES + s_offs, mask=s_mask, other=0.0)
         dstate = tl.load(DSTATES + s_offs, mask=s_mask, other=0.0)
         bmat += tl.dot(do, tl.trans(vt), input_precision=PREC)
-        dq += tl.dot(do.to(SD), tl.trans(state), input_precision=PREC)
-        dk += tl.dot(vt.to(SD), tl.trans(dstate), input_precision=PREC)
+        dq += tl.dot(do.to(tl.float32), tl.trans(state), input_precision=PREC)
+        dk += tl.dot(vt.to(tl.float32), tl.trans(dstate), input_precision=PREC)
     pos = (b * H + h).to(tl.int64) * T + bos + t
     den = tl.load(DEN + pos, mask=tmask, other=1.0)
     r = tl.load(R + pos, mask=tmask, other=0.0)
@@ -194,8 +275,8 @@ def chunk_dq_dk_backward(
     dzc = tl.load(DZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
     bmat = tl.where(tt[:, None] >= tt[None, :], bmat / den[:, None] + r[:, None], 0.0)
     dq = dq / den[:, None] + r[:, None] * zc[None, :]
-    dq += tl.dot(bmat.to(SD), k.to(SD), input_precision=PREC)
-    dk += tl.dot(tl.trans(bmat.to(SD)), q.to(SD), input_precision=PREC) + dzc[None, :]
+    dq += tl.dot(bmat.to(tl.float32), k.to(tl.float32), input_precision=PREC)
+    dk += tl.dot(tl.trans(bmat.to(tl.float32)), q.to(tl.float32), input_precision=PREC) + dzc[None, :]
     if ELU:
         dq = dq * tl.minimum(q.to(tl.float32), 1.0)
         dk = dk * tl.minimum(k.to(tl.float32), 1.0)
@@ -231,7 +312,6 @@ def chunk_dv_backward(
         b = s
         g = (s * tl.cdiv(T, BT) + c) * H + h
     DT = Q.dtype.element_ty
-    SD = DSTATES.dtype.element_ty
     tt = tl.arange(0, BT)
     t = c * BT + tt
     tmask = t < length
@@ -256,9 +336,9 @@ def chunk_dv_backward(
         dstate = tl.load(DSTATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
                          mask=kmask[:, None] & vmask[None, :], other=0.0)
         scores += tl.dot(q, tl.trans(k), input_precision=PREC)
-        dv += tl.dot(k.to(SD), dstate, input_precision=PREC)
+        dv += tl.dot(k.to(tl.float32), dstate, input_precision=PREC)
     den = tl.load(DEN + (b * H + h).to(tl.int64) * T + bos + t, mask=tmask, other=1.0)
     scores = tl.where(tt[:, None] >= tt[None, :], scores / den[:, None], 0.0)  # (q_i . k_j) / d_i
     do = tl.load(DO + v_offs, mask=tmask[:, None] & vmask[None, :], other=0.0)
-    dv += tl.dot(tl.trans(scores.to(SD)), do.to(SD), input_precision=PREC)
+    dv += tl.dot(tl.trans(scores.to(tl.float32)), do.to(tl.float32), input_precision=PREC)
     tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])

@@ -19,10 +19,11 @@ or the inputs as given). Two kernels:
 The functions here are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first
 used, so that ``TRITON_INTERPRET=1`` set at any time before the first call runs them on a CPU.
 
-Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (fp32
-accumulation). A product with an operand computed in fp32 (a state, the scores) runs in ``SD``:
-bf16 for bf16 inputs (its range is fp32's), fp32 otherwise (fp16 would overflow on states of
-long sequences; its 10-bit mantissa is tf32's, so the tensor cores lose nothing). Sequences are
+Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (exact products,
+fp32 accumulation). The states are fp32, and a product with an fp32 operand (a state, the
+scores) runs at ``PREC``: for half inputs three tf32 products (``tf32x3``), as exact as fp32,
+because one tf32 product would truncate the fp32 operand to 10 bits and the backward's
+cancelling terms (``backward.py``) need the states' full accuracy. Sequences are
 addressed by (batch b, first position bos, length L): one per batch row, or one per entry of
 ``cu_seqlens`` in a packed (1, H, T, .) tensor (VARLEN). State rows are indexed by the global
 chunk number g (chunks of all sequences back to back) and the head.
@@ -81,7 +82,7 @@ def chunk_states_forward(
     for c in range(0, MAX_CHUNKS if INTERPRET else n_chunks):
         live = c < n_chunks
         g = (g0 + c) * H + h
-        tl.store(STATES + g.to(tl.int64) * (C * M) + state_offs, acc.to(STATES.dtype.element_ty), mask=state_mask & live)
+        tl.store(STATES + g.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask & live)
         if i_v == 0:
             tl.store(ZSTATES + g.to(tl.int64) * C + ck, z, mask=kmask & live)
         t = c * BT + tt
@@ -130,7 +131,6 @@ def chunk_output_forward(
         b = s
         g = (s * tl.cdiv(T, BT) + c) * H + h
     DT = Q.dtype.element_ty
-    SD = STATES.dtype.element_ty
     tt = tl.arange(0, BT)
     t = c * BT + tt
     tmask = t < length
@@ -156,13 +156,13 @@ def chunk_output_forward(
         state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
                         mask=kmask[:, None] & vmask[None, :], other=0.0)
         zc = tl.load(ZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
-        num += tl.dot(q.to(SD), state, input_precision=PREC)
+        num += tl.dot(q.to(tl.float32), state, input_precision=PREC)
         scores += tl.dot(q, tl.trans(k), input_precision=PREC)
         qz += tl.sum(q.to(tl.float32) * zc[None, :], axis=1)
     scores = tl.where(tt[:, None] >= tt[None, :], scores, 0.0)
     den = qz + tl.sum(scores, axis=1) + eps
     vt = tl.load(V + v_off + t[:, None] * st_v + cv[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0)
-    num += tl.dot(scores.to(SD), vt.to(SD), input_precision=PREC)
+    num += tl.dot(scores.to(tl.float32), vt.to(tl.float32), input_precision=PREC)
     out = num / den[:, None]
     tl.store(O + v_off + t[:, None] * st_v + cv[None, :], out.to(O.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
     if i_v == 0:

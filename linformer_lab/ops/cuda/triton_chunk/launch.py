@@ -34,18 +34,13 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the per-chunk states are stored and multiplied in: bf16 for bf16 inputs (its
-    range is fp32's), fp32 for fp16 (whose range a long sequence's state exceeds) and fp32."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
 def dot_precision(dtype: torch.dtype) -> str:
-    """Triton's precision for fp32 products: tf32 for fp16 inputs (the same 10-bit mantissa); for
-    fp32 inputs what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" three tf32
-    products that carry fp32's accuracy (on the tensor cores: the plain fp32 product compiles to a
-    register-hungry loop of scalar fused multiply-adds)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+    """Triton's precision for the products with an fp32 operand (states, scores, gradients of
+    the numerator): for fp16/bf16 inputs three tf32 products (``tf32x3``), as exact as fp32 (the
+    backward subtracts nearly equal terms built from them; see ``backward.py``); for fp32 inputs
+    what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" ``tf32x3`` too (the
+    plain fp32 product compiles to a register-hungry loop of scalar fused multiply-adds)."""
+    if dtype in _HALF or torch.get_float32_matmul_precision() == "highest":
         return "tf32x3"
     return "tf32"
 
@@ -89,7 +84,8 @@ def kernels(interpret: bool) -> SimpleNamespace:
     """The kernels compiled for one mode (the interpreter or the GPU)."""
     jit = {name: triton.jit(getattr(module, name)) for module, name in (
         (forward, "chunk_states_forward"), (forward, "chunk_output_forward"), (backward, "backward_prepare"),
-        (backward, "chunk_states_backward"), (backward, "chunk_dq_dk_backward"), (backward, "chunk_dv_backward"))}
+        (backward, "chunk_numerator_backward"), (backward, "chunk_states_backward"),
+        (backward, "chunk_dq_dk_backward"), (backward, "chunk_dv_backward"))}
     if interpret:  # one fixed config: timing configs means nothing in numpy
         return SimpleNamespace(tuned=False, **jit)
     out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2),
@@ -181,7 +177,7 @@ def run_states_forward(k, v, s0, z0, lay: Layout, elu: bool):
     """-> states ``(chunks, H, C, M)``, zstates ``(chunks, H, C)``, S_N ``(S, H, C, M)``, z_N ``(S, H, C)``."""
     kern = kernels(interpreting())
     dev = k.device
-    states = torch.empty(lay.chunks, lay.heads, lay.c, lay.m, device=dev, dtype=state_dtype(lay.dtype))
+    states = torch.empty(lay.chunks, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     zstates = torch.empty(lay.chunks, lay.heads, lay.c, device=dev, dtype=torch.float32)
     s_final = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     z_final = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
@@ -214,8 +210,14 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
     states, zstates, _, _ = run_states_forward(k, v, s0, z0, lay, elu)
     r = torch.empty_like(den)
     bv = pow2(lay.m, tile(lay.dtype))
-    kern.backward_prepare[(triton.cdiv(lay.time, 64), lay.batch * lay.heads)](
-        grad_out, out, den, r, lay.time, lay.heads, *lay.strides[3:], M=lay.m, BT=64, BV=bv)
+    if lay.dtype == torch.float32:  # the stored output is as exact as a recomputed one
+        kern.backward_prepare[(triton.cdiv(lay.time, 64), lay.batch * lay.heads)](
+            grad_out, out, den, r, lay.time, lay.heads, *lay.strides[3:], M=lay.m, BT=64, BV=bv)
+    else:
+        kern.chunk_numerator_backward[_chunk_grid(lay, lambda meta: 1)](
+            q, k, v, grad_out, den, r, states, lay.cu if lay.varlen else q, lay.offsets if lay.varlen else q,
+            lay.table if lay.varlen else q, lay.time, lay.heads, *lay.strides, tiny(lay.dtype),
+            BK=pow2(lay.c, 64), BV=bv, **_common(lay, elu))
     dstates = torch.empty_like(states)
     dzstates = torch.empty_like(zstates)
     ds0 = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
@@ -251,7 +253,7 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
     from triton.compiler import ASTSource
 
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    dt, sd = name[dtype], name[state_dtype(dtype)]
+    dt, sd = name[dtype], "fp32"
     f32, i32 = "fp32", "i32"
     pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, DQ=dt, DK=dt, DV=dt, STATES=sd, DSTATES=sd, CU=i32, CHUNK_OFF=i32,
                     CHUNK_TABLE=i32)
@@ -263,6 +265,7 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
         (forward, "chunk_states_forward"): (dict(base, HAS_INIT=True, **walk), (4, 3)),
         (forward, "chunk_output_forward"): (dict(base, BK=pow2(c, tile(dtype, 128)), BV=bv), (4, 2)),
         (backward, "backward_prepare"): (dict(M=m, BT=64, BV=pow2(m, 64)), (4, 3)),
+        (backward, "chunk_numerator_backward"): (dict(base, BK=pow2(c, 64), BV=bv), (8, 2)),
         (backward, "chunk_states_backward"): (dict(base, HAS_DFINAL=True, **walk), (4, 3)),
         (backward, "chunk_dq_dk_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
         (backward, "chunk_dv_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
