@@ -76,10 +76,11 @@ def chunk_numerator_backward(
     ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid ``(NT rows,)`` (chunks as ``chunk_output_forward``): R ``(B, H, T)`` fp32 =
-    -(do_i . n_i) / d_i^2 with the numerator n_i = q_i^T S_c + sum_j (q_i . k_j) v_j recomputed
-    in fp32. For half inputs: dq and dk add r_i z to terms it nearly cancels when v has a
-    nonzero mean (S_c o_i ~ z_c (o_i . out_i)), so r must carry fp32's accuracy, which an
-    output rounded to 8 or 11 bits does not."""
+    -(do_i . n_i) / d_i^2 with the numerator n_i = q_i^T S_c + sum_j (q_i . k_j) v_j, as
+    do_i . n_i = q_i . (S_c do_i) + sum_j (q_i . k_j) (do_i . v_j): the only product with an fp32
+    operand is S_c do_i, the others multiply input tiles. For half inputs: dq and dk add r_i z to
+    terms it nearly cancels when v has a nonzero mean (S_c o_i ~ z_c (o_i . out_i)), so r must
+    carry fp32's accuracy, which an output rounded to 8 or 11 bits does not."""
     b, h, bos, length, c, g = chunk_program(tl.program_id(0), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
     tt = tl.arange(0, BT)
@@ -87,37 +88,38 @@ def chunk_numerator_backward(
     start = bos + c * BT
     q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)
     k_base = K + base_offset(b, h, start, sk_b, sk_h, sk_t)
+    v_base = V + base_offset(b, h, start, sv_b, sv_h, sv_t)
+    do_base = DO + base_offset(b, h, start, sd_b, sd_h, sd_t)
     scores = tl.zeros([BT, BT], dtype=tl.float32)
+    dot = tl.zeros([BT], dtype=tl.float32)
     for kk in tl.static_range(0, C, BK):
         ck = kk + tl.arange(0, BK)
-        mask = tmask[:, None] & (ck < C)[None, :]
+        kmask = ck < C
+        mask = tmask[:, None] & kmask[None, :]
         q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
         k = tl.load(k_base + tt[:, None] * sk_t + ck[None, :] * sk_d, mask=mask, other=0.0)
         if ELU:
             q = elu_plus_one(q, mask, tiny, DT)
             k = elu_plus_one(k, mask, tiny, DT)
         scores += tl.dot(q, tl.trans(k), input_precision=PREC)
-    scores = tl.where(tt[:, None] >= tt[None, :], scores, 0.0)
-    v_base = V + base_offset(b, h, start, sv_b, sv_h, sv_t)
-    do_base = DO + base_offset(b, h, start, sd_b, sd_h, sd_t)
-    dot = tl.zeros([BT], dtype=tl.float32)
-    for vv in tl.static_range(0, M, BV):
-        cv = vv + tl.arange(0, BV)
-        vmask = cv < M
-        vt = tl.load(v_base + tt[:, None] * sv_t + cv[None, :] * sv_d, mask=tmask[:, None] & vmask[None, :], other=0.0)
-        num = tl.dot(scores, vt.to(tl.float32), input_precision=PREC)
-        for kk in tl.static_range(0, C, BK):  # q again (cached): one value tile's state at a time
-            ck = kk + tl.arange(0, BK)
-            kmask = ck < C
-            mask = tmask[:, None] & kmask[None, :]
-            q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
-            if ELU:
-                q = elu_plus_one(q, mask, tiny, DT)
+        state_do = tl.zeros([BT, BK], dtype=tl.float32)  # S_c do_i on this feature tile
+        for vv in tl.static_range(0, M, BV):
+            cv = vv + tl.arange(0, BV)
+            vmask = cv < M
+            do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=tmask[:, None] & vmask[None, :],
+                         other=0.0)
             state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
                             mask=kmask[:, None] & vmask[None, :], other=0.0)
-            num += tl.dot(q.to(tl.float32), state, input_precision=PREC)
-        do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=tmask[:, None] & vmask[None, :], other=0.0)
-        dot += tl.sum(do.to(tl.float32) * num, axis=1)
+            state_do += tl.dot(do.to(tl.float32), tl.trans(state), input_precision=PREC)
+        dot += tl.sum(q.to(tl.float32) * state_do, axis=1)
+    do_v = tl.zeros([BT, BT], dtype=tl.float32)
+    for vv in tl.static_range(0, M, BV):
+        cv = vv + tl.arange(0, BV)
+        vmask = tmask[:, None] & (cv < M)[None, :]
+        do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=vmask, other=0.0)
+        vt = tl.load(v_base + tt[:, None] * sv_t + cv[None, :] * sv_d, mask=vmask, other=0.0)
+        do_v += tl.dot(do, tl.trans(vt), input_precision=PREC)
+    dot += tl.sum(tl.where(tt[:, None] >= tt[None, :], scores * do_v, 0.0), axis=1)
     pos = (b * H + h).to(tl.int64) * T + start + tt
     den = tl.load(DEN + pos, mask=tmask, other=1.0)
     tl.store(R + pos, -dot / (den * den), mask=tmask)

@@ -204,11 +204,12 @@ def _walk(lay: Layout, kern):
     return dict(INTERPRET=True, MAX_CHUNKS=lay.max_chunks, **fixed)
 
 
-def _walk_grid(lay: Layout):
+def walk_grid(lay: Layout):
+    """Programs of the state walks: value tiles x feature tiles x sequences x heads."""
     return lambda meta: programs(triton.cdiv(lay.m, meta["BV"]), triton.cdiv(lay.c, meta["BK"]), lay.sequences * lay.heads)
 
 
-def _chunk_grid(lay: Layout, tiles):
+def chunk_grid(lay: Layout, tiles):
     """Programs of the kernels parallel over chunks: tiles x nt chunks x rows."""
     return lambda meta: programs(tiles(meta), lay.nt, lay.rows)
 
@@ -233,7 +234,7 @@ def run_states_forward(k, v, s0, z0, lay: Layout, elu: bool):
     zstates = torch.empty(lay.state_chunks, lay.heads, lay.c, device=dev, dtype=f32)
     s_final = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
     z_final = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=f32)
-    _launch(kern.chunk_states_forward, "chunk_states_forward", _walk_grid(lay),
+    _launch(kern.chunk_states_forward, "chunk_states_forward", walk_grid(lay),
             k, v, s0 if s0 is not None else s_final, z0 if z0 is not None else z_final, states, zstates, s_final,
             z_final, *_packing(lay, k, table=False), lay.time, lay.heads, *strides(k, lay.head_first),
             *strides(v, lay.head_first), tiny(lay.dtype), HAS_INIT=s0 is not None, **_walk(lay, kern),
@@ -248,7 +249,7 @@ def run_output_forward(q, k, v, states, zstates, lay: Layout, elu: bool, eps: fl
     out = torch.empty_like(v)
     den = torch.empty(lay.batch, lay.heads, lay.time, device=q.device, dtype=torch.float32)
     hf = lay.head_first
-    _launch(kern.chunk_output_forward, "chunk_output_forward", _chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
+    _launch(kern.chunk_output_forward, "chunk_output_forward", chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
             q, k, v, out, den, states, zstates, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
             *strides(k, hf), *strides(v, hf), *strides(out, hf), tiny(lay.dtype), eps,
             BK=pow2(lay.c, tile(128)), **_fixed(kern, pow2(lay.m, tile())), **_common(lay, elu))
@@ -266,26 +267,26 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
         kern.backward_prepare[programs(triton.cdiv(lay.time, 64), lay.batch * lay.heads)](
             grad_out, out, den, r, lay.time, lay.heads, *strides(grad_out, hf), *strides(out, hf), M=lay.m, BT=64, BV=bv)
     else:
-        _launch(kern.chunk_numerator_backward, "chunk_numerator_backward", _chunk_grid(lay, lambda meta: 1),
+        _launch(kern.chunk_numerator_backward, "chunk_numerator_backward", chunk_grid(lay, lambda meta: 1),
                 q, k, v, grad_out, den, r, states, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
-                *strides(k, hf), *strides(v, hf), *strides(grad_out, hf), tiny(lay.dtype), BK=pow2(lay.c, 64),
+                *strides(k, hf), *strides(v, hf), *strides(grad_out, hf), tiny(lay.dtype), BK=pow2(lay.c, tile()),
                 **_fixed(kern, bv), **_common(lay, elu))
     dstates = torch.empty_like(states)
     dzstates = torch.empty_like(zstates)
     ds0 = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     dz0 = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
     has_final = ds_final is not None
-    _launch(kern.chunk_states_backward, "chunk_states_backward", _walk_grid(lay),
+    _launch(kern.chunk_states_backward, "chunk_states_backward", walk_grid(lay),
             q, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dstates, dzstates,
             ds0, dz0, *_packing(lay, q, table=False), lay.time, lay.heads, *strides(q, hf), *strides(grad_out, hf),
             tiny(lay.dtype), HAS_DFINAL=has_final, **_walk(lay, kern), **_common(lay, elu))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bk = pow2(lay.c, tile())
-    _launch(kern.chunk_dq_dk_backward, "chunk_dq_dk_backward", _chunk_grid(lay, lambda meta: triton.cdiv(lay.c, bk)),
+    _launch(kern.chunk_dq_dk_backward, "chunk_dq_dk_backward", chunk_grid(lay, lambda meta: triton.cdiv(lay.c, bk)),
             q, k, v, grad_out, den, r, states, zstates, dstates, dzstates, dq, dk, *_packing(lay, q), lay.time,
             lay.heads, lay.nt, *strides(q, hf), *strides(k, hf), *strides(v, hf), *strides(grad_out, hf),
             *strides(dq, hf), *strides(dk, hf), tiny(lay.dtype), BK=bk, **_fixed(kern, bv), **_common(lay, elu))
-    _launch(kern.chunk_dv_backward, "chunk_dv_backward", _chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
+    _launch(kern.chunk_dv_backward, "chunk_dv_backward", chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
             q, k, grad_out, den, dstates, dv, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
             *strides(k, hf), *strides(grad_out, hf), *strides(dv, hf), tiny(lay.dtype), BK=bk, **_fixed(kern, bv),
             **_common(lay, elu))
@@ -309,13 +310,13 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
                     CHUNK_TABLE="i64")
     base = dict(C=c, M=m, BT=chunk, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype))
     bk, bv = pow2(c, tile()), pow2(m, tile())
-    walk = dict(BK=bk, BV=bv, INTERPRET=False, MAX_CHUNKS=0)
-    # (constexprs, (warps, stages)): the state walks as launched, the others their first config
+    walk = dict(BK=pow2(c, 64), BV=pow2(m, 64), INTERPRET=False, MAX_CHUNKS=0)  # the first walk config
+    # (constexprs, (warps, stages)): each kernel in the first config of its autotuning space
     kernels_meta = {
         (forward, "chunk_states_forward"): (dict(base, HAS_INIT=True, **walk), (4, 3)),
         (forward, "chunk_output_forward"): (dict(base, BK=pow2(c, tile(128)), BV=bv), (4, 2)),
         (backward, "backward_prepare"): (dict(M=m, BT=64, BV=pow2(m, 64)), (4, 3)),
-        (backward, "chunk_numerator_backward"): (dict(base, BK=pow2(c, 64), BV=bv), (8, 2)),
+        (backward, "chunk_numerator_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
         (backward, "chunk_states_backward"): (dict(base, HAS_DFINAL=True, **walk), (4, 3)),
         (backward, "chunk_dq_dk_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
         (backward, "chunk_dv_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),

@@ -51,10 +51,8 @@ def _heads(q, head_first):
     return q.shape[1] if head_first else q.shape[2]
 
 
-@torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())
-def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None,
-                               cu_seqlens: Tensor | None, feature_map: str, eps: float, chunk_size: int,
-                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None,
+            feature_map: str, eps: float, chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> out (like v, in v's memory order), den ``(B, H, T)`` fp32, S_N ``(S, H, C, M)`` fp32,
     z_N ``(S, H, C)`` fp32."""
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first)
@@ -71,6 +69,10 @@ def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | Non
     return out, den, s_n, z_n
 
 
+#: the forward as a custom op (``forward`` is its implementation, callable as is by tests)
+chunk_linear_attention_fwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())(forward)
+
+
 @chunk_linear_attention_fwd.register_fake
 def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
     b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
@@ -80,11 +82,9 @@ def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_fi
             q.new_empty(s, h, c, **f32))
 
 
-@torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())
-def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor,
-                               ds_final: Tensor | None, dz_final: Tensor | None, s0: Tensor | None,
-                               z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str, chunk_size: int,
-                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor, ds_final: Tensor | None,
+             dz_final: Tensor | None, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str,
+             chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)`` fp32, dz_0 ``(S, H, C)`` fp32."""
     grad_out = grad_out.to(v.dtype)
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first, check_values=False)
@@ -103,6 +103,9 @@ def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den
     z0 = None if z0 is None else z0.to(torch.float32).contiguous()
     with launch.on_device(q.device):
         return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
+
+
+chunk_linear_attention_bwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())(backward)
 
 
 @chunk_linear_attention_bwd.register_fake
