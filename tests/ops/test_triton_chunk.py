@@ -142,12 +142,14 @@ def test_split_sequence_continues_exactly(device):
 
 
 @pytest.mark.slow
-def test_packed_sequences_equal_separate_runs(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_sequences_equal_separate_runs(device, dtype):
     """cu_seqlens (an empty sequence and one shorter than a chunk included): every sequence on
-    its own, its own state row in and out; gradients through all of it."""
+    its own, its own state row in and out; gradients through all of it (fp16: r from the
+    recomputed numerator, fp32: from the output)."""
     lengths = [5, 0, 35, 17]
     edges = torch.tensor([0, 5, 5, 40, 57], device=device)
-    q, k, v, s0, z0 = inputs(1, 2, sum(lengths), 8, 12, torch.float32, state=True, device=device)
+    q, k, v, s0, z0 = inputs(1, 2, sum(lengths), 8, 12, dtype, state=True, device=device)
     s0 = s0.detach().expand(len(lengths), -1, -1, -1).clone().requires_grad_()
     z0 = z0.detach().expand(len(lengths), -1, -1).clone().requires_grad_()
 
@@ -161,7 +163,7 @@ def test_packed_sequences_equal_separate_runs(device):
                  for i, (a, b) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist()))]
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
-    compare(fast, separate, (q, k, v, s0, z0), torch.float32, "packed")
+    compare(fast, separate, (q, k, v, s0, z0), dtype, f"packed {dtype}")
 
 
 @pytest.mark.slow

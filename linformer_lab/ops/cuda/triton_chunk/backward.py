@@ -91,34 +91,36 @@ def chunk_numerator_backward(
     v_base = V + base_offset(b, h, start, sv_b, sv_h, sv_t)
     do_base = DO + base_offset(b, h, start, sd_b, sd_h, sd_t)
     scores = tl.zeros([BT, BT], dtype=tl.float32)
-    dot = tl.zeros([BT], dtype=tl.float32)
     for kk in tl.static_range(0, C, BK):
         ck = kk + tl.arange(0, BK)
-        kmask = ck < C
-        mask = tmask[:, None] & kmask[None, :]
+        mask = tmask[:, None] & (ck < C)[None, :]
         q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
         k = tl.load(k_base + tt[:, None] * sk_t + ck[None, :] * sk_d, mask=mask, other=0.0)
         if ELU:
             q = elu_plus_one(q, mask, tiny, DT)
             k = elu_plus_one(k, mask, tiny, DT)
         scores += tl.dot(q, tl.trans(k), input_precision=PREC)
-        state_do = tl.zeros([BT, BK], dtype=tl.float32)  # S_c do_i on this feature tile
-        for vv in tl.static_range(0, M, BV):
-            cv = vv + tl.arange(0, BV)
-            vmask = cv < M
-            do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=tmask[:, None] & vmask[None, :],
-                         other=0.0)
-            state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
-                            mask=kmask[:, None] & vmask[None, :], other=0.0)
-            state_do += tl.dot(do.to(tl.float32), tl.trans(state), input_precision=PREC)
-        dot += tl.sum(q.to(tl.float32) * state_do, axis=1)
     do_v = tl.zeros([BT, BT], dtype=tl.float32)
+    dot = tl.zeros([BT], dtype=tl.float32)
+    # value tiles outside: each do tile's fp32 split lives for one iteration (outside, the
+    # compiler keeps every tile's split at once and spills)
     for vv in tl.static_range(0, M, BV):
         cv = vv + tl.arange(0, BV)
-        vmask = tmask[:, None] & (cv < M)[None, :]
-        do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=vmask, other=0.0)
-        vt = tl.load(v_base + tt[:, None] * sv_t + cv[None, :] * sv_d, mask=vmask, other=0.0)
+        vmask = cv < M
+        do = tl.load(do_base + tt[:, None] * sd_t + cv[None, :] * sd_d, mask=tmask[:, None] & vmask[None, :], other=0.0)
+        vt = tl.load(v_base + tt[:, None] * sv_t + cv[None, :] * sv_d, mask=tmask[:, None] & vmask[None, :], other=0.0)
         do_v += tl.dot(do, tl.trans(vt), input_precision=PREC)
+        for kk in tl.static_range(0, C, BK):
+            ck = kk + tl.arange(0, BK)
+            kmask = ck < C
+            mask = tmask[:, None] & kmask[None, :]
+            q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
+            if ELU:
+                q = elu_plus_one(q, mask, tiny, DT)
+            state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
+                            mask=kmask[:, None] & vmask[None, :], other=0.0)
+            state_do = tl.dot(do.to(tl.float32), tl.trans(state), input_precision=PREC)  # (S_c do_i) on the tile
+            dot += tl.sum(q.to(tl.float32) * state_do, axis=1)
     dot += tl.sum(tl.where(tt[:, None] >= tt[None, :], scores * do_v, 0.0), axis=1)
     pos = (b * H + h).to(tl.int64) * T + start + tt
     den = tl.load(DEN + pos, mask=tmask, other=1.0)

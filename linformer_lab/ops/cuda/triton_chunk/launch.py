@@ -90,7 +90,8 @@ def _prune_walk(configs, named_args, **kwargs):
 
 
 def _tuned(kernel, configs, prune=_prune):
-    return triton.autotune(configs, key=["C", "M", "BT"], prune_configs_by={"early_config_prune": prune})(kernel)
+    pruning = {"early_config_prune": prune} if prune is not None else None
+    return triton.autotune(configs, key=["C", "M", "BT"], prune_configs_by=pruning)(kernel)
 
 
 #: (kernel, key, chosen config, seconds) of every autotuning this process ran
@@ -124,6 +125,8 @@ def kernels(interpret: bool) -> SimpleNamespace:
     out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2),
                triton.Config({"BV": 128}, num_warps=8, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
     grad_cfg = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
+    # r's kernel holds two chunk x chunk products: 32-wide value tiles keep it in registers
+    numerator_cfg = [triton.Config({"BV": 32}, num_warps=8, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
     # the walks' grid is cdiv(M, BV) cdiv(C, BK) S H programs, each serial over the chunks: small
     # tiles fill the chip when S H is small, large ones read q (or k) fewer times
     walk_cfg = [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
@@ -132,7 +135,7 @@ def kernels(interpret: bool) -> SimpleNamespace:
                 triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2)]
     return SimpleNamespace(
         tuned=True, **{**jit, "chunk_output_forward": _tuned(jit["chunk_output_forward"], out_cfg),
-                       "chunk_numerator_backward": _tuned(jit["chunk_numerator_backward"], grad_cfg),
+                       "chunk_numerator_backward": _tuned(jit["chunk_numerator_backward"], numerator_cfg, None),
                        "chunk_dq_dk_backward": _tuned(jit["chunk_dq_dk_backward"], grad_cfg),
                        "chunk_dv_backward": _tuned(jit["chunk_dv_backward"], grad_cfg),
                        "chunk_states_forward": _tuned(jit["chunk_states_forward"], walk_cfg, _prune_walk),
@@ -230,8 +233,11 @@ def run_states_forward(k, v, s0, z0, lay: Layout, elu: bool):
     z_N ``(S, H, C)``, all fp32."""
     kern = kernels(interpreting())
     dev, f32 = k.device, torch.float32
-    states = torch.empty(lay.state_chunks, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
-    zstates = torch.empty(lay.state_chunks, lay.heads, lay.c, device=dev, dtype=f32)
+    # packed: the rows past the last chunk are read (and discarded) by the programs of the chunk
+    # bound's slack; zeros keep them finite
+    alloc = torch.zeros if lay.varlen else torch.empty
+    states = alloc(lay.state_chunks, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
+    zstates = alloc(lay.state_chunks, lay.heads, lay.c, device=dev, dtype=f32)
     s_final = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
     z_final = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=f32)
     _launch(kern.chunk_states_forward, "chunk_states_forward", walk_grid(lay),
@@ -271,8 +277,8 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: L
                 q, k, v, grad_out, den, r, states, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
                 *strides(k, hf), *strides(v, hf), *strides(grad_out, hf), tiny(lay.dtype), BK=pow2(lay.c, tile()),
                 **_fixed(kern, bv), **_common(lay, elu))
-    dstates = torch.empty_like(states)
-    dzstates = torch.empty_like(zstates)
+    dstates = torch.zeros_like(states) if lay.varlen else torch.empty_like(states)
+    dzstates = torch.zeros_like(zstates) if lay.varlen else torch.empty_like(zstates)
     ds0 = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
     dz0 = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
     has_final = ds_final is not None
