@@ -78,7 +78,7 @@ def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_fi
     b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
     f32 = dict(dtype=torch.float32)
-    return (v.new_empty(v.shape), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
+    return (torch.empty_like(v), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
             q.new_empty(s, h, c, **f32))
 
 
@@ -111,7 +111,7 @@ chunk_linear_attention_bwd = torch.library.custom_op("linformer_lab::chunk_linea
 @chunk_linear_attention_bwd.register_fake
 def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map, chunk_size, head_first):
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
 
 
@@ -180,7 +180,7 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
     Args:
         q, k: ``(B, H, T, C)`` (``head_first=False``: ``(B, T, H, C)``); float32, float16 or
             bfloat16, all three inputs one dtype, on a CUDA device (on CPU only under
-            ``TRITON_INTERPRET=1``, fp32/fp16).
+            ``TRITON_INTERPRET=1``, fp32/fp16). Any strides: views are read in place.
         v: ``(B, H, T, M)`` (or ``(B, T, H, M)``).
         feature_map: ``"elu"``: phi = elu + 1 (eq. 7) applied inside the kernels; None: q and k
             are already feature-mapped (non-negative); any other map is applied by the caller.
@@ -196,7 +196,9 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
         head_first: the layout of q, k, v (and of the output).
 
     Returns:
-        out like v, or ``(out, (S_T, z_T))`` with ``return_final_state``. Differentiable in q, k,
+        out like v, in v's memory order (a ``(B, H, T, M)`` view of ``(B, T, H, M)`` memory gets
+        an output laid out so, which a layer flattens without a copy), or ``(out, (S_T, z_T))``
+        with ``return_final_state``. Differentiable in q, k,
         v and the initial state.
     """
     _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
