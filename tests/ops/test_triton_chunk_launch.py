@@ -128,3 +128,31 @@ def test_offsets_past_two_to_the_31_are_64_bit():
     want_offset = 1 * sb + (h - 1) * sh + (t - 64) * st
     assert want_offset > 2**32
     assert out.tolist() == [1, h - 1, nt - 1, ((1 * nt) + nt - 1) * h + h - 1, want_offset]
+
+
+def test_tuning_report_records_each_new_key_once(monkeypatch):
+    """A launch through an autotuner (a stand-in with Triton's ``cache`` and ``bench_time``)
+    adds one report entry per key it tuned, none when the key was tuned before; untuned kernels
+    (the interpreter's) add none."""
+    monkeypatch.setattr(launch, "_TUNINGS", [])
+
+    class Tuner:
+        cache, bench_time = {}, 0.0
+
+        def __getitem__(self, grid):
+            def run(key):
+                if key not in self.cache:
+                    self.cache[key], self.bench_time = f"config for {key}", 1.5
+            return run
+
+    class Untuned:
+        def __getitem__(self, grid):
+            return lambda: None
+
+    tuner = Tuner()
+    for key in [(64, 64, 64, "bf16"), (64, 64, 64, "bf16"), (128, 128, 64, "bf16")]:
+        launch._launch(tuner, "walk", (1,), key)
+    launch._launch(Untuned(), "untuned", (1,))
+    assert launch.tuning_report() == [
+        dict(kernel="walk", key=(64, 64, 64, "bf16"), config="config for (64, 64, 64, 'bf16')", seconds=1.5),
+        dict(kernel="walk", key=(128, 128, 64, "bf16"), config="config for (128, 128, 64, 'bf16')", seconds=1.5)]
