@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from triton_accuracy import assert_as_exact_as_the_pytorch_form  # noqa: E402
 
 from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_reference  # noqa: E402
 from linformer_lab.ops.linear_attention.naive import kernel_similarity  # noqa: E402
@@ -139,12 +140,14 @@ def test_split_sequence_continues_exactly(device):
 
 
 @pytest.mark.slow
-def test_packed_sequences_equal_separate_runs(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_packed_sequences_equal_separate_runs(device, dtype):
     """cu_seqlens (an empty sequence and one shorter than a chunk included): every sequence on
-    its own, its own state row in and out; gradients through all of it."""
+    its own, its own state row in and out; gradients through all of it (fp16: r from the
+    recomputed numerator, fp32: from the output)."""
     lengths = [5, 0, 35, 17]
     edges = torch.tensor([0, 5, 5, 40, 57], device=device)
-    q, k, v, s0, z0 = inputs(1, 2, sum(lengths), 8, 12, torch.float32, state=True, device=device)
+    q, k, v, s0, z0 = inputs(1, 2, sum(lengths), 8, 12, dtype, state=True, device=device)
     s0 = s0.detach().expand(len(lengths), -1, -1, -1).clone().requires_grad_()
     z0 = z0.detach().expand(len(lengths), -1, -1).clone().requires_grad_()
 
@@ -158,7 +161,7 @@ def test_packed_sequences_equal_separate_runs(device):
                  for i, (a, b) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist()))]
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
-    compare(fast, separate, (q, k, v, s0, z0), torch.float32, "packed")
+    compare(fast, separate, (q, k, v, s0, z0), dtype, f"packed {dtype}")
 
 
 @pytest.mark.slow
@@ -294,10 +297,90 @@ def test_bad_input_is_one_line(args, message):
 
 
 def test_bad_cu_seqlens_values_and_cpu_without_interpreter(monkeypatch):
+    """cu_seqlens' values are checked on the device (no host read): on a CPU at once."""
     q = torch.randn(1, 1, 8, 4)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="rise from 0 to the sequence length 8"):
+    with pytest.raises(RuntimeError, match="rise from 0 to the sequence length 8"):
         chunk_linear_attention(q, q, q, cu_seqlens=torch.tensor([0, 5, 4, 8]))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         chunk_linear_attention(q, q, q)
+
+
+# --- half precision against the PyTorch form, with a GPU's arithmetic -------------------------------------------------
+
+
+@pytest.fixture
+def gpu_arithmetic():
+    """Triton's interpreter doing a GPU's arithmetic for the test (``triton_emulation.py``): bf16
+    decoded, tf32 operands truncated, fp32 -> bf16 rounded to nearest even."""
+    from triton_emulation import gpu_arithmetic
+
+    with gpu_arithmetic():
+        yield
+
+
+def test_emulated_roundings_are_the_gpus():
+    """The emulation's conversions against torch's own (fp32 -> bf16 is round to nearest even in
+    torch as on the GPU) and tf32 truncation keeping exactly the top 10 mantissa bits."""
+    import numpy as np
+    from triton_emulation import bf16_to_fp32, fp32_to_bf16, round_tf32, truncate_tf32
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100
+    halfway = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # ties: to even
+    for values in (x, halfway):
+        want = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        assert (fp32_to_bf16(values.numpy()) == want).all()
+        assert (bf16_to_fp32(want) == values.to(torch.bfloat16).float().numpy()).all()
+    one = np.float32(1 + 2**-10 + 2**-11 + 2**-20)
+    assert truncate_tf32(np.array([one]))[0] == np.float32(1 + 2**-10)
+    assert round_tf32(np.array([one]))[0] == np.float32(1 + 2**-9)
+
+
+def test_fp16_gradients_as_exact_as_the_pytorch_form(device):
+    """fp16 on the stock interpreter (numpy's exact products), v of mean 1: r taken from the
+    fp16 output made dq 8x the PyTorch form's error at this length."""
+    assert_as_exact_as_the_pytorch_form(torch.float16, 1024, 1.0, device=device)
+
+
+def test_bf16_gradients_as_exact_as_the_pytorch_form_on_gpu_arithmetic(device, gpu_arithmetic):
+    """bf16 with the GPU's roundings, v of mean 1: bf16 states made dq 11x at this length."""
+    if device != "cpu":
+        pytest.skip("the emulation patches the interpreter")
+    assert_as_exact_as_the_pytorch_form(torch.bfloat16, 1024, 1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, t, d, mean", [(torch.float16, 1024, 32, 1.0), (torch.bfloat16, 1024, 32, 0.0),
+                                               (torch.float16, 1024, 32, 0.0), (torch.bfloat16, 4096, 64, 1.0),
+                                               (torch.float16, 4096, 64, 1.0)],
+                         ids=["fp16-1024-mean-1", "bf16-1024-mean-0", "fp16-1024-mean-0", "bf16-4096-mean-1",
+                              "fp16-4096-mean-1"])
+def test_half_gradients_as_exact_on_gpu_arithmetic(device, gpu_arithmetic, dtype, t, d, mean):
+    """More of the same with the GPU's roundings (fp16: tf32 truncation of fp32 operands made the
+    output and dk, dv 2x); T = 4,096 at D = M = 64 is the longest the interpreter runs in seconds."""
+    if device != "cpu":
+        pytest.skip("the emulation patches the interpreter")
+    assert_as_exact_as_the_pytorch_form(dtype, t, mean, d=d)
+
+
+# --- strided inputs, no copies, no host reads --------------------------------------------------------------------------
+
+
+def test_strided_views_in_and_the_layers_layout_out(device):
+    """q, k, v as a layer makes them: ``(B, H, N, D)`` views of one fused ``(B, N, 3, H, D)``
+    projection; the output flattened back to ``(B, N, H M)`` as a layer does, so the incoming
+    gradient is a strided view too. Same results and gradients as the float64 definition, and
+    the output already in ``(B, N, H, M)`` memory order (the layer's flatten is a view)."""
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(2, 21, 3, 2, 8, generator=gen).to(device).requires_grad_()
+
+    def heads(x):
+        return (t.transpose(1, 2) for t in x.unbind(2))
+
+    def fast(x):
+        out = chunk_linear_attention(*heads(x), chunk_size=16)
+        assert out.transpose(1, 2).is_contiguous(), f"output strides {out.stride()}: not the layer's layout"
+        return out.transpose(1, 2).flatten(2)
+
+    compare(fast, lambda x: naive(*heads(x))[0].transpose(1, 2).flatten(2), (fused,), torch.float32, "strided")

@@ -7,12 +7,15 @@ over (sequence x head, chunk, tile), state in and out, packed sequences.
   autograd, so ``torch.compile(fullgraph=True)`` traces through it);
 * :func:`chunk_linear_attention_reference` -- the same algorithm and signature in PyTorch
   (``reference.py``), for tests and as the readable form;
-* ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients;
-  ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU) and
-  launching; ``backend.py`` -- the kernel with the arguments of the ``causal_attention`` op of
+* ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients (and
+  why half-precision inputs keep states and products with them in fp32's accuracy);
+  ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU),
+  autotuning (``launch.tuning_report()``) and launching, one-dimensional grids and no host reads;
+  ``backend.py`` -- the kernel with the arguments of the ``causal_attention`` op of
   :mod:`linformer_lab.ops.kernels`, whose GPU candidate it is, and of ``linear_cuda``.
 
-Without a GPU only the interpreter runs them; a GPU session checks them with
+Without a GPU only the interpreter runs them (the tests patch it to a GPU's arithmetic for bf16
+and tf32: ``tests/ops/triton_emulation.py``); a GPU session checks them with
 ``tests/ops/test_triton_chunk_gpu.py``.
 """
 

@@ -16,13 +16,21 @@ or the inputs as given). Two kernels:
   intra-chunk scores, q^T S_c, and the normaliser from the same scores (their row sums) and
   q . z_c. It also stores the denominator per position for the backward pass.
 
-The functions here are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first
-used, so that ``TRITON_INTERPRET=1`` set at any time before the first call runs them on a CPU.
+The kernels are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first used;
+the helpers they call (``elu_plus_one``, ``chunk_program``, ``walk_program``) are jitted here, in
+the mode of the import (``TRITON_INTERPRET`` must be set before triton is imported anyway).
 
-Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (fp32
-accumulation). A product with an operand computed in fp32 (a state, the scores) runs in ``SD``:
-bf16 for bf16 inputs (its range is fp32's), fp32 otherwise (fp16 would overflow on states of
-long sequences; its 10-bit mantissa is tf32's, so the tensor cores lose nothing). Sequences are
+Addressing: every grid is one-dimensional (CUDA caps its y and z at 65,535; x holds 2^31 - 1
+programs), each program unfolding its index into (tile, chunk, sequence x head). Every tensor
+comes with its four strides (batch, head, position, feature), so views are read and written in
+place; each program adds a 64-bit offset of its first position (T H D passes 2^31 in a long
+(B, T, H, D) tensor) to 32-bit offsets within its chunk.
+
+Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (exact products,
+fp32 accumulation). The states are fp32, and a product with an fp32 operand (a state, the
+scores) runs at ``PREC``: for half inputs three tf32 products (``tf32x3``), as exact as fp32,
+because one tf32 product would truncate the fp32 operand to 10 bits and the backward's
+cancelling terms (``backward.py``) need the states' full accuracy. Sequences are
 addressed by (batch b, first position bos, length L): one per batch row, or one per entry of
 ``cu_seqlens`` in a packed (1, H, T, .) tensor (VARLEN). State rows are indexed by the global
 chunk number g (chunks of all sequences back to back) and the head.
@@ -30,34 +38,86 @@ chunk number g (chunks of all sequences back to back) and the head.
 
 # no ``from __future__ import annotations``: Triton's interpreter reads ``tl.constexpr`` from
 # the annotations as objects, not strings
+import triton
 import triton.language as tl
 
 
-def chunk_states_forward(
-    K, V, S0, Z0, STATES, ZSTATES, SN, ZN, CU, CHUNK_OFF,
-    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny,
-    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-    INTERPRET: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-):
-    """Grid ``(cdiv(M, BV), cdiv(C, BK), sequences * H)``. STATES ``(chunks, H, C, M)`` in the
-    state dtype, ZSTATES ``(chunks, H, C)`` fp32, SN/ZN and S0/Z0 ``(sequences, H, C, M / -)`` fp32.
-    MAX_CHUNKS (interpreter only): the most chunks of any sequence."""
-    i_v = tl.program_id(0)
-    i_k = tl.program_id(1)
-    i_sh = tl.program_id(2)
+@triton.jit
+def elu_plus_one(x, mask, tiny, DT: tl.constexpr):
+    """phi = elu + 1 in fp32, rounded to DT: x + 1 for x > 0, exp(x) otherwise (no cancellation
+    of (exp(x) - 1) + 1), at least ``tiny`` so that half-precision phi stays > 0; 0 off the mask."""
+    x = x.to(tl.float32)
+    return tl.where(mask, tl.maximum(tl.where(x > 0, x + 1.0, tl.exp(x)), tiny), 0.0).to(DT)
+
+
+@triton.jit
+def chunk_program(rest, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """The chunk of a program of the kernels parallel over chunks, from its index ``rest`` over
+    (chunk, sequence x head), NT chunks per row: -> (b, h, bos, length, c, g): batch row, head,
+    first position and length of the sequence, chunk within it, state row (global chunk x H + h).
+    VARLEN: the rows are the heads and CHUNK_TABLE ``(NT, 2)`` maps the global chunk to
+    (sequence, chunk in it); NT is an upper bound, chunks past a sequence's end are masked."""
+    i_t = rest % NT
+    i_sh = rest // NT
+    if VARLEN:
+        s = tl.load(CHUNK_TABLE + 2 * i_t)
+        c = tl.load(CHUNK_TABLE + 2 * i_t + 1)
+        h = i_sh
+        bos = tl.load(CU + s).to(tl.int32)
+        length = tl.load(CU + s + 1).to(tl.int32) - bos
+        b = i_sh * 0  # a tensor like the other branch's, so .to() applies
+        g = (tl.load(CHUNK_OFF + s) + c) * H + h
+    else:
+        s = i_sh // H
+        h = i_sh % H
+        c = i_t
+        bos = i_sh * 0
+        length = T
+        b = s
+        g = (s * NT + c) * H + h
+    return b, h, bos, length, c, g
+
+
+@triton.jit
+def walk_program(i_sh, CU, CHUNK_OFF, T, H, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """The sequence of a state walk's program (row ``i_sh`` = sequence x H + head): -> (b, h,
+    bos, length, g0): batch row, head, first position, length, first global chunk."""
     s = i_sh // H
     h = i_sh % H
     if VARLEN:
         bos = tl.load(CU + s).to(tl.int32)
         length = tl.load(CU + s + 1).to(tl.int32) - bos
-        b = i_sh * 0  # a tensor like the other branch's, so .to() applies
-        g0 = tl.load(CHUNK_OFF + s).to(tl.int32)
+        b = i_sh * 0
+        g0 = tl.load(CHUNK_OFF + s)
     else:
         bos = i_sh * 0
         length = T
         b = s
         g0 = s * tl.cdiv(T, BT)
+    return b, h, bos, length, g0
+
+
+@triton.jit
+def base_offset(b, h, position, sb, sh, st):
+    """64-bit offset of (batch row b, head h, position)."""
+    return b.to(tl.int64) * sb + h.to(tl.int64) * sh + position.to(tl.int64) * st
+
+
+def chunk_states_forward(
+    K, V, S0, Z0, STATES, ZSTATES, SN, ZN, CU, CHUNK_OFF,
+    T, H, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    INTERPRET: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BV) cdiv(C, BK) sequences H,)``. STATES ``(chunks, H, C, M)``, ZSTATES
+    ``(chunks, H, C)``, SN/ZN and S0/Z0 ``(sequences, H, C, M / -)``, all fp32. MAX_CHUNKS
+    (interpreter only): a bound on any sequence's chunks."""
+    pid = tl.program_id(0)
+    i_v = pid % tl.cdiv(M, BV)
+    i_k = (pid // tl.cdiv(M, BV)) % tl.cdiv(C, BK)
+    i_sh = pid // (tl.cdiv(M, BV) * tl.cdiv(C, BK))
+    b, h, bos, length, g0 = walk_program(i_sh, CU, CHUNK_OFF, T, H, BT, VARLEN)
     DT = K.dtype.element_ty
     ck = i_k * BK + tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -66,78 +126,59 @@ def chunk_states_forward(
     tt = tl.arange(0, BT)
     state_offs = ck[:, None] * M + cv[None, :]
     state_mask = kmask[:, None] & vmask[None, :]
-    row = s * H + h
+    row = i_sh.to(tl.int64)
     if HAS_INIT:
-        acc = tl.load(S0 + row.to(tl.int64) * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-        z = tl.load(Z0 + row.to(tl.int64) * C + ck, mask=kmask, other=0.0).to(tl.float32)
+        acc = tl.load(S0 + row * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        z = tl.load(Z0 + row * C + ck, mask=kmask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         z = tl.zeros([BK], dtype=tl.float32)
-    k_base = K + b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k
-    v_base = V + b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
+    k_tile = tt[:, None] * sk_t + ck[None, :] * sk_d
+    v_tile = tt[:, None] * sv_t + cv[None, :] * sv_d
     n_chunks = tl.cdiv(length, BT)
     # numpy 2 refuses range() over the interpreter's scalars (and the interpreter makes every
     # assigned value one): there the bound is a constant and the chunks past the end are masked
     for c in range(0, MAX_CHUNKS if INTERPRET else n_chunks):
         live = c < n_chunks
         g = (g0 + c) * H + h
-        tl.store(STATES + g.to(tl.int64) * (C * M) + state_offs, acc.to(STATES.dtype.element_ty), mask=state_mask & live)
+        tl.store(STATES + g.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask & live)
         if i_v == 0:
             tl.store(ZSTATES + g.to(tl.int64) * C + ck, z, mask=kmask & live)
-        t = c * BT + tt
-        tmask = (t < length) & live
-        x = tl.load(k_base + t[:, None] * st_k + ck[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        tmask = (c * BT + tt < length) & live
+        x = tl.load(K + base_offset(b, h, bos + c * BT, sk_b, sk_h, sk_t) + k_tile,
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)
         if ELU:
-            x = x.to(tl.float32)
-            # x + 1 for x > 0, exp(x) otherwise: elu + 1 without the cancellation of (exp(x) - 1) + 1;
-            # clamped at the dtype's smallest normal so that half-precision phi stays > 0
-            x = tl.maximum(tl.where(x > 0, x + 1.0, tl.exp(x)), tiny)
-            x = tl.where(tmask[:, None] & kmask[None, :], x, 0.0).to(DT)
-        vt = tl.load(v_base + t[:, None] * st_v + cv[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0)
+            x = elu_plus_one(x, tmask[:, None] & kmask[None, :], tiny, DT)
+        vt = tl.load(V + base_offset(b, h, bos + c * BT, sv_b, sv_h, sv_t) + v_tile,
+                     mask=tmask[:, None] & vmask[None, :], other=0.0)
         acc += tl.dot(tl.trans(x), vt, input_precision=PREC)
         z += tl.sum(x.to(tl.float32), axis=0)
-    tl.store(SN + row.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask)
+    tl.store(SN + row * (C * M) + state_offs, acc, mask=state_mask)
     if i_v == 0:
-        tl.store(ZN + row.to(tl.int64) * C + ck, z, mask=kmask)
+        tl.store(ZN + row * C + ck, z, mask=kmask)
 
 
 def chunk_output_forward(
     Q, K, V, O, DEN, STATES, ZSTATES, CU, CHUNK_OFF, CHUNK_TABLE,
-    T, H, sb_k, sh_k, st_k, sb_v, sh_v, st_v, tiny, eps,
+    T, H, NT, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    so_b, so_h, so_t, so_d, tiny, eps,
     C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(cdiv(M, BV), chunks, sequences * H)`` (VARLEN: ``(cdiv(M, BV), all chunks, H)``
-    with CHUNK_TABLE ``(all chunks, 2)`` = (sequence, chunk within it)). O like V; DEN
-    ``(B, H, T)`` fp32: the denominator q_i^T z_i + eps of every position."""
-    i_v = tl.program_id(0)
-    i_t = tl.program_id(1)
-    i_sh = tl.program_id(2)
-    if VARLEN:
-        s = tl.load(CHUNK_TABLE + 2 * i_t).to(tl.int32)
-        c = tl.load(CHUNK_TABLE + 2 * i_t + 1).to(tl.int32)
-        h = i_sh
-        bos = tl.load(CU + s).to(tl.int32)
-        length = tl.load(CU + s + 1).to(tl.int32) - bos
-        b = i_sh * 0  # a tensor like the other branch's, so .to() applies
-        g = (tl.load(CHUNK_OFF + s).to(tl.int32) + c) * H + h
-    else:
-        s = i_sh // H
-        h = i_sh % H
-        c = i_t
-        bos = i_sh * 0
-        length = T
-        b = s
-        g = (s * tl.cdiv(T, BT) + c) * H + h
+    """Grid ``(cdiv(M, BV) NT rows,)``: value tile, chunk (NT per row), row (sequence x head,
+    or with VARLEN the head; see ``chunk_program``). O like V; DEN ``(B, H, T)`` fp32: the
+    denominator q_i^T z_i + eps of every position."""
+    pid = tl.program_id(0)
+    i_v = pid % tl.cdiv(M, BV)
+    b, h, bos, length, c, g = chunk_program(pid // tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
-    SD = STATES.dtype.element_ty
     tt = tl.arange(0, BT)
-    t = c * BT + tt
-    tmask = t < length
+    tmask = c * BT + tt < length
     cv = i_v * BV + tl.arange(0, BV)
     vmask = cv < M
-    k_off = b.to(tl.int64) * sb_k + h.to(tl.int64) * sh_k + bos.to(tl.int64) * st_k
-    v_off = b.to(tl.int64) * sb_v + h.to(tl.int64) * sh_v + bos.to(tl.int64) * st_v
+    start = bos + c * BT
+    q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)
+    k_base = K + base_offset(b, h, start, sk_b, sk_h, sk_t)
     num = tl.zeros([BT, BV], dtype=tl.float32)
     scores = tl.zeros([BT, BT], dtype=tl.float32)
     qz = tl.zeros([BT], dtype=tl.float32)
@@ -145,25 +186,25 @@ def chunk_output_forward(
         ck = kk + tl.arange(0, BK)
         kmask = ck < C
         mask = tmask[:, None] & kmask[None, :]
-        offs = k_off + t[:, None] * st_k + ck[None, :]
-        q = tl.load(Q + offs, mask=mask, other=0.0)
-        k = tl.load(K + offs, mask=mask, other=0.0)
+        q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
+        k = tl.load(k_base + tt[:, None] * sk_t + ck[None, :] * sk_d, mask=mask, other=0.0)
         if ELU:
-            q = q.to(tl.float32)
-            q = tl.where(mask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q)), tiny), 0.0).to(DT)
-            k = k.to(tl.float32)
-            k = tl.where(mask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k)), tiny), 0.0).to(DT)
+            q = elu_plus_one(q, mask, tiny, DT)
+            k = elu_plus_one(k, mask, tiny, DT)
         state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
                         mask=kmask[:, None] & vmask[None, :], other=0.0)
         zc = tl.load(ZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
-        num += tl.dot(q.to(SD), state, input_precision=PREC)
+        num += tl.dot(q.to(tl.float32), state, input_precision=PREC)
         scores += tl.dot(q, tl.trans(k), input_precision=PREC)
         qz += tl.sum(q.to(tl.float32) * zc[None, :], axis=1)
     scores = tl.where(tt[:, None] >= tt[None, :], scores, 0.0)
     den = qz + tl.sum(scores, axis=1) + eps
-    vt = tl.load(V + v_off + t[:, None] * st_v + cv[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0)
-    num += tl.dot(scores.to(SD), vt.to(SD), input_precision=PREC)
+    vmask2 = tmask[:, None] & vmask[None, :]
+    vt = tl.load(V + base_offset(b, h, start, sv_b, sv_h, sv_t) + tt[:, None] * sv_t + cv[None, :] * sv_d,
+                 mask=vmask2, other=0.0)
+    num += tl.dot(scores, vt.to(tl.float32), input_precision=PREC)
     out = num / den[:, None]
-    tl.store(O + v_off + t[:, None] * st_v + cv[None, :], out.to(O.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
+    tl.store(O + base_offset(b, h, start, so_b, so_h, so_t) + tt[:, None] * so_t + cv[None, :] * so_d,
+             out.to(O.dtype.element_ty), mask=vmask2)
     if i_v == 0:
-        tl.store(DEN + (b * H + h).to(tl.int64) * T + bos + t, den, mask=tmask)
+        tl.store(DEN + (b * H + h).to(tl.int64) * T + start + tt, den, mask=tmask)

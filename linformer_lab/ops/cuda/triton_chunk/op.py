@@ -7,6 +7,11 @@ chunk_size, head_first) -> (out, den, S_N, z_N)`` and ``..._bwd`` (the gradients
 z_0 from the saved inputs, the output and its denominator: the per-chunk states are
 recomputed, never saved). Annotations are evaluated (no ``from __future__ import annotations``)
 because ``custom_op`` reads the schema from them.
+
+No copies and no host reads: q, k, v and the incoming gradient are read through their strides
+(a ``(B, H, N, D)`` view of a layer's ``(B, N, H, D)`` projection included), the output and the
+gradients are allocated in their inputs' memory order (``empty_like``), and ``cu_seqlens`` is
+checked on the device (``torch._assert_async``).
 """
 
 
@@ -24,16 +29,18 @@ def _layout(q, v, cu_seqlens, chunk_size, head_first, check_values=True):
     if q.device.type != "cuda" and not launch.interpreting():
         raise RuntimeError(f"chunk_linear_attention runs on CUDA tensors (got {q.device}); on a CPU only under "
                            "Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16)")
-    if check_values and cu_seqlens is not None:  # a host read: the backward's were checked by the forward
+    if check_values and cu_seqlens is not None:  # the backward's were checked by the forward
         _check_cu_seqlens_values(cu_seqlens, q.shape[2] if head_first else q.shape[1])
     return launch, launch.layout(q, v, cu_seqlens, chunk_size, head_first)
 
 
 def _check_cu_seqlens_values(cu_seqlens: Tensor, total: int) -> None:
-    edges = cu_seqlens.tolist()
-    if edges[0] != 0 or edges[-1] != total or any(b < a for a, b in zip(edges[:-1], edges[1:])):
-        raise ValueError(f"chunk_linear_attention: cu_seqlens must rise from 0 to the sequence length {total} "
-                         f"([0, n_1, n_1 + n_2, ..., T]); got {edges[:8]}{'...' if len(edges) > 8 else ''}")
+    """Without a host read (it would wait for the GPU): a device-side assertion, raised at once
+    on a CPU and at the next synchronisation on a GPU."""
+    rising = (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+    torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & rising,
+                        f"chunk_linear_attention: cu_seqlens must rise from 0 to the sequence length {total} "
+                        "([0, n_1, n_1 + n_2, ..., T])")
 
 
 def _sequences(q, cu_seqlens):
@@ -44,14 +51,12 @@ def _heads(q, head_first):
     return q.shape[1] if head_first else q.shape[2]
 
 
-@torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())
-def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None,
-                               cu_seqlens: Tensor | None, feature_map: str, eps: float, chunk_size: int,
-                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> out (like v), den ``(B, H, T)`` fp32, S_N ``(S, H, C, M)`` fp32, z_N ``(S, H, C)`` fp32."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+def forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None,
+            feature_map: str, eps: float, chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> out (like v, in v's memory order), den ``(B, H, T)`` fp32, S_N ``(S, H, C, M)`` fp32,
+    z_N ``(S, H, C)`` fp32."""
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first)
-    s0 = None if s0 is None else s0.to(torch.float32).contiguous()
+    s0 = None if s0 is None else s0.to(torch.float32).contiguous()  # small; the kernels read states densely
     z0 = None if z0 is None else z0.to(torch.float32).contiguous()
     if lay.time == 0 or lay.sequences * lay.heads == 0:
         s_n = s0.clone() if s0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m, dtype=torch.float32)
@@ -64,23 +69,24 @@ def chunk_linear_attention_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | Non
     return out, den, s_n, z_n
 
 
+#: the forward as a custom op (``forward`` is its implementation, callable as is by tests)
+chunk_linear_attention_fwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())(forward)
+
+
 @chunk_linear_attention_fwd.register_fake
 def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
     b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
     f32 = dict(dtype=torch.float32)
-    return (v.new_empty(v.shape), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
+    return (torch.empty_like(v), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
             q.new_empty(s, h, c, **f32))
 
 
-@torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())
-def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor,
-                               ds_final: Tensor | None, dz_final: Tensor | None, s0: Tensor | None,
-                               z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str, chunk_size: int,
-                               head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor, ds_final: Tensor | None,
+             dz_final: Tensor | None, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str,
+             chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)`` fp32, dz_0 ``(S, H, C)`` fp32."""
-    q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
-    grad_out = grad_out.to(v.dtype).contiguous()
+    grad_out = grad_out.to(v.dtype)
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first, check_values=False)
     if (ds_final is None) != (dz_final is None):  # one of the final state's parts was used
         ds_final = ds_final if ds_final is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m)
@@ -99,10 +105,13 @@ def chunk_linear_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den
         return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
 
 
+chunk_linear_attention_bwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())(backward)
+
+
 @chunk_linear_attention_bwd.register_fake
 def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map, chunk_size, head_first):
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
 
 
@@ -171,7 +180,7 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
     Args:
         q, k: ``(B, H, T, C)`` (``head_first=False``: ``(B, T, H, C)``); float32, float16 or
             bfloat16, all three inputs one dtype, on a CUDA device (on CPU only under
-            ``TRITON_INTERPRET=1``, fp32/fp16).
+            ``TRITON_INTERPRET=1``, fp32/fp16). Any strides: views are read in place.
         v: ``(B, H, T, M)`` (or ``(B, T, H, M)``).
         feature_map: ``"elu"``: phi = elu + 1 (eq. 7) applied inside the kernels; None: q and k
             are already feature-mapped (non-negative); any other map is applied by the caller.
@@ -187,7 +196,9 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
         head_first: the layout of q, k, v (and of the output).
 
     Returns:
-        out like v, or ``(out, (S_T, z_T))`` with ``return_final_state``. Differentiable in q, k,
+        out like v, in v's memory order (a ``(B, H, T, M)`` view of ``(B, T, H, M)`` memory gets
+        an output laid out so, which a layer flattens without a copy), or ``(out, (S_T, z_T))``
+        with ``return_final_state``. Differentiable in q, k,
         v and the initial state.
     """
     _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
