@@ -237,12 +237,23 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
             rows += budget.keep(time_shape(shape, found, dtype, device, rounds, inner))
             if shape == ROOFLINE_SHAPE and (top := roofline(rows, bandwidth)):
                 rows += budget.keep([top])
+    rows += budget.keep(tuning_rows())
     top = roofline(rows, bandwidth)
     summary = [f"kernel timings at {len([r for r in rows if r['part'] == 'kernel' and r['method'] == 'sdpa'])} shapes, "
                f"methods {', '.join(found)}"]
     if top:
         summary.append(f"roofline B2 T16384 H16 D128 fwd: {top['fraction']:.1%} of {top['bandwidth_gb_s']:.0f} GB/s")
     return summary, rows
+
+
+def tuning_rows() -> list[dict]:
+    """The Triton kernels' autotunings so far (``launch.tuning_report``): kernel, key, config, seconds."""
+    try:
+        from linformer_lab.ops.cuda.triton_chunk import launch
+    except ImportError:  # no triton: nothing was tuned
+        return []
+    return [{"part": "tuning", "method": t["kernel"], "key": str(t["key"]), "config": t["config"],
+             "seconds": float(t["seconds"])} for t in launch.tuning_report()]
 
 
 def first_call_seconds(rows: list[dict], method: str = "ours") -> float:
@@ -287,6 +298,11 @@ def report_lines(rows: list[dict]) -> list[str]:
                                    common.fmt(r.get("fwd_bwd_ms"), 3)] for r in rows if r["part"] == "kernel"]), "",
            f"First calls of ours, all shapes: {first_call_seconds(rows):.1f} s (the compile and autotune time, "
            "less the calls' own time).", ""]
+    tunings = [r for r in rows if r["part"] == "tuning"]
+    md += ["## Kernels: autotuning (configs timed at each new key), seconds", "",
+           common.markdown_table(["kernel", "key", "chosen config", "seconds"],
+                                 [[r["method"], r["key"], r["config"], common.fmt(r["seconds"], 2)] for r in tunings]), "",
+           f"Autotuning in all: {sum(r['seconds'] for r in tunings):.1f} s over {len(tunings)} keys.", ""]
     for r in rows:
         if r["part"] == "roofline":
             md += [f"Roofline: ours forward at B2 T16384 H16 D128 {r['fwd_ms']:.3f} ms against {r['floor_ms']:.3f} ms for "

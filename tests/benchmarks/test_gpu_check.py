@@ -159,3 +159,19 @@ def test_the_kernel_part_runs_alone(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "gpu_check_cpu_dry_run.md").read_text()
     assert "## Kernels: median ms" in report and "| ours |" in report
+
+
+def test_the_kernel_report_shows_each_autotuning_and_their_sum():
+    sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check_kernel
+    finally:
+        sys.path.remove(str(REPO / "benchmarks" / "paper"))
+        sys.path.remove(str(REPO / "benchmarks"))
+    rows = [{"part": "tuning", "method": name, "key": "(64, 64, 64)", "config": "BV: 64, num_warps: 4", "seconds": s}
+            for name, s in (("chunk_states_forward", 1.25), ("chunk_states_backward", 2.5))]
+    report = "\n".join(gpu_check_kernel.report_lines(rows))
+    assert "| chunk_states_backward | (64, 64, 64) | BV: 64, num_warps: 4 | 2.50 |" in report
+    assert "Autotuning in all: 3.8 s over 2 keys." in report
+    assert gpu_check_kernel.tuning_rows() == []  # nothing tuned here: the interpreter times no configs
