@@ -399,6 +399,12 @@ def plugins_command(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cli.py``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from linformer_lab.cli_checks import kernel_switch_error
+
+    switch_error = kernel_switch_error(argv)
+    if switch_error:
+        sys.stderr.write(f"error: {switch_error}\n")
+        return 2
     if argv[:1] == ["plugins"]:
         return plugins_command(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):

@@ -242,6 +242,9 @@ class StepsProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         total = self.total_train_batches
         self.train_progress_bar.total = None if math.isinf(total) else int(total)
+        # tqdm's rate (and so the time left) is (n - initial) / elapsed: the batches restored
+        # from the checkpoint took no time in this process
+        self.train_progress_bar.initial = self._done_at_start
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def on_train_epoch_start(self, trainer, *args) -> None:
