@@ -77,6 +77,7 @@ from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resol
     with_ckpt_path,
 )
 from linformer_lab.cli_checks import (
+    cpu_recipe,
     experiment_name,
     linked_argument_error,
     none_strings_to_none,
@@ -86,7 +87,7 @@ from linformer_lab.cli_checks import (
 )
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
-from linformer_lab.tasks.callbacks import StepsProgressBar
+from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
 from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes copied into the model argument of the same name when both exist
@@ -249,7 +250,10 @@ class LinformerCLI(LightningCLI):
         # a bar whose total is what max_steps lets the epoch run, not the whole epoch
         bar = [StepsProgressBar()] if config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks) else []
-        config["callbacks"] = callbacks + bar + ours
+        # every fit says once how long it will take (on a CPU, for a GPU-sized config, its CPU recipe)
+        recipe = cpu_recipe(experiment_name(self._section()))
+        estimate = [RunTimeEstimate(cpu_recipe=recipe)] if fitting and not quick_check else []
+        config["callbacks"] = callbacks + bar + estimate + ours
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError, TypeError) as err:

@@ -216,6 +216,12 @@ def resolve_config_args(argv: list[str]) -> list[str]:
     return out
 
 
+def config_values(argv: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` values in ``argv``, in order."""
+    return [argv[i + 1] if arg in ("-c", "--config") else arg[len("--config="):] for i, arg in enumerate(argv)
+            if (arg in ("-c", "--config") and i + 1 < len(argv)) or arg.startswith("--config=")]
+
+
 def config_classes(argv: list[str]) -> dict[str, tuple[str, dict]]:
     """``{"model": (class path, init_args), "data": (...)}`` as the ``--config`` files in ``argv``
     set them (a later file's class wins, its arguments update the earlier ones), read as plain YAML."""
@@ -417,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         sys.stderr.write(f"{err}\n")
         return 2
+    configs = config_values(argv)
+    if help_requested(argv) and configs:  # from the config and its classes' sources: no Lightning
+        from linformer_lab.cli_help import config_help
+
+        sys.stdout.write(config_help(argv[0], configs))
+        return 0
     from linformer_lab.cli import run_lightning_cli  # the first import of Lightning
 
     return run_lightning_cli(argv)

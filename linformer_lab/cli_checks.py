@@ -18,7 +18,7 @@ import os
 import re
 import typing
 
-from linformer_lab.cli_args import COUNT_OR_FRACTION, help_requested
+from linformer_lab.cli_args import COUNT_OR_FRACTION, help_requested, known_configs
 
 #: Trainer arguments whose range Lightning checks only while it builds the Trainer, after the
 #: run's folder exists: name -> (test of a number, what is valid). Checked before anything is
@@ -190,3 +190,11 @@ def none_strings_to_none(node) -> None:
             node[key] = None
         elif hasattr(value, "items"):
             none_strings_to_none(value)
+
+
+def cpu_recipe(config_name: str) -> str | None:
+    """The shipped config that trains a GPU-sized config's model at CPU size, by name:
+    ``mnist_linear`` -> ``mnist_cpu_linear.yaml``; None when there is none."""
+    head, _, rest = config_name.partition("_")
+    name = f"{head}_cpu_{rest}.yaml"
+    return name if rest and not rest.startswith("cpu_") and name in known_configs() else None
