@@ -199,8 +199,8 @@ class LinformerCLI(LightningCLI):
                 raise
             root = _root_cause(err)
             sys.stderr.write(
-                f"error: cannot build the configured classes: {type(root).__name__}: {root}\n"
-                f"(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n"
+                f"error: cannot build the configured classes: {type(root).__name__}: {root} "
+                f"(LINFORMER_LAB_TRACEBACK=1 shows the traceback)\n"
             )
             sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
 
@@ -444,7 +444,7 @@ def run_lightning_cli(argv: list[str]) -> int:
         # for the checks made while building the classes
         if os.environ.get("LINFORMER_LAB_TRACEBACK"):
             raise
-        sys.stderr.write(f"error: {err}\n(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n")
+        sys.stderr.write(f"error: {err} (LINFORMER_LAB_TRACEBACK=1 shows the traceback)\n")
         return CHECKPOINT_ERROR_EXIT_CODE
     finally:
         sys.argv = saved_argv
