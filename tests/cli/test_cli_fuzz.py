@@ -87,7 +87,8 @@ CHOICES = st.sampled_from(sorted(FLAGS)).flatmap(lambda flag: st.tuples(st.just(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(chosen=st.lists(CHOICES, min_size=1, max_size=4, unique_by=lambda pair: pair[0]), subcommand=st.sampled_from(["fit", "validate"]))
+@given(chosen=st.lists(CHOICES, min_size=1, max_size=4, unique_by=lambda pair: pair[0]),
+       subcommand=st.sampled_from(["fit", "validate"]))
 def test_random_flags_end_in_a_run_or_one_line_and_a_refused_run_writes_nothing(tmp_path_factory, chosen, subcommand):
     root = tmp_path_factory.mktemp("fuzz")
     base = [a for a in tiny_copy_args(root) if not a.startswith("--trainer.logger=")]  # the CLI's own run folders
