@@ -66,9 +66,7 @@ from linformer_lab.checkpoints import (
 from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resolve_config_args: the entry points, kept here)
     COUNT_OR_FRACTION,
     SUBCOMMANDS,
-    class_help,
     condense_parse_error,
-    config_classes,
     help_requested,
     main,
     parse_error_line,
@@ -217,9 +215,10 @@ class LinformerCLI(LightningCLI):
         resume = self._resolve_ckpt_path(root, settings)
         quick_check = bool(config.get("fast_dev_run"))  # Lightning then logs and saves nothing
 
-        if self.datamodule is not None and rank_zero_only.rank == 0 and not quick_check:
+        if self.subcommand and self.datamodule is not None and rank_zero_only.rank == 0 and not quick_check:
             # Data that is not there (files, a corpus root) stops the run before its folder is
-            # made; Lightning calls prepare_data again, which then has nothing left to do.
+            # made; Lightning calls prepare_data again, which then has nothing left to do. (A
+            # CLI built without a subcommand, run=False, only builds the classes.)
             try:
                 self.datamodule.prepare_data()
             except ConfigurationError as err:
@@ -416,8 +415,8 @@ def default_logger(save_dir: str, version: int | None = None):
 def run_lightning_cli(argv: list[str]) -> int:
     """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli_args.prepare_argv`
     left it (``main``, in :mod:`linformer_lab.cli_args`, answers what needs no Lightning);
-    returns the exit code. ``SUBCOMMAND --config X --help`` adds the options of the config's
-    model and data classes to LightningCLI's help, which lists their class paths only."""
+    returns the exit code. ``SUBCOMMAND --help`` (without a config: ``main`` answers that one
+    from the config, :mod:`linformer_lab.cli_help`) ends with where the model's options are."""
     # Discover the entry points (metadata only, no imports) before parsing, so a config naming a
     # third-party backend or feature map is validated against everything installed.
     ATTENTION.names()
@@ -436,9 +435,8 @@ def run_lightning_cli(argv: list[str]) -> int:
     except SystemExit as done:
         if done.code not in (0, None) or not help_requested(argv):
             raise
-        classes = config_classes(argv)
-        print("".join(f"\n{class_help(path, group, values)}" for group, (path, values) in classes.items()) if classes else
-              "\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
+        # with a config, main answers from it (linformer_lab.cli_help) without coming here
+        print("\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
     except ConfigurationError as err:
         # a check at the start of the run (Task.setup) refused the configuration: one line, as
         # for the checks made while building the classes
