@@ -92,8 +92,9 @@ CHOICES = st.sampled_from(sorted(FLAGS)).flatmap(lambda flag: st.tuples(st.just(
 def test_random_flags_end_in_a_run_or_one_line_and_a_refused_run_writes_nothing(tmp_path_factory, chosen, subcommand):
     root = tmp_path_factory.mktemp("fuzz")
     base = [a for a in tiny_copy_args(root) if not a.startswith("--trainer.logger=")]  # the CLI's own run folders
+    base.append("--trainer.max_steps=2")  # a valid run is short unless a drawn flag says otherwise
     flags = [f"{flag}={value}" for flag, value in chosen]
-    # a valid run stays short whatever was drawn: two batches an epoch, at most 5 s of training
+    # and stays short whatever was drawn: two batches an epoch, at most 5 s of training
     bounds = ["--data.train_batches_per_epoch=2", "--data.val_batches=1", "--trainer.max_time=00:00:00:05"]
     code, _, err = run_cli([subcommand, *base, *flags, *bounds])
     assert "Traceback" not in err, (flags, err)
