@@ -168,6 +168,6 @@ def interrupted_message(trainer: L.Trainer) -> str:
         return (f"interrupted (Ctrl-C) at step {step}: no checkpoint was saved, so all {step} updates are lost "
                 f"(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps).")
     lost = step - saved
+    updates = "nothing is" if lost == 0 else "the 1 update since is" if lost == 1 else f"the {lost} updates since are"
     return (f"interrupted (Ctrl-C) at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
-            f"so the {lost} update{'s' * (lost != 1)} since are lost; --ckpt_path last with the same config "
-            f"resumes from step {saved}.")
+            f"so {updates} lost; --ckpt_path last with the same config resumes from step {saved}.")

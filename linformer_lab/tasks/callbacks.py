@@ -379,7 +379,7 @@ def validation_batches(trainer) -> int:
     loader_hook = getattr(trainer.datamodule, "val_dataloader", None) if trainer.datamodule is not None else None
     try:
         batches = len(loader_hook()) if loader_hook is not None else 0
-    except (TypeError, NotImplementedError):  # a loader without a length, or no validation split
+    except Exception:  # no length, no validation split, any data module's own refusal: the line is only advice
         return 0
     limit = trainer.limit_val_batches
     return int(min(batches, limit) if isinstance(limit, int) else batches * limit)
