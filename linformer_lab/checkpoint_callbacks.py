@@ -5,6 +5,7 @@ and :class:`BestCheckpoint` (the best ``save_top_k`` by the task's monitored met
 from __future__ import annotations
 
 import copy
+import os
 import re
 import warnings
 
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import linformer_lab.lightning_compat as compat
 from linformer_lab.tasks.base import epoch_ran_to_end
 
-__all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved"]
+__all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved", "interrupted_message"]
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -49,8 +50,19 @@ class LastCheckpoint(ModelCheckpoint):
     def _can_save(self, trainer: L.Trainer) -> bool:
         return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
 
+    started_at: int | None = None  # global_step this process started from (a resumed run's last.ckpt)
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._loops_at_stop = None  # a second fit of the same trainer starts clean
+        self.started_at = trainer.global_step
+
+    def saved_step(self) -> int | None:
+        """The step the ``last.ckpt`` on disk holds: the latest this process wrote, else the one it
+        resumed from; None when there is none."""
+        written = compat.last_saved_step(self)
+        if self.dirpath is None or not os.path.isfile(os.path.join(self.dirpath, "last.ckpt")):
+            return None
+        return written if written and written >= (self.started_at or 0) else self.started_at
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -142,3 +154,20 @@ def load_unless_moved(callback: ModelCheckpoint, state_dict: dict) -> None:
     Lightning does too, after a warning that the folder changed: expected here, nothing to act on."""
     if state_dict.get("dirpath", callback.dirpath) == callback.dirpath:
         ModelCheckpoint.load_state_dict(callback, state_dict)
+
+
+def interrupted_message(trainer: L.Trainer) -> str:
+    """One line after Ctrl-C: the step reached, the step ``last.ckpt`` holds (where a resume
+    starts) and the updates lost between them."""
+    step = trainer.global_step
+    if trainer.state.fn != "fit":
+        return f"interrupted (Ctrl-C) during {trainer.state.fn}; it writes no checkpoint, and nothing of it was saved."
+    last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+    saved = last.saved_step() if last is not None else None
+    if saved is None:
+        return (f"interrupted (Ctrl-C) at step {step}: no checkpoint was saved, so all {step} updates are lost "
+                f"(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps).")
+    lost = step - saved
+    updates = "nothing is" if lost == 0 else "the 1 update since is" if lost == 1 else f"the {lost} updates since are"
+    return (f"interrupted (Ctrl-C) at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
+            f"so {updates} lost; --ckpt_path last with the same config resumes from step {saved}.")

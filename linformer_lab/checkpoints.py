@@ -7,7 +7,8 @@ its checkpoints in ``version_N/checkpoints/``: ``last.ckpt`` and the best ``save
 task's ``monitor``. So no run ever writes into another's checkpoints; ``fit --ckpt_path last``
 logs into a new version but continues writing the checkpoints of the run it resumes. ``last``
 and ``best`` name the newest run *of the configured model* under the root (another backend or
-size trained into the same root is skipped), so comparing attentions from one config is safe.
+size trained into the same root is skipped), so comparing attentions from one config is safe;
+with a run's own saved config (``version_N/config.yaml``) they name that run's checkpoints.
 
 Faults (a checkpoint of another task or shape, an unreadable file, a directory that cannot be
 written or that another process is training into) stop before any work with one paragraph on
@@ -143,6 +144,20 @@ def resumed_run_dir(checkpoint: str | None, root: str | Path) -> str | None:
     root = Path(root).resolve()
     if folder.name == "checkpoints" and root in folder.parents:
         return str(folder)
+    return None
+
+
+def saved_run_checkpoint_dir(config_paths) -> Path | None:
+    """The ``checkpoints/`` folder of the run whose own saved config (``version_N/config.yaml``)
+    is among ``config_paths`` (the last such one), else None.
+
+    ``--ckpt_path last|best`` with such a config means *that* run's checkpoints, never a newer
+    run of the same shape under the same root; a config from ``configs/`` names no run, and the
+    newest matching run is meant. A run's folder is known by its ``checkpoints/`` or its name."""
+    for path in reversed(list(config_paths)):
+        folder = Path(str(path)).resolve().parent
+        if (folder / "checkpoints").is_dir() or re.fullmatch(r"version_\d+", folder.name):
+            return folder / "checkpoints"
     return None
 
 
@@ -291,6 +306,12 @@ def load_checkpoint_header(path: str) -> dict:
     hyper-parameters as plain data, ``Task.store_attention``); a file that holds other objects is
     refused (:class:`UnsafeCheckpointError`) before anything in it is built.
     """
+    if Path(path).is_dir():
+        inside = sorted(p.name for p in Path(path).glob("*.ckpt"))
+        raise UnreadableCheckpointError(
+            f"checkpoint {path} is a directory, not a checkpoint file; pass a file in it"
+            + (f" ({', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''})" if inside else "")
+            + " or --ckpt_path last|best (which find the newest run's).")
     if not Path(path).is_file():
         raise UnreadableCheckpointError(f"checkpoint {path} does not exist.")
     try:

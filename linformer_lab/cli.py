@@ -29,8 +29,10 @@ See docs/cli.md for the user's view; this module is the wiring:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -38,13 +40,16 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import linformer_lab.lightning_compat as compat
+from linformer_lab.checkpoint_callbacks import interrupted_message
 from linformer_lab.checkpoints import (
     CHECKPOINT_ERROR_EXIT_CODE,
     CheckpointMismatchError,
@@ -57,13 +62,12 @@ from linformer_lab.checkpoints import (
     new_run_version,
     resolve_checkpoint_path,
     resumed_run_dir,
+    saved_run_checkpoint_dir,
 )
 from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resolve_config_args: the entry points, kept here)
     COUNT_OR_FRACTION,
     SUBCOMMANDS,
-    class_help,
     condense_parse_error,
-    config_classes,
     help_requested,
     main,
     parse_error_line,
@@ -71,9 +75,18 @@ from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resol
     resolve_config_args,
     with_ckpt_path,
 )
+from linformer_lab.cli_checks import (
+    cpu_recipe,
+    experiment_name,
+    linked_argument_error,
+    none_strings_to_none,
+    resolve_precision,
+    trainer_value_error,
+    type_error_line,
+)
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
-from linformer_lab.tasks.callbacks import StepsProgressBar
+from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
 from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes copied into the model argument of the same name when both exist
@@ -95,7 +108,10 @@ class LinformerArgumentParser(LightningArgumentParser):
         prog = f"cli.py {subcommand}" if subcommand in SUBCOMMANDS else "cli.py"
         options = [o for o in parser._option_string_actions if o.startswith("--")]
         line = parse_error_line(message, options, prog)
-        sys.stderr.write((line or f"error: {condense_parse_error(message)} ({prog} --help lists the options)") + "\n")
+        if line is None:
+            wrong_type = type_error_line(message, sys.argv)
+            line = f"error: {wrong_type or condense_parse_error(message)} ({prog} --help lists the options)"
+        sys.stderr.write(line + "\n")
         sys.exit(2)
 
 
@@ -162,10 +178,13 @@ class LinformerCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self._section()
-        _none_strings_to_none(config.get("model"))
+        none_strings_to_none(config.get("model"))
         trainer = config.trainer
+        out_of_range = trainer_value_error(trainer)
+        if out_of_range:  # Lightning would find it after the run's folder is made, in a traceback
+            exit_with_error(out_of_range)
         if trainer.get("default_root_dir") is None:
-            trainer.default_root_dir = str(Path("logs") / _experiment_name(config))
+            trainer.default_root_dir = str(Path("logs") / experiment_name(config))
         trainer.precision = resolve_precision(trainer.get("precision"), trainer.get("accelerator"))
 
     def instantiate_classes(self) -> None:
@@ -179,13 +198,16 @@ class LinformerCLI(LightningCLI):
                 raise
             root = _root_cause(err)
             sys.stderr.write(
-                f"error: cannot build the configured classes: {type(root).__name__}: {root}\n"
-                f"(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n"
+                f"error: cannot build the configured classes: {type(root).__name__}: {root} "
+                f"(LINFORMER_LAB_TRACEBACK=1 shows the traceback)\n"
             )
             sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
-        self._check_linked_arguments()
+        given = (self._section().get("model") or {}).get("init_args") or {}
+        contradiction = linked_argument_error(type(self.model), given, self.datamodule, DATA_TO_MODEL_LINKS)
+        if contradiction:
+            exit_with_error(contradiction)
         section = self.config_init.get(str(self.subcommand), self.config_init)
         config = section.get("trainer")
         settings: CheckpointSettings = section.get("checkpoint")
@@ -193,6 +215,15 @@ class LinformerCLI(LightningCLI):
         fitting = self.subcommand == "fit"
         resume = self._resolve_ckpt_path(root, settings)
         quick_check = bool(config.get("fast_dev_run"))  # Lightning then logs and saves nothing
+
+        if self.subcommand and self.datamodule is not None and rank_zero_only.rank == 0 and not quick_check:
+            # Data that is not there (files, a corpus root) stops the run before its folder is
+            # made; Lightning calls prepare_data again, which then has nothing left to do. (A
+            # CLI built without a subcommand, run=False, only builds the classes.)
+            try:
+                self.datamodule.prepare_data()
+            except ConfigurationError as err:
+                exit_with_error(str(err))
 
         # Every process logs into a new version_N (a logger reopening an old one would delete its
         # metrics.csv); a resumed fit keeps writing checkpoints where the run it resumes did.
@@ -219,8 +250,17 @@ class LinformerCLI(LightningCLI):
         # a bar whose total is what max_steps lets the epoch run, not the whole epoch
         bar = [StepsProgressBar()] if config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks) else []
-        config["callbacks"] = callbacks + bar + ours
-        trainer = super().instantiate_trainer(**kwargs)
+        # every fit says once how long it will take (on a CPU, for a GPU-sized config, its CPU recipe)
+        recipe = cpu_recipe(experiment_name(self._section()))
+        estimate = [RunTimeEstimate(cpu_recipe=recipe)] if fitting and not quick_check else []
+        config["callbacks"] = callbacks + bar + estimate + ours
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            # a value Lightning refuses that the checks before did not know: one line, no folder
+            if os.environ.get("LINFORMER_LAB_TRACEBACK"):
+                raise
+            self._stop(f"the trainer refuses the configuration: {str(err).strip().splitlines()[0]}")
         if isinstance(self.model, Task):  # data that does not fit the model, a backend the device cannot run
             try:
                 self.model.check_run(self.datamodule, trainer.strategy.root_device)
@@ -235,7 +275,9 @@ class LinformerCLI(LightningCLI):
 
         if ours:
             run_dir = trainer.log_dir or str(root)  # None under fast_dev_run (which saves nothing)
-            dirpath = settings.dirpath or resumed_run_dir(resume, root) or str(Path(run_dir) / "checkpoints")
+            pinned = self._saved_run_checkpoints()  # a resumed run keeps writing into its own folder
+            resumed = resumed_run_dir(resume, root) or (resumed_run_dir(resume, Path(pinned).parent) if pinned else None)
+            dirpath = settings.dirpath or resumed or str(Path(run_dir) / "checkpoints")
             for callback in ours:
                 callback.dirpath = os.path.realpath(dirpath)
             if fitting and trainer.is_global_zero and not quick_check:
@@ -256,10 +298,14 @@ class LinformerCLI(LightningCLI):
     def _stop(self, message: str) -> None:
         """Stop before any work (exit code 2), removing the run directory this process made:
         a refused run leaves nothing behind."""
+        self._discard_run_dir()
+        exit_with_error(message)
+
+    def _discard_run_dir(self) -> None:
+        """Remove the run directory this process made unless it holds a checkpoint."""
         run_dir = getattr(self, "_new_run_dir", None)
         if run_dir is not None and not any(run_dir.glob("**/*.ckpt")):
             shutil.rmtree(run_dir, ignore_errors=True)
-        exit_with_error(message)
 
     def _resolve_ckpt_path(self, root: Path, settings: CheckpointSettings) -> str | None:
         """Resolve and check ``--ckpt_path`` (``last``/``best`` among this root's runs of the
@@ -267,8 +313,9 @@ class LinformerCLI(LightningCLI):
         if not self.subcommand or not self.config_init[self.subcommand].get("ckpt_path"):
             return None
         ckpt_path = self.config_init[self.subcommand]["ckpt_path"]
+        dirpath = settings.dirpath or self._saved_run_checkpoints()
         try:
-            path = resolve_checkpoint_path(ckpt_path, self.model, root, settings.dirpath, fitting=self.subcommand == "fit")
+            path = resolve_checkpoint_path(ckpt_path, self.model, root, dirpath, fitting=self.subcommand == "fit")
         except CheckpointMismatchError as err:
             exit_with_error(str(err))
         if ckpt_path in ("last", "best"):
@@ -278,33 +325,39 @@ class LinformerCLI(LightningCLI):
             self.config_init[self.subcommand]["ckpt_path"] = path
             sys.argv = with_ckpt_path(sys.argv, path)
             if rank_zero_only.rank == 0:
-                found = path or f"no checkpoint under {settings.dirpath or root} yet; training from scratch"
+                found = path or f"no checkpoint under {dirpath or root} yet; training from scratch"
                 print(f"--ckpt_path {ckpt_path}: {found}")
         return path
 
-    def _check_linked_arguments(self) -> None:
-        """A model argument the data sets (:data:`DATA_TO_MODEL_LINKS`) that the user set to
-        another value is an error, not silently replaced by the data's."""
-        section = self._section()
-        given = section.get("model", {}).get("init_args") or {}
-        defaults = _init_defaults(type(self.model))
-        for name in DATA_TO_MODEL_LINKS:
-            if name not in given or given[name] is None or given[name] == defaults.get(name):
-                continue
-            from_data = getattr(self.datamodule, name, None)
-            if from_data is not None and given[name] != from_data:
-                exit_with_error(
-                    f"--model.{name} {given[name]} contradicts the data: {type(self.datamodule).__name__} "
-                    f"gives {name}={from_data}, and the model takes it from there. Leave --model.{name} "
-                    f"unset and change the data instead (e.g. --data.max_length for the copy task)."
-                )
+    def _saved_run_checkpoints(self) -> str | None:
+        """The checkpoints/ of the run whose saved config this command was given, if any
+        (:func:`~linformer_lab.checkpoints.saved_run_checkpoint_dir`)."""
+        sources = self._section().get("config") or []
+        folder = saved_run_checkpoint_dir(getattr(s, "absolute", None) or str(s) for s in sources)
+        return str(folder) if folder is not None else None
 
     # ------------------------------------------------------------------ subcommands
 
     def _run_subcommand(self, subcommand: str) -> None:
+        sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl-C after the first; ours again after
+        rank_zero_log.addFilter(_without_interrupt_notice)
         try:
             super()._run_subcommand(subcommand)
+        except SystemExit as stop:
+            if self.trainer.state.status != TrainerStatus.INTERRUPTED:
+                raise
+            # Lightning ends a Ctrl-C with exit code 1 after "attempting graceful shutdown":
+            # say instead what survives, with the shell's code for a SIGINT
+            sys.stderr.write(f"{interrupted_message(self.trainer)}\n")
+            raise SystemExit(INTERRUPTED_EXIT_CODE) from stop
+        except ConfigurationError:
+            # refused at the start of the run (data that is not there, Task.setup's checks):
+            # reported as one line by run_lightning_cli, and the refused run leaves no folder
+            self._discard_run_dir()
+            raise
         finally:  # the checkpoint directory is free for the next run (also one in this process)
+            signal.signal(signal.SIGINT, sigint)
+            rank_zero_log.removeFilter(_without_interrupt_notice)
             lock = getattr(self, "_checkpoint_lock", None)
             if lock is not None:
                 lock.close()
@@ -326,30 +379,22 @@ class LinformerCLI(LightningCLI):
         print(f"saved {len(predictions or [])} batches of predictions to {log_dir / name}")
 
 
+# ---------------------------------------------------------------------- Ctrl-C
+
+#: exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it
+INTERRUPTED_EXIT_CODE = 130
+
+#: the logger of Lightning's rank_zero_info (lightning.pytorch.utilities.rank_zero sets it to its own)
+rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+
+
+def _without_interrupt_notice(record) -> bool:
+    """Logging filter: drops Lightning's "Detected KeyboardInterrupt, attempting graceful shutdown",
+    which :func:`interrupted_message` replaces."""
+    return "Detected KeyboardInterrupt" not in str(record.msg)
+
+
 # ---------------------------------------------------------------------- defaults
-
-
-def _experiment_name(config) -> str:
-    """Stem of the first --config file, else the model class name (for logs/<name>)."""
-    for source in config.get("config") or []:
-        path = getattr(source, "relative", None) or getattr(source, "absolute", None) or str(source)
-        return Path(str(path)).stem
-    class_path = (config.get("model") or {}).get("class_path") or "run"
-    return class_path.rsplit(".", 1)[-1].lower()
-
-
-def _none_strings_to_none(node) -> None:
-    """Turn the string "None" back into None inside the model's arguments.
-
-    jsonargparse 4.53 parses ``--model.attention.feature_map=null`` (a ``str | None`` field of a
-    dataclass nested in a subclass-mode class) as the string "None"; from YAML it is None.
-    """
-    items = node.items() if hasattr(node, "items") else []
-    for key, value in list(items):
-        if value == "None":
-            node[key] = None
-        elif hasattr(value, "items"):
-            _none_strings_to_none(value)
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -371,54 +416,14 @@ def default_logger(save_dir: str, version: int | None = None):
     return loggers
 
 
-def _init_defaults(cls) -> dict:
-    import inspect
-
-    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
-
-
-def _accelerator_is_cpu(accelerator) -> bool:
-    if accelerator in (None, "auto"):
-        return not (torch.cuda.is_available() or torch.backends.mps.is_available())
-    if isinstance(accelerator, str):
-        return accelerator == "cpu"
-    return type(accelerator).__name__ == "CPUAccelerator"
-
-
-def resolve_precision(precision, accelerator):
-    """Map a precision the chosen device cannot run to the closest one it can (with a warning).
-
-    * fp16 AMP (``16-mixed``/``16``) on CPU -> ``bf16-mixed``: autocast on CPU exists for bf16
-      only; bf16 keeps the intent (mixed precision, half-size activations), while 32 would
-      silently change memory and speed by 2x.
-    * bf16 (``bf16-mixed``/``bf16``) on a CUDA GPU without bf16 support (pre-Ampere) -> ``16-mixed``.
-    Anything else is returned unchanged (Lightning validates it).
-    """
-    if precision is None:
-        return None
-    value = str(precision)
-    if _accelerator_is_cpu(accelerator) and value in ("16", "16-mixed"):
-        rank_zero_warn(f"precision={value!r} (fp16 AMP) is not available on CPU; using 'bf16-mixed' instead")
-        return "bf16-mixed"
-    if (
-        not _accelerator_is_cpu(accelerator)
-        and value in ("bf16", "bf16-mixed")
-        and torch.cuda.is_available()
-        and not torch.cuda.is_bf16_supported()
-    ):
-        rank_zero_warn(f"precision={value!r}: this GPU has no bfloat16 support; using '16-mixed' instead")
-        return "16-mixed"
-    return precision
-
-
 # ---------------------------------------------------------------------- entry point
 
 
 def run_lightning_cli(argv: list[str]) -> int:
     """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli_args.prepare_argv`
     left it (``main``, in :mod:`linformer_lab.cli_args`, answers what needs no Lightning);
-    returns the exit code. ``SUBCOMMAND --config X --help`` adds the options of the config's
-    model and data classes to LightningCLI's help, which lists their class paths only."""
+    returns the exit code. ``SUBCOMMAND --help`` (without a config: ``main`` answers that one
+    from the config, :mod:`linformer_lab.cli_help`) ends with where the model's options are."""
     # Discover the entry points (metadata only, no imports) before parsing, so a config naming a
     # third-party backend or feature map is validated against everything installed.
     ATTENTION.names()
@@ -437,15 +442,14 @@ def run_lightning_cli(argv: list[str]) -> int:
     except SystemExit as done:
         if done.code not in (0, None) or not help_requested(argv):
             raise
-        classes = config_classes(argv)
-        print("".join(f"\n{class_help(path, group, values)}" for group, (path, values) in classes.items()) if classes else
-              "\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
+        # with a config, main answers from it (linformer_lab.cli_help) without coming here
+        print("\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
     except ConfigurationError as err:
         # a check at the start of the run (Task.setup) refused the configuration: one line, as
         # for the checks made while building the classes
         if os.environ.get("LINFORMER_LAB_TRACEBACK"):
             raise
-        sys.stderr.write(f"error: {err}\n(set LINFORMER_LAB_TRACEBACK=1 for the traceback)\n")
+        sys.stderr.write(f"error: {err} (LINFORMER_LAB_TRACEBACK=1 shows the traceback)\n")
         return CHECKPOINT_ERROR_EXIT_CODE
     finally:
         sys.argv = saved_argv

@@ -1,7 +1,8 @@
 """The command line before Lightning: what ``cli.py`` answers without importing it, and the
 argv it hands to :class:`~linformer_lab.cli.LinformerCLI`.
 
-* :func:`main`: ``cli.py --help`` and ``cli.py plugins`` answer here; the four Lightning
+* :func:`main`: ``cli.py --help``, ``cli.py plugins`` and ``SUBCOMMAND --config X --help``
+  (:mod:`linformer_lab.cli_help`) answer here; the four Lightning
   subcommands go to :func:`linformer_lab.cli.run_lightning_cli` (the first import of Lightning)
   with their argv normalised by :func:`prepare_argv`: ``--config NAME`` looked up under configs/
   (:func:`find_config`), a top-level ``-c X`` moved behind the subcommand, and the task and data
@@ -216,51 +217,10 @@ def resolve_config_args(argv: list[str]) -> list[str]:
     return out
 
 
-def config_classes(argv: list[str]) -> dict[str, tuple[str, dict]]:
-    """``{"model": (class path, init_args), "data": (...)}`` as the ``--config`` files in ``argv``
-    set them (a later file's class wins, its arguments update the earlier ones), read as plain YAML."""
-    import yaml
-
-    found: dict[str, tuple[str, dict]] = {}
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg in ("-c", "--config") and i + 1 < len(argv) else (
-            arg[len("--config="):] if arg.startswith("--config=") else None)
-        if value is None:
-            continue
-        content = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
-        section = content.get(argv[0], content) if isinstance(content, dict) else {}
-        for group in ("model", "data"):
-            node = section.get(group) if isinstance(section, dict) else None
-            if isinstance(node, dict) and node.get("class_path"):
-                earlier = found.get(group, (None, {}))
-                same = earlier[0] == node["class_path"]
-                found[group] = (node["class_path"], {**(earlier[1] if same else {}), **(node.get("init_args") or {})})
-    return found
-
-
-def class_help(class_path: str, group: str, values: dict | None = None) -> str:
-    """The ``--GROUP.*`` options of ``class_path`` as ``--GROUP.help`` lists them, plus those of
-    its class-typed arguments (``--model.attention.backend``), without the usage lines; the
-    defaults shown are ``values`` (a config's ``init_args``) where it sets them."""
-    from jsonargparse import ArgumentParser
-
-    cls = import_class(class_path)
-    values = values or {}
-    nested = {name: _classes_in(annotation) for name, annotation in _init_parameters(cls)}
-    parts = [(cls, group, {k: v for k, v in values.items() if not nested.get(k)})]  # nested ones: own part
-    for name, classes in nested.items():
-        inner_values = values.get(name) if isinstance(values.get(name), dict) else {}
-        parts += [(inner, f"{group}.{name}", inner_values) for inner in classes]
-    sections = []
-    for klass, prefix, given in parts:
-        parser = ArgumentParser(prog=f"--{prefix}", add_help=False)
-        parser.add_class_arguments(klass, prefix, fail_untyped=False)
-        known = {action.dest for action in parser._actions}
-        parser.set_defaults({f"{prefix}.{k}": v for k, v in given.items() if f"{prefix}.{k}" in known})
-        body = parser.format_help().split("\n\n", 1)[-1].rstrip().split("\n", 1)[-1]  # without usage and group title
-        sections.append(f"--{prefix}.* ({klass.__module__}.{klass.__qualname__}):\n{body}")
-    source = " (defaults: the config's values)" if values else ""
-    return f"{group} options{source}:\n" + "\n\n".join(sections) + "\n"
+def config_values(argv: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` values in ``argv``, in order."""
+    return [argv[i + 1] if arg in ("-c", "--config") else arg[len("--config="):] for i, arg in enumerate(argv)
+            if (arg in ("-c", "--config") and i + 1 < len(argv)) or arg.startswith("--config=")]
 
 
 # ---------------------------------------------------------------------- argv
@@ -410,6 +370,12 @@ def plugins_command(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cli.py``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from linformer_lab.cli_checks import kernel_switch_error
+
+    switch_error = kernel_switch_error(argv)
+    if switch_error:
+        sys.stderr.write(f"error: {switch_error}\n")
+        return 2
     if argv[:1] == ["plugins"]:
         return plugins_command(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):
@@ -422,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         sys.stderr.write(f"{err}\n")
         return 2
+    configs = config_values(argv)
+    if help_requested(argv) and configs:  # from the config and its classes' sources: no Lightning
+        from linformer_lab.cli_help import config_help
+
+        sys.stdout.write(config_help(argv[0], configs))
+        return 0
     from linformer_lab.cli import run_lightning_cli  # the first import of Lightning
 
     return run_lightning_cli(argv)

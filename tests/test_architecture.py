@@ -30,7 +30,7 @@ LAYER_OF = {
     "attention": 3,
     "models": 4, "data": 4,
     "tasks": 5,
-    "cli": 6, "cli_args": 6, "checkpoints": 6, "checkpoint_callbacks": 6,
+    "cli": 6, "cli_args": 6, "cli_checks": 6, "cli_help": 6, "checkpoints": 6, "checkpoint_callbacks": 6,
     "kernel_check": 6,  # what cli.py plugins --check runs on the kernels
 }
 #: Pairs of one layer that stay apart: (importer, imported).

@@ -42,11 +42,16 @@ import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
 from linformer_lab.data.sampling import EpochSampler, ResumableLoader
-from linformer_lab.validation import check_at_least
+from linformer_lab.validation import ConfigurationError, check_at_least
 
 
-class DataNotFoundError(FileNotFoundError):
-    """A data set's files are not on disk (and download=False)."""
+class DataNotFoundError(FileNotFoundError, ConfigurationError):
+    """A data set's files are not on disk (and download=False). A :class:`ConfigurationError`
+    too: the CLI reports it as one line before training."""
+
+
+class DataChecksumError(RuntimeError, ConfigurationError):
+    """A data set's files are there but are not the official release (their MD5 differs)."""
 
 
 def _missing_files(directory: str, names: list[str]) -> list[str]:
@@ -99,12 +104,13 @@ class _ImageDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:  # Lightning calls setup once per stage; the data is the same
             return
-        self.splits = {}
+        splits = {}  # recorded once loaded: a failed load fails again on the next setup, with its reason
         for name, (images, labels) in self._load().items():
             n = self.limits[name]
             if n is not None:
                 images, labels = images[:n], labels[:n]
-            self.splits[name] = TensorDataset(images, labels)
+            splits[name] = TensorDataset(images, labels)
+        self.splits = splits
 
     def _loader(self, split: str, sampler=None, cls=DataLoader) -> DataLoader:
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
@@ -339,29 +345,54 @@ class CIFAR10DataModule(_ImageDataModule):
         return os.path.join(self.root, CIFAR10_DIR)
 
     def prepare_data(self) -> None:
+        """Download (``download=True``), else check that the files are there and, with
+        ``verify_checksums``, that they are the official release: the CLI calls this before it
+        makes the run's folder, so missing or damaged files stop a run before anything is written."""
         if self.download:
             _CIFAR10(self.root, train=True, download=True, verify_checksums=self.verify_checksums)
+            return
+        if self._verified:  # called twice in one process (by the CLI, then by Lightning)
+            return
+        self._check_files()
+        if self.verify_checksums:
+            listed = [*torchvision.datasets.CIFAR10.train_list, *torchvision.datasets.CIFAR10.test_list,
+                      [torchvision.datasets.CIFAR10.meta["filename"], torchvision.datasets.CIFAR10.meta["md5"]]]
+            bad = [name for name, md5 in listed
+                   if not torchvision.datasets.utils.check_integrity(os.path.join(self.data_dir, name), md5)]
+            if bad:
+                raise self._checksum_error(f"{', '.join(bad)} differ")
+            self._verified = True  # setup need not hash the same files again
+
+    _verified = False
+
+    def _check_files(self) -> None:
+        missing = _missing_files(self.data_dir, CIFAR10_FILES)
+        if missing:
+            raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
+                             "Get them with download=True (needs internet): torchvision downloads "
+                             "cifar-10-python.tar.gz and extracts it there.")
+
+    def _checksum_error(self, finding: str) -> DataChecksumError:
+        return DataChecksumError(
+            f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
+            f"official release ({finding}). Re-download them (delete the directory, download=True), or pass "
+            f"verify_checksums=False if they are a deliberate local copy in the same format."
+        )
 
     def _read(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """-> images uint8 (N, 3, 32, 32), labels int64 (N,)."""
+        verify = self.verify_checksums and not self._verified
         try:
-            ds = _CIFAR10(self.root, train=train, download=self.download, verify_checksums=self.verify_checksums)
+            ds = _CIFAR10(self.root, train=train, download=self.download, verify_checksums=verify)
         except RuntimeError as e:  # the files exist (checked before), so this is torchvision's MD5 check
-            raise RuntimeError(
-                f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
-                f"official release ({e}). Re-download them (delete the directory, download=True), or pass "
-                f"verify_checksums=False if they are a deliberate local copy in the same format."
-            ) from e
+            raise self._checksum_error(str(e)) from e
         # torchvision stores HWC (N, 32, 32, 3); the rows on disk are CHW, so this is a plain transpose back.
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
         return images, torch.tensor(ds.targets, dtype=torch.int64)
 
     def _load(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        missing = _missing_files(self.data_dir, CIFAR10_FILES)
-        if missing and not self.download:
-            raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
-                             "Get them with download=True (needs internet): torchvision downloads "
-                             "cifar-10-python.tar.gz and extracts it there.")
+        if not self.download:
+            self._check_files()
         train_images, train_labels = self._read(train=True)
         test_images, test_labels = self._read(train=False)
         if not 0 < self.val_size < len(train_images):

@@ -1,11 +1,13 @@
 """Image grids of samples and completions during training (paper Fig. 3/4), the PNG helpers
-that :mod:`linformer_lab.tasks.image_generation` also uses for ``predict``, and the CLI's
-progress bar (:class:`StepsProgressBar`)."""
+that :mod:`linformer_lab.tasks.image_generation` also uses for ``predict``, and what the CLI
+says while a run trains: its progress bar (:class:`StepsProgressBar`) and the projected time of
+the whole run (:class:`RunTimeEstimate`)."""
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 
 import lightning as L
@@ -14,7 +16,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["ImageSampleCallback", "StepsProgressBar", "occlude_bottom", "image_grid", "save_png",
+__all__ = ["ImageSampleCallback", "StepsProgressBar", "RunTimeEstimate", "occlude_bottom", "image_grid", "save_png",
            "completion_triptychs", "COMPLETION_LEGEND"]
 
 #: Column titles of a completion grid, in the order of :func:`completion_triptychs`.
@@ -242,8 +244,142 @@ class StepsProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         total = self.total_train_batches
         self.train_progress_bar.total = None if math.isinf(total) else int(total)
+        # tqdm's rate (and so the time left) is (n - initial) / elapsed: the batches restored
+        # from the checkpoint took no time in this process
+        self.train_progress_bar.initial = self._done_at_start
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def on_train_epoch_start(self, trainer, *args) -> None:
         self._done_at_start = 0  # a new epoch (Lightning calls this hook for no resumed one)
         super().on_train_epoch_start(trainer, *args)
+
+
+def format_duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3 h 20 min``, ``14 d 6 h``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+def validations_within(batches: int, epoch: int, batch_in_epoch: int, epoch_batches: int, every_n_batches: int,
+                       every_n_epochs: int) -> int:
+    """How many validations Lightning runs in the next ``batches`` training batches from batch
+    ``batch_in_epoch`` of ``epoch``: one after every ``every_n_batches``-th batch of every
+    ``every_n_epochs``-th epoch (``every_n_batches`` = the epoch's batches: one at its end)."""
+    count = 0
+    while batches > 0 and epoch_batches > 0:
+        run = min(epoch_batches - batch_in_epoch, batches)
+        if (epoch + 1) % every_n_epochs == 0:
+            count += (batch_in_epoch + run) // every_n_batches - batch_in_epoch // every_n_batches
+        batches -= run
+        epoch, batch_in_epoch = epoch + 1, 0
+    return count
+
+
+class RunTimeEstimate(L.Callback):
+    """Says once, when the rate has settled, how long the whole run takes on this machine: the
+    updates ``max_steps`` / ``max_epochs`` allow and the validations among them, at the time per
+    update measured over ``measure`` updates after ``warmup`` (first calls build kernels and fill
+    caches; a ``max_wait_s`` past the warm-up ends the measurement early for slow updates). A
+    validation batch costs what this run's validations measured, or, before any, a third of an
+    update (a forward pass of the same batch). Over an hour on a CPU, the line also names
+    ``cpu_recipe``, the config sized for a CPU. Rank 0 only; printed above the progress bar."""
+
+    def __init__(self, warmup: int = 10, measure: int = 30, max_wait_s: float = 30.0, cpu_recipe: str | None = None):
+        self.warmup, self.measure, self.max_wait_s, self.cpu_recipe = warmup, measure, max_wait_s, cpu_recipe
+        self.line: str | None = None
+        self._start_step = 0
+        self._measure_from: tuple[int, float, float] | None = None  # (step, time, validation time) at the warm-up's end
+        self._val_time, self._val_batches, self._val_started = 0.0, 0, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start_step, self._measure_from, self.line = trainer.global_step, None, None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._val_started = None if trainer.sanity_checking else time.perf_counter()
+
+    def on_validation_batch_end(self, trainer, *args) -> None:
+        if self._val_started is not None:
+            self._val_batches += 1
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._val_started is not None:
+            self._val_time += time.perf_counter() - self._val_started
+            self._val_started = None
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if self.line is not None or not trainer.is_global_zero:
+            return
+        done = trainer.global_step - self._start_step
+        now = time.perf_counter()
+        if self._measure_from is None:
+            if done >= self.warmup:
+                self._measure_from = (done, now, self._val_time)
+            return
+        start, since, val_time = self._measure_from
+        measured = done - start
+        if measured >= self.measure or (measured >= 3 and now - since >= self.max_wait_s):
+            per_update = (now - since - (self._val_time - val_time)) / measured
+            self.line = self.describe(trainer, per_update)
+            bar = trainer.progress_bar_callback
+            (bar.print if bar is not None else print)(self.line)
+
+    def describe(self, trainer, per_update: float) -> str:
+        """The line for ``trainer``'s run at ``per_update`` seconds an update."""
+        accumulate = trainer.accumulate_grad_batches
+        epoch_batches = trainer.num_training_batches
+        limits = [trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 else math.inf]
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0 and not math.isinf(epoch_batches):
+            limits.append(trainer.max_epochs * math.ceil(epoch_batches / accumulate))
+        total = min(limits)
+        if math.isinf(total):
+            return (f"time: {per_update:.3g} s an update on this machine; the run has no end "
+                    f"(max_steps and max_epochs -1): stop it with Ctrl-C or set --trainer.max_steps.")
+        total, left = int(total), max(int(total) - trainer.global_step, 0)
+        measured_val = self._val_batches > 0
+        per_batch = self._val_time / self._val_batches if measured_val else per_update / 3
+        val_batches = validation_batches(trainer)
+        every = trainer.val_check_batch
+        validations = all_validations = 0
+        if val_batches and every is not None and not math.isinf(every) and not math.isinf(epoch_batches):
+            every, done = int(every), trainer.global_step * accumulate
+            if trainer.check_val_every_n_epoch is None:  # every `every` batches, counted across epochs
+                validations = (done + left * accumulate) // every - done // every
+                all_validations = total * accumulate // every
+            else:
+                validations = validations_within(left * accumulate, trainer.current_epoch,
+                                                 trainer.fit_loop.epoch_loop.batch_progress.current.ready,
+                                                 int(epoch_batches), every, trainer.check_val_every_n_epoch)
+                all_validations = validations_within(total * accumulate, 0, 0, int(epoch_batches), every,
+                                                     trainer.check_val_every_n_epoch)
+        in_all = total * per_update + all_validations * val_batches * per_batch
+        remaining = left * per_update + validations * val_batches * per_batch
+        line = (f"time: about {format_duration(in_all)} for this run on this machine"
+                f"{f', {format_duration(remaining)} of it left' if left < total else ''} ({total:,} updates at "
+                f"{per_update:.3g} s, {all_validations:,} validations of {val_batches} batch{'es' * (val_batches != 1)} at "
+                f"{per_batch:.3g} s{'' if measured_val else ' (estimated: a third of an update)'})")
+        if self.cpu_recipe and in_all > 3600 and trainer.strategy.root_device.type == "cpu":
+            line += f"; this config is sized for a GPU, its CPU recipe: python cli.py fit --config {self.cpu_recipe}"
+        return line + "."
+
+
+def validation_batches(trainer) -> int:
+    """Batches of one validation during fit: Lightning's count once validation was set up, else
+    the data module's validation loader as ``limit_val_batches`` cuts it; 0 without one."""
+    counted = [b for b in trainer.num_val_batches if not math.isinf(b)]
+    if counted:
+        return int(sum(counted))
+    loader_hook = getattr(trainer.datamodule, "val_dataloader", None) if trainer.datamodule is not None else None
+    try:
+        batches = len(loader_hook()) if loader_hook is not None else 0
+    except Exception:  # no length, no validation split, any data module's own refusal: the line is only advice
+        return 0
+    limit = trainer.limit_val_batches
+    return int(min(batches, limit) if isinstance(limit, int) else batches * limit)

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from linformer_lab.data import espeak
 from linformer_lab.data.phonemes import UnknownPhonemeError, phonemes_to_ids
 from linformer_lab.data.speech.features import SAMPLE_RATE, feature_extractor, normalize_features, num_frames
+from linformer_lab.validation import ConfigurationError
 
 LIBRISPEECH_LAYOUT = (
     "<root>/LibriSpeech/<subset>/<speaker>/<chapter>/<speaker>-<chapter>-<utterance>.flac and "
@@ -25,8 +26,9 @@ LIBRISPEECH_LAYOUT = (
 )
 
 
-class LibriSpeechNotFoundError(FileNotFoundError):
-    """A LibriSpeech subset is missing under the given root."""
+class LibriSpeechNotFoundError(FileNotFoundError, ConfigurationError):
+    """A LibriSpeech subset is missing under the given root (a :class:`ConfigurationError` too:
+    the CLI reports it as one line before training)."""
 
 
 class AudioBackendError(ImportError):

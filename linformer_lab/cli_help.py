@@ -1,0 +1,160 @@
+"""``cli.py SUBCOMMAND --config X --help`` answered from the config and the sources of its classes,
+without importing them (importing a task imports Lightning, whose start-up is most of a second
+command's): the options the config sets, then every option of its model's and data's classes
+(``--model.*``, ``--model.attention.*``, ``--data.*``) with their types, descriptions and the
+config's values as defaults, read from the classes' ``__init__`` / dataclass fields and their
+docstrings' ``Args:`` / ``Attributes:`` sections with :mod:`ast`. ``SUBCOMMAND --help`` without a
+config lists every trainer option (LightningCLI's own help)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import textwrap
+from pathlib import Path
+
+import yaml
+
+
+def source_of(module: str) -> Path | None:
+    """The file of ``module`` found without importing it or its packages (their ``__init__``
+    may import Lightning); None when it is not a plain source file."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return Path(spec.origin) if spec is not None and spec.origin and not rest else None
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _class_node(module: str, name: str) -> tuple[ast.ClassDef, ast.Module, str] | None:
+    source = source_of(module)
+    if source is None:
+        return None
+    tree = ast.parse(source.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node, tree, module
+        if isinstance(node, ast.ImportFrom) and node.module and any((a.asname or a.name) == name for a in node.names):
+            real = next(a.name for a in node.names if (a.asname or a.name) == name)
+            return _class_node(node.module, real)  # re-exported from another module
+    return None
+
+
+def _imported(tree: ast.Module, name: str, module: str) -> str:
+    """Module that ``name`` comes from in ``tree`` (``module`` itself when defined there)."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and any((a.asname or a.name) == name for a in node.names):
+            return node.module
+    return module
+
+
+def _described(doc: str | None) -> dict[str, str]:
+    """``name: text`` entries of a docstring's ``Args:`` / ``Attributes:`` section (``a, b: text``
+    describes both; deeper-indented lines continue an entry)."""
+    section = re.search(r"^(?:Args|Attributes):\n((?:[ \t]+\S.*\n?|\n(?=[ \t]{8}))*)", doc or "", re.M)
+    lines = [line for line in (section.group(1) if section else "").splitlines() if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in lines), default=0)
+    found: dict[str, str] = {}
+    names: list[str] = []
+    for line in lines:
+        if len(line) - len(line.lstrip()) == indent and ": " in line:
+            head, _, text = line.strip().partition(": ")
+            names = [re.sub(r"\s*\(.*?\)", "", name).strip() for name in head.split(",")]
+            found.update(dict.fromkeys(names, text))
+        else:
+            found.update({name: f"{found[name]} {line.strip()}" for name in names})
+    return found
+
+
+def class_options(class_path: str) -> list[tuple[str, str, str | None, str, str | None]] | None:
+    """``(name, type, default, description, nested class path)`` per argument of ``class_path``
+    (its ``__init__``, a parent's where it passes ``**kwargs`` on, or its dataclass fields);
+    None when its source cannot be read."""
+    module, _, name = class_path.rpartition(".")
+    found = _class_node(module, name)
+    if found is None:
+        return None
+    node, tree, module = found
+    described = _described(ast.get_docstring(node))
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    options = []
+    if init is None:  # a dataclass: its annotated fields
+        fields = [(f.target.id, f.annotation, f.value) for f in node.body
+                  if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)]
+    else:
+        args = init.args.args[1:]
+        defaults = [None] * (len(args) - len(init.args.defaults)) + list(init.args.defaults)
+        fields = [(a.arg, a.annotation, d) for a, d in zip(args, defaults)]
+        fields += [(a.arg, a.annotation, d) for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults)]
+    for field, annotation, default in fields:
+        kind = ast.unparse(annotation) if annotation is not None else "Any"
+        if isinstance(default, ast.Call) and ast.unparse(default.func) == "field":  # field(default_factory=dict)
+            factory = next((k.value for k in default.keywords if k.arg == "default_factory"), None)
+            value = f"{ast.unparse(factory)}()" if factory is not None else None
+        else:
+            value = ast.unparse(default) if default is not None else None
+        nested = next((f"{_imported(tree, n, module)}.{n}" for n in re.findall(r"\b([A-Z]\w*Config)\b", kind)), None)
+        options.append((field, kind, value, described.get(field, ""), nested))
+    if init is not None and init.args.kwarg is not None and node.bases:  # the rest are the parent's
+        base = ast.unparse(node.bases[0])
+        inherited = class_options(f"{_imported(tree, base, module)}.{base}") or []
+        options += [o for o in inherited if o[0] not in {name for name, *_ in options}]
+    return options
+
+
+def _section(class_path: str, prefix: str, values: dict) -> list[str]:
+    options = class_options(class_path)
+    if options is None:
+        return [f"--{prefix}.* ({class_path}): its source cannot be read; cli.py fit --{prefix}.help {class_path} lists them."]
+    lines, nested = [f"--{prefix}.* ({class_path}):"], []
+    for name, kind, default, text, inner in options:
+        shown = values[name] if name in values and not isinstance(values[name], dict) else default
+        shown = {None: "null", "None": "null", "True": "true", "False": "false", "dict()": "{}", "list()": "[]"}.get(
+            shown if isinstance(shown, str | None) else "", shown)
+        lines.append(f"  --{prefix}.{name} {name.upper()}")
+        about = f"{text} (type: {kind}, default: {shown})".strip()
+        lines += textwrap.wrap(about, width=96, initial_indent="      ", subsequent_indent="      ")
+        if inner:
+            nested.append((inner, f"{prefix}.{name}", values.get(name) if isinstance(values.get(name), dict) else {}))
+    for inner, inner_prefix, inner_values in nested:
+        lines += ["", *_section(inner, inner_prefix, inner_values)]
+    return lines
+
+
+def _flat(node, prefix: str) -> list[str]:
+    if isinstance(node, dict) and "class_path" not in node and node:
+        return [line for key, value in node.items() for line in _flat(value, f"{prefix}.{key}")]
+    return [f"  {prefix} {yaml.safe_dump(node, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"]
+
+
+def _merge(earlier, later):
+    """A later config's values over an earlier's, key by key; another class_path replaces the group."""
+    if not (isinstance(earlier, dict) and isinstance(later, dict)):
+        return later
+    if "class_path" in later and later.get("class_path") != earlier.get("class_path"):
+        return later
+    return {**earlier, **{key: _merge(earlier.get(key), value) for key, value in later.items()}}
+
+
+def config_help(subcommand: str, config_paths: list[str]) -> str:
+    """The help of ``subcommand`` with the config files ``config_paths`` (found, later ones win)."""
+    merged: dict = {}
+    for path in config_paths:
+        content = yaml.safe_load(Path(path).read_text() if Path(path).is_file() else path) or {}
+        merged = _merge(merged, content.get(subcommand, content) if isinstance(content, dict) else {})
+    lines = [f"usage: cli.py {subcommand} --config {' --config '.join(config_paths)} [--group.option VALUE ...]", "",
+             f"set by the config (any can be given again; cli.py {subcommand} --help lists every trainer option):"]
+    for key, value in merged.items():
+        classed = isinstance(value, dict) and value.get("class_path")
+        lines += _flat(value.get("init_args") or {} if classed else value, f"--{key}")
+    for group in ("model", "data"):
+        node = merged.get(group)
+        if isinstance(node, dict) and node.get("class_path"):
+            lines += ["", f"{group} options (defaults: the config's values):",
+                      *_section(node["class_path"], group, node.get("init_args") or {})]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,105 @@
+"""What a run says while it runs and when it is stopped (issue 43, item 3): the progress bar of a
+resumed run counts only this process's batches in its rate, and Ctrl-C ends with one line
+naming the step last.ckpt holds and the updates lost, exit code 130."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import checkpoint_dir, cli_subprocess, run_cli, tiny_copy_args
+from test_cli_startup import error_lines
+from tqdm import tqdm
+
+
+class InterruptAt(L.Callback):
+    """Raises KeyboardInterrupt (what Ctrl-C raises) at the end of update ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class RecordBar(L.Callback):
+    """Writes the training bar's tqdm state at the end of training to the JSON file ``path``."""
+
+    def __init__(self, path: str, sleep: float = 0.0):
+        self.path, self.sleep = path, sleep
+
+    def on_train_batch_end(self, *args):
+        time.sleep(self.sleep)  # a known least time per batch
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.progress_bar_callback.train_progress_bar.format_dict
+        Path(self.path).write_text(json.dumps({k: state[k] for k in ("n", "total", "initial", "elapsed")}
+                                              | {"line": tqdm.format_meter(**state)}))
+
+
+def callback(cls: type, **init_args) -> str:
+    return f"--trainer.callbacks+={json.dumps({'class_path': f'{__name__}.{cls.__name__}', 'init_args': init_args})}"
+
+
+def test_ctrl_c_is_one_line_with_the_saved_step_and_exit_130(tmp_path):
+    notices = []
+    handler = logging.Handler()
+    handler.emit = notices.append
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    lightning_log.addHandler(handler)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:  # last.ckpt every 2 updates, Ctrl-C during update 5: step 4 saved, 1 update lost
+        code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20",
+                                  "--checkpoint.every_n_train_steps=2", callback(InterruptAt, step=5)])
+    finally:
+        lightning_log.removeHandler(handler)
+    assert code == 130, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    last = checkpoint_dir(tmp_path) / "last.ckpt"
+    assert lines[0] == (f"interrupted (Ctrl-C) at step 5: {last} holds step 4, so the 1 update since is lost; "
+                        f"--ckpt_path last with the same config resumes from step 4.")
+    assert torch.load(last, weights_only=True)["global_step"] == 4
+    assert not any("KeyboardInterrupt" in str(record.msg) for record in notices)
+    assert signal.getsignal(signal.SIGINT) == sigint  # Lightning's SIG_IGN does not outlive the run
+
+
+@pytest.mark.slow
+def test_a_real_sigint_ends_the_process_with_130_and_one_line(tmp_path):
+    proc = cli_subprocess(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=100000",
+                           "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"])
+    last = checkpoint_dir(tmp_path) / "last.ckpt"
+    deadline = time.monotonic() + 120
+    while not last.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert re.fullmatch(r"interrupted \(Ctrl-C\) at step (\d+): .*last\.ckpt holds step (\d+), so (?:nothing is|the \d+ updates? "
+                        r"since (?:is|are)) lost; --ckpt_path last with the same config resumes from step \d+\.", lines[-1]), err
+    assert "Traceback" not in err and "graceful shutdown" not in err
+
+
+def test_the_bar_of_a_resumed_run_rates_only_this_process_batches(tmp_path):
+    args = [*tiny_copy_args(tmp_path), "--data.train_batches_per_epoch=20", "--trainer.val_check_interval=null"]
+    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=16"])  # stops 16 batches into epoch 0
+    assert code == 0, err
+    record = tmp_path / "bar.json"
+    code, _, err = run_cli(["fit", *args, "--trainer.max_steps=20", "--ckpt_path", "last",
+                            "--trainer.enable_progress_bar=true", callback(RecordBar, path=str(record), sleep=0.05)])
+    assert code == 0, err
+    bar = json.loads(record.read_text())
+    assert (bar["n"], bar["total"], bar["initial"]) == (20, 20, 16)  # the count includes the restored batches
+    shown = float(re.search(r"([\d.]+)it/s", bar["line"]).group(1))
+    # the rate shown is the 4 batches this process ran over its time (16 more would be 5x it)
+    assert shown == pytest.approx(4 / bar["elapsed"], rel=0.05), bar["line"]
