@@ -11,8 +11,7 @@ cuts those costs lives here and nowhere else (docs/ARCHITECTURE.md, "Where speed
   calls; ``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every backend
   and feature map. On CPU, inside a ``"model"`` weight-copy block, a stack of the paper's form
   (linear attention, elu) steps in one C++ call (:mod:`linformer_lab.models.fused_step`);
-* :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of
-  the step reads (below);
+* :func:`weight_copies_for_steps` / :func:`step_linear`: the weight copy each linear layer of the step reads (below);
 * :func:`generation_kernels`: the CPU kernel settings a loop of steps runs under (oneDNN off,
   one intra-op thread for small batches);
 * :func:`noise_per_position`: the sampling noise drawn per block of positions.
