@@ -63,7 +63,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
-from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdown, plot  # noqa: E402
+from generation_report import DATASETS, METHODS, RECURRENT, header_lines, plot, write_reports  # noqa: E402
 
 from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
@@ -453,13 +453,7 @@ def main(argv=None):
     threads = f"{torch.get_num_threads()} intra-op thread(s)" if not gpu else "CUDA events"
     header = header_lines(args, f"{device_name}; {mach['logical_cpus']} logical CPUs, {mach['mem_gib']} GiB; "
                           f"torch {torch.__version__}; {threads}", wall, load_start)
-    common.write_csv(os.path.join(args.out, f"generation_{tag}.csv"), rows)
-    if plot(rows, os.path.join(args.out, f"generation_{tag}.png"), args.device):
-        header.append(f"\n![seconds per image](generation_{tag}.png)")
-    md = markdown(rows, extra, args, header)
-    with open(os.path.join(args.out, f"generation_{tag}.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_reports(rows, extra, args, header, os.path.join(args.out, f"generation_{tag}")))
 
 
 if __name__ == "__main__":
