@@ -58,7 +58,9 @@ class Attention(nn.Module):
     ``step(q_t, k_t, v_t, state=None)``: RNN mode (paper §3.4), one position at a time:
     ``(B, H, D), (B, H, D), (B, H, M) -> ((B, H, M), state)``. ``state=None`` starts from the
     empty prefix; every call attends over everything fed so far, so the outputs equal the
-    causal forward at the same positions.
+    causal forward at the same positions; for backends without a recurrent form (lsh), the
+    causal forward over the same prefix (later positions change lsh's chunks, and so the
+    outputs of a forward over a longer sequence).
     """
 
     #: Backends that use a feature map (linear attention) set this.
