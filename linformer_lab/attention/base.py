@@ -164,7 +164,8 @@ class Attention(nn.Module):
 
 
 def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, who: str) -> None:
-    if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or key_lengths.is_floating_point():
+    if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or key_lengths.is_floating_point() \
+            or key_lengths.is_complex():
         if isinstance(key_lengths, torch.Tensor):
             got = f"{key_lengths.dtype} tensor of shape {tuple(key_lengths.shape)}"
         else:
@@ -172,6 +173,8 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
         raise ValueError(f"{who}: key_lengths must be an integer tensor of shape ({batch},), got {got}")
     if key_lengths.device != device:
         raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
+    if not batch:  # an empty batch has no lengths to bound (min() of none is an error)
+        return
     low, high = int(key_lengths.min()), int(key_lengths.max())
     if torch.compiler.is_compiling():  # a traced graph cannot branch on tensor values: a runtime assert instead
         torch._check(low >= 1)
