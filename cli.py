@@ -4,7 +4,18 @@
 four Lightning subcommands import it there, on demand.
 """
 
+import os
+import sys
+
 from linformer_lab.cli_args import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        code = main()
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+    except BrokenPipeError:
+        # the reader stopped early (cli.py plugins --json | head): as for any Unix filter, no
+        # traceback; the output still buffered goes nowhere instead of failing again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    raise SystemExit(code)

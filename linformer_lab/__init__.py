@@ -14,11 +14,11 @@ Public API::
     stack = ll.Transformer(6, 128, 4, attention="linear")  # (B, N, 128) -> (B, N, 128); step: (B, 128)
     mha = ll.MultiHeadAttention(128, 4, attention={"backend": "linear", "feature_map": "favor"})
     out = mha(x, context=memory)                # cross attention: keys and values from memory (B, L, 128)
+    kept = ll.clone_state(state)                # any state (a backend's, a stack's) in memory of its own
 """
 
-from __future__ import annotations
-
 import importlib
+from types import ModuleType
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,8 @@ _EXPORTS = {
     "TransformerLayer": "linformer_lab.models.transformer",
     "build_attention": "linformer_lab.attention.config",
     "build_feature_map": "linformer_lab.feature_maps",
+    "clone_state": "linformer_lab.ops.state",
+    "detach_state": "linformer_lab.ops.state",
     "list_attention": "linformer_lab.attention.config",
     "list_feature_maps": "linformer_lab.feature_maps",
 }
@@ -51,4 +53,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    # the public names, the module's own dunders and its loaded subpackages; not the helpers this file imports
+    own = {name for name, value in globals().items()
+           if name.startswith("__") or (isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}")}
+    return sorted(own | set(_EXPORTS))

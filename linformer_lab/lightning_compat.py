@@ -10,12 +10,14 @@ drops one stops at once with one line naming the member, not with an ``Attribute
 first save an hour into training. ``pyproject.toml`` pins the tested Lightning release.
 
 Also here: :data:`UPSTREAM_WARNINGS`, the exact messages of warnings that Lightning prints in
-every run and that no setting of ours can avoid (:func:`ignore_upstream_warnings`).
+every run and that no setting of ours can avoid, and :data:`UPSTREAM_INFO`, its advertisement
+line (:func:`ignore_upstream_warnings`).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import warnings
 from importlib.metadata import PackageNotFoundError, version
@@ -23,7 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 __all__ = [
     "MEMBERS", "UPSTREAM_WARNINGS", "LightningCompatError", "check", "missing_members",
     "save_last_checkpoint", "last_saved_step", "saves_at_train_epoch_end", "stop_is_allowed",
-    "ignore_upstream_warnings",
+    "ignore_upstream_warnings", "UPSTREAM_INFO", "UPSTREAM_INFO_FILTER", "UPSTREAM_INFO_LOGGERS",
 ]
 
 #: (owner as ``module:attribute.path``, member, what linformer_lab uses it for)
@@ -50,7 +52,24 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
 UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (re.escape("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
                "treespec.is_leaf()` instead."), FutureWarning),
+    # at every fit in mixed precision (the configs' bf16-mixed): its size estimate falls back to 32 bits,
+    # which is right, since mixed precision keeps the weights in fp32
+    (r"Precision (?:bf)?16-mixed is not supported by the model summary\.", UserWarning),
 )
+
+#: Lightning's info lines printed at every command that say nothing about the run (an
+#: advertisement for a cloud logger), by their start; :func:`ignore_upstream_warnings` drops them.
+UPSTREAM_INFO: tuple[str, ...] = ("💡 Tip: For seamless cloud logging",)
+#: The loggers Lightning's ``rank_zero_info`` writes through (Fabric's and the Trainer's).
+UPSTREAM_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _UpstreamInfoFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(UPSTREAM_INFO)
+
+
+UPSTREAM_INFO_FILTER = _UpstreamInfoFilter()
 
 
 class LightningCompatError(RuntimeError):
@@ -154,6 +173,10 @@ def stop_is_allowed(trainer) -> bool:
 
 def ignore_upstream_warnings() -> None:
     """Install ``ignore`` filters for :data:`UPSTREAM_WARNINGS` (call inside ``warnings.catch_warnings()``
-    to keep them local)."""
+    to keep them local) and :data:`UPSTREAM_INFO_FILTER` on Lightning's info loggers."""
     for message, category in UPSTREAM_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name in UPSTREAM_INFO_LOGGERS:  # a logging filter outlives the block: it drops the UPSTREAM_INFO lines only
+        logger = logging.getLogger(name)
+        if UPSTREAM_INFO_FILTER not in logger.filters:
+            logger.addFilter(UPSTREAM_INFO_FILTER)

@@ -63,10 +63,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
-from generation_report import DATASETS, METHODS, RECURRENT, header_lines, markdown, plot  # noqa: E402
+from generation_report import DATASETS, METHODS, RECURRENT, header_lines, plot, write_reports  # noqa: E402
 
 from linformer_lab.attention.base import SequenceBuffer  # noqa: E402  (lsh's step state, to time one step)
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
+from linformer_lab.checkpoints import UnreadableCheckpointError, load_checkpoint_header  # noqa: E402
 from linformer_lab.models import generation  # noqa: E402
 from linformer_lab.models.generation import STEP_WEIGHT_FORMATS  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
@@ -106,7 +107,12 @@ TRAINED_RUN = {"linear": "linear", "softmax": "softmax", "stateful-softmax": "so
 def trained_model(method: str, runs: str, device: str) -> PixelTransformer:
     """The model that Table 1 at CPU scale reports for ``method``: its run's best checkpoint."""
     path = common.best_checkpoint(TRAINED_RUN[method], runs)
-    model = ImageGenerationTask.load_from_checkpoint(path, map_location=device).model
+    try:  # the header first: it refuses a file holding anything but tensors and plain data, before it runs
+        load_checkpoint_header(str(path))
+    except UnreadableCheckpointError as err:
+        raise SystemExit(f"error: {err}") from None
+    # weights_only given explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only an unset one
+    model = ImageGenerationTask.load_from_checkpoint(path, map_location=device, weights_only=True).model
     if model.attention_config.backend != attention_config(method, "mnist").backend:
         raise SystemExit(f"--trained: {path} is a {model.attention_config.backend} model, not {method}")
     return model.to(device).eval()
@@ -447,13 +453,7 @@ def main(argv=None):
     threads = f"{torch.get_num_threads()} intra-op thread(s)" if not gpu else "CUDA events"
     header = header_lines(args, f"{device_name}; {mach['logical_cpus']} logical CPUs, {mach['mem_gib']} GiB; "
                           f"torch {torch.__version__}; {threads}", wall, load_start)
-    common.write_csv(os.path.join(args.out, f"generation_{tag}.csv"), rows)
-    if plot(rows, os.path.join(args.out, f"generation_{tag}.png"), args.device):
-        header.append(f"\n![seconds per image](generation_{tag}.png)")
-    md = markdown(rows, extra, args, header)
-    with open(os.path.join(args.out, f"generation_{tag}.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(write_reports(rows, extra, args, header, os.path.join(args.out, f"generation_{tag}")))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,12 @@ weight formats, state memory) against the paper's Tables 1, 2, 4, 5, and the lat
 
 from __future__ import annotations
 
-import common
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
+import common  # noqa: E402
 
 METHODS = ["softmax", "stateful-softmax", "lsh-1", "lsh-4", "linear"]
 RECURRENT = ["stateful-softmax", "linear"]  # timed over whole images, interleaved
@@ -189,6 +194,18 @@ def markdown(rows, extra, args, header_lines) -> str:
 def _label(row) -> str:
     fmt = row.get("step_weights") or "model"
     return row["method"] if fmt == "model" else f"{row['method']} [{fmt}]"
+
+
+def write_reports(rows: list[dict], extra: dict, args, header: list[str], stem: str) -> str:
+    """Writes ``stem.csv`` (the rows), ``stem.png`` (the latency plot, where matplotlib is installed)
+    and ``stem.md`` (the tables under ``header``); returns the markdown."""
+    common.write_csv(f"{stem}.csv", rows)
+    if plot(rows, f"{stem}.png", args.device):
+        header.append(f"\n![seconds per image]({os.path.basename(stem)}.png)")
+    md = markdown(rows, extra, args, header)
+    with open(f"{stem}.md", "w") as f:
+        f.write(md)
+    return md
 
 
 def plot(rows: list[dict], path: str, device: str) -> bool:

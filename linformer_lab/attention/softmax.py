@@ -9,6 +9,15 @@ from linformer_lab.attention.base import Attention, KVCache, check_cu_seqlens, s
 from linformer_lab.ops.masks import length_mask
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``: ``(B, H, N, D), (B, H, L, D), (B, H, L, M) -> (B, H, N, M)``,
+    but for no heads (H = 0), where torch's CPU kernel divides by the head count (the process dies
+    of a floating-point exception): the empty result, with nothing to compute."""
+    if q.shape[1] == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class SoftmaxAttention(Attention):
     """softmax(Q K^T / sqrt(D)) V through ``F.scaled_dot_product_attention`` (flash / memory-
     efficient kernels where the device has them). O(N^2) time; RNN mode keeps a KV cache
@@ -36,7 +45,7 @@ class SoftmaxAttention(Attention):
                                  "with key_lengths to carry a KV cache")
             offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
             return torch.cat([
-                F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal,
+                _attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal,
                                                dropout_p=dropout)
                 for a, b in zip(offsets[:-1], offsets[1:])
             ], dim=2)
@@ -46,12 +55,12 @@ class SoftmaxAttention(Attention):
 
     def _attend(self, q, k, v, key_lengths, dropout):
         if key_lengths is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
+            return _attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
         n = q.shape[2]
         visible = length_mask(key_lengths, k.shape[2])[:, None, None, :]  # (B, 1, 1, L)
         if self.causal:  # L = N (check_inputs)
             visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout)
+        return _attention(q, k, v, attn_mask=visible, dropout_p=dropout)
 
     def _attend_with_cache(self, q, k, v, key_lengths, state, return_state, dropout):
         b, _, n, _ = q.shape
@@ -78,7 +87,7 @@ class SoftmaxAttention(Attention):
             visible = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
         if valid is not None:
             visible = valid[:, None, None, :] if visible is None else visible & valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
+        out = _attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
         if not return_state:
             return out
         return out, KVCache.from_sequence(keys, values, valid)
@@ -92,5 +101,5 @@ class SoftmaxAttention(Attention):
         state = state.appended(k_t, v_t)  # a new cache: the given one stays as it was
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)
+        out = _attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)
         return out.squeeze(2), state

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from linformer_lab.attention.base import Attention, SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig, as_config, layer_attention
 from linformer_lab.attention.multihead import MultiHeadAttention, head_dims
-from linformer_lab.ops.state import detach_state
+from linformer_lab.ops.state import StackState, detach_state
 
 #: The feed-forward activations a layer offers (``activation``).
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -94,7 +94,8 @@ class Transformer(nn.Module):
 
     ``forward(x (B, N, d_model), key_lengths=None) -> (B, N, d_model)``;
     ``step(x_t (B, d_model), state=None) -> ((B, d_model), state)`` where ``state`` is a
-    list with one backend state per layer (``None`` to start from the empty prefix). For
+    :class:`~linformer_lab.ops.state.StackState`, a list with one backend state per layer
+    (``None`` to start from the empty prefix). For
     backends without a recurrent form (lsh) the state is the input prefix and every step
     re-runs ``forward`` on it, so step outputs equal the forward over the same prefix.
 
@@ -107,8 +108,9 @@ class Transformer(nn.Module):
 
     The state is a value: ``step`` and ``forward(state=...)`` return a new one and leave the one
     they were given as it was, so one prefilled state can be continued several ways (branching
-    samples, beam search); ``clone_state`` / ``detach_state`` (``linformer_lab.ops.state``) copy or
-    detach a whole stack's state, and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep it.
+    samples, beam search); ``state.clone()`` / ``state.detach()`` (or ``clone_state`` /
+    ``detach_state``, which take any backend's state too) copy or detach a whole stack's state,
+    and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep it.
 
     Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (a backend name such as
     ``"softmax"``, a dict of :class:`AttentionConfig` fields, a config, or None for the default
@@ -153,7 +155,7 @@ class Transformer(nn.Module):
             x, layer_state = layer(x, key_lengths=key_lengths, state=layer_state, return_state=True, cu_seqlens=cu_seqlens)
             new_state.append(layer_state)
         x = self.norm(x)
-        return (x, new_state) if return_state else x
+        return (x, StackState(new_state)) if return_state else x
 
     def _forward_prefix(self, x, key_lengths, state, return_state):
         """``forward`` with a state for stacks without a recurrent form (lsh): the state is the
@@ -184,7 +186,7 @@ class Transformer(nn.Module):
         for layer, layer_state in zip(self.layers, state or [None] * len(self.layers)):
             x_t, layer_state = layer.step(x_t, layer_state)
             new_state.append(layer_state)
-        return self.norm(x_t), new_state
+        return self.norm(x_t), StackState(new_state)
 
 
 def segmented_forward(run_segment, length: int, segment_length: int, detach: bool = False) -> list:

@@ -12,9 +12,10 @@ they were given as it was, so one state can be continued several ways (samples f
 beam search, retrying a step). That is why :meth:`AttentionState.detach` may share memory with
 the original: nothing writes into a state after it was returned.
 
-A layer stack's state is a list with one backend state per layer (``Transformer.step``);
-:func:`detach_state` and :func:`state_nbytes` walk plain lists and tuples, so stacks are handled
-here, once. Tensors meet the contract as they are (``Tensor.detach()``, ``Tensor.nbytes``), so a
+A layer stack's state is a :class:`StackState`, a list with one backend state per layer
+(``Transformer.step``) that meets the contract itself; :func:`detach_state`, :func:`clone_state`
+and :func:`state_nbytes` also walk plain lists and tuples (a stack's state put together by hand),
+so stacks are handled here, once. Tensors meet the contract as they are (``Tensor.detach()``, ``Tensor.nbytes``), so a
 state that is a tensor or a plain tuple of tensors needs nothing more.
 
 The contract lives in ops/, the lowest layer that defines a state type (``LinearState``), and is
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["AttentionState", "check_state", "clone_state", "detach_state", "state_nbytes"]
+import torch
+
+__all__ = ["AttentionState", "StackState", "check_state", "clone_state", "detach_state", "state_nbytes"]
 
 
 @runtime_checkable
@@ -132,3 +135,38 @@ def state_nbytes(state) -> int:
         return sum(state_nbytes(s) for s in state)
     check_state(state, "state_nbytes")
     return int(state.nbytes)
+
+
+class StackState(list):
+    """A layer stack's state: a list with one backend state per layer, as ``Transformer.step`` and
+    ``Transformer.forward(..., return_state=True)`` return it (index, iterate and ``len`` it as a
+    list). It meets :class:`AttentionState` as a whole, like the states it holds: :meth:`detach`,
+    :meth:`clone` and :attr:`nbytes` apply the contract layer by layer.
+
+    Copies, pickles and saves as the list of its layers' states; ``torch.load(...,
+    weights_only=True)`` reads it back (the class is a registered safe global).
+    """
+
+    def detach(self) -> StackState:
+        """Every layer's state cut from the autograd graph (sharing memory, as each state's ``detach``)."""
+        return StackState(detach_state(s) for s in self)
+
+    def clone(self) -> StackState:
+        """Every layer's state in memory of its own."""
+        return StackState(clone_state(s) for s in self)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all layers' states."""
+        return sum(state_nbytes(s) for s in self)
+
+    def __reduce__(self):
+        # rebuilt by a call on a plain list: the safe loader appends only to plain lists
+        return (StackState, (list(self),))
+
+    def __repr__(self) -> str:
+        return f"StackState({list.__repr__(self)})"
+
+
+# a saved stack state loads with torch.load(..., weights_only=True): the class is all it adds to its layers' states
+torch.serialization.add_safe_globals([StackState])

@@ -4,13 +4,13 @@ values, gradients, key_lengths, RNN mode, half precision, errors."""
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, built_in_attention
 
 import linformer_lab as ll
 from linformer_lab.ops import reference
 from linformer_lab.ops.linear_attention import CausalDotProduct, causal_dot_product, naive
 
-CPU_BACKENDS = [name for name in ll.list_attention() if name != "linear_cuda"]
+CPU_BACKENDS = [name for name in built_in_attention() if name != "linear_cuda"]
 FEATURE_MAPS = ll.list_feature_maps()
 
 

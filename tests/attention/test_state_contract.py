@@ -30,7 +30,7 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.models.transformer import Transformer, detach_state, segmented_forward
 from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import clone_state, state_nbytes
+from linformer_lab.ops.state import StackState, clone_state, state_nbytes
 from linformer_lab.registry import ATTENTION
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 
@@ -119,7 +119,7 @@ def test_linear_step_under_autograd_returns_a_linear_state():
 
 @pytest.mark.parametrize("backend", ["linear", "softmax", "lsh"])
 def test_stack_states_detach_and_size_generically(backend):
-    """A Transformer's state (a list of per-layer states; lsh: its input prefix) and a plain
+    """A Transformer's state (a StackState of per-layer states; lsh: its input prefix) and a plain
     (S, Z) tuple go through detach_state and state_nbytes with no backend-specific code."""
     model = Transformer(2, 8, 2, attention=AttentionConfig(backend, kwargs=LSH_SMALL if backend == "lsh" else {}))
     x = torch.randn(1, 5, 8, requires_grad=True)
@@ -130,7 +130,7 @@ def test_stack_states_detach_and_size_generically(backend):
         assert isinstance(state, SequenceBuffer) and isinstance(detached, SequenceBuffer)
         pieces = [(state, detached)]
     else:
-        assert type(detached) is list and len(detached) == 2
+        assert type(detached) is StackState and len(detached) == 2
         pieces = list(zip(state, detached))
     for held, cut in pieces:
         assert type(cut) is type(held)

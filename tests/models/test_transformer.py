@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from conftest import built_in_attention
 
 import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.models.transformer import Transformer
 
-CPU_BACKENDS = [name for name in ll.list_attention() if name != "linear_cuda"]
+CPU_BACKENDS = [name for name in built_in_attention() if name != "linear_cuda"]
 SETTINGS = [(b, None) for b in CPU_BACKENDS] + [("linear", fm) for fm in ll.list_feature_maps() if fm != "elu"]
 
 

@@ -331,10 +331,12 @@ class SyntheticSpeechCorpus:
             with bar, ThreadPoolExecutor(self.num_workers) as pool:
                 # Test first, then val, then train: one sentence stream, so no sentence repeats
                 # across splits, and the held-out sets do not depend on the training size.
+                done = 0.0  # seconds of the splits finished, as the bar counts them
                 for split in ("test", "val", "train"):
                     stats[split] = self._generate_split(
-                        tmp, split, speakers[split], sentences, targets_s[split], resampler, pool, bar
+                        tmp, split, speakers[split], sentences, targets_s[split], resampler, pool, bar, done
                     )
+                    done += targets_s[split]
             meta = {
                 **self.config,
                 "name": self.name,
@@ -352,7 +354,7 @@ class SyntheticSpeechCorpus:
         finally:
             torch.set_num_threads(threads)
 
-    def _generate_split(self, tmp, split, speakers, sentences, target_seconds, resampler, pool, bar) -> dict:
+    def _generate_split(self, tmp, split, speakers, sentences, target_seconds, resampler, pool, bar, done) -> dict:
         rng = random.Random(f"assign:{self.seed}:{split}")
         window = 4 * self.num_workers
         offsets, speaker_ids, targets, target_offsets, texts = [0], [], [], [0], []
@@ -385,7 +387,8 @@ class SyntheticSpeechCorpus:
                 texts.append({"text": text, "ipa": ipa})
                 dur = len(audio) / SAMPLE_RATE
                 seconds += dur
-                bar.update(min(dur, max(0.0, target_seconds - (seconds - dur))))
+                # whole seconds, capped at the total: float steps sum past it (a clamping warning, "7200.000000000003")
+                bar.update(max(0, min(bar.total, round(done + min(seconds, target_seconds))) - bar.n))
                 i += 1
                 if seconds >= target_seconds:
                     break

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -49,7 +50,7 @@ import torch
 from linformer_lab.ops import build_cache
 
 __all__ = ["CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW", "Extension", "build_dir", "cache_root", "find_compiler",
-           "fused_module", "load"]
+           "fused_module", "import_cpp_extension", "load"]
 
 #: Portable flags (no -march=native): one cached build serves every CPU of the architecture;
 #: the causal kernels reach AVX2 / AVX-512 anyway: their hot loops are compiled once per instruction set
@@ -83,6 +84,19 @@ def build_dir(info: dict | None = None) -> Path:
     (``info`` from :meth:`Extension.build_info`; None: the fused step's with this compiler)."""
     info = info or FUSED_STEP.build_info(find_compiler())
     return cache_root() / f"torch{info['torch']}-py{info['python']}-{info['machine']}-{build_cache.digest(info)}"
+
+
+def import_cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the warning it logs where a CUDA toolkit is
+    installed but no GPU is usable ("No CUDA runtime is found"): these builds are CPU-only."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
 
 
 class Extension:
@@ -145,8 +159,10 @@ class Extension:
         build_cache.ensure_ninja_on_path()
         if shutil.which("ninja") is None:
             raise RuntimeError("ninja is not on PATH (it is a Python dependency of the project: pip install ninja)")
-        from torch.utils import cpp_extension
-
+        cpp_extension = import_cpp_extension()
+        # the one line a first use prints: the compiler runs for a while and says nothing meanwhile
+        sys.stderr.write(f"compiling the C++ kernel {self.source.name} (once, ~30 s)...\n")
+        sys.stderr.flush()
         info = self.build_info(compiler)
         out_dir = build_dir(info)
         out_dir.mkdir(parents=True, exist_ok=True)
