@@ -208,9 +208,9 @@ def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
     builds(cuda=True)
     calls = []
 
-    def cuda_stand_in(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+    def cuda_stand_in(q, k, v, chunk_size=None, initial_state=None, return_final_state=False, out_dtype=None):
         calls.append((q.device.type, q.shape, v.shape))
-        return torch.zeros_like(v)
+        return torch.zeros_like(v, dtype=out_dtype)
 
     monkeypatch.setattr(candidate("causal", "cuda"), "run", cuda_stand_in)
     attention = ll.build_attention("linear", causal=True, query_dim=4)
