@@ -57,12 +57,12 @@ class LinearAttention(Attention):
         self.eps = eps
         self.chunk_size = chunk_size
 
-    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False, out_dtype=None):
+    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
         """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N) on the kernel
         for the device (:func:`linformer_lab.ops.kernels.causal_dot_product`, forced as
         :attr:`forced_kernels` says)."""
         return kernels.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state,
-                                          out_dtype, force=self.forced_kernels.get("causal"))
+                                          force=self.forced_kernels.get("causal"))
 
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
         # The hot path of training: no copy of q, k, v or the output here, and nothing read back

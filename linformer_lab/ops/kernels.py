@@ -162,27 +162,23 @@ def cuda_kernel():
 # ---------------------------------------------------------------- the ops' implementations
 
 
-def _causal_reference(q, k, v, chunk_size=None, initial_state=None, return_final_state=False, out_dtype=None):
-    """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` in
-    ``out_dtype`` (default the inputs') (and S_N with ``return_final_state``);
-    :mod:`linformer_lab.ops.linear_attention.chunk`."""
+def _causal_reference(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+    """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` (and
+    S_N with ``return_final_state``); :mod:`linformer_lab.ops.linear_attention.chunk`."""
     from linformer_lab.ops.linear_attention.chunk import CausalDotProduct
 
-    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state, out_dtype)
+    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
 
 
-def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False, out_dtype=None):
+def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     from linformer_lab.ops.linear_attention import cpu_kernel
 
-    return cpu_kernel.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state, out_dtype)
+    return cpu_kernel.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
-def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False, out_dtype=None):
+def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     from linformer_lab.ops import cuda  # loaded: the candidate applies only where cuda_kernel() loaded it
 
-    if q.dtype == torch.float16 and out_dtype not in (None, torch.float16):
-        # the kernel writes its output in the inputs' dtype, whose range a long sum outgrows
-        q, k, v = q.to(out_dtype), k.to(out_dtype), v.to(out_dtype)
     return cuda.causal_dot_product(q, k, v, initial_state, return_final_state)
 
 
@@ -334,12 +330,12 @@ def reference(op: str) -> Candidate:
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                        initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                       out_dtype: torch.dtype | None = None, force: str | None = None):
+                       force: str | None = None):
     """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``
-    in ``out_dtype`` (default the inputs') on the candidate :func:`select` picks, ``force`` as
-    there (``ops.linear_attention.causal_dot_product``, where the contract is written out)."""
+    on the candidate :func:`select` picks, ``force`` as there (``ops.linear_attention.causal_dot_product``,
+    where the contract is written out)."""
     return select("causal", q, k, v, initial_state, force=force).run(q, k, v, chunk_size, initial_state,
-                                                                     return_final_state, out_dtype)
+                                                                     return_final_state)
 
 
 # ---------------------------------------------------------------- describe

@@ -115,26 +115,22 @@ def linear_attention(
     return (out, joint_state(kv, z)) if return_state else out
 
 
-def dot_product_with_state(dot_product, phi_q, phi_k, v, initial_state=None, return_final_state=False,
-                           out_dtype=None):
+def dot_product_with_state(dot_product, phi_q, phi_k, v, initial_state=None, return_final_state=False):
     """Give a causal numerator kernel ``dot_product(phi_q, phi_k, v)`` without a state argument
     (the CUDA kernel) an initial and a final state, exactly:
 
         out_i = phi(q_i)^T S_0 + kernel(phi_q, phi_k, v)_i,     S_N = S_0 + phi(K)^T V.
 
     Two more matmuls of O(N C M) (fp32 for half inputs), no ``(N, C, M)`` tensor; autograd
-    differentiates them (grad S_0 = phi(Q)^T G + grad S_N, grad S_N into phi(K) and V). The
-    output comes in ``out_dtype``, by default the kernel's.
+    differentiates them (grad S_0 = phi(Q)^T G + grad S_N, grad S_N into phi(K) and V).
     """
     out = dot_product(phi_q, phi_k, v)
-    out_dtype = out_dtype or out.dtype
     if initial_state is None and not return_final_state:
-        return out.to(out_dtype)
+        return out
     compute = compute_dtype(phi_q.dtype)
     with torch.autocast(phi_q.device.type, enabled=False):
         if initial_state is not None:
-            out = out.to(compute) + phi_q.to(compute) @ initial_state.to(compute)
-        out = out.to(out_dtype)
+            out = (out.to(compute) + phi_q.to(compute) @ initial_state.to(compute)).to(out.dtype)
         if not return_final_state:
             return out
         final = phi_k.to(compute).transpose(-1, -2) @ v.to(compute)
@@ -156,9 +152,8 @@ def causal_linear_attention(
     """Causal linear attention (eq. 9-12): V'_i = phi(Q_i)^T S_i / phi(Q_i)^T Z_i.
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
-    ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False, out_dtype=None)``
-    computes the numerator (:func:`causal_dot_product`, which runs the kernel for the device), here
-    in the compute dtype: a sum over a long prefix outgrows float16 before the division;
+    ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
+    numerator (:func:`causal_dot_product`, which runs the kernel for the device);
     ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
     (from an earlier segment: the parallel form continues the recurrence), None = empty.
     Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last
@@ -167,27 +162,33 @@ def causal_linear_attention(
     neither the outputs nor the state, so the state is the one of the unpadded sequence.
     Gradients flow into ``initial_state`` and out of the returned state.
 
-    The normaliser Z_i = Z_0 + sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory, in fp32.
+    The normaliser Z_i = Z_0 + sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory. Half
+    inputs are computed in fp32 from the start, numerator and normaliser alike: the numerator of a
+    long prefix outgrows float16 (65,504) long before the quotient does, and the gradients of
+    phi(Q) and phi(K) are each the sum of a numerator and a normaliser term that nearly cancel
+    where v has a nonzero mean, so they are summed in fp32 and rounded to half precision once.
     """
-    if not (phi_q.dtype == phi_k.dtype == v.dtype):
-        # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
-        phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
-    phi_k, v = _mask_keys(phi_k, v, key_lengths)
-    compute = compute_dtype(phi_q.dtype)
-    s0 = z0 = None
-    if initial_state is not None:
-        s0, z0 = check_linear_state(initial_state, phi_k, v, "causal linear attention")
-    result = dot_product(phi_q, phi_k, v, initial_state=s0, return_final_state=return_state, out_dtype=compute)
-    numerator, s_final = result if return_state else (result, None)
+    compute = compute_dtype(v.dtype)
     with torch.autocast(phi_q.device.type, enabled=False):
-        z = phi_k.to(compute).cumsum(dim=-2)  # (B, H, N, C)
+        # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
+        phi_q, phi_k, values = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+        phi_k, values = _mask_keys(phi_k, values, key_lengths)
+        s0 = z0 = None
+        if initial_state is not None:
+            s0, z0 = check_linear_state(initial_state, phi_k, values, "causal linear attention")
+        if s0 is None and not return_state:
+            numerator, s_final = dot_product(phi_q, phi_k, values), None
+        else:
+            result = dot_product(phi_q, phi_k, values, initial_state=s0, return_final_state=return_state)
+            numerator, s_final = result if return_state else (result, None)
+        z = phi_k.cumsum(dim=-2)  # (B, H, N, C)
         if z0 is not None:
             z = z + z0.to(compute).unsqueeze(-2)
-        denominator = (phi_q.to(compute) * z).sum(dim=-1, keepdim=True) + eps
-        out = (numerator.to(compute) / denominator).to(v.dtype)
+        denominator = (phi_q * z).sum(dim=-1, keepdim=True) + eps
+        out = (numerator / denominator).to(v.dtype)
         if not return_state:
             return out
-        z_final = phi_k.to(compute).sum(dim=-2)  # Z_N; also right for an empty sequence, unlike z[..., -1, :]
+        z_final = phi_k.sum(dim=-2)  # Z_N; also right for an empty sequence, unlike z[..., -1, :]
         if z0 is not None:
             z_final = z_final + z0.to(compute)
     return out, joint_state(s_final.to(compute), z_final)

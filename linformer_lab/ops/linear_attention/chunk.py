@@ -47,11 +47,11 @@ def _chunked(x: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).reshape(b * h, (n + pad) // chunk, chunk, d).contiguous()
 
 
-def _unchunked(x: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(B H, N/L, L, X) -> (B, H, N, X)`` in ``dtype`` (default ``like``'s), the padding cut off."""
+def _unchunked(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``(B H, N/L, L, X) -> (B, H, N, X)`` in ``like``'s dtype, the padding cut off."""
     b, h, n, _ = like.shape
     # every size spelled out: with B, H or X = 0 the tensor is empty and a -1 would be ambiguous
-    return x.view(b, h, x.shape[1] * x.shape[2], x.shape[-1])[:, :, :n].to(dtype or like.dtype)
+    return x.view(b, h, x.shape[1] * x.shape[2], x.shape[-1])[:, :, :n].to(like.dtype)
 
 
 def _batched(x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +84,10 @@ class CausalDotProduct(torch.autograd.Function):
     """Numerator of eq. 9 with the constant-memory backward of eq. 13-15, optionally continuing
     from an initial state and returning the final one.
 
-    ``apply(q, k, v, chunk_size=None, initial_state=None, return_final_state=False, out_dtype=None)``:
+    ``apply(q, k, v, chunk_size=None, initial_state=None, return_final_state=False)``:
     ``initial_state`` is S_0 ``(B, H, C, M)`` (the state of everything before position 0), so
     out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T); with ``return_final_state`` the result is
     ``(out, S_N)``, S_N = S_0 + sum_j k_j v_j^T in the compute dtype (fp32 for half inputs).
-    ``out`` is in ``out_dtype``, by default the inputs' dtype; a numerator that is divided by the
-    normaliser afterwards is asked for in the compute dtype, because the sum over a long prefix
-    outgrows float16 (65,504) long before the quotient does.
     Gradients flow into S_0 (grad S_0 = sum_i q_i g_i^T + grad S_N) and from S_N into k and v:
     both are the suffix state R of the backward scan started at grad S_N instead of 0.
 
@@ -104,15 +101,14 @@ class CausalDotProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
-                initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                out_dtype: torch.dtype | None = None):
+                initial_state: torch.Tensor | None = None, return_final_state: bool = False):
         # Autocast would run the matmuls below in bf16/fp16 and save a half-precision state;
         # we accumulate in fp32 ourselves, so autocast is off in both passes.
         with torch.autocast(q.device.type, enabled=False):
-            return CausalDotProduct._forward(ctx, q, k, v, chunk_size, initial_state, return_final_state, out_dtype)
+            return CausalDotProduct._forward(ctx, q, k, v, chunk_size, initial_state, return_final_state)
 
     @staticmethod
-    def _forward(ctx, q, k, v, chunk_size, initial_state, return_final_state, out_dtype):
+    def _forward(ctx, q, k, v, chunk_size, initial_state, return_final_state):
         chunk = chunk_size or reference_chunk_size(q.shape[-1], v.shape[-1])
         compute = compute_dtype(q.dtype)
         qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
@@ -141,7 +137,7 @@ class CausalDotProduct(torch.autograd.Function):
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)  # an unused final state sends None, not a zero tensor
         ctx.save_for_backward(q, k, v, prefix, *((scores,) if keep_scores else ()))
-        out = _unchunked(out, q, out_dtype)
+        out = _unchunked(out, q)
         if not return_final_state:
             return out
         return out, final.view(*q.shape[:2], c, m)
@@ -178,5 +174,5 @@ class CausalDotProduct(torch.autograd.Function):
             grad_initial = None
         else:
             grad_initial = grad_initial.view(*q.shape[:2], c, m).to(ctx.initial_dtype)
-        return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None, grad_initial, None, None
+        return _unchunked(grad_q, q), _unchunked(grad_k, k), _unchunked(grad_v, v), None, grad_initial, None
 

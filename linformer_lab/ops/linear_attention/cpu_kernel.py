@@ -56,13 +56,12 @@ def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tup
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
-                       initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                       out_dtype: torch.dtype | None = None):
+                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
     """:func:`~linformer_lab.ops.linear_attention.causal_dot_product` on the recurrence:
     ``q, k (B, H, N, C), v (B, H, N, M)`` of one dtype on CPU, ``initial_state`` S_0
-    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in ``out_dtype`` (default that dtype), with
-    ``return_final_state`` ``(out, S_N)``, S_N in the compute dtype (float32 for float16 /
-    bfloat16 inputs, module docstring). ``chunk_size`` is the reference's and unused here."""
+    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in that dtype, with ``return_final_state``
+    ``(out, S_N)``, S_N in the compute dtype (float32 for float16 / bfloat16 inputs, module
+    docstring). ``chunk_size`` is the reference's and unused here."""
     dtype = q.dtype
     compute = compute_dtype(dtype)
     # the operator takes only float32 / float64: autocast off around it, as around the reference's
@@ -70,7 +69,7 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     with torch.autocast("cpu", enabled=False):
         out, final = _recurrence(q.to(compute), k.to(compute), v.to(compute),
                                  None if initial_state is None else initial_state.to(compute))
-    out = out.to(out_dtype or dtype)
+    out = out.to(dtype)
     return (out, final) if return_final_state else out
 
 
