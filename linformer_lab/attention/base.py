@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from linformer_lab.ops.linear_attention.recurrent import LinearState
+from linformer_lab.ops.masks import check_on_device
 from linformer_lab.ops.state import AttentionState, check_state
 from linformer_lab.registry import ATTENTION, PluginError
 
@@ -16,8 +17,6 @@ __all__ = [
     "SequenceBuffer",
     "check_cu_seqlens",
     "check_key_lengths",
-    "check_on_device",
-    "check_packed_offsets",
     "check_state",
     "state_type_error",
 ]
@@ -163,8 +162,6 @@ class Attention(nn.Module):
 
 
 def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, who: str) -> None:
-    """A ValueError unless ``key_lengths`` is an integer ``(batch,)`` tensor on ``device`` with values in
-    [1, ``seq``]. The values are checked without waiting for the device (:func:`check_on_device`)."""
     if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or key_lengths.is_floating_point():
         if isinstance(key_lengths, torch.Tensor):
             got = f"{key_lengths.dtype} tensor of shape {tuple(key_lengths.shape)}"
@@ -173,20 +170,14 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
         raise ValueError(f"{who}: key_lengths must be an integer tensor of shape ({batch},), got {got}")
     if key_lengths.device != device:
         raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
-    if torch.compiler.is_compiling():  # a traced graph cannot branch on tensor values: a runtime assert instead
-        torch._check(int(key_lengths.min()) >= 1)
-        torch._check(int(key_lengths.max()) <= seq)
-        return
-    check_on_device(((key_lengths >= 1) & (key_lengths <= seq)).all(),
-                    f"{who}: key_lengths must lie in [1, {seq}] (the sequence length)",
-                    lambda: f"got values in [{int(key_lengths.min())}, {int(key_lengths.max())}]")
+    check_on_device(((key_lengths >= 1) & (key_lengths <= seq)).all(), f"{who}: key_lengths must lie in [1, {seq}] "
+                    "(the sequence length)", lambda: f"got values in [{int(key_lengths.min())}, {int(key_lengths.max())}]")
 
 
-def check_packed_offsets(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None) -> None:
-    """A ValueError unless ``cu_seqlens`` holds the offsets of packed sequences, ``[0, n_1, n_1 + n_2,
-    ..., T = total]`` rising strictly (no empty sequence), for inputs of batch 1 whose keys
-    (``keys`` long) are the queries' positions. The values are checked without waiting for the
-    device (:func:`check_on_device`): what the packed kernels need, which never read them on the host."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None,
+                     read: bool = True) -> list[int] | None:
+    """The offsets of packed sequences as a Python list (``read=False``: None, nothing read on the host), or a
+    ValueError saying what is wrong (``keys``: the keys' length, which packed sequences share with the queries' ``total``)."""
     if keys is not None and keys != total:
         raise ValueError(f"{who}: packed sequences (cu_seqlens) attend within themselves, so q and k must have one "
                          f"length; got {total} queries and {keys} keys. Pad the batch and pass key_lengths instead")
@@ -199,24 +190,7 @@ def check_packed_offsets(cu_seqlens: torch.Tensor, total: int, batch: int, who: 
     rising = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
     check_on_device(rising, f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence)",
                     lambda: f"got {cu_seqlens.tolist()}")
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None) -> list[int]:
-    """:func:`check_packed_offsets`, then the offsets as a Python list for a caller that loops over the
-    sequences (one read of a device tensor from the host)."""
-    check_packed_offsets(cu_seqlens, total, batch, who, keys)
-    return cu_seqlens.tolist()
-
-
-def check_on_device(condition: torch.Tensor, message: str, details) -> None:
-    """Assert the 0-d bool ``condition`` without a host read: ``torch._assert_async``, which on a
-    GPU queues the check behind the work already queued (a failure surfaces at the next
-    synchronisation as a device-side assert carrying ``message``) and on the CPU checks at once,
-    where it is raised as a one-line ValueError, ``message`` followed by ``details()``."""
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError:  # raised here only where the tensor is on the host, at once
-        raise ValueError(f"{message}, {details()}") from None
+    return cu_seqlens.tolist() if read else None
 
 
 def backends_with(capability: str) -> str:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from linformer_lab.attention.base import Attention, check_packed_offsets, state_type_error
+from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import kernels
 from linformer_lab.ops import linear_attention as ops
@@ -72,7 +72,7 @@ class LinearAttention(Attention):
         if state is not None and not isinstance(state, (tuple, list)):
             raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
         if cu_seqlens is not None:
-            check_packed_offsets(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
+            check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False)
         if self.causal:
             # eq. 9-12 from the unmapped q, k: a fused kernel takes the feature map, the numerator and
             # the normaliser in one (packed sequences in the same launch), the reference composes them

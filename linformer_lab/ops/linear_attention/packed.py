@@ -9,10 +9,10 @@ The positions are spread out so that every sequence starts on a chunk boundary: 
 never holds two sequences, and the chunk algorithm of :mod:`.chunk` applies with its states
 summed within each sequence only. The spread-out buffer's size follows from T and S alone (the
 sequences fill at most T / L + S chunks of L positions), and L is at most the mean length T / S,
-so the buffer is under twice T. The normaliser rides along as one more value column (v
-extended by ones): S and z in one state ``[S | z] (C, M + 1)``, the layout of
-:class:`~linformer_lab.ops.linear_attention.recurrent.LinearState`. Everything is accumulated
-in fp32 for half inputs, and autograd differentiates it.
+so the buffer is under twice T. The chunk states hold S and z together, ``[S | z] (C, M + 1)``
+(the layout of :class:`~linformer_lab.ops.linear_attention.recurrent.LinearState`), so one scan
+and one product with the queries serve the numerator and the normaliser. Everything is
+accumulated in fp32 for half inputs, and autograd differentiates it.
 
 The prefix states within sequences are a scan over chunks in log2(chunks) vectorised steps
 (each chunk adds the partial sum d chunks before it, when that chunk is of its sequence), not
@@ -28,7 +28,7 @@ import torch
 from linformer_lab.ops.linear_attention.chunk import compute_dtype, reference_chunk_size
 from linformer_lab.ops.linear_attention.recurrent import LinearState
 
-__all__ = ["PackedChunks", "packed_linear_attention"]
+__all__ = ["PackedChunks", "StatesWithinSequences", "packed_linear_attention"]
 
 
 @dataclass
@@ -70,15 +70,58 @@ class PackedChunks:
         return x.flatten(1, 2).index_select(1, self.position).unsqueeze(0)
 
 
-def _sums_within_sequences(x: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
-    """Inclusive prefix sums along dim 1 (chunks) of ``x (H, chunks, C, M)``, restarting at each
-    sequence's first chunk (``sequence (chunks,)`` non-decreasing)."""
-    step = 1
+def _chunkwise(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A ``(k,)`` bool mask as ``like``'s dtype, shaped to scale ``(H, k, ...)`` chunk by chunk."""
+    return mask.to(like.dtype).view(-1, *[1] * (like.dim() - 2))
+
+
+def _shifted(x: torch.Tensor, sequence: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Each chunk of ``x (H, chunks, ...)`` takes the previous chunk's value (``reverse``: the next
+    one's) where that chunk is of its sequence, else zero."""
+    same = _chunkwise(sequence[1:] == sequence[:-1], x)
+    out = torch.zeros_like(x)
+    if reverse:
+        torch.mul(x[:, 1:], same, out=out[:, :-1])
+    else:
+        torch.mul(x[:, :-1], same, out=out[:, 1:])
+    return out
+
+
+def _summed_within_sequences(x: torch.Tensor, sequence: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Inclusive sums along dim 1 (chunks) of ``x (H, chunks, ...)`` within each sequence (``sequence
+    (chunks,)`` non-decreasing), from the first chunk (``reverse``: from the last), in log2(chunks)
+    vectorised steps: at step d each chunk adds the partial sum d chunks before it (after it) where
+    that chunk is of its sequence. Two buffers besides ``x``, which is only read; no autograd."""
+    current, buffers, step = x, [], 1
     while step < x.shape[1]:
-        same = (sequence[step:] == sequence[:-step]).to(x.dtype)[:, None, None]
-        x = torch.cat([x[:, :step], x[:, step:] + x[:, :-step] * same], dim=1)
-        step *= 2
-    return x
+        if len(buffers) < 2:
+            buffers.append(torch.empty_like(x))
+        out = buffers[0] if current is not buffers[0] else buffers[1]
+        same = _chunkwise(sequence[step:] == sequence[:-step], x)
+        if reverse:  # the last `step` chunks are complete: carried over
+            out[:, -step:] = current[:, -step:]
+            torch.addcmul(current[:, :-step], current[:, step:], same, out=out[:, :-step])
+        else:
+            out[:, :step] = current[:, :step]
+            torch.addcmul(current[:, step:], current[:, :-step], same, out=out[:, step:])
+        current, step = out, step * 2
+    return current
+
+
+class StatesWithinSequences(torch.autograd.Function):
+    """``apply(x (H, chunks, C, M'), sequence (chunks,))``: the state before each chunk, the sum of
+    the earlier chunks of its sequence (zero at a sequence's first chunk). A linear map whose
+    transpose, the backward, sums the gradients of the later chunks of each sequence."""
+
+    @staticmethod
+    def forward(ctx, x, sequence):
+        ctx.save_for_backward(sequence)
+        return _shifted(_summed_within_sequences(x, sequence), sequence)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sequence,) = ctx.saved_tensors
+        return _summed_within_sequences(_shifted(grad, sequence, reverse=True), sequence, reverse=True), None
 
 
 def packed_linear_attention(
@@ -107,26 +150,27 @@ def packed_linear_attention(
     chunk = chunk_size or min(reference_chunk_size(c, m), max(1, total // sequences))
     layout = PackedChunks.of(cu_seqlens, total, chunk)
     with torch.autocast(phi_q.device.type, enabled=False):  # the sums stay in fp32 under autocast
-        ones = v.new_ones(1, h, total, 1, dtype=compute)
-        q, k = layout.spread(phi_q.to(compute)), layout.spread(phi_k.to(compute))
-        values = layout.spread(torch.cat([v.to(compute), ones], dim=-1))  # (H, n, L, M + 1): z rides along
-        chunk_sums = k.transpose(-1, -2) @ values  # (H, n, C, M + 1): [k^T v | sum k] per chunk
+        q, k, values = (layout.spread(x.to(compute)) for x in (phi_q, phi_k, v))  # (H, n, L, .)
+        # [k^T v | sum k] per chunk: S and z in one state, z a last value column
+        chunk_sums = torch.cat([k.transpose(-1, -2) @ values, k.sum(dim=2).unsqueeze(-1)], dim=-1)  # (H, n, C, M + 1)
         start = None
         if initial_state is not None:
             s0, z0 = initial_state
             start = torch.cat([s0, z0.unsqueeze(-1)], dim=-1).to(compute).transpose(0, 1)  # (H, S, C, M + 1)
         if causal:
-            within = _sums_within_sequences(chunk_sums, layout.sequence)
-            follows = (layout.sequence[1:] == layout.sequence[:-1]).to(compute)[:, None, None]
-            before = torch.cat([torch.zeros_like(within[:, :1]), within[:, :-1] * follows], dim=1)  # exclusive
-            final = within[:, layout.last]  # (H, S, C, M + 1)
+            before = StatesWithinSequences.apply(chunk_sums, layout.sequence)  # (H, n, C, M + 1)
+            final = before[:, layout.last] + chunk_sums[:, layout.last]  # (H, S, C, M + 1)
             if start is not None:
                 before, final = before + start[:, layout.sequence], final + start
-            result = (q @ k.transpose(-1, -2)).tril() @ values + q @ before  # (H, n, L, M + 1)
+            scores = (q @ k.transpose(-1, -2)).tril()  # (H, n, L, L)
+            result = q @ before  # (H, n, L, M + 1): the earlier chunks' part of numerator and normaliser
+            numerator = scores @ values + result[..., :m]
+            denominator = scores.sum(dim=-1, keepdim=True) + result[..., m:]
         else:
             final = chunk_sums.new_zeros(h, sequences, c, m + 1).index_add(1, layout.sequence, chunk_sums)
             if start is not None:
                 final = final + start
             result = q @ final[:, layout.sequence]
-        out = layout.gather(result[..., :m] / (result[..., m:] + eps)).to(v.dtype)
+            numerator, denominator = result[..., :m], result[..., m:]
+        out = layout.gather(numerator / (denominator + eps)).to(v.dtype)
     return (out, LinearState(final.transpose(0, 1).contiguous())) if return_state else out
