@@ -175,9 +175,10 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None,
-                     read: bool = True) -> list[int] | None:
+                     read: bool = True, device=None) -> list[int] | None:
     """The offsets of packed sequences as a Python list (``read=False``: None, nothing read on the host), or a
-    ValueError saying what is wrong (``keys``: the keys' length, which packed sequences share with the queries' ``total``)."""
+    ValueError saying what is wrong (``keys``: the keys' length, which packed sequences share with the queries' ``total``;
+    ``device``: where they must be, the inputs' device for a caller that computes with them there)."""
     if keys is not None and keys != total:
         raise ValueError(f"{who}: packed sequences (cu_seqlens) attend within themselves, so q and k must have one "
                          f"length; got {total} queries and {keys} keys. Pad the batch and pass key_lengths instead")
@@ -187,6 +188,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str,
                          f"2 offsets, got {cu_seqlens!r}")
     if batch != 1:
         raise ValueError(f"{who}: packed sequences are one row: q, k, v must be (1, heads, T, dim), got batch {batch}")
+    if device is not None and cu_seqlens.device != device:
+        raise ValueError(f"{who}: cu_seqlens is on {cu_seqlens.device} but q, k, v are on {device}")
     rising = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
     check_on_device(rising, f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence)",
                     lambda: f"got {cu_seqlens.tolist()}")

@@ -72,7 +72,8 @@ class LinearAttention(Attention):
         if state is not None and not isinstance(state, (tuple, list)):
             raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False)
+            check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False,
+                             device=q.device)
         if self.causal:
             # eq. 9-12 from the unmapped q, k: a fused kernel takes the feature map, the numerator and
             # the normaliser in one (packed sequences in the same launch), the reference composes them

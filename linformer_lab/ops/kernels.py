@@ -23,6 +23,8 @@ unset or ``auto`` chooses by the conditions; ``reference`` forces every op's PyT
 ``op=name`` forces one op's candidate, comma-separated for several (``causal=chunk``,
 ``causal=reference,lsh_window=reference``): the forced candidate runs wherever its condition holds,
 the reference elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
+switch): a backend's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
 **Adding a kernel** (a GPU one, say): write a function with the op's signature (the reference's
 beside it in this file says it) and a condition on the op's arguments, and put a

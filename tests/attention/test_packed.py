@@ -107,3 +107,13 @@ def test_the_layer_carries_each_packed_sequence_state_into_the_next_segment(caus
         else:  # the second segment's queries see the first segment's keys too
             assert_close(f"sequence {i}", alone[:, :, first[i]:], out_2[:, :, rows_2.start - cut:rows_2.stop - cut],
                          1e-12, 1e-12)
+
+
+def test_packed_offsets_on_another_device_than_the_inputs_are_named():
+    """The packed form computes with the offsets on the inputs' device: a meta-device cu_seqlens is
+    refused in one line naming both devices, before anything runs."""
+    attention = ll.build_attention("linear", causal=True, query_dim=4)
+    q = torch.randn(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="cu_seqlens is on meta but q, k, v are on cpu") as info:
+        attention(q, q, q, cu_seqlens=torch.tensor([0, 2, 6], device="meta"))
+    assert "\n" not in str(info.value)
