@@ -7,6 +7,7 @@ from torch import nn
 
 from linformer_lab.attention.kv_cache import KVCache, SequenceBuffer
 from linformer_lab.ops.linear_attention.recurrent import LinearState
+from linformer_lab.ops.masks import check_on_device
 from linformer_lab.ops.state import AttentionState, StackState, check_state
 from linformer_lab.registry import ATTENTION, PluginError
 
@@ -173,20 +174,15 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
         raise ValueError(f"{who}: key_lengths must be an integer tensor of shape ({batch},), got {got}")
     if key_lengths.device != device:
         raise ValueError(f"{who}: key_lengths is on {key_lengths.device} but q, k, v are on {device}")
-    if not batch:  # an empty batch has no lengths to bound (min() of none is an error)
-        return
-    low, high = int(key_lengths.min()), int(key_lengths.max())
-    if torch.compiler.is_compiling():  # a traced graph cannot branch on tensor values: a runtime assert instead
-        torch._check(low >= 1)
-        torch._check(high <= seq)
-        return
-    if low < 1 or high > seq:
-        raise ValueError(f"{who}: key_lengths must lie in [1, {seq}] (the sequence length); got values in [{low}, {high}]")
+    check_on_device(((key_lengths >= 1) & (key_lengths <= seq)).all(), f"{who}: key_lengths must lie in [1, {seq}] "
+                    "(the sequence length)", lambda: f"got values in [{int(key_lengths.min())}, {int(key_lengths.max())}]")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None) -> list[int]:
-    """The offsets of packed sequences as a Python list, or a ValueError saying what is wrong
-    (``keys``: the keys' length, which packed sequences share with the queries' ``total``)."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None,
+                     read: bool = True, device=None) -> list[int] | None:
+    """The offsets of packed sequences as a Python list (``read=False``: None, nothing read on the host), or a
+    ValueError saying what is wrong (``keys``: the keys' length, which packed sequences share with the queries' ``total``;
+    ``device``: where they must be, the inputs' device for a caller that computes with them there)."""
     if keys is not None and keys != total:
         raise ValueError(f"{who}: packed sequences (cu_seqlens) attend within themselves, so q and k must have one "
                          f"length; got {total} queries and {keys} keys. Pad the batch and pass key_lengths instead")
@@ -196,10 +192,12 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str,
                          f"2 offsets, got {cu_seqlens!r}")
     if batch != 1:
         raise ValueError(f"{who}: packed sequences are one row: q, k, v must be (1, heads, T, dim), got batch {batch}")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != total or any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence), got {offsets}")
-    return offsets
+    if device is not None and cu_seqlens.device != device:
+        raise ValueError(f"{who}: cu_seqlens is on {cu_seqlens.device} but q, k, v are on {device}")
+    rising = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
+    check_on_device(rising, f"{who}: cu_seqlens must rise strictly from 0 to T = {total} (no empty sequence)",
+                    lambda: f"got {cu_seqlens.tolist()}")
+    return cu_seqlens.tolist() if read else None
 
 
 def backends_with(capability: str) -> str:

@@ -4,6 +4,8 @@ PyTorch reference where neither applies or ``LINFORMER_LAB_KERNELS=reference``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
@@ -22,7 +24,8 @@ class LinearAttention(Attention):
             instance, or None for the default.
         feature_map_kwargs: keyword arguments for a feature map given by name.
         eps: added to the normaliser.
-        chunk_size: chunk length of the causal algorithm (default: chosen from C and M).
+        chunk_size: chunk length of the causal algorithm (default: chosen from C and M). Packed
+            sequences choose their own, at most their mean length.
 
     RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed
     size whatever the sequence length. The parallel forward takes and returns the same state
@@ -34,6 +37,10 @@ class LinearAttention(Attention):
     uses_feature_map = True
     supports_state = True
     supports_packed = True
+    #: op of :mod:`linformer_lab.ops.kernels` -> the candidate this backend forces for it, as
+    #: ``LINFORMER_LAB_KERNELS`` would for this layer alone (empty: chosen by the conditions);
+    #: ``linear_cuda`` names the GPU kernels.
+    forced_kernels: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -52,31 +59,32 @@ class LinearAttention(Attention):
 
     def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
         """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N) on the kernel
-        for the device (:func:`linformer_lab.ops.kernels.causal_dot_product`); ``linear_cuda``
-        overrides this one method to insist on the CUDA kernel."""
-        return ops.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state)
+        for the device (:func:`linformer_lab.ops.kernels.causal_dot_product`, forced as
+        :attr:`forced_kernels` says)."""
+        return kernels.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state,
+                                          force=self.forced_kernels.get("causal"))
 
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
+        # The hot path of training: no copy of q, k, v or the output here, and nothing read back
+        # from the device (the checks of key_lengths and cu_seqlens assert on it).
         self.check_inputs(q, k, v, key_lengths)
         self.check_state_request(state, return_state, cu_seqlens, key_lengths)
         if state is not None and not isinstance(state, (tuple, list)):
             raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
-        if self.causal and cu_seqlens is None:
-            # A fused kernel (feature map, numerator and normaliser in one) may take all of eq. 9-12,
-            # unless a subclass brings a numerator of its own (linear_cuda insists on its kernel).
-            own_numerator = type(self).causal_dot_product is not LinearAttention.causal_dot_product
-            kernel = (kernels.reference("causal_attention") if own_numerator
-                      else kernels.select("causal_attention", self.feature_map, q, k, v))
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False,
+                             device=q.device)
+        if self.causal:
+            # eq. 9-12 from the unmapped q, k: a fused kernel takes the feature map, the numerator and
+            # the normaliser in one (packed sequences in the same launch), the reference composes them
+            kernel = kernels.select("causal_attention", self.feature_map, q, k, v,
+                                    force=self.forced_kernels.get("causal_attention"))
             return kernel.run(self.feature_map, q, k, v, key_lengths, self.eps, self.causal_dot_product, state,
-                              return_state)
+                              return_state, cu_seqlens)
         phi_q = self.feature_map.forward_queries(q)
         phi_k = self.feature_map.forward_keys(k)
         if cu_seqlens is not None:
-            offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
-            return ops.packed_linear_attention(
-                phi_q, phi_k, v, offsets, self.causal, eps=self.eps, dot_product=self.causal_dot_product,
-                initial_state=state, return_state=return_state,
-            )
+            return ops.packed_linear_attention(phi_q, phi_k, v, cu_seqlens, False, self.eps, state, return_state)
         return ops.linear_attention(
             phi_q, phi_k, v, key_lengths=key_lengths, eps=self.eps, initial_state=state, return_state=return_state
         )

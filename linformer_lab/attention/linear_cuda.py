@@ -1,10 +1,11 @@
-"""``linear_cuda``: the ``linear`` backend with causal attention on our GPU kernels."""
+"""``linear_cuda``: the ``linear`` backend with its causal attention forced onto our GPU kernels."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-from linformer_lab.attention.base import check_cu_seqlens, state_type_error
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.validation import ConfigurationError
 
@@ -17,17 +18,21 @@ _NOT_CUDA = (
 
 
 class LinearCudaAttention(LinearAttention):
-    """Same arguments, feature maps and RNN mode as ``linear``; causal eq. 9-15 run on the GPU
-    kernels whatever the kernel dispatch would choose: the Triton chunk kernel
-    (:mod:`linformer_lab.ops.cuda.triton_chunk`: the elu map and the normaliser fused, packed
-    sequences in one launch) where Triton runs (compute capability >= 8.0), else the numerator
-    on the CUDA C++ kernel of :mod:`linformer_lab.ops.cuda` (compiled on first use; it also runs
-    on compute capability 7.x). Non-causal attention and RNN steps are matmuls already and use
-    the shared PyTorch code (cuBLAS on GPU).
+    """``linear`` (same arguments, feature maps, RNN mode, packed sequences and code) with the
+    GPU kernels forced, as ``LINFORMER_LAB_KERNELS=causal_attention=triton,causal=cuda`` would
+    force them for this layer alone (:attr:`forced_kernels`): causal eq. 9-12 on the Triton chunk
+    kernel (:mod:`linformer_lab.ops.cuda.triton_chunk`: the elu map and the normaliser fused,
+    packed sequences in one launch) where Triton runs (compute capability >= 8.0), else the
+    numerator on the CUDA C++ kernel of :mod:`linformer_lab.ops.cuda` (compiled on first use; it
+    also runs on compute capability 7.x); where neither applies (:meth:`unavailable_reason` says
+    why) the PyTorch reference computes the same. Non-causal attention and RNN steps are matmuls
+    already and use the shared PyTorch code (cuBLAS on GPU).
 
     Built anywhere (a model built on a CPU and moved to a GPU works); runs on CUDA tensors
     only. :meth:`check_device` lets a task refuse a CPU run before its first batch.
     """
+
+    forced_kernels: ClassVar[dict[str, str]] = {"causal_attention": "triton", "causal": "cuda"}
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -52,23 +57,3 @@ class LinearCudaAttention(LinearAttention):
         super().check_inputs(q, k, v, key_lengths)
         if q.device.type != "cuda":
             raise RuntimeError(_NOT_CUDA.format(where=f"got tensors on {q.device}"))
-
-    def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
-        from linformer_lab.ops.cuda.triton_chunk import backend
-
-        self.check_inputs(q, k, v, key_lengths)
-        if not (self.causal and backend.accepts(self.feature_map, q, k, v)):
-            return super().forward(q, k, v, key_lengths, state, return_state, cu_seqlens)
-        self.check_state_request(state, return_state, cu_seqlens, key_lengths)
-        if state is not None and not isinstance(state, (tuple, list)):
-            raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
-        if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
-        return backend.causal_attention(self.feature_map, q, k, v, key_lengths, self.eps, None, state, return_state,
-                                        cu_seqlens)
-
-    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
-        """The numerator on the CUDA C++ kernel, where the Triton kernel does not run."""
-        from linformer_lab.ops import cuda as cuda_ops
-
-        return cuda_ops.causal_dot_product(phi_q, phi_k, v, initial_state, return_final_state)

@@ -14,7 +14,8 @@ op                    candidates, first to last             called from
 ``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
 ``causal_attention``  triton, reference                     ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
-                                                            in one GPU kernel (``ops/cuda/triton_chunk``)
+                                                            in one GPU kernel (``ops/cuda/triton_chunk``),
+                                                            packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
@@ -22,6 +23,8 @@ unset or ``auto`` chooses by the conditions; ``reference`` forces every op's PyT
 ``op=name`` forces one op's candidate, comma-separated for several (``causal=chunk``,
 ``causal=reference,lsh_window=reference``): the forced candidate runs wherever its condition holds,
 the reference elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
+switch): a backend's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
 **Adding a kernel** (a GPU one, say): write a function with the op's signature (the reference's
 beside it in this file says it) and a condition on the op's arguments, and put a
@@ -198,16 +201,19 @@ def _fused_stack(*args):
 
 
 def _causal_attention_reference(feature_map, q, k, v, key_lengths, eps, dot_product, initial_state=None,
-                                return_state=False):
+                                return_state=False, cu_seqlens=None):
     """The op's signature: causal eq. 9-12 from the unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``
     with the backend's ``feature_map`` and numerator ``dot_product``: the feature map, then
-    :func:`~linformer_lab.ops.linear_attention.causal_linear_attention`. A fused candidate computes the
-    same in one kernel for the maps it knows (its ``accepts(feature_map, q, k, v)`` says which; a
-    backend with a numerator of its own, ``linear_cuda``, takes the reference)."""
-    from linformer_lab.ops.linear_attention import causal_linear_attention
+    :func:`~linformer_lab.ops.linear_attention.causal_linear_attention`; with ``cu_seqlens`` (packed
+    sequences, B = 1) :func:`~linformer_lab.ops.linear_attention.packed_linear_attention` instead, in
+    one pass. A fused candidate computes the same in one kernel for the maps it knows (its
+    ``accepts(feature_map, q, k, v)`` says which)."""
+    from linformer_lab.ops.linear_attention import causal_linear_attention, packed_linear_attention
 
-    return causal_linear_attention(feature_map.forward_queries(q), feature_map.forward_keys(k), v, key_lengths, eps,
-                                   dot_product, initial_state, return_state)
+    phi_q, phi_k = feature_map.forward_queries(q), feature_map.forward_keys(k)
+    if cu_seqlens is not None:
+        return packed_linear_attention(phi_q, phi_k, v, cu_seqlens, True, eps, initial_state, return_state)
+    return causal_linear_attention(phi_q, phi_k, v, key_lengths, eps, dot_product, initial_state, return_state)
 
 
 def _causal_attention_triton(feature_map, q, k, v) -> bool:
@@ -303,13 +309,16 @@ def _forced_name(op: str) -> str | None:
     return forced().get(op)
 
 
-def select(op: str, *args) -> Candidate:
+def select(op: str, *args, force: str | None = None) -> Candidate:
     """The candidate that computes ``op`` for these arguments (those of its candidates' ``accepts``):
     the first that applies, or under the switch the forced one where it applies; the reference
-    otherwise."""
+    otherwise. ``force`` names a candidate as the switch would, for this call only, over the
+    switch (``linear_cuda`` forces the GPU kernels this way)."""
     if op not in CANDIDATES:
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(CANDIDATES)}")
-    want = _forced_name(op)
+    if force is not None and force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
+        raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
+    want = force or _forced_name(op)
     for candidate in CANDIDATES[op]:
         if (want is None or candidate.name in (want, REFERENCE)) and candidate.applies(*args):
             return candidate
@@ -322,11 +331,13 @@ def reference(op: str) -> Candidate:
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
-                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
+                       initial_state: torch.Tensor | None = None, return_final_state: bool = False,
+                       force: str | None = None):
     """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``
-    on the candidate :func:`select` picks (``ops.linear_attention.causal_dot_product``, where the
-    contract is written out)."""
-    return select("causal", q, k, v, initial_state).run(q, k, v, chunk_size, initial_state, return_final_state)
+    on the candidate :func:`select` picks, ``force`` as there (``ops.linear_attention.causal_dot_product``,
+    where the contract is written out)."""
+    return select("causal", q, k, v, initial_state, force=force).run(q, k, v, chunk_size, initial_state,
+                                                                     return_final_state)
 
 
 # ---------------------------------------------------------------- describe

@@ -164,6 +164,45 @@ def test_rnn_step_in_half_precision_matches_float64(backend, dtype):
     torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+# ---------------------------------------------------------------- causal linear: long sequences, values of mean 1
+@pytest.mark.parametrize("packed", [False, True], ids=["one sequence", "packed"])
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("recurrence", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_lengths(request, monkeypatch, dtype,
+                                                                                  kernel, packed):
+    """T = 2,048, D = M = 64, v = randn + 1: float16 overflowed (inf) from T = 1,024 when the
+    numerator was kept in half precision, and the gradients of q and k, each the sum of a numerator
+    and a normaliser term that nearly cancel when v has a nonzero mean, lost a digit when the two
+    were rounded to half precision apart. The output and every gradient must be finite and within
+    one half-precision unit (relative, in norm) of the float64 attention of the same half inputs:
+    on the PyTorch chunk path (the reference kernel, what a GPU without Triton runs), on the C++
+    recurrence, and for three packed sequences (one pass, whatever the kernel)."""
+    if kernel == "recurrence":
+        request.getfixturevalue("causal_extension")
+    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "reference" if kernel == "reference" else "causal=recurrence")
+    gen = torch.Generator().manual_seed(0)
+    attn = ll.build_attention("linear", causal=True, query_dim=64)
+    n, edges = 2048, [0, 700, 701, 2048]
+    q, k = (torch.randn(1, 2, n, 64, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    v = (torch.randn(1, 2, n, 64, generator=gen) + 1).to(dtype).requires_grad_()
+    grad_out = torch.randn(1, 2, n, 64, generator=gen).to(dtype)
+    from linformer_lab.ops import kernels
+
+    assert kernels.select("causal", q.float(), k.float(), v.float()).name == kernel
+    out = attn(q, k, v, cu_seqlens=torch.tensor(edges) if packed else None)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    phi = attn.feature_map
+    pieces = list(zip(edges[:-1], edges[1:])) if packed else [(0, n)]
+    want = torch.cat([attention_from_similarity(kernel_similarity(phi(leaves[0][:, :, a:b]), phi(leaves[1][:, :, a:b])),
+                                                leaves[2][:, :, a:b], causal=True, eps=attn.eps) for a, b in pieces], 2)
+    expected = torch.autograd.grad(want, leaves, grad_out.double())
+    for name, got, reference in zip(["out", "grad q", "grad k", "grad v"], (out, *grads), (want, *expected)):
+        assert got.dtype == dtype and torch.isfinite(got).all(), f"{name}: not finite"
+        error = ((got.double() - reference).norm() / reference.norm()).item()
+        assert error < torch.finfo(dtype).eps, f"{name}: relative error {error:.2e}"
+
+
 # ---------------------------------------------------------------- every lsh config trains in half precision
 LSH_CONFIGS = sorted(p.name for p in CONFIGS.glob("*lsh*.yaml"))
 

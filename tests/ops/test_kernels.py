@@ -218,3 +218,45 @@ def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
         q, k, v = (torch.zeros(1, 2, 6, d, device="cuda") for d in (4, 4, 3))
         out = attention(q, k, v)
     assert calls == [("cuda", torch.Size([1, 2, 6, 4]), torch.Size([1, 2, 6, 3]))] and out.shape == (1, 2, 6, 3)
+
+
+# ---------------------------------------------------------------- force: one call's choice over the switch
+
+
+def test_force_picks_the_named_candidate_where_it_applies_over_the_switch(builds, monkeypatch):
+    builds(recurrence=True, cuda=True)
+    monkeypatch.setenv(kernels.SWITCH, "reference")
+    assert kernels.select("causal", *qkv(), force="recurrence").name == "recurrence"
+    assert kernels.select("causal", *qkv(), force="cuda").name == "reference"  # CPU tensors: not the CUDA kernel
+    with FakeTensorMode():
+        assert kernels.select("causal", *qkv("cuda"), force="cuda").name == "cuda"
+    with pytest.raises(ValueError) as error:
+        kernels.select("causal", *qkv(), force="triton")
+    assert "\n" not in str(error.value) and "its kernels: cuda, recurrence, reference" in str(error.value)
+
+
+def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):
+    """``linear_cuda`` has no dispatch of its own: the ``linear`` forward with ``forced_kernels``,
+    here on fake CUDA tensors without Triton, so the ``causal_attention`` op falls to its reference
+    and the numerator goes to the CUDA kernel, although the switch says ``reference``; ``linear``
+    under the same switch keeps to the reference."""
+    from linformer_lab.attention.linear import LinearAttention
+    from linformer_lab.attention.linear_cuda import LinearCudaAttention
+
+    builds(cuda=True)
+    monkeypatch.setenv(kernels.SWITCH, "reference")
+    assert "forward" not in vars(LinearCudaAttention) and "causal_dot_product" not in vars(LinearCudaAttention)
+    assert LinearCudaAttention.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}
+    assert LinearAttention.forced_kernels == {}
+    ran = []
+    for name in ("cuda", "reference"):
+        entry = candidate("causal", name)
+        monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
+    monkeypatch.setattr(candidate("causal", "cuda"), "run",
+                        lambda q, k, v, *rest: ran.append("cuda") or torch.zeros_like(v))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.zeros(1, 2, 6, d, device="cuda") for d in (4, 4, 3))
+        for backend in ("linear_cuda", "linear"):
+            out = ll.build_attention(backend, causal=True, query_dim=4)(q, k, v)
+            assert out.shape == (1, 2, 6, 3)
+    assert ran == ["cuda", "reference"]

@@ -14,7 +14,7 @@ architectures cover its GPU, without needing nvcc.
 
 The ``linear`` backend runs this kernel for CUDA tensors where it is available
 (:mod:`linformer_lab.ops.kernels`, candidate ``cuda`` of the ``causal`` op); ``linear_cuda``
-insists on it.
+forces it where the Triton kernel does not run.
 
 Public API:
 

@@ -12,6 +12,8 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
   :func:`causal_dot_product` runs the kernel that :mod:`linformer_lab.ops.kernels` picks for the
   inputs' device and dtype (this one, the CUDA kernel, or the reference).
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
+* :mod:`.packed` -- causal and non-causal attention over packed sequences (``cu_seqlens``) in one
+  pass, the sequences' offsets never read on the host.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs.
 """
@@ -22,6 +24,7 @@ import torch
 
 from linformer_lab.ops.kernels import causal_dot_product
 from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, compute_dtype, reference_chunk_size
+from linformer_lab.ops.linear_attention.packed import packed_linear_attention
 from linformer_lab.ops.linear_attention.recurrent import (
     LinearState,
     StateOwner,
@@ -150,7 +153,7 @@ def causal_linear_attention(
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
     ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
-    numerator (:func:`causal_dot_product`, which runs the kernel for the device, or a backend's own);
+    numerator (:func:`causal_dot_product`, which runs the kernel for the device);
     ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
     (from an earlier segment: the parallel form continues the recurrence), None = empty.
     Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last
@@ -159,66 +162,33 @@ def causal_linear_attention(
     neither the outputs nor the state, so the state is the one of the unpadded sequence.
     Gradients flow into ``initial_state`` and out of the returned state.
 
-    The normaliser Z_i = Z_0 + sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory, in fp32.
+    The normaliser Z_i = Z_0 + sum_{j <= i} phi(K_j) is a cumulative sum, O(N C) memory. Half
+    inputs are computed in fp32 from the start, numerator and normaliser alike: the numerator of a
+    long prefix outgrows float16 (65,504) long before the quotient does, and the gradients of
+    phi(Q) and phi(K) are each the sum of a numerator and a normaliser term that nearly cancel
+    where v has a nonzero mean, so they are summed in fp32 and rounded to half precision once.
     """
-    if not (phi_q.dtype == phi_k.dtype == v.dtype):
-        # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
-        phi_q, phi_k = phi_q.to(v.dtype), phi_k.to(v.dtype)
-    phi_k, v = _mask_keys(phi_k, v, key_lengths)
-    compute = compute_dtype(phi_q.dtype)
-    s0 = z0 = None
-    if initial_state is not None:
-        s0, z0 = check_linear_state(initial_state, phi_k, v, "causal linear attention")
-    if s0 is None and not return_state:
-        numerator, s_final = dot_product(phi_q, phi_k, v), None
-    else:
-        result = dot_product(phi_q, phi_k, v, initial_state=s0, return_final_state=return_state)
-        numerator, s_final = result if return_state else (result, None)
+    compute = compute_dtype(v.dtype)
     with torch.autocast(phi_q.device.type, enabled=False):
-        z = phi_k.to(compute).cumsum(dim=-2)  # (B, H, N, C)
+        # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
+        phi_q, phi_k, values = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+        phi_k, values = _mask_keys(phi_k, values, key_lengths)
+        s0 = z0 = None
+        if initial_state is not None:
+            s0, z0 = check_linear_state(initial_state, phi_k, values, "causal linear attention")
+        if s0 is None and not return_state:
+            numerator, s_final = dot_product(phi_q, phi_k, values), None
+        else:
+            result = dot_product(phi_q, phi_k, values, initial_state=s0, return_final_state=return_state)
+            numerator, s_final = result if return_state else (result, None)
+        z = phi_k.cumsum(dim=-2)  # (B, H, N, C)
         if z0 is not None:
             z = z + z0.to(compute).unsqueeze(-2)
-        denominator = (phi_q.to(compute) * z).sum(dim=-1, keepdim=True) + eps
-        out = (numerator.to(compute) / denominator).to(v.dtype)
+        denominator = (phi_q * z).sum(dim=-1, keepdim=True) + eps
+        out = (numerator / denominator).to(v.dtype)
         if not return_state:
             return out
-        z_final = phi_k.to(compute).sum(dim=-2)  # Z_N; also right for an empty sequence, unlike z[..., -1, :]
+        z_final = phi_k.sum(dim=-2)  # Z_N; also right for an empty sequence, unlike z[..., -1, :]
         if z0 is not None:
             z_final = z_final + z0.to(compute)
     return out, joint_state(s_final.to(compute), z_final)
-
-
-def packed_linear_attention(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: list[int],
-    causal: bool,
-    eps: float = 1e-6,
-    dot_product=causal_dot_product,
-    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    return_state: bool = False,
-):
-    """Linear attention over packed sequences: ``phi_q, phi_k (1, H, T, C)``, ``v (1, H, T, M)``
-    holding S sequences back to back, ``offsets = [0, n_1, n_1 + n_2, ..., T]``.
-
-    Every sequence is attended within itself, with its own state: ``initial_state`` and the
-    returned state are ``(S (S, H, C, M), Z (S, H, C))``, one row per sequence. No padding is
-    computed. The sequences run one after another (one call of the causal or non-causal form
-    each): the per-sequence work is O(n_i C M) matmuls, so the loop costs a few Python calls per
-    sequence and layer.
-    """
-    outs, states = [], []
-    forward = causal_linear_attention if causal else linear_attention
-    extra = {"dot_product": dot_product} if causal else {}
-    for i, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
-        part = (phi_q[:, :, start:stop], phi_k[:, :, start:stop], v[:, :, start:stop])
-        state_i = None if initial_state is None else (initial_state[0][i : i + 1], initial_state[1][i : i + 1])
-        result = forward(*part, eps=eps, initial_state=state_i, return_state=return_state, **extra)
-        out_i, state_i = result if return_state else (result, None)
-        outs.append(out_i)
-        states.append(state_i)
-    out = torch.cat(outs, dim=2)
-    if not return_state:
-        return out
-    return out, joint_state(torch.cat([s for s, _ in states]), torch.cat([z for _, z in states]))

@@ -1,5 +1,5 @@
-"""The Triton chunk kernel as the attention layers call it: the ``causal_attention`` op of
-:mod:`linformer_lab.ops.kernels` (``linear`` on a GPU) and ``linear_cuda``'s causal forward.
+"""The Triton chunk kernel as the attention layers call it: the ``causal_attention`` op's GPU
+candidate in :mod:`linformer_lab.ops.kernels` (``linear`` on a GPU; ``linear_cuda`` forces it).
 
 The arguments are those of the op's reference, ``(feature_map, q, k, v, key_lengths, eps,
 dot_product, initial_state, return_state)``, plus ``cu_seqlens``: unmapped q, k ``(B, H, N, D)``, v
