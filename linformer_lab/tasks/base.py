@@ -42,6 +42,11 @@ class Task(L.LightningModule):
     :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a
     configuration that cannot run (a backend the device cannot run, data the model was not
     built for) stops with a :class:`~linformer_lab.validation.ConfigurationError` naming it.
+
+    Training losses are means over the whole global batch of all processes
+    (:meth:`global_mean`), so that ``p`` processes at batch size ``b`` train as one process at
+    ``p * b``: a mean over each process's own share would weigh a token of a share with few
+    tokens more than one of a share with many.
     """
 
     monitor: str | None = None
@@ -121,6 +126,26 @@ class Task(L.LightningModule):
                 metric = getattr(self, attribute)
                 for name, value in states.items():
                     setattr(metric, name, _on_device_of(value, getattr(metric, name)))
+
+    def global_mean(self, total: torch.Tensor, count: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, mean)`` of a loss summed over this process's share of the global batch.
+
+        ``total``: scalar sum of the per-token (per-utterance, per-dimension) losses of this
+        process; ``count``: how many it summed. ``mean`` (detached) is the mean over all processes'
+        shares, ``sum(totals) / sum(counts)``, what one process given the whole global batch logs;
+        ``loss`` is what to return from ``training_step``: DDP averages gradients over the ``p``
+        processes, so ``p * total / sum(counts)`` makes the averaged gradient that of the mean.
+        One process: both are ``total / count``.
+        """
+        count = torch.as_tensor(count, dtype=torch.float32, device=total.device)
+        trainer = attached_trainer(self)
+        world_size = trainer.world_size if trainer is not None else 1
+        if world_size == 1:
+            mean = total / count
+            return mean, mean.detach()
+        sums = torch.stack([total.detach().float(), count])
+        sums = trainer.strategy.reduce(sums, reduce_op="sum")  # every process gets both sums
+        return total * (world_size / sums[1]), sums[0] / sums[1]
 
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
         """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot

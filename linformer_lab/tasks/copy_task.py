@@ -148,17 +148,19 @@ class CopyTask(Task):
 
     def training_step(self, batch, batch_idx):
         tokens, target_mask = batch
-        loss, _, _ = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"))
-        self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
+        loss, _, count = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"))
+        # per copied token over the global batch of all processes (Task.global_mean)
+        loss, mean = self.global_mean(loss * count, count)
+        self.log("train/loss", mean, prog_bar=True, batch_size=tokens.shape[0])
         return loss
 
     def _evaluate(self, batch, stage: str):
         tokens, target_mask = batch
         loss, correct, count = self.copy_loss(tokens, target_mask)
-        # sync_dist: under DDP each rank sees half the batches; the logged value is the mean
-        # over ranks (equal batch counts per rank, so the mean over all batches).
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=tokens.shape[0])
-        self.log(f"{stage}/accuracy", correct / max(count, 1), sync_dist=True, batch_size=tokens.shape[0])
+        # Weighted by the copied tokens: the epoch's value is the mean over all its tokens, however
+        # they are batched; sync_dist sums the weighted values and the weights over the processes.
+        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=count)
+        self.log(f"{stage}/accuracy", correct / max(count, 1), sync_dist=True, batch_size=count)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -194,7 +196,13 @@ class CopyTask(Task):
 
     def on_predict_epoch_end(self) -> None:
         tally = getattr(self, "_predict_tally", None)
-        if not tally or not tally["sequences"]:
+        if not tally:
+            return
+        # under DDP each process predicted its share: the counts are of all of them
+        names = ("correct", "copied", "exact", "sequences")
+        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
+        tally.update(zip(names, counts.tolist()))
+        if not tally["sequences"]:
             return
         self.print(f"copy accuracy {tally['correct'] / max(tally['copied'], 1):.4f} ({tally['correct']} of "
                    f"{tally['copied']} copied symbols, greedy from the prefix alone); "

@@ -209,7 +209,10 @@ class SpeechRecognitionTask(Task):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self.ctc_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["features"].shape[0])
+        batch_size = batch["features"].shape[0]
+        # per utterance over the global batch of all processes (Task.global_mean)
+        loss, mean = self.global_mean(loss * batch_size, batch_size)
+        self.log("train/loss", mean, prog_bar=True, batch_size=batch_size)
         return loss
 
     def _evaluate(self, batch, stage: str, metric: PhonemeErrorRate, beam_width: int):
