@@ -46,8 +46,13 @@ class EpochSampler(DistributedSampler):
     :meth:`__iter__` (this share's batches of the current epoch, starting at
     :meth:`start_batch`) and :attr:`num_batches` (this share's batches per epoch).
 
-    Lightning calls ``set_epoch`` before each epoch on a loader's ``sampler``.
+    Lightning calls ``set_epoch`` before each epoch on a loader's ``sampler``; with ``datamodule``
+    set (:class:`ResumableLoader` does) the epoch is the trainer's ``current_epoch`` instead of
+    the number Lightning passes, its count of epochs begun, which in a run restarted at an epoch's
+    end (a ``max_steps`` stop there) is one ahead of the epoch it runs, logs and checkpoints.
     """
+
+    datamodule = None
 
     def __init__(self, num_replicas: int = 1, rank: int = 0):
         # DistributedSampler.__init__ wants a dataset (and a process group where the counts are
@@ -65,7 +70,8 @@ class EpochSampler(DistributedSampler):
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        trainer = getattr(self.datamodule, "trainer", None)
+        self.epoch = int(trainer.current_epoch if trainer is not None else epoch)
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Start the next iteration of ``epoch`` at batch ``batches_done``."""
@@ -98,13 +104,19 @@ class ResumableLoader(DataLoader):
 
     Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before the
     first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells how many
-    batches the fit loop has finished in the current epoch. Under DDP rank 0's state is the
+    batches the fit loop has finished in the current epoch, and which epoch runs. Under DDP rank 0's state is the
     checkpoint's; it holds for every rank, whose shares have as many batches. A checkpoint written
     by another number of processes continues only from an epoch's end (the shares of the epoch
     in progress would differ); mid-epoch it is refused with a :class:`ConfigurationError`.
     """
 
-    datamodule = None
+    @property
+    def datamodule(self):
+        return self.epoch_sampler.datamodule
+
+    @datamodule.setter
+    def datamodule(self, datamodule) -> None:
+        self.epoch_sampler.datamodule = datamodule
 
     @property
     def epoch_sampler(self) -> EpochSampler:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+import torchmetrics
 
 from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
@@ -153,6 +154,31 @@ class Task(L.LightningModule):
         attention backend can run on ``device``; tasks add their own data checks."""
         if device is not None:
             check_attention_devices(self, torch.device(device))
+
+
+class WeightedMean(torchmetrics.Metric):
+    """A running mean for an evaluation metric (``update(value, weight)``, logged as a metric object):
+    ``sum(value * weight) / sum(weight)`` over the epoch and, under DDP, over all processes, whose
+    sums torchmetrics adds up. Lightning's own epoch mean of a value logged with ``batch_size`` is
+    this on one process, but under DDP it averages the summed weights over the processes in their
+    integer type, dropping the fraction of an odd total. (torchmetrics' MeanMetric ignores the
+    weights when told to keep NaNs; here a NaN stays in, so a diverged run shows.)"""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        # float64 sums, as in BitsPerDim: the last digits of the result do not depend on batching
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: float | torch.Tensor) -> None:
+        """``value``: a scalar (detached here); ``weight``: what it is a mean over (tokens, utterances)."""
+        self.total += value.detach().double() * weight
+        self.weight += weight
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.weight).float()
 
 
 def attached_trainer(module: L.LightningModule) -> L.Trainer | None:

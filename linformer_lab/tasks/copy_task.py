@@ -22,7 +22,7 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
-from linformer_lab.tasks.base import Task, check_segment_length
+from linformer_lab.tasks.base import Task, WeightedMean, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 
@@ -95,6 +95,9 @@ class CopyTask(Task):
         )
         self.head = nn.Linear(d_model, vocab_size)
         check_segment_length(segment_length, self.transformer, attention.backend)
+        # evaluation loss and accuracy per copied token, over all processes
+        self.eval_means = nn.ModuleDict({f"{stage}_{name}": WeightedMean()
+                                         for stage in ("val", "test") for name in ("loss", "accuracy")})
         # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
         # stream then starts at the scale of what the layers add to it.
         nn.init.normal_(self.token_embedding.weight, std=0.02)
@@ -157,10 +160,12 @@ class CopyTask(Task):
     def _evaluate(self, batch, stage: str):
         tokens, target_mask = batch
         loss, correct, count = self.copy_loss(tokens, target_mask)
-        # Weighted by the copied tokens: the epoch's value is the mean over all its tokens, however
-        # they are batched; sync_dist sums the weighted values and the weights over the processes.
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=count)
-        self.log(f"{stage}/accuracy", correct / max(count, 1), sync_dist=True, batch_size=count)
+        # weighted by the copied tokens: the epoch's value is the mean over all of them, however batched
+        mean_loss, accuracy = self.eval_means[f"{stage}_loss"], self.eval_means[f"{stage}_accuracy"]
+        mean_loss.update(loss, count)
+        accuracy.update(correct / max(count, 1), count)
+        self.log(f"{stage}/loss", mean_loss, prog_bar=True, on_epoch=True, batch_size=tokens.shape[0])
+        self.log(f"{stage}/accuracy", accuracy, on_epoch=True, batch_size=tokens.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx):
