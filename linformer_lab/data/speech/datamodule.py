@@ -26,7 +26,7 @@ class SpeechDataModule(L.LightningDataModule):
             the directory containing ``LibriSpeech/`` (default ``~/.cache/linformer_lab/librispeech``).
         hours: synthetic corpus size (all splits together).
         seed: corpus seed and batch-order seed.
-        batch_size: utterances per batch (upper bound when ``max_frames_per_batch`` is set).
+        batch_size: utterances per batch and process (upper bound when ``max_frames_per_batch`` is set).
         max_frames_per_batch: bound on padded frames per batch (``batch x longest``); ``None`` =
             fixed-size batches.
         num_workers: DataLoader worker processes.
