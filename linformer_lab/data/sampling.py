@@ -1,32 +1,67 @@
-"""Seeded epochs and mid-epoch resume, one protocol for every data module.
+"""Seeded epochs, sharding over processes and mid-epoch resume, one protocol for every data module.
 
-Every training sampler of the project derives from :class:`EpochSampler`: what it yields in an
-epoch is a function of its seed and the epoch number only, and ``resume(epoch, batches_done)``
-makes the next iteration start where a checkpoint left off. :class:`ResumableLoader` is the
-DataLoader that Lightning saves and restores (``state_dict`` / ``load_state_dict``), so a run
-resumed from any checkpoint, even mid-epoch, sees the same batches in the same order as an
-uninterrupted run. The copy task yields batch keys, the image data shuffled sample indices, the
-speech data length-bucketed batches; all three are tested the same way (tests/tasks/test_resume.py).
+Every sampler of the project derives from :class:`EpochSampler`: what it yields in an epoch is
+a function of its seed, the epoch number and its share (``num_replicas`` processes, this one
+``rank``) only, and ``resume(epoch, batches_done)`` makes the next iteration start where a
+checkpoint left off. :class:`ResumableLoader` is the training DataLoader that Lightning saves and
+restores (``state_dict`` / ``load_state_dict``), so a run resumed from any checkpoint, even
+mid-epoch, sees the same batches in the same order as an uninterrupted run. The copy task yields
+batch keys, the image data sample indices, the speech data length-bucketed batches; all three
+are tested the same way (tests/tasks/test_resume.py, tests/tasks/test_ddp.py).
 
-Written for single-device training: under DDP Lightning wraps custom samplers in its own
-distributed wrapper (the speech data shards its batches itself; see SpeechDataModule).
+Multi-process training (DDP): the data modules read the process count and rank from their
+trainer (:func:`process_share`) and every sampler shards its epoch itself, so that:
+
+* each process sees its own share, and together they see every sample of the epoch once
+  (training pads a share with a few repeated samples where the epoch does not divide evenly,
+  so that every process runs the same number of steps; evaluation repeats nothing);
+* ``p`` processes at batch size ``b`` see, at every step, the samples one process sees at
+  batch size ``p * b`` (the "global batch"), so the two train alike (tests/tasks/test_ddp.py);
+* the position saved in a checkpoint (epoch, batches done) is the same on every process, so the
+  one checkpoint rank 0 writes resumes every rank exactly.
+
+An ``EpochSampler`` is a ``torch.utils.data.DistributedSampler``: Lightning leaves a loader whose
+sampler is one as it is (with its default ``use_distributed_sampler=True``, it would otherwise
+wrap the sampler in its own distributed wrapper, which knows nothing of resuming).
 """
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from linformer_lab.validation import ConfigurationError
 
 
-class EpochSampler(Sampler):
-    """Epoch bookkeeping and mid-epoch resume; subclasses define :meth:`__iter__` (starting at
-    :meth:`start_batch`) and :attr:`num_batches` (batches per epoch).
+def process_share(datamodule) -> tuple[int, int]:
+    """``(num_replicas, rank)`` of the run ``datamodule`` is attached to: the trainer's world size
+    and global rank, or ``(1, 0)`` without a trainer (a data module used on its own)."""
+    trainer = getattr(datamodule, "trainer", None)
+    if trainer is None:
+        return 1, 0
+    return int(trainer.world_size), int(trainer.global_rank)
 
-    Lightning calls ``set_epoch`` before each epoch on a loader's ``sampler`` and on its
-    ``batch_sampler.sampler``; a batch sampler (speech) is reached through :attr:`sampler`,
-    which is the sampler itself.
+
+class EpochSampler(DistributedSampler):
+    """Epoch bookkeeping, this process's share and mid-epoch resume; subclasses define
+    :meth:`__iter__` (this share's batches of the current epoch, starting at
+    :meth:`start_batch`) and :attr:`num_batches` (this share's batches per epoch).
+
+    Lightning calls ``set_epoch`` before each epoch on a loader's ``sampler``; with ``datamodule``
+    set (:class:`ResumableLoader` does) the epoch is the trainer's ``current_epoch`` instead of
+    the number Lightning passes, its count of epochs begun, which in a run restarted at an epoch's
+    end (a ``max_steps`` stop there) is one ahead of the epoch it runs, logs and checkpoints.
     """
 
-    def __init__(self):
+    datamodule = None
+
+    def __init__(self, num_replicas: int = 1, rank: int = 0):
+        # DistributedSampler.__init__ wants a dataset (and a process group where the counts are
+        # not given): it is here for its type, which tells Lightning not to wrap the loader.
+        Sampler.__init__(self)
+        if not (isinstance(num_replicas, int) and num_replicas >= 1 and isinstance(rank, int)
+                and 0 <= rank < num_replicas):
+            raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas=} {rank=}")
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
         self.resume_epoch, self.resume_batch = -1, 0
 
@@ -34,13 +69,9 @@ class EpochSampler(Sampler):
     def num_batches(self) -> int:
         raise NotImplementedError
 
-    @property
-    def sampler(self) -> EpochSampler:
-        # what Lightning's set_epoch hook looks for on a batch sampler
-        return self
-
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        trainer = getattr(self.datamodule, "trainer", None)
+        self.epoch = int(trainer.current_epoch if trainer is not None else epoch)
 
     def resume(self, epoch: int, batches_done: int) -> None:
         """Start the next iteration of ``epoch`` at batch ``batches_done``."""
@@ -56,37 +87,66 @@ class EpochSampler(Sampler):
         return min(self.resume_batch, self.num_batches) if self.epoch == self.resume_epoch else 0
 
 
+def padded_share(items: list, num_replicas: int, rank: int) -> list:
+    """``items[rank::num_replicas]`` after repeating the first items of the list until its length
+    divides evenly: every share has the same length (every process runs as many steps), and the
+    shares together hold every item at least once."""
+    if num_replicas == 1 or not items:
+        return list(items)
+    total = -(-len(items) // num_replicas) * num_replicas
+    padded = (list(items) * (total // len(items) + 1))[:total]
+    return padded[rank::num_replicas]
+
+
 class ResumableLoader(DataLoader):
-    """DataLoader over an :class:`EpochSampler` (as ``sampler`` or ``batch_sampler``) that
-    Lightning recognises as resumable.
+    """DataLoader over an :class:`EpochSampler` (its ``sampler``) that Lightning recognises as
+    resumable.
 
     Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before the
     first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells how many
-    batches the fit loop has finished in the current epoch.
+    batches the fit loop has finished in the current epoch, and which epoch runs. Under DDP rank 0's state is the
+    checkpoint's; it holds for every rank, whose shares have as many batches. A checkpoint written
+    by another number of processes continues only from an epoch's end (the shares of the epoch
+    in progress would differ); mid-epoch it is refused with a :class:`ConfigurationError`.
     """
 
-    datamodule = None
+    @property
+    def datamodule(self):
+        return self.epoch_sampler.datamodule
+
+    @datamodule.setter
+    def datamodule(self, datamodule) -> None:
+        self.epoch_sampler.datamodule = datamodule
 
     @property
     def epoch_sampler(self) -> EpochSampler:
-        for candidate in (self.batch_sampler, self.sampler):
-            if isinstance(candidate, EpochSampler):
-                return candidate
-        raise TypeError(
-            f"ResumableLoader needs an EpochSampler as its sampler or batch_sampler, got {type(self.sampler).__name__}"
-        )
+        if isinstance(self.sampler, EpochSampler):
+            return self.sampler
+        raise TypeError(f"ResumableLoader needs an EpochSampler as its sampler, got {type(self.sampler).__name__}")
 
     def state_dict(self) -> dict:
+        sampler = self.epoch_sampler
         trainer = self.datamodule.trainer if self.datamodule is not None else None
+        if trainer is None:
+            return {"epoch": sampler.epoch, "batches_done": 0, "world_size": sampler.num_replicas, "epoch_done": False}
         # `processed` counts the training steps finished in this epoch (the one being saved at
         # on_train_batch_end included): after a restart the fit loop's next batch_idx is this
-        # number. The loader's own count would be ahead by Lightning's prefetching.
-        if trainer is None:
-            return {"epoch": self.epoch_sampler.epoch, "batches_done": 0}
-        # the trainer's epoch, not the sampler's: a sampler may already have moved on (the speech
-        # batch sampler advances when an iteration starts, for loops that never call set_epoch)
+        # number. The loader's own count would be ahead by Lightning's prefetching. The trainer's
+        # epoch, not the sampler's: a sampler may already have moved on (the speech sampler
+        # advances when an iteration starts, for loops that never call set_epoch).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": trainer.current_epoch, "batches_done": done}
+        return {"epoch": trainer.current_epoch, "batches_done": done, "world_size": sampler.num_replicas,
+                "epoch_done": done >= sampler.num_batches}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch_sampler.resume(state["epoch"], state["batches_done"])
+        sampler = self.epoch_sampler
+        epoch, done = state["epoch"], state["batches_done"]
+        saved = int(state.get("world_size", 1))  # checkpoints from before this key: one process
+        if saved != sampler.num_replicas and done > 0:
+            if not state.get("epoch_done", False):
+                raise ConfigurationError(
+                    f"cannot resume: the checkpoint was written by {saved} process(es) in the middle of an epoch and "
+                    f"this run has {sampler.num_replicas}; resume with {saved} (trainer.devices x trainer.num_nodes), "
+                    f"or from a checkpoint written at an epoch's end")
+            epoch, done = epoch + 1, 0  # its count of batches was of the other shares
+        sampler.resume(epoch, done)

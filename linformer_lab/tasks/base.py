@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+import torchmetrics
 from lightning.pytorch.utilities import rank_zero_only
 
 from linformer_lab.attention.base import backends_with
@@ -54,6 +55,11 @@ class Task(L.LightningModule):
     :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a
     configuration that cannot run (a backend the device cannot run, data the model was not
     built for) stops with a :class:`~linformer_lab.validation.ConfigurationError` naming it.
+
+    Training losses are means over the whole global batch of all processes
+    (:meth:`global_mean`), so that ``p`` processes at batch size ``b`` train as one process at
+    ``p * b``: a mean over each process's own share would weigh a token of a share with few
+    tokens more than one of a share with many.
     """
 
     monitor: str | None = None
@@ -219,6 +225,26 @@ class Task(L.LightningModule):
                 for name, value in states.items():
                     setattr(metric, name, _on_device_of(value, getattr(metric, name)))
 
+    def global_mean(self, total: torch.Tensor, count: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, mean)`` of a loss summed over this process's share of the global batch.
+
+        ``total``: scalar sum of the per-token (per-utterance, per-dimension) losses of this
+        process; ``count``: how many it summed. ``mean`` (detached) is the mean over all processes'
+        shares, ``sum(totals) / sum(counts)``, what one process given the whole global batch logs;
+        ``loss`` is what to return from ``training_step``: DDP averages gradients over the ``p``
+        processes, so ``p * total / sum(counts)`` makes the averaged gradient that of the mean.
+        One process: both are ``total / count``.
+        """
+        count = torch.as_tensor(count, dtype=torch.float32, device=total.device)
+        trainer = attached_trainer(self)
+        world_size = trainer.world_size if trainer is not None else 1
+        if world_size == 1:
+            mean = total / count
+            return mean, mean.detach()
+        sums = torch.stack([total.detach().float(), count])
+        sums = trainer.strategy.reduce(sums, reduce_op="sum")  # every process gets both sums
+        return total * (world_size / sums[1]), sums[0] / sums[1]
+
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
         """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot
         run with ``datamodule`` on ``device`` (None: not checked). The base checks that every
@@ -247,6 +273,31 @@ def check_conversion(init_from: str | None, distill_steps: int, distill_lr: floa
 
 def _attention_name(config: AttentionConfig) -> str:
     return config.backend + (f"/{config.feature_map}" if config.feature_map else "")
+
+
+class WeightedMean(torchmetrics.Metric):
+    """A running mean for an evaluation metric (``update(value, weight)``, logged as a metric object):
+    ``sum(value * weight) / sum(weight)`` over the epoch and, under DDP, over all processes, whose
+    sums torchmetrics adds up. Lightning's own epoch mean of a value logged with ``batch_size`` is
+    this on one process, but under DDP it averages the summed weights over the processes in their
+    integer type, dropping the fraction of an odd total. (torchmetrics' MeanMetric ignores the
+    weights when told to keep NaNs; here a NaN stays in, so a diverged run shows.)"""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        # float64 sums, as in BitsPerDim: the last digits of the result do not depend on batching
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: float | torch.Tensor) -> None:
+        """``value``: a scalar (detached here); ``weight``: what it is a mean over (tokens, utterances)."""
+        self.total += value.detach().double() * weight
+        self.weight += weight
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.weight).float()
 
 
 def attached_trainer(module: L.LightningModule) -> L.Trainer | None:

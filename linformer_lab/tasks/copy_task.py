@@ -32,7 +32,7 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
-from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
+from linformer_lab.tasks.base import Task, WeightedMean, check_conversion, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 #: How positions enter the model (``positions``): a learned embedding added to the token
@@ -152,6 +152,9 @@ class CopyTask(Task):
         )
         self.head = nn.Linear(d_model, vocab_size)
         check_segment_length(segment_length, self.transformer, attention.backend)
+        # evaluation loss and accuracy per copied token, over all processes
+        self.eval_means = nn.ModuleDict({f"{stage}_{name}": WeightedMean()
+                                         for stage in ("val", "test") for name in ("loss", "accuracy")})
         if learned:
             # GPT-style small embeddings (std 0.02 rather than nn.Embedding's N(0, 1)): the residual
             # stream then starts at the scale of what the layers add to it.
@@ -221,18 +224,22 @@ class CopyTask(Task):
 
     def training_step(self, batch, batch_idx):
         tokens, target_mask = batch
-        loss, _, _ = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"),
-                                    self.hparams.get("score_separator", False))
-        self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
+        loss, _, count = self.copy_loss(tokens, target_mask, self.hparams.get("segment_length"),
+                                        self.hparams.get("score_separator", False))
+        # per copied token over the global batch of all processes (Task.global_mean)
+        loss, mean = self.global_mean(loss * count, count)
+        self.log("train/loss", mean, prog_bar=True, batch_size=tokens.shape[0])
         return loss
 
     def _evaluate(self, batch, stage: str):
         tokens, target_mask = batch
         loss, correct, count = self.copy_loss(tokens, target_mask)
-        # sync_dist: under DDP each rank sees half the batches; the logged value is the mean
-        # over ranks (equal batch counts per rank, so the mean over all batches).
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=tokens.shape[0])
-        self.log(f"{stage}/accuracy", correct / max(count, 1), sync_dist=True, batch_size=tokens.shape[0])
+        # weighted by the copied tokens: the epoch's value is the mean over all of them, however batched
+        mean_loss, accuracy = self.eval_means[f"{stage}_loss"], self.eval_means[f"{stage}_accuracy"]
+        mean_loss.update(loss, count)
+        accuracy.update(correct / max(count, 1), count)
+        self.log(f"{stage}/loss", mean_loss, prog_bar=True, on_epoch=True, batch_size=tokens.shape[0])
+        self.log(f"{stage}/accuracy", accuracy, on_epoch=True, batch_size=tokens.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -268,7 +275,13 @@ class CopyTask(Task):
 
     def on_predict_epoch_end(self) -> None:
         tally = getattr(self, "_predict_tally", None)
-        if not tally or not tally["sequences"]:
+        if not tally:
+            return
+        # under DDP each process predicted its share: the counts are of all of them
+        names = ("correct", "copied", "exact", "sequences")
+        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
+        tally.update(zip(names, counts.tolist()))
+        if not tally["sequences"]:
             return
         self.print(f"copy accuracy {tally['correct'] / max(tally['copied'], 1):.4f} ({tally['correct']} of "
                    f"{tally['copied']} copied symbols, greedy from the prefix alone); "

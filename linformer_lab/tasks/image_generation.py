@@ -229,10 +229,11 @@ class ImageGenerationTask(Task):
             nll = torch.cat(pieces, dim=1)  # (B, N) nats, as one pass gives
         else:
             nll = self._nll(batch)
-        loss = nll.mean() / math.log(2.0)  # bits/dim
+        # bits/dim over the global batch of all processes (Task.global_mean)
+        loss, mean = self.global_mean(nll.sum() / math.log(2.0), nll.numel())
         self.train_bpd.update(nll)
         batch_size = nll.shape[0]
-        self.log("train/bits_per_dim", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+        self.log("train/bits_per_dim", mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
         return loss
 
     def validation_step(self, batch, batch_idx):

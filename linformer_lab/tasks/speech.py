@@ -28,7 +28,7 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.models.bilstm import BiLSTMCTC
 from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
-from linformer_lab.tasks.base import Task, epoch_ran_to_end
+from linformer_lab.tasks.base import Task, WeightedMean, epoch_ran_to_end
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive
 
 
@@ -154,6 +154,7 @@ class SpeechRecognitionTask(Task):
             )
         self.val_per = PhonemeErrorRate()
         self.test_per = PhonemeErrorRate()
+        self.val_loss, self.test_loss = WeightedMean(), WeightedMean()  # per utterance, over all processes
         self._epoch_start: float | None = None
         self._validation_start: float | None = None
         self._validation_seconds = 0.0
@@ -209,16 +210,21 @@ class SpeechRecognitionTask(Task):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self.ctc_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["features"].shape[0])
+        batch_size = batch["features"].shape[0]
+        # per utterance over the global batch of all processes (Task.global_mean)
+        loss, mean = self.global_mean(loss * batch_size, batch_size)
+        self.log("train/loss", mean, prog_bar=True, batch_size=batch_size)
         return loss
 
     def _evaluate(self, batch, stage: str, metric: PhonemeErrorRate, beam_width: int):
         loss, log_probs, out_lengths = self.ctc_loss(batch)
         batch_size = batch["features"].shape[0]
         metric.update(self.decode(log_probs, out_lengths, beam_width), self.references(batch))
-        self.log(f"{stage}/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
-        # Logging the Metric object: Lightning calls compute() (summed errors / summed
-        # reference lengths over the whole epoch and all ranks) at epoch end and resets it.
+        mean_loss = getattr(self, f"{stage}_loss")
+        mean_loss.update(loss, batch_size)
+        # Logging the Metric objects: Lightning calls compute() (summed errors / summed
+        # reference lengths over the whole epoch and all ranks) at epoch end and resets them.
+        self.log(f"{stage}/loss", mean_loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch_size)
         self.log(f"{stage}/per", metric, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch_size)
         return loss
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from linformer_lab.data.sampling import EpochSampler
 
@@ -46,7 +46,9 @@ def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
 
 
 class LengthBucketBatchSampler(EpochSampler):
-    """Batches of similar length, so padding stays small, with seeded per-epoch shuffling.
+    """Batches of similar length, so padding stays small, with seeded per-epoch shuffling; yields
+    lists of item indices (a DataLoader takes it as its ``sampler`` with ``batch_size=None``
+    over :class:`ItemLists`).
 
     Training (``shuffle=True``): each epoch permutes all indices with ``(seed, epoch)``, cuts the
     permutation into pools of about ``pool_batches`` batches, sorts each pool by length, cuts it
@@ -54,21 +56,28 @@ class LengthBucketBatchSampler(EpochSampler):
     near-equal lengths; pooling (rather than one global sort) keeps batch composition random
     across epochs. Evaluation (``shuffle=False``): one global sort, deterministic.
 
+    Distributed training: the batches are the global batches of all ``num_replicas`` processes
+    (``num_replicas * batch_size`` items, the frame bound holding for every process's part), and
+    process ``rank`` takes the items ``rank::num_replicas`` of each, so every process gets a
+    bucket of similar lengths at every step, and ``p`` processes at batch size ``b`` see what one
+    process sees at ``p * b``. In training a global batch of fewer items than processes (the end of
+    a pool) is filled up by repeating its items, so that every process runs every step; in
+    evaluation a process simply has no part in it.
+
     Args:
         lengths: length of every item (frames), the padded dimension.
-        batch_size: items per batch (the last batch of a pool may be smaller). With
+        batch_size: items per batch and process (the last batch of a pool may be smaller). With
             ``max_frames_per_batch`` it becomes an upper bound (``None`` = no bound).
-        max_frames_per_batch: bound on ``items x longest item`` (the padded size) of a batch;
-            an item longer than the bound forms a batch on its own.
+        max_frames_per_batch: bound on ``items x longest item`` (the padded size) of a batch
+            (of each process's part); an item longer than the bound forms a part on its own.
         shuffle: see above. ``seed`` and the epoch choose the order; the epoch starts at 0 and
             advances after every iteration, or is set with :meth:`set_epoch` (Lightning does,
             before each epoch). Resumable mid-epoch like every :class:`EpochSampler`.
-        pool_batches: pool size in batches.
+        pool_batches: pool size in (global) batches.
         drop_last: drop batches smaller than ``batch_size`` (fixed-size mode only).
-        num_replicas, rank: distributed training: every replica gets the same number of batches
-            (the list is padded by repeating batches) and takes ``batches[rank::num_replicas]``.
+        num_replicas, rank: the processes and this one's rank (see above).
 
-    Every index appears exactly once per epoch (single replica, ``drop_last=False``).
+    Every index appears exactly once per epoch (one process, ``drop_last=False``).
     """
 
     def __init__(
@@ -88,13 +97,8 @@ class LengthBucketBatchSampler(EpochSampler):
         if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if isinstance(lengths, Sampler):
-            # What Lightning passes when it tries to inject a DistributedSampler under DDP.
-            raise TypeError(
-                "LengthBucketBatchSampler needs the per-item lengths, not a sampler; for multi-process "
-                "training use Trainer(use_distributed_sampler=False) -- SpeechDataModule shards the "
-                "batches across ranks itself (num_replicas/rank)"
-            )
-        super().__init__()
+            raise TypeError("LengthBucketBatchSampler needs the per-item lengths, not a sampler")
+        super().__init__(num_replicas, rank)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size = batch_size
         self.max_frames = max_frames_per_batch
@@ -102,20 +106,21 @@ class LengthBucketBatchSampler(EpochSampler):
         self.pool_batches = pool_batches
         self.seed = seed
         self.drop_last = drop_last
-        self.num_replicas = num_replicas
-        self.rank = rank
         self._cache: tuple[int, list[list[int]]] | None = None
 
     def _split(self, idx: np.ndarray) -> list[list[int]]:
         # `idx` is sorted by length (descending): consecutive items have similar lengths.
+        replicas = self.num_replicas
         if self.max_frames is None:
-            bs = self.batch_size
+            bs = self.batch_size * replicas
             return [idx[i : i + bs].tolist() for i in range(0, len(idx), bs)]
         batches, cur, longest = [], [], 0
         for i in idx.tolist():
             new_longest = max(longest, int(self.lengths[i]))
-            full = self.batch_size is not None and len(cur) >= self.batch_size
-            if cur and (full or new_longest * (len(cur) + 1) > self.max_frames):
+            # each process's part of a batch of k items holds ceil(k / replicas) of them
+            per_process = -(-(len(cur) + 1) // replicas)
+            full = self.batch_size is not None and len(cur) >= self.batch_size * replicas
+            if len(cur) >= replicas and (full or new_longest * per_process > self.max_frames):
                 batches.append(cur)
                 cur, new_longest = [], int(self.lengths[i])
             cur.append(i)
@@ -132,12 +137,10 @@ class LengthBucketBatchSampler(EpochSampler):
             per_batch = max(1, int(self.max_frames // mean))
             if self.batch_size is not None:
                 per_batch = min(per_batch, self.batch_size)
-        return max(1, per_batch * self.pool_batches)
+        return max(1, per_batch * self.num_replicas * self.pool_batches)
 
-    def batches(self) -> list[list[int]]:
-        """This epoch's batches for this replica (what iteration yields)."""
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's batches of all processes together (one process: what iteration yields)."""
         n = len(self.lengths)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch])
@@ -152,16 +155,25 @@ class LengthBucketBatchSampler(EpochSampler):
             ordered = pool[np.argsort(-self.lengths[pool], kind="stable")]
             batches.extend(self._split(ordered))
         if self.drop_last and self.max_frames is None:
-            batches = [b for b in batches if len(b) == self.batch_size]
+            batches = [b for b in batches if len(b) == self.batch_size * self.num_replicas]
         if rng is not None:
             perm = rng.permutation(len(batches))
             batches = [batches[i] for i in perm]
-        if self.num_replicas > 1 and batches:
-            per_replica = -(-len(batches) // self.num_replicas)
-            batches = (batches * self.num_replicas)[: per_replica * self.num_replicas]
-            batches = batches[self.rank :: self.num_replicas]
-        self._cache = (self.epoch, batches)
         return batches
+
+    def batches(self) -> list[list[int]]:
+        """This epoch's batches for this process (what iteration yields)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        replicas, parts = self.num_replicas, []
+        for batch in self.global_batches():
+            if self.shuffle and len(batch) < replicas:  # training: every process takes every step
+                batch = (batch * replicas)[:replicas]
+            part = batch[self.rank :: replicas]
+            if part:
+                parts.append(part)
+        self._cache = (self.epoch, parts)
+        return parts
 
     @property
     def num_batches(self) -> int:
@@ -176,3 +188,15 @@ class LengthBucketBatchSampler(EpochSampler):
     def __len__(self) -> int:
         # the whole epoch, also when resuming (Lightning counts the batches already done)
         return self.num_batches
+
+
+class ItemLists(Dataset):
+    """``dataset[[i, j, ...]]`` -> ``[dataset[i], dataset[j], ...]``: the items of one batch, fetched
+    by a DataLoader with ``batch_size=None`` whose sampler yields lists of indices (a
+    :class:`LengthBucketBatchSampler`); its ``collate_fn`` (:func:`collate_speech`) pads them."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, indices: list[int]) -> list:
+        return [self.dataset[i] for i in indices]

@@ -9,8 +9,8 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.phonemes import NUM_PHONEMES
-from linformer_lab.data.sampling import ResumableLoader
-from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech
+from linformer_lab.data.sampling import ResumableLoader, process_share
+from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
 from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SPLITS, SyntheticSpeechCorpus, ensure_feature_cache
@@ -26,7 +26,7 @@ class SpeechDataModule(L.LightningDataModule):
             the directory containing ``LibriSpeech/`` (default ``~/.cache/linformer_lab/librispeech``).
         hours: synthetic corpus size (all splits together).
         seed: corpus seed and batch-order seed.
-        batch_size: utterances per batch (upper bound when ``max_frames_per_batch`` is set).
+        batch_size: utterances per batch and process (upper bound when ``max_frames_per_batch`` is set).
         max_frames_per_batch: bound on padded frames per batch (``batch x longest``); ``None`` =
             fixed-size batches.
         num_workers: DataLoader worker processes.
@@ -36,9 +36,9 @@ class SpeechDataModule(L.LightningDataModule):
         pin_memory: DataLoader ``pin_memory``.
         progress: show progress bars while generating/caching.
 
-    Multi-process (DDP) training: use ``Trainer(use_distributed_sampler=False)``; the training
-    loader shards its length-bucketed batches across ranks itself (each rank gets the same
-    number of batches). Validation/test loaders are not sharded (every rank sees all data).
+    Multi-process (DDP): every loader shards its length-bucketed batches across the processes
+    itself (:class:`LengthBucketBatchSampler`, ``batch_size`` per process): in training each
+    process gets as many batches, in validation and test each utterance is seen once.
     """
 
     feature_dim = FEATURE_DIM
@@ -129,10 +129,7 @@ class SpeechDataModule(L.LightningDataModule):
         if not self.datasets:
             self.setup()
         ds = self.datasets[split]
-        replicas, rank = 1, 0
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and shuffle:
-            replicas, rank = trainer.world_size, trainer.global_rank
+        replicas, rank = process_share(self)
         sampler = LengthBucketBatchSampler(
             ds.lengths,
             batch_size=self.batch_size,
@@ -143,9 +140,12 @@ class SpeechDataModule(L.LightningDataModule):
             num_replicas=replicas,
             rank=rank,
         )
+        # the sampler yields whole batches of indices (batch_size=None): as a loader's sampler,
+        # rather than its batch_sampler, it is what Lightning checks to leave a sharded loader as it is
         return cls(
-            ds,
-            batch_sampler=sampler,
+            ItemLists(ds),
+            sampler=sampler,
+            batch_size=None,
             collate_fn=collate_speech,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
