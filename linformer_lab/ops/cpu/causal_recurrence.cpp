@@ -382,19 +382,20 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   }
 }
 
-// The sum of a register's lanes.
+// The sum of a register's lanes, halving in registers (a copy through memory of the halves stalled
+// every position on the store's forwarding).
 template <typename T, int B>
 INLINE T lane_sum(typename Register<T, B>::type x) {
-  if constexpr (B <= 16) {
-    T sum = 0;
-    for (int i = 0; i < B / static_cast<int>(sizeof(T)); ++i) sum += x[i];
-    return sum;
-  } else {
-    typename Register<T, B / 2>::type low, high;
-    std::memcpy(&low, &x, B / 2);
-    std::memcpy(&high, reinterpret_cast<const char*>(&x) + B / 2, B / 2);
-    return lane_sum<T, B / 2>(low + high);
+  constexpr int W = B / sizeof(T);
+  if constexpr (W == 16) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  } else if constexpr (W == 8) {
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
   }
+  T sum = 0;
+  for (int i = 0; i < (W < 4 ? W : 4); ++i) sum += x[i];
+  return sum;
 }
 
 // x . y over n numbers (a multiple of the register width).
@@ -595,27 +596,31 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
     const int64_t pieces = rows_share_out(items) ? 1 : tiles % threads == 0 ? threads : tiles;
     const int64_t span = m / pieces;
     at::parallel_for(0, items * pieces, grain(items * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> qf(kBlock * c), kf(kBlock * c), z(c);
+      // one buffer, the parts a cache line apart from a multiple of 4 KiB (addresses that agree in their
+      // low 12 bits make a load wait on an unrelated store)
+      const int64_t part = kBlock * c + 16;
+      std::vector<T> scratch(2 * part + c + 16);
+      T *qf = scratch.data(), *kf = qf + part, *z = kf + part;
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = e / pieces, j = e % pieces * span, s = item / rows, row = item % rows;
         const bool first = j == 0;
         T* state = s_final.data_ptr<T>() + item * c * m;
         const T* z_in = z_first.data_ptr<T>() + item * c;
-        std::copy(z_in, z_in + c, z.data());
+        std::copy(z_in, z_in + c, z);
         for (int64_t t0 = 0, i = 0; t0 < seg.length[s]; t0 += kBlock, ++i) {
           const int64_t len = std::min(kBlock, seg.length[s] - t0), at = row * n + seg.start[s] + t0;
           const int64_t saved = row * blocks + seg.first_block[s] + i;
           T* saved_s = states.data_ptr<T>() + saved * c * m;
           for (int64_t x = 0; x < c; ++x) std::memcpy(saved_s + x * m + j, state + x * m + j, span * sizeof(T));
-          if (first) std::copy(z.begin(), z.end(), z_states.data_ptr<T>() + saved * c);
+          if (first) std::copy(z, z + c, z_states.data_ptr<T>() + saved * c);
           run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
-                           k.data_ptr<T>() + at * c, qf.data(), kf.data());
-          run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m), qf.data(),
-                               static_cast<const T*>(kf.data()), static_cast<T>(eps), z.data(),
+                           k.data_ptr<T>() + at * c, qf, kf);
+          run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m), qf,
+                               static_cast<const T*>(kf), static_cast<T>(eps), z,
                                first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state,
                                out.data_ptr<T>() + at * m, j, j + span);
         }
-        if (first) std::copy(z.begin(), z.end(), z_final.data_ptr<T>() + item * c);
+        if (first) std::copy(z, z + c, z_final.data_ptr<T>() + item * c);
       }
     });
   });
