@@ -382,8 +382,7 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   }
 }
 
-// The sum of a register's lanes, halving in registers (a copy through memory of the halves stalled
-// every position on the store's forwarding).
+// The sum of a register's lanes, halved in registers (no copy of the halves through memory).
 template <typename T, int B>
 INLINE T lane_sum(typename Register<T, B>::type x) {
   constexpr int W = B / sizeof(T);
