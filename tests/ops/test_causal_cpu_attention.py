@@ -221,3 +221,15 @@ def test_operators_pass_opcheck(causal_extension, case):
         torch.library.opcheck(custom_ops.causal_elu_attention_backward,
                               (q.detach(), k.detach(), v.detach(), out.detach(), den, torch.randn_like(out), states,
                                z_states, cu_seqlens, key_lengths, 4, grad_s, grad_z))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_a_state_that_does_not_fit_is_a_clear_error(causal_extension, packed):
+    """One state row per batch entry, or per packed sequence: anything else names the shapes expected."""
+    leaves, _ = inputs(1 if packed else 2, 2, 30, 8, 4, s=3 if packed else None)
+    q, k, v, s0, z0 = leaves
+    cu_seqlens = torch.tensor([0, 10, 30]) if packed else None  # two sequences, three state rows
+    if not packed:
+        s0, z0 = s0[:1], z0[:1]
+    with pytest.raises(ValueError, match="does not fit these inputs"):
+        cpu_kernel.causal_attention(EluFeatureMap(8), q, k, v, None, EPS, None, (s0, z0), False, cu_seqlens)

@@ -148,7 +148,7 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
     compute = compute_dtype(dtype)
     s0 = z0 = None
     if initial_state is not None:
-        s0, z0 = (x.to(compute) for x in initial_state)
+        s0, z0 = (x.to(compute) for x in _checked_state(initial_state, k, v, cu_seqlens))
     with torch.autocast("cpu", enabled=False):
         c, m = q.shape[-1], v.shape[-1]
         q, k, v, pad_c, pad_m = _padded_inputs(q.to(compute), k.to(compute), v.to(compute), "fused CPU attention")
@@ -167,3 +167,15 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
     if not return_state:
         return out
     return out, LinearState(torch.cat([s_n, z_n.unsqueeze(-1)], dim=-1))
+
+
+def _checked_state(state, k: torch.Tensor, v: torch.Tensor, cu_seqlens):
+    """``(S_0, Z_0)`` fitting the inputs (one row per batch entry, or per packed sequence), or the
+    ValueError of the reference path saying what was expected."""
+    from linformer_lab.ops.linear_attention import check_linear_state
+
+    if cu_seqlens is None:
+        return check_linear_state(state, k, v, "causal linear attention")
+    rows = cu_seqlens.shape[0] - 1  # one state row per packed sequence
+    return check_linear_state(state, k.new_empty(rows, *k.shape[1:2], 0, k.shape[-1]),
+                              v.new_empty(rows, *v.shape[1:2], 0, v.shape[-1]), "packed causal linear attention")
