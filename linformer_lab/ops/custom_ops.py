@@ -19,6 +19,18 @@ the others with zero columns and calls it):
 The forward's registered gradient calls the backward operator, which has none itself: a second
 derivative is an error, not a wrong number.
 
+CPU, causal attention with phi = elu + 1 fused (the same source's ``attention_forward`` /
+``attention_backward``; ``cpu_kernel.causal_attention`` pads C and M and calls it):
+
+* ``torch.ops.linformer_lab.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths,
+  features, eps)``: unmapped ``q, k (B, H, N, C)``, ``v (B, H, N, M)``, ``S_0 (S, H, C, M)``,
+  ``z_0 (S, H, C)`` or None (S = B, or the packed sequences of ``cu_seqlens [0, n_1, ..., N]``
+  with B = 1), ``key_lengths (B,)`` or None, C's columns from ``features`` on padding ->
+  ``(out (B, H, N, M), den (B, H, N), S_N (S, H, C, M), z_N (S, H, C), states, z_states)``, the
+  last three the backward's (den = phi(q_t)^T z_t + eps; S and z at every block start);
+* ``torch.ops.linformer_lab.causal_elu_attention_backward(...)`` -> ``(grad q, grad k, grad v,
+  grad S_0, grad z_0)``.
+
 CUDA (``ops/cuda``): :func:`register_cuda_ops` gives the operators that ``binding.cpp``
 defines (``torch.ops.linformer_lab_cuda.causal_dot_product_fwd`` / ``_bwd``) their fake
 functions and the forward its gradient; ``ops.cuda.load`` calls it once the library is loaded.
@@ -32,7 +44,8 @@ import torch
 
 from linformer_lab.ops import cpu
 
-__all__ = ["causal_recurrence_backward", "causal_recurrence_forward", "recurrence_block", "register_cuda_ops"]
+__all__ = ["causal_elu_attention_backward", "causal_elu_attention_forward", "causal_recurrence_backward",
+           "causal_recurrence_forward", "recurrence_block", "register_cuda_ops"]
 
 
 def recurrence_block() -> int:
@@ -103,6 +116,109 @@ def _backward(ctx, grad_out, grad_final, _grad_states):
 
 
 torch.library.register_autograd("linformer_lab::causal_recurrence_forward", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ fused attention
+
+
+def _segments(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    """S: rows of the state, the batch or the packed sequences."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _saved_blocks(n: int, segments: int) -> int:
+    """Blocks of states the fused forward saves per row of ``n`` positions in ``segments`` packed
+    sequences (1 unpacked): its ``saved_blocks``, a bound from the shapes alone, as the sequences'
+    lengths are data."""
+    return cpu.CAUSAL_RECURRENCE.load().saved_blocks(n, segments)
+
+
+def _row_lengths(key_lengths: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """``key_lengths (B,)`` as one length per (B H) row."""
+    return None if key_lengths is None else key_lengths.to(torch.int64).repeat_interleave(heads)
+
+
+def _state_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@torch.library.custom_op("linformer_lab::causal_elu_attention_forward", mutates_args=())
+def causal_elu_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor | None,
+                                 z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                                 key_lengths: torch.Tensor | None, features: int, eps: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
+    """out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes)."""
+    b, h, n, c = q.shape
+    m = v.shape[-1]
+    segments = _segments(q, cu_seqlens)
+    out, den, s_n, z_n, states, z_states = cpu.CAUSAL_RECURRENCE.load().attention_forward(
+        _rows(q), _rows(k), _rows(v), _state_rows(s0), _state_rows(z0), cu_seqlens, _row_lengths(key_lengths, h),
+        features, eps)
+    return (out.view(b, h, n, m), den.view(b, h, n), s_n.view(segments, h, c, m), z_n.view(segments, h, c),
+            states.view(b, h, states.shape[1], c, m), z_states.view(b, h, z_states.shape[1], c))
+
+
+@causal_elu_attention_forward.register_fake
+def _causal_elu_attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
+    b, h, n, c = q.shape
+    m, segments = v.shape[-1], _segments(q, cu_seqlens)
+    blocks = _saved_blocks(n, 1 if cu_seqlens is None else segments)
+    return (q.new_empty(b, h, n, m), q.new_empty(b, h, n), q.new_empty(segments, h, c, m), q.new_empty(segments, h, c),
+            q.new_empty(b, h, blocks, c, m), q.new_empty(b, h, blocks, c))
+
+
+@torch.library.custom_op("linformer_lab::causal_elu_attention_backward", mutates_args=())
+def causal_elu_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                  den: torch.Tensor, grad_out: torch.Tensor, states: torch.Tensor,
+                                  z_states: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                                  key_lengths: torch.Tensor | None, features: int, grad_s: torch.Tensor | None,
+                                  grad_z: torch.Tensor | None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`causal_elu_attention_forward` from ``grad_out (B, H, N, M)``, its ``out``,
+    ``den`` and states, and ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v,
+    grad S_0, grad z_0)``."""
+    b, h, n, c = q.shape
+    m, segments = v.shape[-1], _segments(q, cu_seqlens)
+    gq, gk, gv, gs, gz = cpu.CAUSAL_RECURRENCE.load().attention_backward(
+        _rows(q), _rows(k), _rows(v), _rows(out), den.reshape(b * h, n).contiguous(), _rows(grad_out.to(q.dtype)),
+        states.reshape(b * h, *states.shape[2:]).contiguous(), z_states.reshape(b * h, *z_states.shape[2:]).contiguous(),
+        cu_seqlens, _row_lengths(key_lengths, h), features, _state_rows(grad_s), _state_rows(grad_z))
+    return (gq.view(b, h, n, c), gk.view(b, h, n, c), gv.view(b, h, n, m), gs.view(segments, h, c, m),
+            gz.view(segments, h, c))
+
+
+@causal_elu_attention_backward.register_fake
+def _causal_elu_attention_backward_fake(q, k, v, out, den, grad_out, states, z_states, cu_seqlens, key_lengths,
+                                        features, grad_s, grad_z):
+    h, c, m, segments = q.shape[1], q.shape[-1], v.shape[-1], _segments(q, cu_seqlens)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(segments, h, c, m),
+            q.new_empty(segments, h, c))
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, s0, z0, cu_seqlens, key_lengths, features, _ = inputs
+    out, den, _, _, states, z_states = output
+    ctx.save_for_backward(q, k, v, out, den, states, z_states, cu_seqlens, key_lengths)
+    ctx.features = features
+    ctx.state_dtypes = (None if s0 is None else s0.dtype, None if z0 is None else z0.dtype)
+    ctx.mark_non_differentiable(den, states, z_states)
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx, grad_out, _grad_den, grad_s, grad_z, _grad_states, _grad_z_states):
+    q, k, v, out, den, states, z_states, cu_seqlens, key_lengths = ctx.saved_tensors
+    if grad_out is None:  # only the final state was used
+        grad_out = torch.zeros_like(out)
+    gq, gk, gv, gs, gz = causal_elu_attention_backward(q, k, v, out, den, grad_out, states, z_states, cu_seqlens,
+                                                       key_lengths, ctx.features, grad_s, grad_z)
+    s_dtype, z_dtype = ctx.state_dtypes
+    return (gq, gk, gv, None if s_dtype is None else gs.to(s_dtype), None if z_dtype is None else gz.to(z_dtype),
+            None, None, None, None)
+
+
+torch.library.register_autograd("linformer_lab::causal_elu_attention_forward", _attention_backward,
+                                setup_context=_attention_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

@@ -12,9 +12,10 @@ op                    candidates, first to last             called from
                                                             of eq. 9, ``ops.linear_attention``)
 ``lsh_window``        cpp, reference                        ``ops/lsh.py``'s ``window_attention``
 ``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
-``causal_attention``  triton, reference                     ``attention/linear.py``: eq. 9-12 with
+``causal_attention``  triton, cpp, reference                ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
-                                                            in one GPU kernel (``ops/cuda/triton_chunk``),
+                                                            in one kernel (GPU: ``ops/cuda/triton_chunk``;
+                                                            CPU: ``ops/cpu/causal_recurrence.cpp``),
                                                             packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
@@ -229,6 +230,19 @@ def _causal_attention_triton_run(*args):
     return backend.causal_attention(*args)
 
 
+def _causal_attention_cpu(feature_map, q, k, v) -> bool:
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    return cpu_kernel.accepts_attention(feature_map, q, k, v)
+
+
+def _causal_attention_cpu_run(*args, **kwargs):
+    """The reference's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
+    from linformer_lab.ops.linear_attention import cpu_kernel
+
+    return cpu_kernel.causal_attention(*args, **kwargs)
+
+
 def _triton_available() -> bool:
     from linformer_lab.ops.cuda import triton_chunk
 
@@ -270,6 +284,11 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
+        Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",
+                  "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), the elu map "
+                  "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
+                  _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
+                  _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(REFERENCE, "feature map, then the causal op and the normaliser in PyTorch", _ALWAYS,
                   _everywhere, lambda: True, _causal_attention_reference),
     ],
@@ -347,7 +366,8 @@ _PROBES = {  # op -> (what the line says the probe is, its arguments on a device
     "causal": ("float32, C = M = 32", lambda d: (torch.zeros(1, 1, 1, 32, device=d),) * 3),
     "lsh_window": ("float32", lambda d: (torch.zeros(1, 1, 1, 1, 32, device=d),) * 3),
     "fused_step": ("float32, batch 1", lambda d: (torch.zeros(1, 256, device=d),)),
-    "causal_attention": ("float32", lambda d: (None, *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
+    # the elu map by its registered name: ops sits below feature_maps (docs/ARCHITECTURE.md)
+    "causal_attention": ("float32, elu map", lambda d: ("elu", *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
 }
 
 

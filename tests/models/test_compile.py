@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow  # Dynamo and AOT autograd trace for several secon
 
 @pytest.fixture
 def kernel_calls():
-    """Counts the C++ recurrence's forward and backward calls (its module substituted by a spy)."""
+    """Counts the C++ recurrence's forward and backward calls, the numerator's or the fused attention's
+    (elu + 1), whichever the layer takes (its module substituted by a spy)."""
     try:
         real = cpu.CAUSAL_RECURRENCE.load()
     except RuntimeError as error:
@@ -36,12 +37,13 @@ def kernel_calls():
 
     def counted(name):
         def call(*args):
-            calls.append(name)
+            calls.append(name.replace("attention_", ""))
             return getattr(real, name)(*args)
         return call
 
     spy = types.SimpleNamespace(**{name: getattr(real, name) for name in dir(real) if not name.startswith("__")})
     spy.forward, spy.backward = counted("forward"), counted("backward")
+    spy.attention_forward, spy.attention_backward = counted("attention_forward"), counted("attention_backward")
     with cpu.CAUSAL_RECURRENCE.substituted(spy):
         yield calls
 

@@ -175,14 +175,15 @@ def naive_linear(attention, q, k, v):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("c, m, kernel", [(16, 16, "recurrence"), (7, 5, "recurrence")])  # 7, 5: zero-padded
+@pytest.mark.parametrize("c, m, kernel", [(16, 16, "cpp"), (7, 5, "cpp")])  # 7, 5: zero-padded
 @pytest.mark.parametrize("switch", ["", "reference"])
 def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
         causal_extension, monkeypatch, c, m, kernel, switch):
+    """The causal layer (elu map) takes the fused C++ attention (the causal_attention op's cpp candidate)."""
     monkeypatch.setenv(kernels.SWITCH, switch)
     ran = []
-    for name in ("recurrence", "reference"):
-        entry = candidate("causal", name)
+    for name in ("cpp", "reference"):
+        entry = candidate("causal_attention", name)
         monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
     attention = ll.build_attention("linear", causal=True, query_dim=c)
     q, k, v = linear_inputs(c, m)

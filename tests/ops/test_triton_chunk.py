@@ -227,14 +227,15 @@ def test_backend_equals_the_causal_attention_reference(device, feature_map, with
 
 def test_dispatch_lists_the_kernel_first_for_cuda_only(monkeypatch):
     """The ``causal_attention`` op of the kernel dispatch has the kernel first and the reference
-    last; CPU tensors get the reference, also when the switch forces the kernel by its name."""
+    last; CPU tensors get the CPU candidate (the fused C++ kernel, ``tests/ops/test_causal_cpu_attention.py``),
+    and the reference when the switch forces the Triton kernel by its name."""
     from linformer_lab.feature_maps import build_feature_map
     from linformer_lab.ops import kernels
 
-    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", kernels.REFERENCE]
+    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", "cpp", kernels.REFERENCE]
     feature_map = build_feature_map("elu", query_dim=4)
     q = torch.randn(1, 2, 8, 4)
-    assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.REFERENCE
+    assert kernels.select("causal_attention", feature_map, q, q, q).name != "triton"
     monkeypatch.setenv(kernels.SWITCH, "causal_attention=triton")
     assert kernels.forced() == {"causal_attention": "triton"}
     assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.REFERENCE

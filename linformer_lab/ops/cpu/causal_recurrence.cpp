@@ -39,6 +39,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -76,9 +78,12 @@ struct Vec {
 // with a[t, p] = a[t * ld_a + p] (likewise b, c, out). The sum runs in 4 partial accumulators
 // (a dependency chain of P / 4 FMAs); the positions are independent of each other but for the
 // one FMA per row of the update, so out-of-order execution overlaps consecutive positions.
-template <typename T, int B, int P>
+// kDerivative (the fused attention's gradients of q and k): the stored row is multiplied by
+// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out).
+template <typename T, int B, int P, bool kDerivative = false>
 INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a, const T* b, int64_t ld_b, const T* c,
-                  int64_t ld_c, T* out, int64_t ld_out, bool accumulate, T* state, int64_t lds) {
+                  int64_t ld_c, T* out, int64_t ld_out, bool accumulate, T* state, int64_t lds,
+                  const T* phi = nullptr) {
   using V = typename Vec<T, B>::type;
   constexpr int kAcc = P < 4 ? P : 4;
   V x[P];
@@ -87,11 +92,13 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
   // pointers stepped by +-1 row: GCC then addresses a[t, p] as a fixed offset from one register
   const int64_t first = reverse ? t1 - 1 : t0, step = reverse ? -1 : 1;
   const T *at = a + first * ld_a, *bt = b + first * ld_b, *ct = c + first * ld_c;
+  const T* pt = kDerivative ? phi + first * ld_out : nullptr;
   T* ot = out + first * ld_out;
   const int64_t ahead = kAheadBytes / sizeof(T);
   const int64_t ahead_a = step * std::max(ld_a, ahead), ahead_b = step * std::max(ld_b, ahead);
   const int64_t ahead_c = step * std::max(ld_c, ahead);
-  for (int64_t i = t0; i < t1; ++i, at += step * ld_a, bt += step * ld_b, ct += step * ld_c, ot += step * ld_out) {
+  for (int64_t i = t0; i < t1; ++i, at += step * ld_a, bt += step * ld_b, ct += step * ld_c, ot += step * ld_out,
+               pt += kDerivative ? step * ld_out : 0) {
     __builtin_prefetch(at + ahead_a, 0, 3), __builtin_prefetch(bt + ahead_b, 0, 3), __builtin_prefetch(ct + ahead_c, 0, 3);
     const V bv = load<T, B>(bt);
     V acc[kAcc];
@@ -102,7 +109,12 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
     }
 #pragma GCC unroll 4
     for (int u = 1; u < kAcc; ++u) acc[0] += acc[u];
-    store<T, B>(ot, accumulate ? acc[0] + load<T, B>(ot) : acc[0]);
+    V result = accumulate ? acc[0] + load<T, B>(ot) : acc[0];
+    if (kDerivative) {
+      const V p = load<T, B>(pt), one = V{} + T(1);
+      result *= p < one ? p : one;
+    }
+    store<T, B>(ot, result);
   }
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) store<T, B>(state + p * lds, x[p]);
@@ -110,10 +122,12 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
 
 // One pass over positions [t0, t1) for every tile of a (rows x cols) state, rows over a's and c's
 // dim, cols over b's and out's (both multiples of the register width): per column tile, the row
-// tiles add into the same out columns.
+// tiles add into the same out columns. `prefilled`: out already holds a term to add to (the fused
+// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep).
 template <typename T, int B>
 INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a, const T* b,
-                 const T* c, T* out, T* state, int64_t col0, int64_t col1) {
+                 const T* c, T* out, T* state, int64_t col0, int64_t col1, bool prefilled = false,
+                 const T* phi = nullptr) {
   constexpr int W = Vec<T, B>::kWidth, kRows = Vec<T, B>::kRows;
   for (int64_t j = col0; j < col1; j += W) {
     for (int64_t p = 0, r; p < rows; p += r) {
@@ -121,7 +135,14 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
       // a tile of 16 rows runs only where kRows is 16)
       const int64_t left = rows - p;
       r = left >= kRows ? kRows : left >= 8 ? 8 : left >= 4 ? 4 : 2;
-      const bool acc = p > 0;
+      const bool acc = prefilled || p > 0;
+      if (phi != nullptr && p + r == rows) {
+#define ROWS(R) case R: sweep<T, B, R, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, \
+                                             acc, state + p * cols + j, cols, phi + j); break;
+        switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
+#undef ROWS
+        continue;
+      }
 #define ROWS(R) case R: sweep<T, B, R>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, acc, \
                                        state + p * cols + j, cols); break;
       switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
@@ -296,6 +317,383 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   return {gq, gk, gv, r_all};
 }
 
+// ------------------------------------------------------------------ the fused attention (elu + 1)
+//
+// Causal linear attention with phi = elu + 1 (eq. 7, 9-12) in one forward and one backward pass,
+// on the passes above:
+//
+//   out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),   S_t = S_0 + sum_{s <= t} phi(k_s) v_s^T,
+//   z_t = z_0 + sum_{s <= t} phi(k_s)
+//
+// The state is (S, z): z is the column S would get from a value column of ones. It is carried
+// beside S as one register row over C (z += phi(k_t), den_t = phi(q_t) . z): as a column of S it
+// would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
+// separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
+// forward maps the block's q and k into scratch (phi(k) zeroed past a row's key length, phi of both
+// zeroed in C's padding columns), walks z to get den_t, scales phi(q_t) by 1 / den_t (so the
+// numerator's pass writes the quotient directly) and runs the forward pass. The backward, with
+// gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q), phi(k), v, gn)
+// plus the normaliser's terms, and the derivative of phi in the passes' last store:
+//
+//   grad q_t = min(phi(q_t), 1) (S_t gn_t + gd_t z_t)         (in order, from the saved S, z)
+//   grad v_t = R_t^T phi(k_t)                                   (reversed)
+//   grad k_t = min(phi(k_t), 1) (R_t v_t + r_t)                 (reversed)
+//   R_t = grad S_N + sum_{s >= t} phi(q_s) gn_s^T,   r_t = grad z_N + sum_{s >= t} gd_s phi(q_s)
+//
+// so grad S_0 = R_0 and grad z_0 = r_0. phi is recomputed in the backward, not saved; the forward
+// saves den (one number per position) and S, z at every block start. Rows hold one sequence each,
+// or (cu_seqlens) segments that are sequences of their own: an item is a (segment, row) pair with
+// its own state, states[item = segment * rows + row].
+
+// exp(x) for x <= 0 in float: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
+// polynomial of degree 6 (relative error ~1e-7). x is clamped at -87, where exp is still a normal
+// float (1.6e-38): below that torch's exp gives denormals or 0, a difference no sum can see.
+template <int B>
+INLINE typename Register<float, B>::type exp_nonpositive(typename Register<float, B>::type x) {
+  using V = typename Register<float, B>::type;
+  using I = typename Register<int32_t, B>::type;
+  const V low = V{} - 87.0f;
+  x = x > low ? x : low;
+  const V shifted = x * 1.44269504f + 12582912.0f;  // 1.5 * 2^23: the sum's rounding rounds to an integer
+  const V n = shifted - 12582912.0f;
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  V p = r * (1.0f / 720) + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
+}
+
+// out[i] = elu(x[i]) + 1 for `count` numbers (a multiple of the register width).
+template <typename T, int B>
+INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t i = 0; i < count; i += W) {
+      const V v = load<T, B>(x + i), zero = V{};
+      store<T, B>(out + i, v > zero ? v + 1.0f : exp_nonpositive<B>(v < zero ? v : zero));
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) out[i] = x[i] > 0 ? x[i] + 1 : std::exp(x[i]);
+  }
+}
+
+// The sum of a register's lanes, halved in registers (no copy of the halves through memory).
+template <typename T, int B>
+INLINE T lane_sum(typename Register<T, B>::type x) {
+  constexpr int W = B / sizeof(T);
+  if constexpr (W == 16) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  } else if constexpr (W == 8) {
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  }
+  T sum = 0;
+  for (int i = 0; i < (W < 4 ? W : 4); ++i) sum += x[i];
+  return sum;
+}
+
+// x . y over n numbers (a multiple of the register width).
+template <typename T, int B>
+INLINE T dot(const T* x, const T* y, int64_t n) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  V sum = V{};
+  for (int64_t i = 0; i < n; i += W) sum += load<T, B>(x + i) * load<T, B>(y + i);
+  return lane_sum<T, B>(sum);
+}
+
+// phi of a block's `len` positions of q and k (c numbers each) into qf, kf: phi(k) zero at positions
+// >= `keys` (past the row's key length) and both zero in the columns >= `features` (C's padding).
+template <typename T, int B>
+INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, const T* q, const T* k, T* qf, T* kf) {
+  elu_plus_one<T, B>(q, len * c, qf);
+  const int64_t valid = std::min(len, std::max<int64_t>(keys, 0));
+  elu_plus_one<T, B>(k, valid * c, kf);
+  std::fill(kf + valid * c, kf + len * c, T(0));
+  if (features < c)
+    for (int64_t t = 0; t < len; ++t) std::fill(qf + t * c + features, qf + (t + 1) * c, T(0)),
+                                      std::fill(kf + t * c + features, kf + (t + 1) * c, T(0));
+}
+
+// The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
+// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null.
+template <typename T, int B>
+INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, T* qf, const T* kf, T eps,
+                                    T* z, T* den, T* s, T* out, int64_t col0, int64_t col1) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  for (int64_t t = 0; t < len; ++t) {
+    for (int64_t i = 0; i < c; i += W) store<T, B>(z + i, load<T, B>(z + i) + load<T, B>(kf + t * c + i));
+    const T d = dot<T, B>(qf + t * c, z, c) + eps;
+    if (den != nullptr) den[t] = d;
+    const V scale = V{} + T(1) / d;
+    for (int64_t i = 0; i < c; i += W) store<T, B>(qf + t * c + i, load<T, B>(qf + t * c + i) * scale);
+  }
+  pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1);
+}
+
+// gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block.
+template <typename T, int B>
+INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* gn, T* gd) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  for (int64_t t = 0; t < len; ++t) {
+    const T inverse = T(1) / den[t];
+    const V scale = V{} + inverse;
+    for (int64_t i = 0; i < m; i += W) store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * scale);
+    gd[t] = -dot<T, B>(g + t * m, out + t * m, m) * inverse;
+  }
+}
+
+// grad q of one block: z (c, the saved z at the block start; advanced here) gives the normaliser's
+// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t gn_t and applies phi'.
+template <typename T, int B>
+INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
+                                   const T* gn, const T* gd, T* z, T* st, T* gq) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  for (int64_t t = 0; t < len; ++t) {
+    const V scale = V{} + gd[t];
+    for (int64_t i = 0; i < c; i += W) {
+      const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
+      store<T, B>(z + i, zi);
+      store<T, B>(gq + t * c + i, zi * scale);
+    }
+  }
+  pass<T, B>(0, len, false, m, c, v, kf, gn, gq, st, 0, c, true, qf);
+}
+
+// grad v and grad k of one block, positions reversed: R (c x m), rt = R^T (m x c) and r (c) carried
+// from the block after.
+template <typename T, int B>
+INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
+                                    const T* gn, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
+  using V = typename Vec<T, B>::type;
+  constexpr int W = Vec<T, B>::kWidth;
+  pass<T, B>(0, len, true, c, m, qf, gn, kf, gv, r_state, 0, m);
+  for (int64_t t = len - 1; t >= 0; --t) {
+    const V scale = V{} + gd[t];
+    for (int64_t i = 0; i < c; i += W) {
+      const V ri = load<T, B>(r + i) + scale * load<T, B>(qf + t * c + i);
+      store<T, B>(r + i, ri);
+      store<T, B>(gk + t * c + i, ri);
+    }
+  }
+  pass<T, B>(0, len, true, m, c, gn, qf, v, gk, rt, 0, c, true, kf);
+}
+
+#define DEFINE_FOR(NAME, ATTR, B)                                                                                 \
+  template <typename T, typename... A> ATTR void map_block_##NAME(A... a) { map_block<T, B>(a...); }             \
+  template <typename T, typename... A> ATTR void forward_block_##NAME(A... a) {                                  \
+    attention_forward_block<T, B>(a...);                                                                          \
+  }                                                                                                               \
+  template <typename T, typename... A> ATTR void output_gradients_##NAME(A... a) { output_gradients<T, B>(a...); } \
+  template <typename T, typename... A> ATTR void grad_q_block_##NAME(A... a) { attention_grad_q_block<T, B>(a...); } \
+  template <typename T, typename... A> ATTR void grad_kv_block_##NAME(A... a) { attention_grad_kv_block<T, B>(a...); }
+DEFINE_FOR(avx512, TARGET_AVX512, 64)
+DEFINE_FOR(avx2, TARGET_AVX2, 32)
+DEFINE_FOR(baseline, , 16)
+#undef DEFINE_FOR
+
+// The block functions in the version for registers of `bytes` (width_bytes).
+#define DISPATCH(FUNCTION)                                                                  \
+  template <typename T, typename... A>                                                      \
+  void run_##FUNCTION(int bytes, A... a) {                                                  \
+    switch (bytes) {                                                                        \
+      case 64: return FUNCTION##_avx512<T>(a...);                                           \
+      case 32: return FUNCTION##_avx2<T>(a...);                                             \
+      default: return FUNCTION##_baseline<T>(a...);                                         \
+    }                                                                                       \
+  }
+DISPATCH(map_block)
+DISPATCH(forward_block)
+DISPATCH(output_gradients)
+DISPATCH(grad_q_block)
+DISPATCH(grad_kv_block)
+#undef DISPATCH
+
+// Where each item's positions and saved blocks lie: items (segment, row), segment s = positions
+// [start[s], start[s] + length[s]) of every row, its blocks from first_block[s] of the row's saved ones.
+struct Segments {
+  std::vector<int64_t> start, length, first_block;
+  int64_t count() const { return static_cast<int64_t>(start.size()); }
+};
+
+// Saved blocks per row: sum over segments of ceil(length / kBlock), at most this bound, which
+// depends on shapes alone (what the operator's fake function can compute): ceil(a) + ceil(b) <=
+// ceil(a + b) + 1.
+int64_t saved_blocks(int64_t n, int64_t segments) { return (n + kBlock - 1) / kBlock + std::max<int64_t>(segments - 1, 0); }
+
+Segments segments_of(const c10::optional<at::Tensor>& cu_seqlens, int64_t n) {
+  Segments s;
+  if (!cu_seqlens) {
+    s.start = {0}, s.length = {n}, s.first_block = {0};
+    return s;
+  }
+  const at::Tensor cu = cu_seqlens->to(at::kLong).contiguous();
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "cu_seqlens must be [0, n_1, n_1 + n_2, ..., T] (1-d, >= 2 entries)");
+  const int64_t* e = cu.data_ptr<int64_t>();
+  TORCH_CHECK(e[0] == 0 && e[cu.size(0) - 1] == n, "cu_seqlens must run from 0 to the sequence length ", n);
+  int64_t blocks = 0;
+  for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
+    TORCH_CHECK(e[i + 1] >= e[i], "cu_seqlens must not decrease");
+    s.start.push_back(e[i]), s.length.push_back(e[i + 1] - e[i]), s.first_block.push_back(blocks);
+    blocks += (e[i + 1] - e[i] + kBlock - 1) / kBlock;
+  }
+  return s;
+}
+
+// Each row's key length (positions of the row from it on are masked keys): key_lengths (rows,), or n.
+std::vector<int64_t> key_counts(const c10::optional<at::Tensor>& key_lengths, int64_t rows, int64_t n) {
+  if (!key_lengths) return std::vector<int64_t>(rows, n);
+  const at::Tensor lengths = key_lengths->to(at::kLong).contiguous();
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == rows, "key lengths must be one per row");
+  return std::vector<int64_t>(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + rows);
+}
+
+at::Tensor state_or_zeros(const c10::optional<at::Tensor>& given, at::IntArrayRef sizes, const at::Tensor& like) {
+  return given ? given->to(like.scalar_type()).reshape(sizes).clone(at::MemoryFormat::Contiguous)
+               : at::zeros(sizes, like.options());
+}
+
+// -> (out (rows, N, M), den (rows, N), S_N (items, C, M), z_N (items, C), states (rows, blocks, C, M),
+// z states (rows, blocks, C)); q, k (rows, N, C) unmapped, C's columns >= `features` padding.
+std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const c10::optional<at::Tensor>& s0, const c10::optional<at::Tensor>& z0,
+                                          const c10::optional<at::Tensor>& cu_seqlens,
+                                          const c10::optional<at::Tensor>& key_lengths, int64_t features, double eps) {
+  check(q, q, -1, "q");
+  check(k, q, q.size(2), "k");
+  check(v, q, -1, "v");
+  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2);
+  TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
+  TORCH_CHECK(features >= 0 && features <= c, "features must lie in [0, C]");
+  const Segments seg = segments_of(cu_seqlens, n);
+  const std::vector<int64_t> keys = key_counts(key_lengths, rows, n);
+  const int64_t items = seg.count() * rows, blocks = saved_blocks(n, seg.count());
+  auto out = empty_outputs({rows, n, m}, q.options());
+  auto den = at::empty({rows, n}, q.options());
+  // z_0 apart from z_N: an item's column pieces each start from z_0, and the first writes z_N
+  at::Tensor s_final = state_or_zeros(s0, {items, c, m}, q), z_first = state_or_zeros(z0, {items, c}, q);
+  auto z_final = at::empty({items, c}, q.options());
+  auto states = empty_outputs({rows, blocks, c, m}, q.options());
+  auto z_states = at::empty({rows, blocks, c}, q.options());
+  // the bound's spare blocks (packed sequences) are zero, not whatever the buffer held: a result is a value
+  const int64_t used = seg.count() == 0 ? 0 : seg.first_block.back() + (seg.length.back() + kBlock - 1) / kBlock;
+  states.narrow(1, used, blocks - used).zero_(), z_states.narrow(1, used, blocks - used).zero_();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_forward", [&] {
+    using T = scalar_t;
+    const int bytes = width_bytes(c, m, sizeof(T));
+    const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
+    // As the numerator's forward: tasks of whole items, else of an item's columns (each piece maps
+    // the block and walks z itself; the first writes den and z)
+    const int64_t pieces = rows_share_out(items) ? 1 : tiles % threads == 0 ? threads : tiles;
+    const int64_t span = m / pieces;
+    at::parallel_for(0, items * pieces, grain(items * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
+      // one buffer, the parts a cache line apart from a multiple of 4 KiB (addresses that agree in their
+      // low 12 bits make a load wait on an unrelated store)
+      const int64_t part = kBlock * c + 16;
+      std::vector<T> scratch(2 * part + c + 16);
+      T *qf = scratch.data(), *kf = qf + part, *z = kf + part;
+      for (int64_t e = begin; e < end; ++e) {
+        const int64_t item = e / pieces, j = e % pieces * span, s = item / rows, row = item % rows;
+        const bool first = j == 0;
+        T* state = s_final.data_ptr<T>() + item * c * m;
+        const T* z_in = z_first.data_ptr<T>() + item * c;
+        std::copy(z_in, z_in + c, z);
+        for (int64_t t0 = 0, i = 0; t0 < seg.length[s]; t0 += kBlock, ++i) {
+          const int64_t len = std::min(kBlock, seg.length[s] - t0), at = row * n + seg.start[s] + t0;
+          const int64_t saved = row * blocks + seg.first_block[s] + i;
+          T* saved_s = states.data_ptr<T>() + saved * c * m;
+          for (int64_t x = 0; x < c; ++x) std::memcpy(saved_s + x * m + j, state + x * m + j, span * sizeof(T));
+          if (first) std::copy(z, z + c, z_states.data_ptr<T>() + saved * c);
+          run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
+                           k.data_ptr<T>() + at * c, qf, kf);
+          run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m), qf,
+                               static_cast<const T*>(kf), static_cast<T>(eps), z,
+                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state,
+                               out.data_ptr<T>() + at * m, j, j + span);
+        }
+        if (first) std::copy(z, z + c, z_final.data_ptr<T>() + item * c);
+      }
+    });
+  });
+  return {out, den, s_final, z_final, states, z_states};
+}
+
+// -> (grad q, grad k, grad v, grad S_0 (items, C, M), grad z_0 (items, C)) from the forward's inputs,
+// out, den and saved states, the gradient of out and those of S_N, z_N (or None).
+std::vector<at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& out, const at::Tensor& den, const at::Tensor& g,
+                                           const at::Tensor& states, const at::Tensor& z_states,
+                                           const c10::optional<at::Tensor>& cu_seqlens,
+                                           const c10::optional<at::Tensor>& key_lengths, int64_t features,
+                                           const c10::optional<at::Tensor>& grad_s, const c10::optional<at::Tensor>& grad_z) {
+  check(q, q, -1, "q");
+  check(k, q, q.size(2), "k");
+  check(v, q, -1, "v");
+  check(out, q, v.size(2), "out");
+  check(g, q, v.size(2), "grad");
+  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2);
+  TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
+  const Segments seg = segments_of(cu_seqlens, n);
+  const std::vector<int64_t> keys = key_counts(key_lengths, rows, n);
+  const int64_t items = seg.count() * rows, blocks = saved_blocks(n, seg.count());
+  TORCH_CHECK(den.is_contiguous() && den.sizes() == at::IntArrayRef({rows, n}) && den.scalar_type() == q.scalar_type(),
+              "den does not fit the inputs");
+  TORCH_CHECK(states.is_contiguous() && states.sizes() == at::IntArrayRef({rows, blocks, c, m}) &&
+              z_states.is_contiguous() && z_states.sizes() == at::IntArrayRef({rows, blocks, c}) &&
+              states.scalar_type() == q.scalar_type() && z_states.scalar_type() == q.scalar_type(),
+              "states do not fit the inputs");
+  auto gq = empty_outputs(q.sizes(), q.options()), gk = empty_outputs(k.sizes(), k.options());
+  auto gv = empty_outputs(v.sizes(), v.options());
+  at::Tensor gs = state_or_zeros(grad_s, {items, c, m}, q), gz = state_or_zeros(grad_z, {items, c}, q);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_backward", [&] {
+    using T = scalar_t;
+    const int bytes = width_bytes(c, m, sizeof(T));
+    // As the numerator's backward: whole items where they share out evenly, else two tasks per item
+    // (grad q; grad v with grad k), each mapping the blocks and scaling g itself.
+    const bool fused = rows_share_out(items);
+    const int64_t tasks = fused ? items : 2 * items;
+    at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
+      std::vector<T> qf(kBlock * c), kf(kBlock * c), gn(kBlock * m), gd(kBlock), st(c * m), rt(c * m), z(c);
+      for (int64_t e = begin; e < end; ++e) {
+        const int64_t item = fused ? e : e / 2, s = item / rows, row = item % rows;
+        const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
+        T* r_state = gs.data_ptr<T>() + item * c * m;  // R, from grad S_N to grad S_0
+        T* r = gz.data_ptr<T>() + item * c;           // r, from grad z_N to grad z_0
+        if (do_kv) transpose(r_state, c, m, rt.data());
+        const int64_t count = (seg.length[s] + kBlock - 1) / kBlock;
+        for (int64_t i = count - 1; i >= 0; --i) {
+          const int64_t t0 = i * kBlock, len = std::min(kBlock, seg.length[s] - t0);
+          const int64_t at = row * n + seg.start[s] + t0, saved = row * blocks + seg.first_block[s] + i;
+          run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
+                           k.data_ptr<T>() + at * c, qf.data(), kf.data());
+          run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
+                                  static_cast<const T*>(out.data_ptr<T>() + at * m),
+                                  static_cast<const T*>(den.data_ptr<T>() + at), gn.data(), gd.data());
+          const T *vp = v.data_ptr<T>() + at * m, *qfp = qf.data(), *kfp = kf.data(), *gnp = gn.data(), *gdp = gd.data();
+          if (do_q) {
+            transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
+            const T* zs = z_states.data_ptr<T>() + saved * c;
+            std::copy(zs, zs + c, z.data());
+            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
+          }
+          if (do_kv)
+            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, r_state, rt.data(), r,
+                                 gk.data_ptr<T>() + at * c, gv.data_ptr<T>() + at * m);
+        }
+      }
+    });
+  });
+  return {gq, gk, gv, gs, gz};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -311,5 +709,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "[bytes held free, buffers handed out again, buffers made fresh] of the output pool");
   module.def("width", [](int64_t c, int64_t m, const at::Tensor& like) { return width_bytes(c, m, like.element_size()); },
              "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
+  module.def("attention_forward", &attention_forward,
+             "(q, k, v, S_0, z_0, cu_seqlens, key_lengths (per row), features, eps), each optional one or None -> "
+             "[out, den, S_N, z_N, states, z_states]: causal attention with phi = elu + 1 fused");
+  module.def("attention_backward", &attention_backward,
+             "(q, k, v, out, den, grad_out, states, z_states, cu_seqlens, key_lengths, features, grad S_N, grad z_N) "
+             "-> [gq, gk, gv, grad S_0, grad z_0]");
+  module.def("saved_blocks", &saved_blocks, "(N, segments) -> the blocks of states the fused forward saves per row");
   bind_instruction_set(module);
 }

@@ -16,6 +16,15 @@ padded columns of the results are cut off. The kernel runs as the ``torch.librar
 :mod:`linformer_lab.ops.custom_ops`, so ``torch.compile`` traces through it. Its large outputs come
 from a pool of reused buffers (``ops/cpu/output_pool.h``), since a fresh buffer costs a page fault
 per 4 KiB. ``tests/ops/test_causal_cpu_kernel.py`` holds it to a float64 O(N^2) reference.
+
+:func:`causal_attention` is the CPU candidate of the ``causal_attention`` op (``attention/linear.py``'s
+causal forward): with the elu + 1 map (eq. 7) the same source computes phi, the numerator and the
+normaliser (z, the state's one more row) in one forward and one backward pass (its
+``attention_forward`` / ``attention_backward``, the operators ``causal_elu_attention_*``), where
+the layer would otherwise run the map, the numerator, a cumulative sum and their gradients as a
+dozen ATen kernels around the recurrence. C's padding columns are zero after the map (a zero
+column of q maps to phi = 1), and the kernel zeroes phi(k) past ``key_lengths``.
+``tests/ops/test_causal_cpu_attention.py`` holds it to the float64 naive attention.
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import torch.nn.functional as F
 
 from linformer_lab.ops import cpu, custom_ops
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
+from linformer_lab.ops.linear_attention.recurrent import LinearState
 
-__all__ = ["causal_dot_product", "recurrence_dims"]
+__all__ = ["accepts_attention", "causal_attention", "causal_dot_product", "recurrence_dims"]
 
 
 def _padded(size: int, width: int) -> int:
@@ -73,22 +83,99 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     return (out, final) if return_final_state else out
 
 
+def _padded_inputs(q, k, v, who: str):
+    """``(q, k, v, pad_c, pad_m)``: q, k, v of one float32 / float64 dtype zero-padded in C and M to
+    what the recurrence runs, contiguous (the operators read raw rows; the copies are what they save
+    for the backward), and the padding."""
+    c, m = q.shape[-1], v.shape[-1]
+    dims = recurrence_dims(c, m, q.dtype)
+    if dims is None:
+        raise RuntimeError(f"the {who} does not run {q.dtype} here: it takes float32, float64, "
+                           "float16 or bfloat16 (as float32), and needs the causal_recurrence.cpp extension built")
+    pad_c, pad_m = dims[0] - c, dims[1] - m
+    if pad_c or pad_m:
+        return F.pad(q, (0, pad_c)), F.pad(k, (0, pad_c)), F.pad(v, (0, pad_m)), pad_c, pad_m
+    return q.contiguous(), k.contiguous(), v.contiguous(), 0, 0
+
+
 def _recurrence(q, k, v, initial_state):
     """The operator on ``q, k, v, initial_state`` of one float32 / float64 dtype, C and M padded to
     what it runs: ``(out, S_N)``."""
     c, m = q.shape[-1], v.shape[-1]
-    dims = recurrence_dims(c, m, q.dtype)
-    if dims is None:
-        raise RuntimeError(f"the C++ causal recurrence does not run {q.dtype} here: it takes float32, float64, "
-                           "float16 or bfloat16 (as float32), and needs the causal_recurrence.cpp extension built")
-    pad_c, pad_m = dims[0] - c, dims[1] - m
-    if pad_c or pad_m:
-        q, k, v = F.pad(q, (0, pad_c)), F.pad(k, (0, pad_c)), F.pad(v, (0, pad_m))
-        if initial_state is not None:
-            initial_state = F.pad(initial_state, (0, pad_m, 0, pad_c))
-    else:  # the operator reads contiguous rows; copied here, the copies are what it saves for the backward
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v, pad_c, pad_m = _padded_inputs(q, k, v, "C++ causal recurrence")
+    if initial_state is not None and (pad_c or pad_m):
+        initial_state = F.pad(initial_state, (0, pad_m, 0, pad_c))
     out, final, _ = custom_ops.causal_recurrence_forward(q, k, v, initial_state)
     if pad_c or pad_m:
         out, final = out[..., :m], final[..., :c, :m]
     return out, final
+
+
+#: The feature map the fused attention computes itself, by its exact class (a subclass may change it).
+FUSED_MAP = "linformer_lab.feature_maps.elu.EluFeatureMap"
+_ATTENTION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def fuses(feature_map) -> bool:
+    """True for the elu + 1 map (eq. 7), which the fused kernel applies itself, or its registered
+    name ``"elu"`` (what ``kernels.describe`` asks about)."""
+    if isinstance(feature_map, str):
+        return feature_map == "elu"
+    kind = type(feature_map)
+    return f"{kind.__module__}.{kind.__qualname__}" == FUSED_MAP
+
+
+def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The elu map, CPU tensors of one dtype (float16 / bfloat16 run as float32), self-attention
+    ``(B, H, N, D)`` of one length: what :func:`causal_attention` takes."""
+    return (fuses(feature_map) and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1]
+            and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype == v.dtype and v.dtype in _ATTENTION_DTYPES
+            and q.device.type == k.device.type == v.device.type == "cpu")
+
+
+def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
+                     return_state=False, cu_seqlens=None):
+    """Causal eq. 9-12 with phi = elu + 1 in the fused C++ kernel; the ``causal_attention`` op's
+    arguments (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``, ``key_lengths
+    (B,)``, ``initial_state (S_0 (S, H, D, M), Z_0 (S, H, D))`` with S = B, or with ``cu_seqlens``
+    (int ``[0, n_1, ..., N]``, B = 1) one row per packed sequence. Returns ``(B, H, N, M)`` in v's
+    dtype, with ``return_state`` also ``(S_N, Z_N)`` as a :class:`LinearState` in the compute dtype
+    (float32 for half inputs). ``feature_map`` must be the elu map (:func:`accepts_attention`);
+    ``dot_product`` is not used: the kernel computes the numerator."""
+    if not fuses(feature_map):
+        raise ValueError(f"the fused CPU attention computes the elu feature map only, not {type(feature_map).__name__}")
+    dtype = v.dtype
+    compute = compute_dtype(dtype)
+    s0 = z0 = None
+    if initial_state is not None:
+        s0, z0 = (x.to(compute) for x in _checked_state(initial_state, k, v, cu_seqlens))
+    with torch.autocast("cpu", enabled=False):
+        c, m = q.shape[-1], v.shape[-1]
+        q, k, v, pad_c, pad_m = _padded_inputs(q.to(compute), k.to(compute), v.to(compute), "fused CPU attention")
+        if pad_c or pad_m:
+            s0 = None if s0 is None else F.pad(s0, (0, pad_m, 0, pad_c))
+            z0 = None if z0 is None else F.pad(z0, (0, pad_c))
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(device="cpu", dtype=torch.int64)
+        if key_lengths is not None:
+            key_lengths = key_lengths.to(device="cpu", dtype=torch.int64)
+        out, _, s_n, z_n, _, _ = custom_ops.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, c,
+                                                                         float(eps))
+        if pad_c or pad_m:
+            out, s_n, z_n = out[..., :m], s_n[..., :c, :m], z_n[..., :c]
+    out = out.to(dtype)
+    if not return_state:
+        return out
+    return out, LinearState(torch.cat([s_n, z_n.unsqueeze(-1)], dim=-1))
+
+
+def _checked_state(state, k: torch.Tensor, v: torch.Tensor, cu_seqlens):
+    """``(S_0, Z_0)`` fitting the inputs (one row per batch entry, or per packed sequence), or the
+    ValueError of the reference path saying what was expected."""
+    from linformer_lab.ops.linear_attention import check_linear_state
+
+    if cu_seqlens is None:
+        return check_linear_state(state, k, v, "causal linear attention")
+    rows = cu_seqlens.shape[0] - 1  # one state row per packed sequence
+    return check_linear_state(state, k.new_empty(rows, *k.shape[1:2], 0, k.shape[-1]),
+                              v.new_empty(rows, *v.shape[1:2], 0, v.shape[-1]), "packed causal linear attention")

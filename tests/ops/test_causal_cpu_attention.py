@@ -1,0 +1,235 @@
+"""The fused causal attention on CPU (phi = elu + 1, numerator and normaliser in one C++ forward and
+one backward: ``attention_forward`` / ``attention_backward`` of linformer_lab/ops/cpu/causal_recurrence.cpp,
+through the operators of linformer_lab/ops/custom_ops.py and cpu_kernel.causal_attention) against the
+float64 O(N^2) attention written out here (torch's own elu), gradients against autograd of it.
+
+Checked: outputs, the final state (S_N, z_N) and the gradients of q, k, v, S_0, z_0 and from both
+parts of the final state; C != M, odd C and M (zero-padded: a padded column of q must not enter the
+normaliser, though phi(0) = 1); key lengths (masked keys enter neither outputs nor state nor get a
+gradient); packed sequences (cu_seqlens) with empty ones, one state row each; one row on two threads
+(the forward's column pieces, the backward's split passes); every instruction-set version the CPU
+runs; float32 and float64; half inputs run as float32; the layer with the fused kernel equal to the
+layer on the PyTorch reference, and the dispatch taking it for the elu map only; the operators'
+opcheck (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.ops import custom_ops, kernels
+from linformer_lab.ops.linear_attention import cpu_kernel
+
+EPS = 1e-6
+#: relative to the largest entry of each result (sums of up to N products of O(1) numbers)
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=3e-5, atol=3e-5)}
+NAMES = ["out", "S_N", "z_N", "grad q", "grad k", "grad v", "grad S_0", "grad z_0"]
+
+
+def naive_attention(q, k, v, s0, z0, key_lengths=None, eps=EPS):
+    """float64 causal linear attention from an initial state, O(N^2): (out, S_N, z_N)."""
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+    if key_lengths is not None:
+        valid = (torch.arange(k.shape[2])[None, :] < key_lengths[:, None]).to(q.dtype)[:, None, :, None]
+        phi_k, v = phi_k * valid, v * valid
+    weights = torch.tril(phi_q @ phi_k.transpose(-1, -2))
+    numerator = weights @ v + phi_q @ s0
+    denominator = weights.sum(-1, keepdim=True) + phi_q @ z0.unsqueeze(-1) + eps
+    return numerator / denominator, s0 + phi_k.transpose(-1, -2) @ v, z0 + phi_k.sum(-2)
+
+
+def inputs(b, h, n, c, m, s=None, seed=0):
+    """q, k, v, S_0, z_0 in float64 and upstream gradients for out, S_N, z_N (S = s or B state rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = b if s is None else s
+    q, k = (torch.randn(b, h, n, c, generator=gen, dtype=torch.float64) * 1.5 for _ in range(2))
+    v, grad = (torch.randn(b, h, n, m, generator=gen, dtype=torch.float64) for _ in range(2))
+    s0, grad_s = (torch.randn(s, h, c, m, generator=gen, dtype=torch.float64) for _ in range(2))
+    z0 = torch.rand(s, h, c, generator=gen, dtype=torch.float64) * 4  # a normaliser: positive
+    grad_z = torch.randn(s, h, c, generator=gen, dtype=torch.float64)
+    return [q, k, v, s0, z0], [grad, grad_s, grad_z]
+
+
+def results(run, leaves, grads, dtype):
+    """[out, S_N, z_N, grad q, k, v, S_0, z_0] of ``run(q, k, v, s0, z0) -> (out, S_N, z_N)`` in ``dtype``."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in leaves]
+    outs = run(*leaves)
+    torch.autograd.backward(outs, [g.to(dtype) for g in grads])
+    return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+
+def fused(key_lengths=None, cu_seqlens=None):
+    def run(q, k, v, s0, z0):
+        out, (s_n, z_n) = cpu_kernel.causal_attention(EluFeatureMap(q.shape[-1]), q, k, v, key_lengths, EPS, None,
+                                                      (s0, z0), True, cu_seqlens)
+        return out, s_n, z_n
+    return run
+
+
+def assert_close(got, want, dtype):
+    for name, g, w in zip(NAMES, got, want):
+        scale = max(w.abs().max().item(), 1.0) if w.numel() else 1.0
+        torch.testing.assert_close(g.double() / scale, w / scale, **TOLERANCE[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def threads():
+    """2 threads: one row then splits its columns (forward) and its passes (backward)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+
+
+SHAPES = [  # (B, H, N, C, M): one block and several, C != M, odd sizes padded
+    (1, 1, 37, 16, 16),
+    (2, 3, 300, 32, 16),
+    (1, 1, 600, 64, 64),  # one row, several register columns: split on two threads
+    (1, 2, 260, 16, 128),
+    (2, 1, 280, 7, 7),
+    (1, 2, 90, 33, 5),
+    (1, 1, 70, 65, 65),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_attention_matches_the_float64_reference(causal_extension, threads, shape, dtype):
+    leaves, grads = inputs(*shape)
+    assert_close(results(fused(), leaves, grads, dtype), results(naive_attention, leaves, grads, torch.float64), dtype)
+
+
+@pytest.mark.parametrize("lengths", [[0, 280], [137, 3], [280, 279]], ids=["empty", "short", "one-off"])
+def test_masked_keys_enter_nothing(causal_extension, threads, lengths):
+    """Keys at positions >= key_lengths add nothing to outputs or state, and get no gradient."""
+    key_lengths = torch.tensor(lengths)
+    leaves, grads = inputs(2, 2, 280, 16, 32)
+    want = results(lambda *x: naive_attention(*x, key_lengths=key_lengths), leaves, grads, torch.float64)
+    got = results(fused(key_lengths), leaves, grads, torch.float32)
+    assert_close(got, want, torch.float32)
+    for row, length in enumerate(lengths):
+        assert not got[4][row, :, length:].any() and not got[5][row, :, length:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_packed_sequences_with_empty_ones(causal_extension, threads, dtype):
+    """cu_seqlens: each sequence (two of them empty, one past a block) attends within itself from its
+    own state row; equal to the reference run on each sequence alone."""
+    edges = [0, 0, 100, 100, 400, 401, 433]
+    leaves, grads = inputs(1, 3, edges[-1], 16, 32, s=len(edges) - 1)
+    cu_seqlens = torch.tensor(edges, dtype=torch.int32)
+
+    def per_sequence(q, k, v, s0, z0):
+        outs, states, norms = [], [], []
+        for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+            out, s_n, z_n = naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], s0[i : i + 1], z0[i : i + 1])
+            outs.append(out), states.append(s_n), norms.append(z_n)
+        return torch.cat(outs, 2), torch.cat(states), torch.cat(norms)
+
+    assert_close(results(fused(cu_seqlens=cu_seqlens), leaves, grads, dtype),
+                 results(per_sequence, leaves, grads, torch.float64), dtype)
+
+
+def test_every_instruction_set_version_matches_the_reference(causal_isa):
+    leaves, grads = inputs(2, 2, 300, 32, 48)
+    key_lengths = torch.tensor([300, 211])
+    assert_close(results(fused(key_lengths), leaves, grads, torch.float32),
+                 results(lambda *x: naive_attention(*x, key_lengths=key_lengths), leaves, grads, torch.float64),
+                 torch.float32)
+
+
+@pytest.mark.parametrize("used", ["out", "S_N", "z_N"])
+def test_gradient_from_one_output_alone(causal_extension, used):
+    """Only one of out, S_N, z_N reaches the loss (the others' gradients arrive as None)."""
+    leaves, _ = inputs(1, 2, 50, 16, 16)
+    index = ["out", "S_N", "z_N"].index(used)
+    got = [t.detach().float().requires_grad_() for t in leaves]
+    want = [t.detach().clone().requires_grad_() for t in leaves]
+    fused()(*got)[index].square().sum().backward()
+    naive_attention(*want)[index].square().sum().backward()
+    for g, w in zip(got, want):  # a leaf the output does not depend on: no gradient, or zeros
+        expected = w.grad if w.grad is not None else torch.zeros_like(w)
+        torch.testing.assert_close(g.grad.double() if g.grad is not None else torch.zeros_like(w), expected,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def _layer_results(monkeypatch, switch, dtype, feature_map="elu"):
+    if switch:
+        monkeypatch.setenv(kernels.SWITCH, switch)
+    else:
+        monkeypatch.delenv(kernels.SWITCH, raising=False)
+    layer = LinearAttention(causal=True, query_dim=24, feature_map=feature_map)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 290, 24, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    state = tuple(x.requires_grad_() for x in (torch.randn(2, 2, 24, 24, generator=gen),
+                                                torch.rand(2, 2, 24, generator=gen) * 3))
+    out, (s_n, z_n) = layer(q, k, v, key_lengths=torch.tensor([290, 100]), state=state, return_state=True)
+    (out.float().square().sum() + s_n.sum() + z_n.square().sum()).backward()
+    return [out, s_n, z_n, q.grad, k.grad, v.grad, state[0].grad, state[1].grad]
+
+
+def test_layer_on_the_fused_kernel_equals_the_layer_on_the_reference(monkeypatch, causal_extension):
+    calls = []
+    original = cpu_kernel.causal_attention
+    monkeypatch.setattr(cpu_kernel, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    got = _layer_results(monkeypatch, None, torch.float32)
+    assert calls, "the layer did not take the fused kernel"
+    want = _layer_results(monkeypatch, "causal_attention=reference", torch.float64)
+    assert len(calls) == 1
+    assert_close(got, [w.double() for w in want], torch.float32)
+
+
+def test_half_inputs_run_as_float32(monkeypatch, causal_extension):
+    got = _layer_results(monkeypatch, None, torch.bfloat16)
+    want = _layer_results(monkeypatch, "causal_attention=reference", torch.bfloat16)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    for name, g, w in zip(NAMES, got, want):  # the reference maps phi in bf16, the kernel in fp32: bf16's rounding
+        scale = w.double().abs().max().item()
+        torch.testing.assert_close(g.double() / scale, w.double() / scale, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_dispatch_takes_the_kernel_for_the_elu_map_only(causal_extension, monkeypatch):
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
+    x = torch.zeros(1, 1, 4, 8)
+    assert kernels.select("causal_attention", EluFeatureMap(8), x, x, x).name == "cpp"
+    other = LinearAttention(causal=True, query_dim=8, feature_map="poly2").feature_map
+    assert kernels.select("causal_attention", other, x, x, x).name == kernels.REFERENCE
+    assert any(line.startswith("causal_attention op on cpu") and "elu and the normaliser fused" in line
+               for line in kernels.describe())
+    with pytest.raises(ValueError, match="elu feature map only"):
+        cpu_kernel.causal_attention(other, x, x, x)
+
+
+@pytest.mark.slow  # opcheck traces with AOT autograd: several seconds
+@pytest.mark.parametrize("case", ["plain", "state-and-lengths", "packed"])
+def test_operators_pass_opcheck(causal_extension, case):
+    leaves, _ = inputs(1 if case == "packed" else 2, 2, 260, 4, 8, s=3 if case == "packed" else None)
+    q, k, v, s0, z0 = (t.requires_grad_() for t in leaves)
+    cu_seqlens = torch.tensor([0, 7, 7, 260]) if case == "packed" else None
+    key_lengths = torch.tensor([260, 9]) if case == "state-and-lengths" else None
+    if case == "plain":
+        s0 = z0 = None
+    args = (q, k, v, s0, z0, cu_seqlens, key_lengths, 4, EPS)
+    torch.library.opcheck(custom_ops.causal_elu_attention_forward, args)
+    out, den, s_n, z_n, states, z_states = custom_ops.causal_elu_attention_forward(*args)
+    for grad_s, grad_z in ((torch.randn_like(s_n), torch.randn_like(z_n)), (None, None)):
+        torch.library.opcheck(custom_ops.causal_elu_attention_backward,
+                              (q.detach(), k.detach(), v.detach(), out.detach(), den, torch.randn_like(out), states,
+                               z_states, cu_seqlens, key_lengths, 4, grad_s, grad_z))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_a_state_that_does_not_fit_is_a_clear_error(causal_extension, packed):
+    """One state row per batch entry, or per packed sequence: anything else names the shapes expected."""
+    leaves, _ = inputs(1 if packed else 2, 2, 30, 8, 4, s=3 if packed else None)
+    q, k, v, s0, z0 = leaves
+    cu_seqlens = torch.tensor([0, 10, 30]) if packed else None  # two sequences, three state rows
+    if not packed:
+        s0, z0 = s0[:1], z0[:1]
+    with pytest.raises(ValueError, match="does not fit these inputs"):
+        cpu_kernel.causal_attention(EluFeatureMap(8), q, k, v, None, EPS, None, (s0, z0), False, cu_seqlens)
