@@ -7,11 +7,12 @@ four Lightning subcommands import it there, on demand.
 import os
 import sys
 
-from linformer_lab.cli_args import main
+from linformer_lab.cli_args import close_process_group, main
 
 if __name__ == "__main__":
     try:
         code = main()
+        close_process_group()
         sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
     except BrokenPipeError:
         # the reader stopped early (cli.py plugins --json | head): as for any Unix filter, no

@@ -399,6 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_lightning_cli(argv)
 
 
+def close_process_group() -> None:
+    """Destroy the process group a DDP run leaves behind (Lightning keeps it for a next Trainer): at
+    interpreter shutdown gloo's threads may otherwise still run and abort a process whose run
+    succeeded ("terminate called without an active exception", a non-zero exit)."""
+    distributed = sys.modules.get("torch.distributed")  # never imported by --help or plugins: nothing to close
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+
+
 def with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
     """``argv`` with every ``--ckpt_path last|best`` replaced by ``path`` (removed when None)."""
     out, i = [], 0

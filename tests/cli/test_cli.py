@@ -403,3 +403,17 @@ def test_task_settings_come_from_the_declared_base():
     assert task_settings(task) == ("val/loss", "min", CopyTask.hparams_free_to_change)
     assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, ())
     assert task.hparams["attention"] == {"backend": "linear", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}
+
+
+def test_the_process_group_a_ddp_run_leaves_is_closed_before_exit(tmp_path):
+    """cli.py closes the process group Lightning keeps after a DDP run (gloo's threads at
+    interpreter shutdown could otherwise abort a process whose run succeeded)."""
+    import torch.distributed as dist
+
+    from linformer_lab.cli_args import close_process_group
+
+    close_process_group()  # none open: nothing to do
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    close_process_group()
+    assert not dist.is_initialized()

@@ -149,5 +149,15 @@ def main(plan_path: str) -> int:
     return 0
 
 
+def run(plan_path: str) -> int:
+    """:func:`main`, then the job's process group closed, as ``cli.py`` closes it."""
+    from linformer_lab.cli_args import close_process_group
+
+    try:
+        return main(plan_path)
+    finally:
+        close_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(run(sys.argv[1]))
