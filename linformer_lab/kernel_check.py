@@ -20,8 +20,6 @@ candidate by itself.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -141,7 +139,7 @@ def _fused_step(device: str, dtype: torch.dtype):
 
     def call(candidate):
         outputs, state = [], None
-        with _forced("fused_step", candidate.name), torch.no_grad(), weight_copies_for_steps(model, "model"):
+        with kernels.switched(f"fused_step={candidate.name}"), torch.no_grad(), weight_copies_for_steps(model, "model"):
             for t in range(x.shape[1]):
                 out, state = fast_step(model, x[:, t], state)
                 outputs.append(out)
@@ -153,19 +151,6 @@ def _fused_step(device: str, dtype: torch.dtype):
 PROBES: dict[str, Callable] = {"causal": _causal, "lsh_window": _lsh_window, "fused_step": _fused_step,
                                "causal_attention": _causal_attention}
 
-
-@contextlib.contextmanager
-def _forced(op: str, name: str):
-    """``LINFORMER_LAB_KERNELS`` forcing ``op``'s candidate ``name`` for the block (restored after)."""
-    before = os.environ.get(kernels.SWITCH)
-    os.environ[kernels.SWITCH] = f"{op}={name}"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[kernels.SWITCH]
-        else:
-            os.environ[kernels.SWITCH] = before
 
 
 # ---------------------------------------------------------------- running and comparing

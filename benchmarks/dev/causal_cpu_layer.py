@@ -88,20 +88,11 @@ def ft_version() -> str:
         return "not installed"
 
 
-@contextlib.contextmanager
 def switched(value: str):
     """``LINFORMER_LAB_KERNELS=value`` within the block (the dispatch reads it at every selection)."""
     from linformer_lab.ops import kernels
 
-    before = os.environ.get(kernels.SWITCH)
-    os.environ[kernels.SWITCH] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[kernels.SWITCH]
-        else:
-            os.environ[kernels.SWITCH] = before
+    return kernels.switched(value)
 
 
 def ft_layer(torch, d: int):

@@ -55,7 +55,7 @@ with dropout (``train/loss``) and, on the same batch and weights, without (``tra
 ``--quick`` is the same matrix at toy size on CPU (seconds a run; CI runs it):
 
     python benchmarks/paper/figure2_copy.py --paper --accelerator cuda --jobs 8 --max-minutes 120
-    uv run python benchmarks/paper/figure2_copy.py --quick --out /tmp/figure2_quick
+    uv run python benchmarks/paper/figure2_copy.py --quick --out benchmarks/paper/results/figure2_quick
 
 Runs longer than a sitting (lsh at length 128 on a CPU: hours to days): every run writes its
 ``last.ckpt`` every --save-every updates (default --val-every); ``--resume`` continues each method

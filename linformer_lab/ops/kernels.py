@@ -37,6 +37,7 @@ building or importing a kernel costs only where it may run. ``describe()`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product", "cuda_kernel",
-           "describe", "forced", "reference", "select"]
+           "describe", "forced", "reference", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
@@ -296,6 +297,20 @@ CANDIDATES: dict[str, list[Candidate]] = {
 
 
 # ---------------------------------------------------------------- the switch and the choice
+
+
+@contextlib.contextmanager
+def switched(value: str):
+    """``LINFORMER_LAB_KERNELS=value`` within the block, as it was after (read at every selection)."""
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SWITCH]
+        else:
+            os.environ[SWITCH] = before
 
 
 def forced() -> dict[str, str]:

@@ -7,6 +7,7 @@ toy matrix), so the command cannot rot between the rare runs on a GPU."""
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import re
 import shlex
@@ -18,13 +19,19 @@ import time
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import gpu_check
-finally:
-    sys.path.remove(str(REPO / "benchmarks" / "paper"))
-    sys.path.remove(str(REPO / "benchmarks"))
+
+def import_benchmark(name: str):
+    """A script of benchmarks/paper imported as a module (with benchmarks/common.py on the path)."""
+    folders = [str(REPO / "benchmarks" / "paper"), str(REPO / "benchmarks")]
+    sys.path[:0] = folders
+    try:
+        return importlib.import_module(name)
+    finally:
+        for folder in folders:
+            sys.path.remove(folder)
+
+
+gpu_check = import_benchmark("gpu_check")
 
 #: The device's budget for a session, a machine's start, and what a rerun of a part needs (seconds).
 DEVICE_BUDGET_S, MACHINE_START_S, RERUN_S = 900, 180, 200
@@ -162,13 +169,7 @@ def test_the_kernel_part_runs_alone(tmp_path):
 
 
 def test_the_kernel_report_shows_each_autotuning_and_their_sum():
-    sys.path.insert(0, str(REPO / "benchmarks" / "paper"))
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu_check_kernel
-    finally:
-        sys.path.remove(str(REPO / "benchmarks" / "paper"))
-        sys.path.remove(str(REPO / "benchmarks"))
+    gpu_check_kernel = import_benchmark("gpu_check_kernel")
     rows = [{"part": "tuning", "method": name, "key": "(64, 64, 64)", "config": "BV: 64, num_warps: 4", "seconds": s}
             for name, s in (("chunk_states_forward", 1.25), ("chunk_states_backward", 2.5))]
     report = "\n".join(gpu_check_kernel.report_lines(rows))
