@@ -48,9 +48,21 @@ def built_in_attention() -> list[str]:
     ``decayed_linear``) does not share; a plugin is tested by its own tests
     (tests/attention/test_state_contract.py installs one). Registered feature maps all count."""
     import linformer_lab as ll
+
+    return _built_in(ll.ATTENTION)
+
+
+def built_in_feature_maps() -> list[str]:
+    """The feature maps this project registers (the benchmarks list these), whatever plugins are installed."""
+    import linformer_lab as ll
+
+    return _built_in(ll.FEATURE_MAPS)
+
+
+def _built_in(registry) -> list[str]:
     from linformer_lab.registry import SOURCE_CHECKOUT
 
-    return [name for name, dists in ll.ATTENTION.distributions().items()
+    return [name for name, dists in registry.distributions().items()
             if all(d == SOURCE_CHECKOUT or d.split("==")[0] == "linformer_lab" for d in dists)]
 
 
