@@ -75,6 +75,10 @@ class UnsafeCheckpointError(UnreadableCheckpointError):
     """The file holds pickled objects other than tensors and plain data: loading it could run code."""
 
 
+class OptimizerStateMismatchError(CheckpointMismatchError):
+    """The saved optimizer state does not line up with the model's parameters (saved in another order)."""
+
+
 class OtherTaskCheckpointError(CheckpointMismatchError):
     """The checkpoint was written by another task class."""
 
@@ -410,7 +414,30 @@ def check_checkpoint(path: str, model: L.LightningModule) -> dict:
             f"checkpoint {path} does not fit the configured {type(model).__name__}: " + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "") + "." + hint
         )
+    _check_optimizer_order(path, ckpt, model)
     return ckpt
+
+
+def _check_optimizer_order(path: str, ckpt: dict, model: L.LightningModule) -> None:
+    """The tasks hand ``self.parameters()`` to their optimizer, whose saved state is keyed by
+    position: a checkpoint of a model whose modules were registered in another order would resume
+    with each moment applied to another weight (an error deep in the first step, or silent nonsense
+    when shapes agree). Compared here by shape, position by position."""
+    states = ckpt.get("optimizer_states") or []
+    if not states or not isinstance(states[0], dict):
+        return
+    parameters = list(model.named_parameters())
+    for index, state in sorted((states[0].get("state") or {}).items()):
+        if not isinstance(index, int) or index >= len(parameters):
+            continue
+        saved = next((v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        name, parameter = parameters[index]
+        if saved is not None and tuple(saved.shape) != tuple(parameter.shape):
+            raise OptimizerStateMismatchError(
+                f"checkpoint {path}: its optimizer state does not line up with the model's parameters (position {index}, "
+                f"{name}: state {tuple(saved.shape)}, parameter {tuple(parameter.shape)}), so it cannot resume; "
+                f"start a new run from its weights with --model.init_from {path}."
+            )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -52,13 +52,14 @@ class TransformerLayer(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"TransformerLayer: unknown activation {activation!r}; valid choices: {', '.join(ACTIVATIONS)}")
         self.norm_first = norm_first
-        if norm_first:
-            self.norm_attention, self.norm_ff = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        else:
-            self.norm_after_attention, self.norm_after_ff = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-            self.norm_attention = self.norm_ff = None
+        # Registration order is the order of parameters(), which an optimizer's saved state is keyed
+        # by: norm, attention, norm, feed-forward, as checkpoints have always had it.
+        self.norm_attention = nn.LayerNorm(d_model) if norm_first else None
         attention = layer_attention(attention, causal=causal, query_dim=head_dims(d_model, n_heads)[0])
         self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
+        self.norm_ff = nn.LayerNorm(d_model) if norm_first else None
+        if not norm_first:
+            self.norm_after_attention, self.norm_after_ff = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.feedforward = nn.Sequential(
             nn.Linear(d_model, d_ff), ACTIVATIONS[activation](), nn.Dropout(dropout), nn.Linear(d_ff, d_model)
         )

@@ -15,6 +15,7 @@ from conftest import checkpoint_dir, run_cli, tiny_copy_args
 from linformer_lab.checkpoints import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    OptimizerStateMismatchError,
     OtherAttentionCheckpointError,
     OtherShapeCheckpointError,
     OtherTaskCheckpointError,
@@ -163,3 +164,23 @@ def test_nothing_to_resume_is_its_own_class(tmp_path):
 
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint found"):
         resolve_checkpoint_path("best", CopyTask(), tmp_path)
+
+
+def test_an_optimizer_state_saved_in_another_parameter_order_is_refused_with_the_way_out(trained, tmp_path):
+    """The optimizer's saved moments are keyed by parameter position: a checkpoint whose order no
+    longer matches the model's (modules registered in another order by an older version) would
+    apply each moment to another weight. Refused before the run starts, naming --model.init_from."""
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    ckpt = torch.load(checkpoint_dir(trained) / "last.ckpt", map_location="cpu", weights_only=True)
+    state = ckpt["optimizer_states"][0]["state"]
+    model = CopyTask(attention="linear", d_model=16, vocab_size=12, sequence_length=13, n_layers=1, n_heads=2, dropout=0.0)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    i, j = next((i, j) for i in range(len(shapes)) for j in range(i) if shapes[i] != shapes[j])
+    state[i], state[j] = state[j], state[i]
+    swapped = tmp_path / "swapped.ckpt"
+    torch.save(ckpt, swapped)
+    with pytest.raises(OptimizerStateMismatchError, match=f"position {j}"):
+        check_checkpoint(str(swapped), model)
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--trainer.max_steps=4", "--ckpt_path", str(swapped)])
+    assert code == 2 and f"--model.init_from {swapped}" in one_error_line(err)

@@ -78,3 +78,13 @@ def test_defaults_are_pre_norm_gelu_and_bad_activation_names_the_choices():
     assert post.norm_attention is None and post.norm_ff is None  # the fast paths' pre-norm reads fail at once
     with pytest.raises(ValueError, match="unknown activation 'tanh'; valid choices: gelu, relu"):
         TransformerLayer(16, 2, 32, activation="tanh")
+
+
+def test_pre_norm_parameters_keep_the_order_checkpoints_were_saved_in():
+    """An optimizer's saved state is keyed by parameter position, so a pre-norm layer lists its
+    parameters as checkpoints of every earlier version do: norm, attention, norm, feed-forward.
+    (A change of order made resuming a trained MNIST run fail in its first step.)"""
+    layer = TransformerLayer(16, 2, 32, attention="linear")
+    order = [name.split(".")[0] for name, _ in layer.named_parameters()]
+    firsts = list(dict.fromkeys(order))
+    assert firsts == ["norm_attention", "attention", "norm_ff", "feedforward"]
