@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps import FeatureMap
@@ -68,7 +67,8 @@ from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models import fused_step
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer, TransformerLayer
-from linformer_lab.ops.linear_attention import LinearState, StateOwner, check_step_fits_state
+from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state
+from linformer_lab.ops.state import LinearState, SequenceBuffer
 
 __all__ = [
     "CPU_MATMUL_MIN_ROWS",
