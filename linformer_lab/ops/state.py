@@ -12,7 +12,8 @@ and tuples of states. A tensor meets the contract as it is.
 Every built-in state copies, pickles and saves; ``torch.load(..., weights_only=True)`` reads it
 back (the classes are registered safe globals, under their earlier module paths too, so states
 saved before they moved here still load). The module is in ops/, the lowest layer that makes a
-state; ``linformer_lab.attention`` and the package root re-export its public names.
+state; ``linformer_lab.attention`` (``AttentionState``, ``KVCache``) and the package root
+(``clone_state``, ``detach_state``) re-export names from it.
 """
 
 from __future__ import annotations
@@ -135,15 +136,17 @@ def state_nbytes(state) -> int:
 # ---------------------------------------------------------------- linear attention's fixed-size state
 class LinearState(tuple):
     """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
-    :func:`new_linear_state`: a plain 2-tuple to every reader, whose two members are views of
-    one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the last column).
+    :func:`~linformer_lab.ops.linear_attention.new_linear_state`: a plain 2-tuple to every reader,
+    whose two members are views of one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the
+    last column).
 
     With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
     of eq. 20 together. The bytes are those of S and Z alone.
 
-    A value (:func:`linear_attention_step` returns a new one) that meets :class:`AttentionState`:
-    :meth:`detach` shares the buffer, :meth:`clone` copies it. Copies, pickles and saves as its one
-    buffer: ``copy.copy`` shares it, ``copy.deepcopy`` / ``pickle`` / ``torch.save`` copy it.
+    A value (:func:`~linformer_lab.ops.linear_attention.linear_attention_step` returns a new one)
+    that meets :class:`AttentionState`: :meth:`detach` shares the buffer, :meth:`clone` copies it.
+    Copies, pickles and saves as its one buffer: ``copy.copy`` shares it, ``copy.deepcopy`` /
+    ``pickle`` / ``torch.save`` copy it.
     """
 
     joint: torch.Tensor
