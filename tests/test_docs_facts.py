@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from linformer_lab.ops import kernels
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -169,3 +171,97 @@ def test_every_link_of_the_docs_leads_to_a_file_and_heading(doc):
 def test_github_slug_drops_punctuation_as_github_does():
     assert github_slug("The causal numerator on CPU (§3.3, eq. 13–15)") == "the-causal-numerator-on-cpu-33-eq-1315"
     assert github_slug("Table 1: MNIST, bits/dim and images/s (§4.2.1)") == "table-1-mnist-bitsdim-and-imagess-421"
+
+
+# ---------------------------------------------------------------- kernels
+#: Where the docs name kernels: as ``op=name``, the value LINFORMER_LAB_KERNELS takes to force one.
+KERNEL_DOCS = [*DOCS, REPO / "benchmarks" / "README.md", *sorted((REPO / "examples").glob("*/README.md"))]
+
+
+def kernel_candidates() -> dict[str, list[str]]:
+    """op -> its candidates' names, first to last, as ``ops/kernels.py`` lists them."""
+    return {op: [candidate.name for candidate in candidates] for op, candidates in kernels.CANDIDATES.items()}
+
+
+def every_kernel() -> set[tuple[str, str]]:
+    return {(op, name) for op, names in kernel_candidates().items() for name in names}
+
+
+def named_kernels(text: str) -> set[tuple[str, str]]:
+    """Every ``op=name`` in ``text`` whose op is one of ``ops/kernels.py`` (``causal=True`` is Python, not a kernel)."""
+    ops = "|".join(sorted(kernels.CANDIDATES, key=len, reverse=True))
+    return set(re.findall(rf"(?<![\w.-])({ops})=([a-z_0-9]+)", text))
+
+
+def section(doc: str, heading: str) -> str:
+    """The text under ``heading`` (a whole heading line) down to the next heading of its level or above."""
+    text = (REPO / doc).read_text()
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}\n")
+    end = re.search(rf"\n#{{1,{len(level)}}} ", text[start + 1:])
+    return text[start: start + 1 + end.start()] if end else text[start:]
+
+
+def test_every_kernel_the_docs_name_is_a_candidate_of_its_op():
+    """``op=name`` anywhere in the README, docs/, the benchmarks' and examples' READMEs and kernels.py's
+    own docstring names a candidate ``ops/kernels.py`` has (a renamed or deleted kernel fails here)."""
+    sources = {str(path.relative_to(REPO)): path.read_text() for path in KERNEL_DOCS}
+    sources["linformer_lab/ops/kernels.py (docstring)"] = kernels.__doc__
+    stale = {where: sorted(named_kernels(text) - every_kernel()) for where, text in sources.items()}
+    assert not any(stale.values()), f"kernels the docs name that ops/kernels.py does not have: {stale}"
+
+
+def test_the_readme_backend_table_names_every_kernel():
+    rows = [line for line in (REPO / "README.md").read_text().splitlines() if re.match(r"\| `(linear|lsh)` \|", line)]
+    named = named_kernels("\n".join(rows))
+    assert named == every_kernel(), (f"README's backend table (rows linear, lsh) lacks {sorted(every_kernel() - named)} "
+                                     f"and names {sorted(named - every_kernel())} (ops/kernels.py's candidates)")
+
+
+def test_architecture_names_every_kernel():
+    named = named_kernels(section("docs/ARCHITECTURE.md", "## Where speed code goes"))
+    assert named == every_kernel(), (f"docs/ARCHITECTURE.md ('Where speed code goes') lacks {sorted(every_kernel() - named)} "
+                                     f"and names {sorted(named - every_kernel())} (ops/kernels.py's candidates)")
+
+
+def kernel_table(text: str) -> dict[str, list[str]]:
+    """A markdown table ``| `op` (what it is) | `name` (when), `name`, ... |`` as op -> names, in order:
+    the backticked words outside parentheses."""
+    table = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not cells[0].startswith("`"):
+            continue
+        while re.search(r"\([^()]*\)", cells[1]):
+            cells[1] = re.sub(r"\([^()]*\)", "", cells[1])
+        table[re.match(r"`(\w+)`", cells[0]).group(1)] = re.findall(r"`(\w+)`", cells[1])
+    return table
+
+
+def test_cli_md_kernel_table_lists_every_op_and_its_candidates_in_order():
+    table = kernel_table(section("docs/cli.md", "## Kernels and switches"))
+    assert table == kernel_candidates(), f"docs/cli.md's kernel table: {table}; ops/kernels.py: {kernel_candidates()}"
+
+
+def test_kernels_docstring_table_lists_every_op_and_its_candidates_in_order():
+    body = kernels.__doc__.split("\n=====")[2]  # the table's rows: between its second and third rule
+    rows = [re.split(r"\s{2,}", line.strip()) for line in body.splitlines() if line.startswith("``")]
+    table = {row[0].strip("`"): [name.strip() for name in row[1].split(",")] for row in rows}
+    assert table == kernel_candidates(), f"ops/kernels.py's docstring table: {table}; CANDIDATES: {kernel_candidates()}"
+
+
+def test_the_kernel_checks_see_a_stale_name():
+    assert named_kernels("`causal=chunk`, LINFORMER_LAB_KERNELS=lsh_window=cpp; causal=True") == {
+        ("causal", "chunk"), ("lsh_window", "cpp")}
+    assert kernel_table("| `causal` (the numerator) | `cuda` (CUDA, `x` inside), `reference` |\n|---|---|") == {
+        "causal": ["cuda", "reference"]}
+
+
+def test_every_environment_variable_the_docs_name_is_read_somewhere():
+    """A ``LINFORMER_LAB_*`` variable in the README, docs/ or the benchmarks' and examples' READMEs is read
+    by the library, the tests, the benchmarks or CI (a removed variable fails here)."""
+    code = "\n".join(path.read_text() for root in ("linformer_lab", "tests", "benchmarks", ".ci", "scripts")
+                     for path in (REPO / root).rglob("*") if path.suffix in (".py", ".cpp", ".h", ".cu", ".sh", ".yml"))
+    named = {name for path in KERNEL_DOCS for name in re.findall(r"LINFORMER_LAB_[A-Z_]+", path.read_text())}
+    unread = sorted(name for name in named if not re.search(rf"\b{name}\b", code))
+    assert not unread, f"environment variables the docs name that no code reads: {unread}"

@@ -5,22 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from linformer_lab.attention.kv_cache import KVCache, SequenceBuffer
-from linformer_lab.ops.linear_attention.recurrent import LinearState
 from linformer_lab.ops.masks import check_on_device
-from linformer_lab.ops.state import AttentionState, StackState, check_state
+from linformer_lab.ops.state import AttentionState, KVCache, LinearState, SequenceBuffer, StackState, check_state  # noqa: F401
 from linformer_lab.registry import ATTENTION, PluginError
 
-__all__ = [
-    "Attention",
-    "AttentionState",
-    "KVCache",
-    "SequenceBuffer",
-    "check_cu_seqlens",
-    "check_key_lengths",
-    "check_state",
-    "state_type_error",
-]
+# The state types and their contract live in linformer_lab.ops.state; AttentionState, KVCache,
+# SequenceBuffer and check_state are importable from here too, for code written before they moved.
+__all__ = ["Attention", "backends_with", "check_cu_seqlens", "check_key_lengths", "state_type_error"]
 
 
 class Attention(nn.Module):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.attention.base import Attention, KVCache, state_type_error
+from linformer_lab.attention.base import Attention, state_type_error
 from linformer_lab.ops.lsh import lsh_attention
+from linformer_lab.ops.state import KVCache
 
 
 class LSHAttention(Attention):

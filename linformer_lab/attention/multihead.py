@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.attention.base import Attention, check_state
+from linformer_lab.attention.base import Attention
 from linformer_lab.attention.config import AttentionConfig, layer_attention
+from linformer_lab.ops.state import check_state
 
 
 def head_dims(d_model: int, n_heads: int, query_dim: int | None = None, value_dim: int | None = None) -> tuple[int, int]:

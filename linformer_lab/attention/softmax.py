@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linformer_lab.attention.base import Attention, KVCache, check_cu_seqlens, state_type_error
+from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
 from linformer_lab.ops.masks import length_mask
+from linformer_lab.ops.state import KVCache
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -40,7 +40,7 @@ from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models.transformer import Transformer, TransformerLayer
 from linformer_lab.ops import kernels
 from linformer_lab.ops.kernels import FUSED_MAX_BATCH
-from linformer_lab.ops.linear_attention import LinearState
+from linformer_lab.ops.state import LinearState
 
 __all__ = ["FUSED_MAX_BATCH", "release", "step"]
 

@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps import FeatureMap
@@ -68,7 +67,8 @@ from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models import fused_step
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer, TransformerLayer
-from linformer_lab.ops.linear_attention import LinearState, StateOwner, check_step_fits_state
+from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state
+from linformer_lab.ops.state import LinearState, SequenceBuffer
 
 __all__ = [
     "CPU_MATMUL_MIN_ROWS",
@@ -211,7 +211,7 @@ def _features(feature_map: FeatureMap, q_t: torch.Tensor, k_t: torch.Tensor):
 
 def _elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """``EluFeatureMap.forward`` without autograd: ``exp(min(x, 0)) + max(x, 0)``, the same values
-    in 4 tensor operations against the ``torch.where`` form's 6 (8 % of a batch-64 MNIST step)."""
+    in 4 tensor operations against the ``torch.where`` form's 6 (a step at small batches pays per operation)."""
     out = torch.exp(x.clamp_max(0.0)).add_(x.clamp_min(0.0))
     if x.dtype in (torch.float16, torch.bfloat16):  # as EluFeatureMap: phi stays > 0 in half precision
         out = out.clamp_min(torch.finfo(x.dtype).tiny)

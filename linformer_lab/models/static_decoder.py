@@ -35,10 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linformer_lab.attention.base import KVCache
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.softmax import SoftmaxAttention
 from linformer_lab.models.generation import NOISE_BLOCK, split_heads, step_linear
+from linformer_lab.ops.state import KVCache
 
 __all__ = ["DECODERS", "SPAN_BLOCK", "StaticDecoder", "choose_decoder", "decode", "static_support"]
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from linformer_lab.attention.base import Attention, SequenceBuffer
+from linformer_lab.attention.base import Attention
 from linformer_lab.attention.config import AttentionConfig, as_config, layer_attention
 from linformer_lab.attention.multihead import MultiHeadAttention, head_dims
-from linformer_lab.ops.state import StackState, detach_state
+from linformer_lab.ops.state import SequenceBuffer, StackState, detach_state
 
 #: The feed-forward activations a layer offers (``activation``).
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}

@@ -21,7 +21,7 @@ op                    candidates, first to last             called from
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
 unset or ``auto`` chooses by the conditions; ``reference`` forces every op's PyTorch reference;
-``op=name`` forces one op's candidate, comma-separated for several (``causal=chunk``,
+``op=name`` forces one op's candidate, comma-separated for several (``causal=recurrence``,
 ``causal=reference,lsh_window=reference``): the forced candidate runs wherever its condition holds,
 the reference elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the

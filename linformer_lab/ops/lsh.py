@@ -246,8 +246,8 @@ def _duplicate_counts(chunks: torch.Tensor) -> torch.Tensor:
     k_chunks = _look_back(chunks) if n_chunks > 1 else chunks
     counts = torch.zeros(*chunks.shape[:4], k_chunks.shape[3], dtype=torch.uint8, device=chunks.device)
     # each comparison lands in one bool buffer, added as the uint8 it already is: `counts += a == b`
-    # allocated the bools and converted them in a second pass (lsh-4 fwd + bwd of one layer at the
-    # copy task's 64 x 8 x 256 x 8, one thread: 2.31 s with it, 2.00 s without)
+    # allocated the bools and converted them in a second pass, which made a whole lsh layer's
+    # forward and backward slower at the copy task's sizes
     hit = torch.empty(counts.shape, dtype=torch.bool, device=chunks.device)
 
     def count(key_chunks: torch.Tensor, query_chunks: torch.Tensor) -> None:

@@ -1,25 +1,19 @@
-"""The recurrent-state contract: what the state of every attention backend offers.
+"""Every recurrent state type and the contract they meet, in one place.
 
-A backend's ``step`` and ``forward(..., return_state=True)`` return a state of the backend's own
-type (linear attention's :class:`~linformer_lab.ops.linear_attention.LinearState`, softmax's and
-lsh's :class:`~linformer_lab.attention.base.KVCache`, a plugin's own class). Only the backend
-looks inside it. The code around the backends (truncated back-propagation through time in
-``segmented_forward``, branching a generation, state-size reports) calls the three members of
-:class:`AttentionState` and nothing else.
+A backend's ``step`` and ``forward(..., return_state=True)`` return a state of its own type:
+linear attention's :class:`LinearState`, softmax's and lsh's :class:`KVCache` (two
+:class:`SequenceBuffer`, which also hold the input prefix a stack without a recurrent form
+re-runs), a stack's :class:`StackState`, a plugin's own class. Only the backend looks inside it;
+the code around the backends (truncated back-propagation through time, branching a generation,
+state-size reports) calls the members of :class:`AttentionState` and nothing else, through
+:func:`detach_state`, :func:`clone_state` and :func:`state_nbytes`, which also walk plain lists
+and tuples of states. A tensor meets the contract as it is.
 
-A state is a value: ``step`` and ``forward(state=...)`` return a new state and leave the one
-they were given as it was, so one state can be continued several ways (samples from one prompt,
-beam search, retrying a step). That is why :meth:`AttentionState.detach` may share memory with
-the original: nothing writes into a state after it was returned.
-
-A layer stack's state is a :class:`StackState`, a list with one backend state per layer
-(``Transformer.step``) that meets the contract itself; :func:`detach_state`, :func:`clone_state`
-and :func:`state_nbytes` also walk plain lists and tuples (a stack's state put together by hand),
-so stacks are handled here, once. Tensors meet the contract as they are (``Tensor.detach()``, ``Tensor.nbytes``), so a
-state that is a tensor or a plain tuple of tensors needs nothing more.
-
-The contract lives in ops/, the lowest layer that defines a state type (``LinearState``), and is
-re-exported beside ``Attention`` in :mod:`linformer_lab.attention.base`.
+Every built-in state copies, pickles and saves; ``torch.load(..., weights_only=True)`` reads it
+back (the classes are registered safe globals, under their earlier module paths too, so states
+saved before they moved here still load). The module is in ops/, the lowest layer that makes a
+state; ``linformer_lab.attention`` (``AttentionState``, ``KVCache``) and the package root
+(``clone_state``, ``detach_state``) re-export names from it.
 """
 
 from __future__ import annotations
@@ -28,15 +22,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttentionState", "StackState", "check_state", "clone_state", "detach_state", "state_nbytes"]
+__all__ = ["AttentionState", "KVCache", "LinearState", "SequenceBuffer", "StackState", "check_state", "clone_state",
+           "detach_state", "state_nbytes"]
 
 
+# ---------------------------------------------------------------- the contract
 @runtime_checkable
 class AttentionState(Protocol):
     """What an attention backend's recurrent state offers (structural: no base class to derive).
 
     A state is a value: the backend's ``step`` and ``forward(state=...)`` never change the state
-    they are given (they return a new one), so continuing one state twice gives the same outputs.
+    they are given (they return a new one), so one state can be continued several ways (samples
+    from one prompt, beam search, retrying a step) and continuing it twice gives the same outputs.
 
     ``detach()``: a state of the same type holding the same numbers, cut from the autograd graph
     (what truncated back-propagation through time carries into the next segment). It may share
@@ -97,8 +94,7 @@ def check_state(state, who: str) -> None:
             f"{who}: the state {cls.__qualname__} (module {cls.__module__}) lacks {_listed(lacks)} of the "
             f"attention-state contract (linformer_lab.attention.AttentionState). Every backend's state offers "
             f"detach() (the same state cut from the autograd graph), clone() (the same state in memory of its "
-            f"own) and nbytes (the bytes it holds); see "
-            f"docs/ARCHITECTURE.md, 'The recurrent state'"
+            f"own) and nbytes (the bytes it holds); see docs/ARCHITECTURE.md, 'The recurrent state'"
         )
 
 
@@ -137,14 +133,287 @@ def state_nbytes(state) -> int:
     return int(state.nbytes)
 
 
+# ---------------------------------------------------------------- linear attention's fixed-size state
+class LinearState(tuple):
+    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
+    :func:`~linformer_lab.ops.linear_attention.new_linear_state`: a plain 2-tuple to every reader,
+    whose two members are views of one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the
+    last column).
+
+    With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
+    of eq. 20 together. The bytes are those of S and Z alone.
+
+    A value (:func:`~linformer_lab.ops.linear_attention.linear_attention_step` returns a new one)
+    that meets :class:`AttentionState`: :meth:`detach` shares the buffer, :meth:`clone` copies it.
+    Copies, pickles and saves as its one buffer: ``copy.copy`` shares it, ``copy.deepcopy`` /
+    ``pickle`` / ``torch.save`` copy it.
+    """
+
+    joint: torch.Tensor
+
+    def __new__(cls, joint: torch.Tensor):
+        m = joint.shape[-1] - 1
+        self = super().__new__(cls, (joint[..., :m], joint[..., m]))
+        self.joint = joint
+        return self
+
+    def __reduce__(self):
+        # rebuilt from the buffer alone: S and Z are views of it (a tuple subclass would
+        # otherwise be rebuilt from the pair (S, Z), which __new__ does not take)
+        return (LinearState, (self.joint,))
+
+    def detach(self) -> LinearState:
+        """The same ``[S | Z]`` buffer cut from the autograd graph (shares its memory)."""
+        return LinearState(self.joint.detach())
+
+    def clone(self) -> LinearState:
+        """The same numbers in a buffer of its own (autograd sees a copy, as ``Tensor.clone``)."""
+        return LinearState(self.joint.clone())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of S and Z: fixed by (B, H, C, M), whatever the sequence length."""
+        return self.joint.nbytes
+
+
+# ---------------------------------------------------------------- the states that grow with the sequence
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if it is all of its storage, else a compact copy: what a saved or deep-copied state
+    holds, since ``pickle``, ``torch.save`` and ``copy.deepcopy`` of a view write its whole storage."""
+    if x.is_contiguous() and x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.nbytes:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+class _Storage:
+    """Memory shared by buffers that extend one another: ``data`` holds positions ``[0, used)``
+    along the buffer's axis. Only a buffer of length ``used`` writes position ``used`` in place:
+    no other buffer holds that position, so every earlier buffer keeps its values."""
+
+    __slots__ = ("data", "used")
+
+    def __init__(self, data: torch.Tensor, used: int):
+        self.data, self.used = data, used
+
+
+class SequenceBuffer:
+    """A tensor that grows along its sequence axis ``dim``, one position at a time, as a value:
+    :meth:`appended` returns a new buffer and leaves this one as it was. :attr:`filled` is a view
+    of the ``T`` positions held.
+
+    Appending is amortised O(1) all the same: buffers that extend one another share storage that
+    doubles when full, and the newest one writes its next position in place (a position no
+    other buffer holds). Appending to an older buffer a second time (a branch) copies its
+    positions into storage of its own first. Under autograd every append is a ``torch.cat``
+    (the earlier views are saved for the backward, which an in-place write would invalidate).
+
+    The state of every backend whose state grows with the sequence is made of these: softmax's
+    :class:`KVCache` (stateful softmax, paper §C.1), lsh's prefix, and the input prefix that a
+    stack without a recurrent form re-runs (``Transformer.step``). :meth:`detach` shares memory,
+    :meth:`clone` copies; ``copy``, ``pickle`` and ``torch.save`` keep the filled positions.
+    """
+
+    def __init__(self, first: torch.Tensor, dim: int, capacity: int = 256):
+        """An empty buffer for positions shaped like ``first`` (not appended), with room for
+        ``capacity`` of them before it grows."""
+        shape = list(first.shape)
+        shape.insert(dim, capacity)
+        self._store = _Storage(first.new_empty(shape), 0)
+        self._position_shape = first.shape
+        self.dim = dim
+        self.length = 0
+
+    @classmethod
+    def _holding(cls, store: _Storage, dim: int, length: int) -> SequenceBuffer:
+        self = cls.__new__(cls)
+        self._store, self.dim, self.length = store, dim, length
+        data = store.data
+        self._position_shape = data.shape[:dim] + data.shape[dim + 1 :]
+        return self
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, dim: int, spare: int = 256) -> SequenceBuffer:
+        """A buffer already holding the ``x.shape[dim]`` positions of ``x`` (a parallel forward's
+        keys, say). Under autograd ``x`` itself is the storage, so gradients flow back into it
+        (never written: it has no spare room); otherwise it is copied into storage with room
+        for ``spare`` more positions."""
+        length = x.shape[dim]
+        if torch.is_grad_enabled() and x.requires_grad:
+            return cls._holding(_Storage(x, length), dim, length)
+        shape = list(x.shape)
+        shape[dim] += spare
+        data = x.new_empty(shape)
+        data.narrow(dim, 0, length).copy_(x)
+        return cls._holding(_Storage(data, length), dim, length)
+
+    def appended(self, x_t: torch.Tensor) -> SequenceBuffer:
+        """A buffer holding this one's positions and then ``x_t`` (the buffer's shape without
+        the sequence axis); this one is left as it was."""
+        if x_t.shape != self._position_shape:
+            raise ValueError(
+                f"SequenceBuffer: a position of shape {tuple(x_t.shape)} does not fit a buffer of positions shaped "
+                f"{tuple(self._position_shape)} (fixed by the sequence's first step)"
+            )
+        store, dim, length = self._store, self.dim, self.length
+        if torch.is_grad_enabled() and (x_t.requires_grad or store.data.requires_grad):
+            data = torch.cat([self.filled, x_t.unsqueeze(dim)], dim=dim)
+            return SequenceBuffer._holding(_Storage(data, length + 1), dim, length + 1)
+        if store.used != length or length == store.data.shape[dim] or \
+                (store.data.is_inference() and not torch.is_inference_mode_enabled()):
+            # a longer buffer holds position `length` already, or there is no room (or the storage
+            # was made under inference mode, which only it may write): storage of its own, twice
+            # the size (so a chain of appends copies O(1) times per position)
+            shape = list(store.data.shape)
+            shape[dim] = max(2 * length, 16)
+            data = store.data.new_empty(shape)
+            data.narrow(dim, 0, length).copy_(self.filled)
+            store = _Storage(data, length)
+        store.data.select(dim, length).copy_(x_t)
+        store.used = length + 1
+        return SequenceBuffer._holding(store, dim, length + 1)
+
+    def append(self, x_t: torch.Tensor) -> None:
+        """:meth:`appended`, rebinding this object to the result (for a loop that owns the buffer;
+        memory another buffer reads is never written)."""
+        grown = self.appended(x_t)
+        self._store, self.length = grown._store, grown.length
+
+    @property
+    def filled(self) -> torch.Tensor:
+        return self._store.data.narrow(self.dim, 0, self.length)
+
+    def detach(self) -> SequenceBuffer:
+        """The filled positions cut from the autograd graph; shares their memory."""
+        if not self._store.data.requires_grad:
+            return self
+        data = self.filled.detach()  # no spare room: an append copies instead of writing into it
+        return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
+
+    def clone(self) -> SequenceBuffer:
+        """The filled positions in storage of their own, exactly their size (under autograd, a
+        differentiable copy); the first append copies them into storage with room to grow."""
+        data = self.filled.clone(memory_format=torch.contiguous_format)
+        return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
+
+    def __getstate__(self) -> dict:
+        # the filled positions alone: saving (or deep-copying) the view would write the whole shared
+        # storage, spare room and positions that longer buffers appended after this one included
+        return {"filled": _own_storage(self.filled), "dim": self.dim}
+
+    def __setstate__(self, state: dict) -> None:
+        data, dim = state["filled"], state["dim"]
+        # the tensor as it came (a shallow copy's is the original's view): no spare room, so it
+        # is never written; the first append copies
+        self._store, self.dim, self.length = _Storage(data, data.shape[dim]), dim, data.shape[dim]
+        self._position_shape = data.shape[:dim] + data.shape[dim + 1 :]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the filled positions (spare capacity not counted)."""
+        return self.filled.numel() * self._store.data.element_size()
+
+
+class KVCache:
+    """Keys and values of the prefix, for backends whose state grows with the sequence
+    (stateful softmax, paper §C.1, and LSH's recompute baseline): two :class:`SequenceBuffer`.
+
+    ``keys (B, H, T, D)`` and ``values (B, H, T, M)`` are views of the ``T`` filled positions.
+    ``valid`` is None when every cached key counts, else a bool ``(B, T)`` view saying which
+    do: a parallel forward over a padded batch (``key_lengths``) leaves its padding in the
+    cache of the shorter sequences, and ``valid`` keeps it out of every later step.
+
+    A value: :meth:`appended` returns a new cache (amortised O(1), see :class:`SequenceBuffer`)
+    and leaves this one as it was. :meth:`detach` shares memory, :meth:`clone` copies; ``copy``,
+    ``pickle`` and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep the filled keys,
+    values and ``valid``.
+    """
+
+    def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
+        """An empty cache for keys shaped like ``k_t (B, H, D)`` and values like ``v_t (B, H, M)``."""
+        self._keys = SequenceBuffer(k_t, dim=2, capacity=capacity)
+        self._values = SequenceBuffer(v_t, dim=2, capacity=capacity)
+        self._valid: SequenceBuffer | None = None
+
+    @classmethod
+    def _of(cls, keys: SequenceBuffer, values: SequenceBuffer, valid: SequenceBuffer | None) -> KVCache:
+        self = cls.__new__(cls)
+        self._keys, self._values, self._valid = keys, values, valid
+        return self
+
+    @classmethod
+    def from_sequence(cls, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> KVCache:
+        """A cache holding ``keys (B, H, T, D)``, ``values (B, H, T, M)`` and, if some keys are
+        padding, ``valid`` bool ``(B, T)``."""
+        return cls._of(SequenceBuffer.from_tensor(keys, dim=2), SequenceBuffer.from_tensor(values, dim=2),
+                       None if valid is None else SequenceBuffer.from_tensor(valid, dim=1))
+
+    def appended(self, k_t: torch.Tensor, v_t: torch.Tensor) -> KVCache:
+        """The cache with one more position ``k_t (B, H, D)``, ``v_t (B, H, M)``; this one is left as it was."""
+        valid = self._valid
+        if valid is not None:
+            valid = valid.appended(torch.ones(k_t.shape[0], dtype=torch.bool, device=k_t.device))
+        return KVCache._of(self._keys.appended(k_t), self._values.appended(v_t), valid)
+
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
+        """:meth:`appended`, rebinding this object to the result (memory another cache reads is never written)."""
+        grown = self.appended(k_t, v_t)
+        self._keys, self._values, self._valid = grown._keys, grown._values, grown._valid
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return None if self._valid is None else self._valid.filled
+
+    @property
+    def length(self) -> int:
+        return self._keys.length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys.filled
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values.filled
+
+    def detach(self) -> KVCache:
+        """The same keys, values and ``valid`` mask cut from the autograd graph; shares their memory."""
+        return KVCache._of(self._keys.detach(), self._values.detach(), self._valid)
+
+    def clone(self) -> KVCache:
+        """The same keys, values and ``valid`` mask in memory of their own."""
+        valid = None if self._valid is None else self._valid.clone()
+        return KVCache._of(self._keys.clone(), self._values.clone(), valid)
+
+    def __getstate__(self) -> dict:
+        valid = self.valid
+        return {"keys": _own_storage(self.keys), "values": _own_storage(self.values),
+                "valid": None if valid is None else _own_storage(valid)}
+
+    def __setstate__(self, state: dict) -> None:
+        valid = state["valid"]
+        self._keys = SequenceBuffer.__new__(SequenceBuffer)
+        self._keys.__setstate__({"filled": state["keys"], "dim": 2})
+        self._values = SequenceBuffer.__new__(SequenceBuffer)
+        self._values.__setstate__({"filled": state["values"], "dim": 2})
+        self._valid = None
+        if valid is not None:
+            self._valid = SequenceBuffer.__new__(SequenceBuffer)
+            self._valid.__setstate__({"filled": valid, "dim": 1})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values (spare capacity not counted): grows by one
+        position per step."""
+        return self._keys.nbytes + self._values.nbytes
+
+
+# ---------------------------------------------------------------- a layer stack's state
 class StackState(list):
     """A layer stack's state: a list with one backend state per layer, as ``Transformer.step`` and
     ``Transformer.forward(..., return_state=True)`` return it (index, iterate and ``len`` it as a
     list). It meets :class:`AttentionState` as a whole, like the states it holds: :meth:`detach`,
-    :meth:`clone` and :attr:`nbytes` apply the contract layer by layer.
-
-    Copies, pickles and saves as the list of its layers' states; ``torch.load(...,
-    weights_only=True)`` reads it back (the class is a registered safe global).
+    :meth:`clone` and :attr:`nbytes` apply the contract layer by layer. Copies, pickles and saves
+    as the list of its layers' states.
     """
 
     def detach(self) -> StackState:
@@ -168,5 +437,8 @@ class StackState(list):
         return f"StackState({list.__repr__(self)})"
 
 
-# a saved stack state loads with torch.load(..., weights_only=True): the class is all it adds to its layers' states
-torch.serialization.add_safe_globals([StackState])
+# a saved state loads with torch.load(..., weights_only=True): the classes are all it needs beyond tensors. States
+# saved before the classes moved here name their earlier modules (which keep the names for plain pickle)
+torch.serialization.add_safe_globals([
+    LinearState, SequenceBuffer, KVCache, StackState, (LinearState, "linformer_lab.ops.linear_attention.recurrent.LinearState"),
+    (SequenceBuffer, "linformer_lab.attention.kv_cache.SequenceBuffer"), (KVCache, "linformer_lab.attention.kv_cache.KVCache")])

@@ -13,13 +13,13 @@ from conftest import assert_close
 from test_attention import CONFIGS, _build, _inputs, _reference
 
 import linformer_lab as ll
-from linformer_lab.attention.base import KVCache
 from linformer_lab.ops.linear_attention import (
     causal_dot_product,
     causal_linear_attention,
     dot_product_with_state,
     naive,
 )
+from linformer_lab.ops.state import KVCache
 
 LINEAR = [(b, fm) for b, fm in CONFIGS if b == "linear"]
 STATEFUL = [(b, fm) for b, fm in CONFIGS if ll.registry.ATTENTION.get(b).supports_state]

@@ -25,12 +25,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import linformer_lab as ll
 from linformer_lab.attention import Attention, AttentionState, KVCache
-from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.models.transformer import Transformer, detach_state, segmented_forward
-from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import StackState, clone_state, state_nbytes
+from linformer_lab.ops.state import LinearState, SequenceBuffer, StackState, clone_state, state_nbytes
 from linformer_lab.registry import ATTENTION
 from linformer_lab.tasks.image_generation import ImageGenerationTask
 

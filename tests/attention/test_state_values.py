@@ -23,12 +23,10 @@ import pytest
 import torch
 from conftest import assert_close, attention_configs, config_id
 
-from linformer_lab.attention.base import KVCache, SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.generation import fast_step, weight_copies_for_steps
 from linformer_lab.models.transformer import Transformer
-from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import clone_state
+from linformer_lab.ops.state import KVCache, LinearState, SequenceBuffer, clone_state
 
 CONFIGS = attention_configs()
 D, M, PREFIX, STEPS = 4, 3, 6, 5

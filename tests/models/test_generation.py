@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import attention_configs, config_id
 
-from linformer_lab.attention.base import SequenceBuffer
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.models import generation, static_decoder
 from linformer_lab.models.generation import CPU_MATMUL_MIN_ROWS, fast_step, weight_copies_for_steps
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.models.transformer import Transformer
+from linformer_lab.ops.state import SequenceBuffer
 
 D_MODEL, HEADS, LENGTH = 16, 4, 9
 RANDOM_MAPS = {"favor": {"num_features": 8}, "random_fourier": {"num_features": 8}}

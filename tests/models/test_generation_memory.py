@@ -18,8 +18,7 @@ import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models import generation
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
-from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import state_nbytes
+from linformer_lab.ops.state import LinearState, state_nbytes
 
 TINY = dict(n_layers=2, n_heads=2, d_model=16, d_ff=32, num_mixtures=3)
 HEAD_DIM = TINY["d_model"] // TINY["n_heads"]

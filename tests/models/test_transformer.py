@@ -97,7 +97,7 @@ def test_step_applies_dropout_in_training_mode_only():
 
 
 def test_sequence_buffer_grows_and_names_a_misfit():
-    from linformer_lab.attention.base import KVCache, SequenceBuffer
+    from linformer_lab.ops.state import KVCache, SequenceBuffer
 
     buffer = SequenceBuffer(torch.zeros(2, 3), dim=1, capacity=2)
     rows = [torch.full((2, 3), float(i)) for i in range(5)]

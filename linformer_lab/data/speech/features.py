@@ -10,8 +10,8 @@ import torchaudio
 
 SAMPLE_RATE = 16000  # Hz, for every corpus
 FEATURE_DIM = 40  # mel bands
-WIN_LENGTH = 400  # 25 ms
-HOP_LENGTH = 160  # 10 ms
+WIN_LENGTH = 400  # a 25 ms window
+HOP_LENGTH = 160  # a 10 ms hop
 N_FFT = 512
 LOG_FLOOR = 1e-6
 

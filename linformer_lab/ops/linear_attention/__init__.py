@@ -26,13 +26,13 @@ from linformer_lab.ops.kernels import causal_dot_product
 from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, compute_dtype, reference_chunk_size
 from linformer_lab.ops.linear_attention.packed import packed_linear_attention
 from linformer_lab.ops.linear_attention.recurrent import (
-    LinearState,
     StateOwner,
     check_step_fits_state,
     linear_attention_step,
     new_linear_state,
 )
 from linformer_lab.ops.masks import length_mask
+from linformer_lab.ops.state import LinearState
 
 __all__ = [
     "CausalDotProduct",

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from linformer_lab.ops import cpu, custom_ops
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
-from linformer_lab.ops.linear_attention.recurrent import LinearState
+from linformer_lab.ops.state import LinearState
 
 __all__ = ["accepts_attention", "causal_attention", "causal_dot_product", "recurrence_dims"]
 

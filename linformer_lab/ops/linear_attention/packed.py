@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from linformer_lab.ops.linear_attention.chunk import compute_dtype, reference_chunk_size
-from linformer_lab.ops.linear_attention.recurrent import LinearState
+from linformer_lab.ops.state import LinearState
 
 __all__ = ["PackedChunks", "StatesWithinSequences", "packed_linear_attention"]
 

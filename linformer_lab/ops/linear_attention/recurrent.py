@@ -6,52 +6,7 @@ import weakref
 
 import torch
 
-
-class LinearState(tuple):
-    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
-    :func:`new_linear_state`: a plain 2-tuple to every reader, whose two members are views of
-    one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the last column).
-
-    With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
-    of eq. 20 together. The bytes are those of S and Z alone.
-
-    A value, like every attention state: :func:`linear_attention_step` returns a new state and
-    leaves this one as it was. Meets the attention-state contract
-    (:class:`~linformer_lab.ops.state.AttentionState`): :meth:`detach` (shares the buffer),
-    :meth:`clone` (copies it) and :attr:`nbytes`. Copies, pickles and saves as its one buffer:
-    ``copy.copy`` shares it, ``copy.deepcopy`` / ``pickle`` / ``torch.save`` copy it, and
-    ``torch.load(..., weights_only=True)`` reads it back (the class is a registered safe global).
-    """
-
-    joint: torch.Tensor
-
-    def __new__(cls, joint: torch.Tensor):
-        m = joint.shape[-1] - 1
-        self = super().__new__(cls, (joint[..., :m], joint[..., m]))
-        self.joint = joint
-        return self
-
-    def __reduce__(self):
-        # rebuilt from the buffer alone: S and Z are views of it (a tuple subclass would
-        # otherwise be rebuilt from the pair (S, Z), which __new__ does not take)
-        return (LinearState, (self.joint,))
-
-    def detach(self) -> LinearState:
-        """The same ``[S | Z]`` buffer cut from the autograd graph (shares its memory)."""
-        return LinearState(self.joint.detach())
-
-    def clone(self) -> LinearState:
-        """The same numbers in a buffer of its own (autograd sees a copy, as ``Tensor.clone``)."""
-        return LinearState(self.joint.clone())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of S and Z: fixed by (B, H, C, M), whatever the sequence length."""
-        return self.joint.nbytes
-
-
-# a saved state loads with torch.load(..., weights_only=True): the class is all it needs beyond tensors
-torch.serialization.add_safe_globals([LinearState])
+from linformer_lab.ops.state import LinearState
 
 
 class StateOwner:

@@ -18,9 +18,7 @@ import pytest
 import torch
 
 import linformer_lab as ll
-from linformer_lab.attention.base import KVCache, SequenceBuffer
-from linformer_lab.ops.linear_attention import LinearState
-from linformer_lab.ops.state import StackState
+from linformer_lab.ops.state import KVCache, LinearState, SequenceBuffer, StackState
 
 D, M, PROMPT, LATER = 4, 4, 10, 40
 
