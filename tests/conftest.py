@@ -15,6 +15,11 @@ import sys
 import warnings
 from pathlib import Path
 
+# Under pytest-xdist (the README's `pytest -n 2`) every worker shares the cores with the other:
+# one thread each (and for the processes a test starts), or the two would fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 # Triton fixes its mode when first imported (lightning imports it): on a machine without a CUDA GPU
 # its interpreter runs the Triton kernels on CPU tensors (tests/ops/test_triton_chunk.py).
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
@@ -24,6 +29,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def assert_close(name: str, reference: torch.Tensor, got: torch.Tensor, rtol: float = 1e-9, atol: float = 1e-9) -> None:
@@ -278,3 +286,38 @@ def causal_isa(request, causal_extension):
 def lsh_isa(request, lsh_extension):
     """Each instruction-set version of the lsh window step that the CPU can run."""
     yield from _on_instruction_set(lsh_extension, request.param)
+
+
+# ---------------------------------------------------------------- running in parallel (pytest -n 2)
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """A test module whose tests share a module- or session-scoped fixture of its own (a DDP job, a
+    trained model, a built emulator) runs on one xdist worker (``--dist loadgroup``, in the pytest
+    settings), so the fixture is made once instead of once per worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        definitions = getattr(item, "_fixtureinfo", None)
+        shared = definitions is not None and any(
+            d.scope != "function" and d.baseid == module for defs in definitions.name2fixturedefs.values() for d in defs)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+def pytest_sessionstart(session):
+    """The controller of an xdist run builds the C++ CPU extensions that the build cache lacks,
+    side by side, before the workers start: both workers would otherwise compile each one at once."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
+        return
+    from linformer_lab.ops import cpu
+
+    if cpu.find_compiler() is None:
+        return
+    names = [name for name in ("CAUSAL_RECURRENCE", "LSH_WINDOW", "FUSED_STEP")
+             if getattr(cpu, name)._cached_library() is None]
+    builds = [subprocess.Popen([sys.executable, "-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"], cwd=REPO)
+              for name in names]
+    for build in builds:
+        build.wait()  # a failed build fails the tests that need it, with its message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import json
 import os
 import re
 import subprocess
@@ -96,14 +97,54 @@ def test_every_module_bootstraps_one_way_and_writes_to_its_rooms_results(path):
     assert not re.search(r"""["']results["']""", text), "results folder spelled out: use common.results_dir(__file__)"
 
 
+#: Runs ``SCRIPT --help`` for each script given, as ``python SCRIPT --help`` would (``__main__``, the
+#: script's folder first on the path), one after another in one process, which pays for torch and
+#: Lightning once; the benchmarks' own modules and the path are reset before each script, so one
+#: that cannot import its helpers by itself fails as in a process of its own. Writes
+#: {script: [exit code, stdout, stderr]} as JSON to the first argument.
+_HELP_RUNNER = """
+import contextlib, io, json, os, runpy, sys, traceback
+out_file, scripts = sys.argv[1], sys.argv[2:]
+benchmarks, path, results = os.path.abspath("benchmarks"), list(sys.path), {}
+for script in scripts:
+    for name, module in list(sys.modules.items()):
+        if os.path.abspath(getattr(module, "__file__", None) or "/").startswith(benchmarks + os.sep):
+            del sys.modules[name]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script))] + path[1:]
+    sys.argv = [script, "--help"]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[script] = [code, out.getvalue(), err.getvalue()]
+with open(out_file, "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def help_of_every_script(tmp_path_factory) -> dict[str, list]:
+    """``--help`` of every benchmark script from the repository root: {relative path: [exit code, stdout, stderr]}."""
+    out = tmp_path_factory.mktemp("help") / "help.json"
+    scripts = [str(script.relative_to(REPO)) for script in SCRIPTS]
+    done = subprocess.run([sys.executable, "-c", _HELP_RUNNER, str(out), *scripts], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
-def test_every_benchmark_parses_its_options(script):
+def test_every_benchmark_parses_its_options(script, help_of_every_script):
     """``python benchmarks/<room>/<script>.py --help`` from the repository root, as the README runs them."""
-    done = subprocess.run([sys.executable, str(script.relative_to(REPO)), "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "usage" in done.stdout.lower()
+    code, out, err = help_of_every_script[str(script.relative_to(REPO))]
+    assert code == 0, err[-2000:]
+    assert "usage" in out.lower()
 
 
 def test_compare_revisions_generate_reports_medians_and_ratios(tmp_path):
