@@ -177,7 +177,7 @@ def forward_backward(forward: Callable[[], Any], inputs: tuple, grad, context=co
     ``.grad`` to None at its end, as ``zero_grad`` does in a training loop: each implementation pays
     for freeing its own gradients. Cleared at the start instead, an implementation timed by
     :func:`interleaved_medians` pays for freeing the one before's (large ones go back to the system
-    page by page; NOTES.md, "Dev: each implementation frees its own gradients")."""
+    page by page; NOTES.md, "How to time on a shared 2-vCPU machine?")."""
     def call():
         with context():
             forward().backward(grad)

@@ -221,6 +221,24 @@ def test_the_size_rule_covers_benchmarks_and_tests():
     assert any(p.parent.name in ("paper", "dev") for p in python_files(("benchmarks",)))  # the rooms' subfolders too
 
 
+# ---------------------------------------------------------------- lab notes by question
+NOTES = PACKAGE.parent / "benchmarks" / "NOTES.md"
+NOTES_MAX_LINES = 800
+
+
+def test_lab_notes_stay_short_and_name_every_dev_script():
+    """benchmarks/NOTES.md holds one section per decision and stays readable; every script in
+    benchmarks/dev/ guards a decision, so NOTES names it (``dev/<script>.py``) beside its question.
+    A script that guards nothing is deleted, its NOTES row citing the last commit that has it."""
+    text = NOTES.read_text()
+    lines = len(text.splitlines())
+    assert lines <= NOTES_MAX_LINES, (f"benchmarks/NOTES.md has {lines} lines (at most {NOTES_MAX_LINES}): drop "
+                                      "superseded detail and cite the commit where it lives")
+    scripts = sorted(p.name for p in (NOTES.parent / "dev").glob("*.py"))
+    unnamed = [name for name in scripts if f"dev/{name}" not in text]
+    assert scripts and not unnamed, f"benchmarks/dev/ scripts that no question of NOTES.md names: {unnamed}"
+
+
 # ---------------------------------------------------------------- comments say why, not what was measured
 #: Suffixes of the library's sources whose comments the rule below reads: Python (``#`` comments and
 #: docstrings) and the C++ / CUDA extensions (``//`` and ``/* */``).

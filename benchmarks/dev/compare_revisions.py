@@ -5,6 +5,9 @@
     uv run python benchmarks/dev/compare_revisions.py causal --rev HEAD~1
     uv run python benchmarks/dev/compare_revisions.py train --rev HEAD~1 --config mnist_cpu_linear.yaml
 
+Its result files are git-ignored: a before/after run belongs to one commit, whose message carries
+its figures (and NOTES.md the ones a decision rests on).
+
 Both measurements resolve ``--rev`` to a commit once (HEAD may move on while they run) and put
 the package as it was there in a temporary folder (``git archive``); "old" is that copy, "new"
 the working tree.

@@ -12,7 +12,8 @@
    below what a change to a core file must pay (docs/ARCHITECTURE.md, "Where speed code goes").
 
 Medians of ``--repeats`` timed calls after warm-up. Results: ``benchmarks/dev/results/cpu_defaults.{csv,md}``
-(reading: benchmarks/NOTES.md, "Measurements behind library defaults").
+(reading: benchmarks/NOTES.md, "Which kernels and threads for the RNN step?" and "Feed-forward in
+row blocks?").
 """
 
 from __future__ import annotations

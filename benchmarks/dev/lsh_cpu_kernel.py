@@ -10,7 +10,7 @@ one it replaced (``LINFORMER_LAB_KERNELS=lsh_window=reference``), interleaved in
    symbols (d_model 64, 2 heads, 4 layers, batch 64, lsh-4), the run that needed this kernel.
 
 Medians of ``--repeats`` interleaved calls (:func:`common.interleaved_medians`). Results:
-``benchmarks/dev/results/lsh_cpu_kernel.{csv,md}`` (reading: benchmarks/NOTES.md, "lsh on CPU").
+``benchmarks/dev/results/lsh_cpu_kernel.{csv,md}`` (reading: benchmarks/NOTES.md, "A C++ window step for lsh on CPU?").
 """
 
 from __future__ import annotations

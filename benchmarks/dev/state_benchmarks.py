@@ -283,7 +283,7 @@ def main() -> None:
     write_csv(str(out.with_suffix(".csv")), rows)
     lines = [
         "# State in and out of the parallel form: prefill, segments, packed speech", "",
-        "Reading: benchmarks/NOTES.md (\"Dev: state in and out\").", "",
+        "Reading: benchmarks/NOTES.md (\"Prefill the known prefix in one pass?\", \"Segments and packed speech batches?\").", "",
         f"`benchmarks/dev/state_benchmarks.py --parts {' '.join(args.parts)}` ({time.strftime('%Y-%m-%d')}); {info['cpu']}, "
         f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}.", "",
     ]

@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
     "benchmarks/paper/results/generation_cpu_quick.md",  # generation.py --quick: generation_<device>_quick[_tag].*
     "benchmarks/paper/results/generation_cpu_quick_mnist_trained.csv",
     "benchmarks/dev/results/cpu_floors_quick.md",
+    "benchmarks/dev/results/generate_revisions_batch1.md",  # compare_revisions.py: one commit's before/after
+    "benchmarks/dev/results/causal_state_overhead.csv",
+    "benchmarks/dev/results/train_revisions_mnist_cpu_linear.md",
 ])
 def test_quick_results_are_ignored_by_git(written):
     done = subprocess.run(["git", "check-ignore", "-q", written], cwd=REPO)

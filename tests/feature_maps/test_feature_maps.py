@@ -8,6 +8,7 @@ from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.feature_maps.elu import elu_plus_one
 from linformer_lab.ops.linear_attention import naive
 from linformer_lab.ops.reference import polynomial_similarity
 
@@ -48,14 +49,15 @@ def test_elu_matches_definition_and_stays_positive_in_half_precision():
 
 
 def test_elu_gradients_are_autograds_of_the_definition_to_second_order():
-    """EluPlusOne's written-out backward (min(phi, 1)) against float64 autograd of elu(x) + 1, first
-    and second order, at points on both sides of 0 and far out where exp(x) of the unused branch
-    overflows; and gradcheck/gradgradcheck of the map itself."""
+    """EluPlusOne's written-out backward (min(phi, 1)) against float64 autograd of elu(x) + 1 and of
+    elu_plus_one (the one Python phi), first and second order, at points on both sides of 0 and far
+    out where exp(x) of the unused branch overflows; gradcheck/gradgradcheck of the map itself; and
+    elu_plus_one gives the map's values bit for bit."""
     fm = ll.build_feature_map("elu", query_dim=5)
     x = torch.tensor([[-40.0, -3.0, -0.2, 0.3, 100.0], [-1.0, 0.01, -0.01, 5.0, 1000.0]], dtype=torch.float64,
                      requires_grad=True)
     weights = torch.randn(2, 5, dtype=torch.float64)
-    for phi in (fm, lambda t: torch.nn.functional.elu(t) + 1):
+    for phi in (fm, lambda t: torch.nn.functional.elu(t) + 1, elu_plus_one):
         (grad,) = torch.autograd.grad((phi(x) * weights).sum(), x, create_graph=True)
         (second,) = torch.autograd.grad(grad.pow(2).sum(), x)
         if phi is fm:
@@ -66,6 +68,8 @@ def test_elu_gradients_are_autograds_of_the_definition_to_second_order():
     assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(fm, (x,)) and torch.autograd.gradgradcheck(fm, (x,))
+    x = torch.cat([torch.randn(999) * 10, torch.tensor([-1e4, -100.0, -0.0, 0.0, 100.0, 1e4])]).reshape(-1, 5)
+    assert torch.equal(elu_plus_one(x), fm(x))
 
 
 def test_poly2_is_exactly_the_degree_two_polynomial_kernel():
