@@ -9,8 +9,9 @@ reference, which runs anywhere; every kernel is tested equal to it.
 op                    candidates, first to last             called from
 ====================  ====================================  =========================================
 ``causal``            cuda, recurrence, reference           :func:`causal_dot_product` (the numerator
-                                                            of eq. 9, ``ops.linear_attention``)
-``lsh_window``        cpp, reference                        ``ops/lsh.py``'s ``window_attention``
+                                                            of eq. 9), which the layers pass to
+                                                            ``ops.linear_attention`` as its argument
+``lsh_window``        cpp, reference                        :func:`lsh_window` (``attention/lsh.py``)
 ``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
 ``causal_attention``  triton, cpp, reference                ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product", "cuda_kernel",
-           "describe", "forced", "reference", "select", "switched"]
+           "describe", "forced", "lsh_window", "reference", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
@@ -166,12 +167,12 @@ def cuda_kernel():
 # ---------------------------------------------------------------- the ops' implementations
 
 
-def _causal_reference(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+def _causal_chunk(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` (and
     S_N with ``return_final_state``); :mod:`linformer_lab.ops.linear_attention.chunk`."""
-    from linformer_lab.ops.linear_attention.chunk import CausalDotProduct
+    from linformer_lab.ops.linear_attention import chunk
 
-    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
+    return chunk.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
 def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
@@ -187,7 +188,7 @@ def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_
 
 
 def _lsh_window(implementation: str) -> Callable:
-    """``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``: ``ops/lsh.py``'s ``window_attention``."""
+    """``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``: ``ops/lsh.py``'s ``implementation``."""
     def run(*args):
         from linformer_lab.ops import lsh
 
@@ -202,20 +203,17 @@ def _fused_stack(*args):
     return _cpu_module("FUSED_STEP").FusedStack(*args)
 
 
-def _causal_attention_reference(feature_map, q, k, v, key_lengths, eps, dot_product, initial_state=None,
-                                return_state=False, cu_seqlens=None):
+def _causal_attention_pytorch(*args, **kwargs):
     """The op's signature: causal eq. 9-12 from the unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``
-    with the backend's ``feature_map`` and numerator ``dot_product``: the feature map, then
-    :func:`~linformer_lab.ops.linear_attention.causal_linear_attention`; with ``cu_seqlens`` (packed
-    sequences, B = 1) :func:`~linformer_lab.ops.linear_attention.packed_linear_attention` instead, in
-    one pass. A fused candidate computes the same in one kernel for the maps it knows (its
-    ``accepts(feature_map, q, k, v)`` says which)."""
-    from linformer_lab.ops.linear_attention import causal_linear_attention, packed_linear_attention
+    with the backend's ``feature_map`` and numerator ``dot_product`` (the caller's: the layers pass
+    :func:`causal_dot_product`), ``(feature_map, q, k, v, key_lengths, eps, dot_product,
+    initial_state=None, return_state=False, cu_seqlens=None)``, packed sequences (``cu_seqlens``,
+    B = 1) included: :func:`linformer_lab.ops.linear_attention.causal_attention`. A fused candidate
+    computes the same in one kernel for the maps it knows (its ``accepts(feature_map, q, k, v)`` says
+    which)."""
+    from linformer_lab.ops import linear_attention
 
-    phi_q, phi_k = feature_map.forward_queries(q), feature_map.forward_keys(k)
-    if cu_seqlens is not None:
-        return packed_linear_attention(phi_q, phi_k, v, cu_seqlens, True, eps, initial_state, return_state)
-    return causal_linear_attention(phi_q, phi_k, v, key_lengths, eps, dot_product, initial_state, return_state)
+    return linear_attention.causal_attention(*args, **kwargs)
 
 
 def _causal_attention_triton(feature_map, q, k, v) -> bool:
@@ -263,7 +261,7 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "zero-padded to whole registers",
                   _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(REFERENCE, "PyTorch chunked reference (ops/linear_attention/chunk.py)", _ALWAYS,
-                  _everywhere, lambda: True, _causal_reference),
+                  _everywhere, lambda: True, _causal_chunk),
     ],
     "lsh_window": [
         Candidate("cpp", "C++ window kernel (ops/cpu/lsh_window.cpp)",
@@ -291,7 +289,7 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
                   _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(REFERENCE, "feature map, then the causal op and the normaliser in PyTorch", _ALWAYS,
-                  _everywhere, lambda: True, _causal_attention_reference),
+                  _everywhere, lambda: True, _causal_attention_pytorch),
     ],
 }
 
@@ -367,11 +365,19 @@ def reference(op: str) -> Candidate:
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                        initial_state: torch.Tensor | None = None, return_final_state: bool = False,
                        force: str | None = None):
-    """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``
-    on the candidate :func:`select` picks, ``force`` as there (``ops.linear_attention.causal_dot_product``,
-    where the contract is written out)."""
+    """The causal numerator of eq. 9 on the candidate :func:`select` picks, ``force`` as there:
+    out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T), ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``;
+    ``initial_state`` S_0 ``(B, H, C, M)`` or None, with ``return_final_state`` also S_N (gradients
+    into S_0 and out of S_N); fp32 accumulation for half inputs, the output in the input dtype;
+    ``chunk_size``: the chunk length of the PyTorch candidate (None: chosen from C and M)."""
     return select("causal", q, k, v, initial_state, force=force).run(q, k, v, chunk_size, initial_state,
                                                                      return_final_state)
+
+
+def lsh_window(q, k, v, positions, valid, chunks, causal: bool):
+    """lsh attention's window step (``ops/lsh.py``'s ``window_attention_torch`` says its contract)
+    on the candidate :func:`select` picks: what ``attention/lsh.py`` gives ``lsh_attention``."""
+    return select("lsh_window", q, k, v).run(q, k, v, positions, valid, chunks, causal)
 
 
 # ---------------------------------------------------------------- describe

@@ -8,7 +8,8 @@ from conftest import assert_close, built_in_attention
 
 import linformer_lab as ll
 from linformer_lab.ops import reference
-from linformer_lab.ops.linear_attention import CausalDotProduct, causal_dot_product, naive
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import CausalDotProduct, naive
 
 CPU_BACKENDS = [name for name in built_in_attention() if name != "linear_cuda"]
 FEATURE_MAPS = ll.list_feature_maps()

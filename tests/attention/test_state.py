@@ -14,8 +14,8 @@ from test_attention import CONFIGS, _build, _inputs, _reference
 
 import linformer_lab as ll
 from linformer_lab.attention.base import KVCache
+from linformer_lab.ops.kernels import causal_dot_product
 from linformer_lab.ops.linear_attention import (
-    causal_dot_product,
     causal_linear_attention,
     dot_product_with_state,
     naive,

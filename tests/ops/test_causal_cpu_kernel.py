@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from linformer_lab.ops import build_cache, cpu, kernels
-from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel, naive
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import chunk, cpu_kernel, naive
 
 #: against the float64 reference: fp32 rounding of sums of up to N products of O(1) numbers
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}

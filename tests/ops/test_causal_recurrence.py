@@ -21,7 +21,8 @@ import torch
 from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, ran  # noqa: F401 - fixtures
 
 from linformer_lab.ops import cpu, kernels
-from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import chunk, cpu_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -237,18 +237,21 @@ def test_force_picks_the_named_candidate_where_it_applies_over_the_switch(builds
 
 
 def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):
-    """``linear_cuda`` has no dispatch of its own: the ``linear`` forward with ``forced_kernels``,
-    here on fake CUDA tensors without Triton, so the ``causal_attention`` op falls to its reference
-    and the numerator goes to the CUDA kernel, although the switch says ``reference``; ``linear``
-    under the same switch keeps to the reference."""
+    """``linear_cuda`` is no class of its own: it builds the ``linear`` layer with ``gpu_kernels``,
+    whose ``forced_kernels`` name the GPU kernels; here on fake CUDA tensors without Triton, so the
+    ``causal_attention`` op falls to its PyTorch candidate and the numerator goes to the CUDA
+    kernel, although the switch says ``reference``; ``linear`` under the same switch keeps to the
+    PyTorch candidates."""
     from linformer_lab.attention.linear import LinearAttention
     from linformer_lab.attention.linear_cuda import LinearCudaAttention
 
     builds(cuda=True)
     monkeypatch.setenv(kernels.SWITCH, "reference")
-    assert "forward" not in vars(LinearCudaAttention) and "causal_dot_product" not in vars(LinearCudaAttention)
-    assert LinearCudaAttention.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}
-    assert LinearAttention.forced_kernels == {}
+    assert not issubclass(LinearCudaAttention, LinearAttention)
+    built = ll.build_attention("linear_cuda", causal=True, query_dim=4, eps=1e-5)
+    assert type(built) is LinearAttention and built.gpu_kernels and built.eps == 1e-5
+    assert built.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}
+    assert ll.build_attention("linear", causal=True, query_dim=4).forced_kernels == {}
     ran = []
     for name in ("cuda", "reference"):
         entry = candidate("causal", name)

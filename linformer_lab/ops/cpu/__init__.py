@@ -8,7 +8,7 @@
   :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (C and M zero-padded to whole
   registers) through the operators of :mod:`linformer_lab.ops.custom_ops`;
 * :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
-  attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention` calls.
+  attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention_cpp` calls.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the

@@ -36,6 +36,13 @@ def reference_chunk_size(feature_dim: int, value_dim: int) -> int:
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
+def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
+                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
+    """The causal numerator of eq. 9 in PyTorch, chunked (:class:`CausalDotProduct`): the ``causal``
+    op's ``pytorch`` candidate in :mod:`linformer_lab.ops.kernels`, which also says its contract."""
+    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
+
+
 def _chunked(x: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """``(B, H, N, X) -> (B H, N/L, L, X)``, contiguous, in ``dtype``, zero-padding N up to a
     multiple of L. Zero keys and values add nothing to any state; outputs of zero queries are
