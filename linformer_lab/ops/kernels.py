@@ -2,18 +2,25 @@
 code goes").
 
 Every op has an ordered list of :class:`Candidate` s in :data:`CANDIDATES`; :func:`select` returns
-the first one whose condition holds for the op's arguments. The last is always the PyTorch
-reference, which runs anywhere; every kernel is tested equal to it.
+the first one whose condition holds for the op's arguments. The last is always ``pytorch``, the
+op in PyTorch (Python for ``fused_step``), which runs anywhere. Every candidate, ``pytorch`` too, is
+tested against the op's float64 reference: the naive O(N^2) forms
+(``ops/linear_attention/naive.py``, ``ops/lsh.py: lsh_attention_naive``, ``ops/reference.py``) or
+the ``pytorch`` candidate run in float64.
+
+This module is the router: it imports the implementations (inside the functions below), and
+they never import it back; an op that needs another (the ``pytorch`` candidate of
+``causal_attention`` needs the numerator) gets it as an argument from the layer.
 
 ====================  ====================================  =========================================
 op                    candidates, first to last             called from
 ====================  ====================================  =========================================
-``causal``            cuda, recurrence, reference           :func:`causal_dot_product` (the numerator
+``causal``            cuda, recurrence, pytorch             :func:`causal_dot_product` (the numerator
                                                             of eq. 9), which the layers pass to
                                                             ``ops.linear_attention`` as its argument
-``lsh_window``        cpp, reference                        :func:`lsh_window` (``attention/lsh.py``)
-``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
-``causal_attention``  triton, cpp, reference                ``attention/linear.py``: eq. 9-12 with
+``lsh_window``        cpp, pytorch                          :func:`lsh_window` (``attention/lsh.py``)
+``fused_step``        cpp, pytorch                          ``models/fused_step.py`` (generation)
+``causal_attention``  triton, cpp, pytorch                  ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
                                                             CPU: ``ops/cpu/causal_recurrence.cpp``),
@@ -21,17 +28,18 @@ op                    candidates, first to last             called from
 ====================  ====================================  =========================================
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
-unset or ``auto`` chooses by the conditions; ``reference`` forces every op's PyTorch reference;
-``op=name`` forces one op's candidate, comma-separated for several (``causal=chunk``,
-``causal=reference,lsh_window=reference``): the forced candidate runs wherever its condition holds,
-the reference elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTorch candidate;
+``op=name`` forces one op's candidate, comma-separated for several (``causal=recurrence``,
+``causal=pytorch,lsh_window=pytorch``): the forced candidate runs wherever its condition holds,
+``pytorch`` elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+The older name ``reference`` (for ``pytorch``) is still read, with a FutureWarning.
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
-switch): a backend's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
+switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
-**Adding a kernel** (a GPU one, say): write a function with the op's signature (the reference's
-beside it in this file says it) and a condition on the op's arguments, and put a
+**Adding a kernel** (a GPU one, say): write a function with the op's signature (the ``pytorch``
+candidate's beside it in this file says it) and a condition on the op's arguments, and put a
 :class:`Candidate` into the op's list in :data:`CANDIDATES`, before the candidates it should win
-over; the reference stays last. Import the kernel's module inside the functions, as the others do:
+over; ``pytorch`` stays last. Import the kernel's module inside the functions, as the others do:
 building or importing a kernel costs only where it may run. ``describe()`` and
 ``cli.py plugins --check`` then name it, and the switch can force it by its name.
 """
@@ -47,13 +55,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product", "cuda_kernel",
-           "describe", "forced", "lsh_window", "reference", "select", "switched"]
+__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product",
+           "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "reference", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
-#: The name of every op's last candidate, the PyTorch reference.
-REFERENCE = "reference"
+#: The name of every op's last candidate, the op in PyTorch, which runs anywhere.
+PYTORCH = "pytorch"
+#: Older names of candidates, still read by the switch and ``force`` (with a FutureWarning): "reference"
+#: named the ``pytorch`` candidates, although the float64 oracle of the tests is the naive form.
+RENAMED = {"reference": PYTORCH}
+#: The older name of :data:`PYTORCH`, for callers written before the rename.
+REFERENCE = PYTORCH
 #: The fused C++ step runs batches of at most this many rows: its gain, the per-operation cost,
 #: shrinks as a batch spreads it over more arithmetic, and its plain loops are not vectorized as
 #: ATen's kernels are.
@@ -103,7 +116,7 @@ def _cpu_inputs(*tensors) -> bool:
 
 def _causal_cpu(q, k, v, initial_state=None) -> bool:
     """CPU tensors, q, k, v of one dtype, under CPU autocast too: the recurrence runs float16 and
-    bfloat16 as float32, as the reference does (``ops/linear_attention/cpu_kernel.py``)."""
+    bfloat16 as float32, as the ``pytorch`` candidate does (``ops/linear_attention/cpu_kernel.py``)."""
     tensors = [t for t in (q, k, v, initial_state) if t is not None]
     return (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_DTYPES + _HALF_DTYPES
             and all(t.device.type == "cpu" for t in tensors))
@@ -158,7 +171,7 @@ def cuda_kernel():
     try:
         cuda.load()
     except RuntimeError as error:
-        warnings.warn(f"{error}; the causal linear-attention numerator on CUDA keeps to the PyTorch reference",
+        warnings.warn(f"{error}; the causal linear-attention numerator on CUDA keeps to PyTorch",
                       RuntimeWarning, stacklevel=2)
         return None
     return cuda
@@ -167,7 +180,7 @@ def cuda_kernel():
 # ---------------------------------------------------------------- the ops' implementations
 
 
-def _causal_chunk(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+def _causal_pytorch(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` (and
     S_N with ``return_final_state``); :mod:`linformer_lab.ops.linear_attention.chunk`."""
     from linformer_lab.ops.linear_attention import chunk
@@ -199,7 +212,7 @@ def _lsh_window(implementation: str) -> Callable:
 
 def _fused_stack(*args):
     """``(weights, norm eps, heads, query dim, value dim, eps, GELU approximate)`` -> the C++
-    ``FusedStack`` (``models/fused_step.py``); the reference has none: ``fast_step``'s Python path."""
+    ``FusedStack`` (``models/fused_step.py``); the ``pytorch`` candidate has none: ``fast_step``'s Python path."""
     return _cpu_module("FUSED_STEP").FusedStack(*args)
 
 
@@ -223,7 +236,7 @@ def _causal_attention_triton(feature_map, q, k, v) -> bool:
 
 
 def _causal_attention_triton_run(*args):
-    """The reference's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
+    """The ``pytorch`` candidate's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
     from linformer_lab.ops.cuda.triton_chunk import backend
 
     return backend.causal_attention(*args)
@@ -236,7 +249,7 @@ def _causal_attention_cpu(feature_map, q, k, v) -> bool:
 
 
 def _causal_attention_cpu_run(*args, **kwargs):
-    """The reference's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
+    """The ``pytorch`` candidate's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
     from linformer_lab.ops.linear_attention import cpu_kernel
 
     return cpu_kernel.causal_attention(*args, **kwargs)
@@ -250,7 +263,7 @@ def _triton_available() -> bool:
 
 _ALWAYS = "always"
 
-#: op -> its candidates, first to last; the reference is last (module docstring: adding a kernel).
+#: op -> its candidates, first to last; ``pytorch`` is last (module docstring: adding a kernel).
 CANDIDATES: dict[str, list[Candidate]] = {
     "causal": [
         Candidate("cuda", "CUDA kernel (ops/cuda/causal_linear_attention.cu)",
@@ -260,14 +273,14 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), C, M "
                   "zero-padded to whole registers",
                   _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(REFERENCE, "PyTorch chunked reference (ops/linear_attention/chunk.py)", _ALWAYS,
-                  _everywhere, lambda: True, _causal_chunk),
+        Candidate(PYTORCH, "PyTorch chunked numerator (ops/linear_attention/chunk.py)", _ALWAYS,
+                  _everywhere, lambda: True, _causal_pytorch),
     ],
     "lsh_window": [
         Candidate("cpp", "C++ window kernel (ops/cpu/lsh_window.cpp)",
                   "CPU tensors, float32 or float64, CPU autocast off",
                   _lsh_cpu, _cpu_available("LSH_WINDOW"), _lsh_window("window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
-        Candidate(REFERENCE, "PyTorch window step (ops/lsh.py: window_attention_torch)", _ALWAYS,
+        Candidate(PYTORCH, "PyTorch window step (ops/lsh.py: window_attention_torch)", _ALWAYS,
                   _everywhere, lambda: True, _lsh_window("window_attention_torch")),
     ],
     "fused_step": [
@@ -275,7 +288,7 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   f"CPU, float32 or float64, CPU autocast off, at most {FUSED_MAX_BATCH} rows "
                   "(and a stack of the form models/fused_step.py checks)",
                   _fused_cpu, _cpu_available("FUSED_STEP"), _fused_stack),
-        Candidate(REFERENCE, "Python step (models/generation.py: fast_step)", _ALWAYS,
+        Candidate(PYTORCH, "Python step (models/generation.py: fast_step)", _ALWAYS,
                   _everywhere, lambda: True, lambda *args: None),
     ],
     "causal_attention": [
@@ -288,7 +301,8 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
                   _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
                   _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(REFERENCE, "feature map, then the causal op and the normaliser in PyTorch", _ALWAYS,
+        Candidate(PYTORCH, "feature map, then the causal op and the normaliser in PyTorch "
+                  "(ops/linear_attention: causal_attention)", _ALWAYS,
                   _everywhere, lambda: True, _causal_attention_pytorch),
     ],
 }
@@ -322,18 +336,28 @@ def _parse_switch(value: str) -> dict[str, str]:
     for item in (part.strip() for part in value.split(",")):
         if item in ("", "auto"):
             continue
-        if item == REFERENCE:
-            choice.update({op: REFERENCE for op in CANDIDATES})
+        if _current_name(item, f"{SWITCH}={value!r}") == PYTORCH:
+            choice.update({op: PYTORCH for op in CANDIDATES})
             continue
         op, equals, name = (part.strip() for part in item.partition("="))
         if not equals or op not in CANDIDATES:
-            raise ValueError(f"{SWITCH}={value!r}: {item!r} is not 'auto', 'reference' or op=kernel with an op among "
+            raise ValueError(f"{SWITCH}={value!r}: {item!r} is not 'auto', {PYTORCH!r} or op=kernel with an op among "
                              f"{', '.join(CANDIDATES)}")
+        name = _current_name(name, f"{SWITCH}={value!r}")
         names = [candidate.name for candidate in CANDIDATES[op]]
         if name not in names:
             raise ValueError(f"{SWITCH}={value!r}: op {op!r} has no kernel {name!r}; its kernels: {', '.join(names)}")
         choice[op] = name
     return choice
+
+
+def _current_name(name: str, where: str) -> str:
+    """``name``, or the name a renamed candidate has now (warned: the switch is parsed once per value)."""
+    if name not in RENAMED:
+        return name
+    warnings.warn(f"{where}: {name!r} is now called {RENAMED[name]!r} (the PyTorch candidates); the old name "
+                  "will go", FutureWarning, stacklevel=3)
+    return RENAMED[name]
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the switch when it traces, as its value
@@ -343,23 +367,29 @@ def _forced_name(op: str) -> str | None:
 
 def select(op: str, *args, force: str | None = None) -> Candidate:
     """The candidate that computes ``op`` for these arguments (those of its candidates' ``accepts``):
-    the first that applies, or under the switch the forced one where it applies; the reference
+    the first that applies, or under the switch the forced one where it applies; ``pytorch``
     otherwise. ``force`` names a candidate as the switch would, for this call only, over the
     switch (``linear_cuda`` forces the GPU kernels this way)."""
     if op not in CANDIDATES:
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(CANDIDATES)}")
-    if force is not None and force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
-        raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
+    if force is not None:
+        force = _current_name(force, f"force={force!r}")
+        if force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
+            raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
     want = force or _forced_name(op)
     for candidate in CANDIDATES[op]:
-        if (want is None or candidate.name in (want, REFERENCE)) and candidate.applies(*args):
+        if (want is None or candidate.name in (want, PYTORCH)) and candidate.applies(*args):
             return candidate
-    raise AssertionError(f"{op}: the reference must apply everywhere")  # the list's last entry
+    raise AssertionError(f"{op}: the {PYTORCH} candidate must apply everywhere")  # the list's last entry
 
 
-def reference(op: str) -> Candidate:
-    """``op``'s PyTorch reference (its last candidate)."""
+def fallback(op: str) -> Candidate:
+    """``op``'s ``pytorch`` candidate (its last), which runs anywhere."""
     return CANDIDATES[op][-1]
+
+
+#: The older name of :func:`fallback`, for callers written before the rename.
+reference = fallback
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,

@@ -7,7 +7,7 @@ and float32, on every instruction set this CPU has, for the sizes compiled in (D
 with chunks of 32) and run-time sizes, one round and several, causal and not, with padding and
 with rows that see no key at all; whole lsh attention, outputs and gradients, on both paths
 against the one-query-at-a-time definition (``lsh_attention_naive``, autograd); that the kernel
-is taken on CPU and ``LINFORMER_LAB_KERNELS=lsh_window=reference`` keeps to the PyTorch step; clear errors for
+is taken on CPU and ``LINFORMER_LAB_KERNELS=lsh_window=pytorch`` keeps to the PyTorch step; clear errors for
 malformed inputs. Tests that need the extension skip where it cannot be built (no compiler).
 """
 
@@ -89,7 +89,7 @@ def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(lsh_exte
 def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hashes, causal, monkeypatch, lsh_extension):
     """Whole lsh attention on each path of step 4, against autograd through the one-query-at-a-
     time definition, in float64 (padding from key_lengths and from a partial last chunk)."""
-    monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=reference")
+    monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=pytorch")
     torch.manual_seed(n_hashes)
     rotations = torch.randn(8, n_hashes, 4, dtype=torch.float64)
     q0, v0 = torch.randn(2, 2, 21, 8, dtype=torch.float64), torch.randn(2, 2, 21, 5, dtype=torch.float64)
@@ -115,7 +115,7 @@ def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, lsh
     rotations = torch.randn(8, 2, 4)
     on = lsh.lsh_attention(q, v, rotations, 8, True, window=kernels.lsh_window)
     assert len(calls) == 1
-    monkeypatch.setenv(kernels.SWITCH, "lsh_window=reference")
+    monkeypatch.setenv(kernels.SWITCH, "lsh_window=pytorch")
     off = lsh.lsh_attention(q, v, rotations, 8, True, window=kernels.lsh_window)
     assert len(calls) == 1
     torch.testing.assert_close(on, off, **TOLERANCE[torch.float32])

@@ -20,7 +20,7 @@ process loads the cached library without compiling (no compiler needed then).
 
 Nothing here is required: :meth:`Extension.module` returns None (and warns once) where the
 extension cannot be built or loaded, and :mod:`linformer_lab.ops.kernels` picks the next
-candidate (in the end the PyTorch reference).
+candidate (in the end the ``pytorch`` one).
 
 Public API: :class:`Extension` with :meth:`~Extension.load` (build if needed and import; raises
 RuntimeError saying why not) and :meth:`~Extension.module` (the same, None instead of an error);
@@ -229,7 +229,7 @@ class Extension:
 FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
                        "generation keeps to the Python step (linformer_lab.models.generation.fast_step)")
 CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
-                              "the causal linear-attention numerator keeps to the PyTorch reference "
+                              "the causal linear-attention numerator keeps to PyTorch "
                               "(linformer_lab.ops.linear_attention.chunk)")
 
 LSH_WINDOW = Extension("linformer_lab_lsh_window", "lsh_window.cpp",

@@ -30,9 +30,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """The reference's chunk length when none is given: at least min(C, M) so chunk states stay
-    O(N max(C, M)), at least 32 so matmuls are not tiny, at most 256 so intra-chunk work stays
-    small."""
+    """The chunk length of :class:`CausalDotProduct` (the ``pytorch`` numerator) when none is given:
+    at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so matmuls are not tiny, at
+    most 256 so intra-chunk work stays small."""
     return max(32, min(256, min(feature_dim, value_dim)))
 
 
