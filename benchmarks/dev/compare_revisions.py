@@ -211,7 +211,7 @@ def load_chunk_module(folder: str):
 def run_causal(args) -> None:
     import torch
 
-    from linformer_lab.ops.linear_attention import causal_dot_product
+    from linformer_lab.ops.kernels import causal_dot_product
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:

@@ -55,6 +55,7 @@ def on_path(path: str, fn):
 def attention_rows(repeats: int) -> list[dict]:
     import torch
 
+    from linformer_lab.ops import kernels
     from linformer_lab.ops.lsh import lsh_attention
 
     rows = []
@@ -65,7 +66,8 @@ def attention_rows(repeats: int) -> list[dict]:
             v = torch.randn(b, h, n, d, generator=gen, requires_grad=True)
             rotations = torch.randn(d, n_hashes, 32, generator=gen)
             grad = torch.randn(b, h, n, d, generator=gen)
-            call = forward_backward(lambda: lsh_attention(q, v, rotations, chunk, True), (q, v), grad)
+            call = forward_backward(lambda: lsh_attention(q, v, rotations, chunk, True, window=kernels.lsh_window),
+                                    (q, v), grad)
             timed = interleaved_medians({p: on_path(p, call) for p in PATHS}, repeats)
             rows.append({"part": "attention fwd+bwd", "what": what, "shape": f"{b}x{h}x{n}x{d}", "chunk": chunk,
                          "n_hashes": n_hashes, **{f"{p}_ms": timed[p]["median"] * 1e3 for p in PATHS}})

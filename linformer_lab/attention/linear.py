@@ -1,10 +1,11 @@
 """``linear``: linear attention (paper §3.2-3.4) on CPU and GPU, each op on the kernel that
-:mod:`linformer_lab.ops.kernels` picks for the inputs' device (C++ on CPU, CUDA on a GPU, the
-PyTorch reference where neither applies or ``LINFORMER_LAB_KERNELS=reference``)."""
+:mod:`linformer_lab.ops.kernels` picks for the inputs' device (C++ on CPU, CUDA and Triton on a GPU,
+PyTorch where neither applies or ``LINFORMER_LAB_KERNELS=pytorch``); ``gpu_kernels=True`` forces
+the GPU kernels (the ``linear_cuda`` backend)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
 
 import torch
 
@@ -12,6 +13,31 @@ from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import kernels
 from linformer_lab.ops import linear_attention as ops
+from linformer_lab.validation import ConfigurationError
+
+#: op of :mod:`linformer_lab.ops.kernels` -> the candidate ``gpu_kernels=True`` forces, as
+#: ``LINFORMER_LAB_KERNELS=causal_attention=triton,causal=cuda`` would for this layer alone.
+GPU_KERNELS = {"causal_attention": "triton", "causal": "cuda"}
+#: Why the GPU kernels cannot run off CUDA (``where``: the run's device or the tensors'), and what
+#: runs everywhere instead.
+NOT_CUDA = (
+    "attention backend 'linear_cuda' runs only on CUDA GPUs, but {where}. "
+    "Use the 'linear' backend instead (same arguments, same results, runs on CPU and GPU)."
+)
+
+
+def gpu_kernels_unavailable() -> str | None:
+    """Why the GPU kernels cannot run on this machine, or None (``cli.py plugins --check`` asks
+    ``linear_cuda``)."""
+    from linformer_lab.ops import cuda as cuda_ops
+    from linformer_lab.ops.cuda import triton_chunk
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible (use 'linear' here)"
+    if triton_chunk.is_available() or cuda_ops.is_available():
+        return None
+    return (f"neither GPU kernel runs here: Triton's ({triton_chunk.unavailable_reason()}), nor the CUDA "
+            "extension (needs compute capability >= 7.0, CUDA toolkit, ninja)")
 
 
 class LinearAttention(Attention):
@@ -26,6 +52,15 @@ class LinearAttention(Attention):
         eps: added to the normaliser.
         chunk_size: chunk length of the causal algorithm (default: chosen from C and M). Packed
             sequences choose their own, at most their mean length.
+        gpu_kernels: force the GPU kernels (``linear_cuda`` is this layer with it): causal eq.
+            9-12 on the Triton chunk kernel (:mod:`linformer_lab.ops.cuda.triton_chunk`: the elu
+            map and the normaliser fused, packed sequences in one launch) where Triton runs
+            (compute capability >= 8.0), else the numerator on the CUDA C++ kernel of
+            :mod:`linformer_lab.ops.cuda` (compiled on first use; also compute capability 7.x);
+            where neither applies the PyTorch candidates compute the same. Non-causal attention
+            and RNN steps are matmuls already (cuBLAS). Built anywhere (a model built on a CPU
+            and moved to a GPU works); runs on CUDA tensors only, and :meth:`check_device` lets
+            a task refuse a CPU run before its first batch.
 
     RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed
     size whatever the sequence length. The parallel forward takes and returns the same state
@@ -37,10 +72,6 @@ class LinearAttention(Attention):
     uses_feature_map = True
     supports_state = True
     supports_packed = True
-    #: op of :mod:`linformer_lab.ops.kernels` -> the candidate this backend forces for it, as
-    #: ``LINFORMER_LAB_KERNELS`` would for this layer alone (empty: chosen by the conditions);
-    #: ``linear_cuda`` names the GPU kernels.
-    forced_kernels: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -50,19 +81,36 @@ class LinearAttention(Attention):
         feature_map_kwargs: dict | None = None,
         eps: float = 1e-6,
         chunk_size: int | None = None,
+        gpu_kernels: bool = False,
     ):
         super().__init__(causal=causal, query_dim=query_dim, feature_map=feature_map)
         self.feature_map = resolve_feature_map(feature_map, query_dim, feature_map_kwargs)
         self.query_dim = self.feature_map.query_dim
         self.eps = eps
         self.chunk_size = chunk_size
+        self.gpu_kernels = gpu_kernels
+        #: op of :mod:`linformer_lab.ops.kernels` -> the candidate this layer forces for it, as
+        #: ``LINFORMER_LAB_KERNELS`` would for this layer alone (empty: chosen by the conditions)
+        self.forced_kernels = dict(GPU_KERNELS) if gpu_kernels else {}
 
-    def causal_dot_product(self, phi_q, phi_k, v, initial_state=None, return_final_state=False):
-        """Numerator of eq. 9 (optionally from an initial state S_0, returning S_N) on the kernel
-        for the device (:func:`linformer_lab.ops.kernels.causal_dot_product`, forced as
-        :attr:`forced_kernels` says)."""
-        return kernels.causal_dot_product(phi_q, phi_k, v, self.chunk_size, initial_state, return_final_state,
-                                          force=self.forced_kernels.get("causal"))
+    @property
+    def causal_dot_product(self):
+        """The numerator of eq. 9 this layer computes with, ``(phi_q, phi_k, v, initial_state=None,
+        return_final_state=False)``: :func:`linformer_lab.ops.kernels.causal_dot_product` with its
+        chunk size and forced kernel (what the PyTorch candidates of ``causal_attention`` call)."""
+        return functools.partial(kernels.causal_dot_product, chunk_size=self.chunk_size,
+                                 force=self.forced_kernels.get("causal"))
+
+    def check_device(self, device: torch.device | str) -> None:
+        """With ``gpu_kernels``, a :class:`~linformer_lab.validation.ConfigurationError` unless
+        ``device`` is a CUDA device (the tasks call this from ``setup`` with the run's device)."""
+        if self.gpu_kernels and torch.device(device).type != "cuda":
+            raise ConfigurationError(NOT_CUDA.format(where=f"this run's device is {device}"))
+
+    def check_inputs(self, q, k, v, key_lengths=None):
+        super().check_inputs(q, k, v, key_lengths)
+        if self.gpu_kernels and q.device.type != "cuda":
+            raise RuntimeError(NOT_CUDA.format(where=f"got tensors on {q.device}"))
 
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
         # The hot path of training: no copy of q, k, v or the output here, and nothing read back
@@ -75,8 +123,9 @@ class LinearAttention(Attention):
             check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False,
                              device=q.device)
         if self.causal:
-            # eq. 9-12 from the unmapped q, k: a fused kernel takes the feature map, the numerator and
-            # the normaliser in one (packed sequences in the same launch), the reference composes them
+            # eq. 9-12 from the unmapped q, k, packed or not, on the candidate kernels picks: a fused
+            # kernel takes the feature map, the numerator and the normaliser in one (packed sequences
+            # in the same launch); the PyTorch one composes them, its numerator on kernels' choice too
             kernel = kernels.select("causal_attention", self.feature_map, q, k, v,
                                     force=self.forced_kernels.get("causal_attention"))
             return kernel.run(self.feature_map, q, k, v, key_lengths, self.eps, self.causal_dot_product, state,
@@ -107,7 +156,8 @@ class LinearAttention(Attention):
         return out.to(v_t.dtype), state
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, eps={self.eps}, chunk_size={self.chunk_size}"
+        gpu = ", gpu_kernels=True" if self.gpu_kernels else ""
+        return f"causal={self.causal}, eps={self.eps}, chunk_size={self.chunk_size}{gpu}"
 
 
 def resolve_feature_map(feature_map, query_dim: int | None, kwargs: dict | None) -> FeatureMap:

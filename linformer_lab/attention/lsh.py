@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.attention.base import Attention, state_type_error
+from linformer_lab.ops import kernels
 from linformer_lab.ops.lsh import lsh_attention
 from linformer_lab.ops.state import KVCache
 
@@ -71,7 +72,7 @@ class LSHAttention(Attention):
                 "MultiHeadAttention does this automatically for backends with shares_query_key."
             )
         if state is None and not return_state:
-            return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths)
+            return lsh_attention(q, v, self.rotations, self.bucket_size, self.causal, key_lengths, kernels.lsh_window)
         if key_lengths is not None and bool((key_lengths != q.shape[2]).any()):
             # the prefix is one sequence of inputs for every row; padding inside it would be attended
             raise ValueError("LSHAttention: a state (return_state / state=) needs sequences of equal length "
@@ -85,7 +86,8 @@ class LSHAttention(Attention):
             q_all, v_all = torch.cat([state.keys, q], dim=2), torch.cat([state.values, v], dim=2)
         else:
             q_all, v_all = q, v
-        out = lsh_attention(q_all, v_all, self.rotations, self.bucket_size, self.causal)[:, :, q_all.shape[2] - q.shape[2]:]
+        out = lsh_attention(q_all, v_all, self.rotations, self.bucket_size, self.causal,
+                            window=kernels.lsh_window)[:, :, q_all.shape[2] - q.shape[2]:]
         return (out, KVCache.from_sequence(q_all, v_all)) if return_state else out
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
@@ -95,7 +97,7 @@ class LSHAttention(Attention):
         elif not isinstance(state, KVCache):
             raise state_type_error(f"{type(self).__name__}.step", state, "the KVCache of its prefix or None")
         state = state.appended(q_t, v_t)  # a new cache: the given one stays as it was
-        out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True)
+        out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True, window=kernels.lsh_window)
         return out[:, :, -1], state
 
     def extra_repr(self) -> str:

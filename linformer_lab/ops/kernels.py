@@ -2,17 +2,25 @@
 code goes").
 
 Every op has an ordered list of :class:`Candidate` s in :data:`CANDIDATES`; :func:`select` returns
-the first one whose condition holds for the op's arguments. The last is always the PyTorch
-reference, which runs anywhere; every kernel is tested equal to it.
+the first one whose condition holds for the op's arguments. The last is always ``pytorch``, the
+op in PyTorch (Python for ``fused_step``), which runs anywhere. Every candidate, ``pytorch`` too, is
+tested against the op's float64 reference: the naive O(N^2) forms
+(``ops/linear_attention/naive.py``, ``ops/lsh.py: lsh_attention_naive``, ``ops/reference.py``) or
+the ``pytorch`` candidate run in float64.
+
+This module is the router: it imports the implementations (inside the functions below), and
+they never import it back; an op that needs another (the ``pytorch`` candidate of
+``causal_attention`` needs the numerator) gets it as an argument from the layer.
 
 ====================  ====================================  =========================================
 op                    candidates, first to last             called from
 ====================  ====================================  =========================================
-``causal``            cuda, recurrence, reference           :func:`causal_dot_product` (the numerator
-                                                            of eq. 9, ``ops.linear_attention``)
-``lsh_window``        cpp, reference                        ``ops/lsh.py``'s ``window_attention``
-``fused_step``        cpp, reference                        ``models/fused_step.py`` (generation)
-``causal_attention``  triton, cpp, reference                ``attention/linear.py``: eq. 9-12 with
+``causal``            cuda, recurrence, pytorch             :func:`causal_dot_product` (the numerator
+                                                            of eq. 9), which the layers pass to
+                                                            ``ops.linear_attention`` as its argument
+``lsh_window``        cpp, pytorch                          :func:`lsh_window` (``attention/lsh.py``)
+``fused_step``        cpp, pytorch                          ``models/fused_step.py`` (generation)
+``causal_attention``  triton, cpp, pytorch                  ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
                                                             CPU: ``ops/cpu/causal_recurrence.cpp``),
@@ -20,17 +28,18 @@ op                    candidates, first to last             called from
 ====================  ====================================  =========================================
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
-unset or ``auto`` chooses by the conditions; ``reference`` forces every op's PyTorch reference;
+unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTorch candidate;
 ``op=name`` forces one op's candidate, comma-separated for several (``causal=recurrence``,
-``causal=reference,lsh_window=reference``): the forced candidate runs wherever its condition holds,
-the reference elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+``causal=pytorch,lsh_window=pytorch``): the forced candidate runs wherever its condition holds,
+``pytorch`` elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
+The older name ``reference`` (for ``pytorch``) is still read, with a FutureWarning.
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
-switch): a backend's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
+switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
-**Adding a kernel** (a GPU one, say): write a function with the op's signature (the reference's
-beside it in this file says it) and a condition on the op's arguments, and put a
+**Adding a kernel** (a GPU one, say): write a function with the op's signature (the ``pytorch``
+candidate's beside it in this file says it) and a condition on the op's arguments, and put a
 :class:`Candidate` into the op's list in :data:`CANDIDATES`, before the candidates it should win
-over; the reference stays last. Import the kernel's module inside the functions, as the others do:
+over; ``pytorch`` stays last. Import the kernel's module inside the functions, as the others do:
 building or importing a kernel costs only where it may run. ``describe()`` and
 ``cli.py plugins --check`` then name it, and the switch can force it by its name.
 """
@@ -46,13 +55,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product", "cuda_kernel",
-           "describe", "forced", "reference", "select", "switched"]
+__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product",
+           "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "reference", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
-#: The name of every op's last candidate, the PyTorch reference.
-REFERENCE = "reference"
+#: The name of every op's last candidate, the op in PyTorch, which runs anywhere.
+PYTORCH = "pytorch"
+#: Older names of candidates, still read by the switch and ``force`` (with a FutureWarning): "reference"
+#: named the ``pytorch`` candidates, although the float64 oracle of the tests is the naive form.
+RENAMED = {"reference": PYTORCH}
+#: The older name of :data:`PYTORCH`, for callers written before the rename.
+REFERENCE = PYTORCH
 #: The fused C++ step runs batches of at most this many rows: its gain, the per-operation cost,
 #: shrinks as a batch spreads it over more arithmetic, and its plain loops are not vectorized as
 #: ATen's kernels are.
@@ -102,7 +116,7 @@ def _cpu_inputs(*tensors) -> bool:
 
 def _causal_cpu(q, k, v, initial_state=None) -> bool:
     """CPU tensors, q, k, v of one dtype, under CPU autocast too: the recurrence runs float16 and
-    bfloat16 as float32, as the reference does (``ops/linear_attention/cpu_kernel.py``)."""
+    bfloat16 as float32, as the ``pytorch`` candidate does (``ops/linear_attention/cpu_kernel.py``)."""
     tensors = [t for t in (q, k, v, initial_state) if t is not None]
     return (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_DTYPES + _HALF_DTYPES
             and all(t.device.type == "cpu" for t in tensors))
@@ -157,7 +171,7 @@ def cuda_kernel():
     try:
         cuda.load()
     except RuntimeError as error:
-        warnings.warn(f"{error}; the causal linear-attention numerator on CUDA keeps to the PyTorch reference",
+        warnings.warn(f"{error}; the causal linear-attention numerator on CUDA keeps to PyTorch",
                       RuntimeWarning, stacklevel=2)
         return None
     return cuda
@@ -166,12 +180,12 @@ def cuda_kernel():
 # ---------------------------------------------------------------- the ops' implementations
 
 
-def _causal_reference(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+def _causal_pytorch(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` (and
     S_N with ``return_final_state``); :mod:`linformer_lab.ops.linear_attention.chunk`."""
-    from linformer_lab.ops.linear_attention.chunk import CausalDotProduct
+    from linformer_lab.ops.linear_attention import chunk
 
-    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
+    return chunk.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
 def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
@@ -187,7 +201,7 @@ def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_
 
 
 def _lsh_window(implementation: str) -> Callable:
-    """``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``: ``ops/lsh.py``'s ``window_attention``."""
+    """``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``: ``ops/lsh.py``'s ``implementation``."""
     def run(*args):
         from linformer_lab.ops import lsh
 
@@ -198,24 +212,21 @@ def _lsh_window(implementation: str) -> Callable:
 
 def _fused_stack(*args):
     """``(weights, norm eps, heads, query dim, value dim, eps, GELU approximate)`` -> the C++
-    ``FusedStack`` (``models/fused_step.py``); the reference has none: ``fast_step``'s Python path."""
+    ``FusedStack`` (``models/fused_step.py``); the ``pytorch`` candidate has none: ``fast_step``'s Python path."""
     return _cpu_module("FUSED_STEP").FusedStack(*args)
 
 
-def _causal_attention_reference(feature_map, q, k, v, key_lengths, eps, dot_product, initial_state=None,
-                                return_state=False, cu_seqlens=None):
+def _causal_attention_pytorch(*args, **kwargs):
     """The op's signature: causal eq. 9-12 from the unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``
-    with the backend's ``feature_map`` and numerator ``dot_product``: the feature map, then
-    :func:`~linformer_lab.ops.linear_attention.causal_linear_attention`; with ``cu_seqlens`` (packed
-    sequences, B = 1) :func:`~linformer_lab.ops.linear_attention.packed_linear_attention` instead, in
-    one pass. A fused candidate computes the same in one kernel for the maps it knows (its
-    ``accepts(feature_map, q, k, v)`` says which)."""
-    from linformer_lab.ops.linear_attention import causal_linear_attention, packed_linear_attention
+    with the backend's ``feature_map`` and numerator ``dot_product`` (the caller's: the layers pass
+    :func:`causal_dot_product`), ``(feature_map, q, k, v, key_lengths, eps, dot_product,
+    initial_state=None, return_state=False, cu_seqlens=None)``, packed sequences (``cu_seqlens``,
+    B = 1) included: :func:`linformer_lab.ops.linear_attention.causal_attention`. A fused candidate
+    computes the same in one kernel for the maps it knows (its ``accepts(feature_map, q, k, v)`` says
+    which)."""
+    from linformer_lab.ops import linear_attention
 
-    phi_q, phi_k = feature_map.forward_queries(q), feature_map.forward_keys(k)
-    if cu_seqlens is not None:
-        return packed_linear_attention(phi_q, phi_k, v, cu_seqlens, True, eps, initial_state, return_state)
-    return causal_linear_attention(phi_q, phi_k, v, key_lengths, eps, dot_product, initial_state, return_state)
+    return linear_attention.causal_attention(*args, **kwargs)
 
 
 def _causal_attention_triton(feature_map, q, k, v) -> bool:
@@ -225,7 +236,7 @@ def _causal_attention_triton(feature_map, q, k, v) -> bool:
 
 
 def _causal_attention_triton_run(*args):
-    """The reference's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
+    """The ``pytorch`` candidate's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
     from linformer_lab.ops.cuda.triton_chunk import backend
 
     return backend.causal_attention(*args)
@@ -238,7 +249,7 @@ def _causal_attention_cpu(feature_map, q, k, v) -> bool:
 
 
 def _causal_attention_cpu_run(*args, **kwargs):
-    """The reference's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
+    """The ``pytorch`` candidate's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
     from linformer_lab.ops.linear_attention import cpu_kernel
 
     return cpu_kernel.causal_attention(*args, **kwargs)
@@ -252,7 +263,7 @@ def _triton_available() -> bool:
 
 _ALWAYS = "always"
 
-#: op -> its candidates, first to last; the reference is last (module docstring: adding a kernel).
+#: op -> its candidates, first to last; ``pytorch`` is last (module docstring: adding a kernel).
 CANDIDATES: dict[str, list[Candidate]] = {
     "causal": [
         Candidate("cuda", "CUDA kernel (ops/cuda/causal_linear_attention.cu)",
@@ -262,14 +273,14 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), C, M "
                   "zero-padded to whole registers",
                   _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(REFERENCE, "PyTorch chunked reference (ops/linear_attention/chunk.py)", _ALWAYS,
-                  _everywhere, lambda: True, _causal_reference),
+        Candidate(PYTORCH, "PyTorch chunked numerator (ops/linear_attention/chunk.py)", _ALWAYS,
+                  _everywhere, lambda: True, _causal_pytorch),
     ],
     "lsh_window": [
         Candidate("cpp", "C++ window kernel (ops/cpu/lsh_window.cpp)",
                   "CPU tensors, float32 or float64, CPU autocast off",
                   _lsh_cpu, _cpu_available("LSH_WINDOW"), _lsh_window("window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
-        Candidate(REFERENCE, "PyTorch window step (ops/lsh.py: window_attention_torch)", _ALWAYS,
+        Candidate(PYTORCH, "PyTorch window step (ops/lsh.py: window_attention_torch)", _ALWAYS,
                   _everywhere, lambda: True, _lsh_window("window_attention_torch")),
     ],
     "fused_step": [
@@ -277,7 +288,7 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   f"CPU, float32 or float64, CPU autocast off, at most {FUSED_MAX_BATCH} rows "
                   "(and a stack of the form models/fused_step.py checks)",
                   _fused_cpu, _cpu_available("FUSED_STEP"), _fused_stack),
-        Candidate(REFERENCE, "Python step (models/generation.py: fast_step)", _ALWAYS,
+        Candidate(PYTORCH, "Python step (models/generation.py: fast_step)", _ALWAYS,
                   _everywhere, lambda: True, lambda *args: None),
     ],
     "causal_attention": [
@@ -290,8 +301,9 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
                   _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
                   _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(REFERENCE, "feature map, then the causal op and the normaliser in PyTorch", _ALWAYS,
-                  _everywhere, lambda: True, _causal_attention_reference),
+        Candidate(PYTORCH, "feature map, then the causal op and the normaliser in PyTorch "
+                  "(ops/linear_attention: causal_attention)", _ALWAYS,
+                  _everywhere, lambda: True, _causal_attention_pytorch),
     ],
 }
 
@@ -324,18 +336,28 @@ def _parse_switch(value: str) -> dict[str, str]:
     for item in (part.strip() for part in value.split(",")):
         if item in ("", "auto"):
             continue
-        if item == REFERENCE:
-            choice.update({op: REFERENCE for op in CANDIDATES})
+        if _current_name(item, f"{SWITCH}={value!r}") == PYTORCH:
+            choice.update({op: PYTORCH for op in CANDIDATES})
             continue
         op, equals, name = (part.strip() for part in item.partition("="))
         if not equals or op not in CANDIDATES:
-            raise ValueError(f"{SWITCH}={value!r}: {item!r} is not 'auto', 'reference' or op=kernel with an op among "
+            raise ValueError(f"{SWITCH}={value!r}: {item!r} is not 'auto', {PYTORCH!r} or op=kernel with an op among "
                              f"{', '.join(CANDIDATES)}")
+        name = _current_name(name, f"{SWITCH}={value!r}")
         names = [candidate.name for candidate in CANDIDATES[op]]
         if name not in names:
             raise ValueError(f"{SWITCH}={value!r}: op {op!r} has no kernel {name!r}; its kernels: {', '.join(names)}")
         choice[op] = name
     return choice
+
+
+def _current_name(name: str, where: str) -> str:
+    """``name``, or the name a renamed candidate has now (warned: the switch is parsed once per value)."""
+    if name not in RENAMED:
+        return name
+    warnings.warn(f"{where}: {name!r} is now called {RENAMED[name]!r} (the PyTorch candidates); the old name "
+                  "will go", FutureWarning, stacklevel=3)
+    return RENAMED[name]
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the switch when it traces, as its value
@@ -345,33 +367,47 @@ def _forced_name(op: str) -> str | None:
 
 def select(op: str, *args, force: str | None = None) -> Candidate:
     """The candidate that computes ``op`` for these arguments (those of its candidates' ``accepts``):
-    the first that applies, or under the switch the forced one where it applies; the reference
+    the first that applies, or under the switch the forced one where it applies; ``pytorch``
     otherwise. ``force`` names a candidate as the switch would, for this call only, over the
     switch (``linear_cuda`` forces the GPU kernels this way)."""
     if op not in CANDIDATES:
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(CANDIDATES)}")
-    if force is not None and force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
-        raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
+    if force is not None:
+        force = _current_name(force, f"force={force!r}")
+        if force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
+            raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
     want = force or _forced_name(op)
     for candidate in CANDIDATES[op]:
-        if (want is None or candidate.name in (want, REFERENCE)) and candidate.applies(*args):
+        if (want is None or candidate.name in (want, PYTORCH)) and candidate.applies(*args):
             return candidate
-    raise AssertionError(f"{op}: the reference must apply everywhere")  # the list's last entry
+    raise AssertionError(f"{op}: the {PYTORCH} candidate must apply everywhere")  # the list's last entry
 
 
-def reference(op: str) -> Candidate:
-    """``op``'s PyTorch reference (its last candidate)."""
+def fallback(op: str) -> Candidate:
+    """``op``'s ``pytorch`` candidate (its last), which runs anywhere."""
     return CANDIDATES[op][-1]
+
+
+#: The older name of :func:`fallback`, for callers written before the rename.
+reference = fallback
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                        initial_state: torch.Tensor | None = None, return_final_state: bool = False,
                        force: str | None = None):
-    """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T): ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``
-    on the candidate :func:`select` picks, ``force`` as there (``ops.linear_attention.causal_dot_product``,
-    where the contract is written out)."""
+    """The causal numerator of eq. 9 on the candidate :func:`select` picks, ``force`` as there:
+    out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T), ``(B,H,N,C), (B,H,N,C), (B,H,N,M) -> (B,H,N,M)``;
+    ``initial_state`` S_0 ``(B, H, C, M)`` or None, with ``return_final_state`` also S_N (gradients
+    into S_0 and out of S_N); fp32 accumulation for half inputs, the output in the input dtype;
+    ``chunk_size``: the chunk length of the PyTorch candidate (None: chosen from C and M)."""
     return select("causal", q, k, v, initial_state, force=force).run(q, k, v, chunk_size, initial_state,
                                                                      return_final_state)
+
+
+def lsh_window(q, k, v, positions, valid, chunks, causal: bool):
+    """lsh attention's window step (``ops/lsh.py``'s ``window_attention_torch`` says its contract)
+    on the candidate :func:`select` picks: what ``attention/lsh.py`` gives ``lsh_attention``."""
+    return select("lsh_window", q, k, v).run(q, k, v, positions, valid, chunks, causal)
 
 
 # ---------------------------------------------------------------- describe

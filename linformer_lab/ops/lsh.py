@@ -26,10 +26,10 @@ precision. The result comes back in the input dtype.
 
 Cost O(N n_hashes chunk_size D) time and memory (the duplicate counts add integer comparisons
 of the same order when n_hashes > 1). Step 4 (masks, counts, window softmax and its backward)
-runs on the kernel that :mod:`linformer_lab.ops.kernels` picks (op ``lsh_window``): on CPU a C++
-kernel, ``ops/cpu/lsh_window.cpp``, where a window's scores stay in cache; elsewhere, or with
-``LINFORMER_LAB_KERNELS=lsh_window=reference``, the PyTorch step :func:`window_attention_torch`,
-the kernel's reference. Which earlier tokens share a chunk
+is the caller's ``window`` function: by default the PyTorch step :func:`window_attention_torch`;
+the ``lsh`` backend passes ``kernels.lsh_window``, which runs the C++ kernel
+:func:`window_attention_cpp` (``ops/cpu/lsh_window.cpp``, a window's scores stay in cache) on CPU
+and the PyTorch step elsewhere (op ``lsh_window`` of :mod:`linformer_lab.ops.kernels`). Which earlier tokens share a chunk
 depends on where *all* tokens hash, later ones included; RNN mode therefore re-runs the
 attention over the prefix (the paper's baseline for lsh generation).
 """
@@ -37,10 +37,10 @@ attention over the prefix (the paper's baseline for lsh generation).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from linformer_lab.ops import kernels
 from linformer_lab.ops.masks import length_mask
 
 
@@ -51,6 +51,7 @@ def lsh_attention(
     chunk_size: int,
     causal: bool,
     key_lengths: torch.Tensor | None = None,
+    window: Callable | None = None,
 ) -> torch.Tensor:
     """Args:
         q: ``(B, H, N, D)`` shared queries/keys.
@@ -59,16 +60,19 @@ def lsh_attention(
         chunk_size: positions per attention chunk.
         key_lengths: ``(B,)``, keys at positions >= length are ignored; query positions past
             the length are padding and return zeros.
+        window: step 4, a function with :func:`window_attention_torch`'s arguments and results
+            (None: that one; the ``lsh`` backend passes ``kernels.lsh_window``).
     Returns: ``(B, H, N, M)`` in the dtype of ``v``.
     """
     out_dtype = v.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=q.device.type, enabled=False):
-        out = _lsh_attention(q.to(compute), v.to(compute), rotations.to(compute), chunk_size, causal, key_lengths)
+        out = _lsh_attention(q.to(compute), v.to(compute), rotations.to(compute), chunk_size, causal, key_lengths,
+                             window or window_attention_torch)
     return out.to(out_dtype)
 
 
-def _lsh_attention(q, v, rotations, chunk_size, causal, key_lengths):
+def _lsh_attention(q, v, rotations, chunk_size, causal, key_lengths, window):
     b, h, n, d = q.shape
     m = v.shape[-1]
     n_hashes, half_buckets = rotations.shape[1], rotations.shape[2]
@@ -112,7 +116,7 @@ def _lsh_attention(q, v, rotations, chunk_size, causal, key_lengths):
     # token itself (brought back below for the rows that see nothing else), each key's score
     # lowered by log N_ij (the duplicates; n_hashes > 1)
     chunks = _slot_chunks(order, n_hashes, length, chunk_size) if n_hashes > 1 else None
-    out, lse = window_attention(sq, sk, sv, spos, svalid, chunks, causal)  # (B, H, chunks, chunk, M / -)
+    out, lse = window(sq, sk, sv, spos, svalid, chunks, causal)  # (B, H, chunks, chunk, M / -)
 
     # 5. un-sort, then weight the rounds by their normalisers
     out = out.reshape(b, h, n_hashes * length, m)
@@ -142,28 +146,8 @@ def _look_back(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.roll(1, dims=2)], dim=3)
 
 
-def window_attention(q, k, v, positions, valid, chunks, causal: bool):
-    """Step 4: each chunk's queries attend to the window of its own and the previous chunk's
-    keys (its own alone when there is one chunk).
-
-    Args:
-        q, k: ``(B, H, chunks, chunk, D)`` sorted queries (scaled by 1/sqrt(D)) and keys.
-        v: ``(B, H, chunks, chunk, M)``.
-        positions: int64 ``(B, H, chunks, chunk)``, the sequence position of each slot.
-        valid: bool, same shape: False for padding.
-        chunks: int ``(B, H, chunks, chunk, n_hashes)`` from :func:`_slot_chunks` (the chunk of
-            each slot's position in every round) when n_hashes > 1, else None.
-    Returns: ``(out (B, H, chunks, chunk, M), lse (B, H, chunks, chunk))``, the window softmax's
-    output and log normaliser; a row with every key masked gets ``lse = -inf`` and zeros.
-
-    Runs on the candidate :func:`linformer_lab.ops.kernels.select` picks: on CPU in float32 /
-    float64 :func:`window_attention_cpp`, else :func:`window_attention_torch`, its reference.
-    """
-    return kernels.select("lsh_window", q, k, v).run(q, k, v, positions, valid, chunks, causal)
-
-
 def window_attention_cpp(q, k, v, positions, valid, chunks, causal: bool):
-    """:func:`window_attention` through the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
+    """:func:`window_attention_torch` through the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
     scores, masks and counts stay in cache): CPU tensors of one dtype, float32 or float64."""
     from linformer_lab.ops import cpu  # the build machinery, imported only where the kernel runs
 
@@ -177,7 +161,20 @@ def window_attention_cpp(q, k, v, positions, valid, chunks, causal: bool):
 
 
 def window_attention_torch(q, k, v, positions, valid, chunks, causal: bool):
-    """:func:`window_attention` in PyTorch operations (any device; autograd gives the gradients)."""
+    """Step 4 in PyTorch operations (any device; autograd gives the gradients): each chunk's
+    queries attend to the window of its own and the previous chunk's keys (its own alone when
+    there is one chunk).
+
+    Args:
+        q, k: ``(B, H, chunks, chunk, D)`` sorted queries (scaled by 1/sqrt(D)) and keys.
+        v: ``(B, H, chunks, chunk, M)``.
+        positions: int64 ``(B, H, chunks, chunk)``, the sequence position of each slot.
+        valid: bool, same shape: False for padding.
+        chunks: int ``(B, H, chunks, chunk, n_hashes)`` from :func:`_slot_chunks` (the chunk of
+            each slot's position in every round) when n_hashes > 1, else None.
+    Returns: ``(out (B, H, chunks, chunk, M), lse (B, H, chunks, chunk))``, the window softmax's
+    output and log normaliser; a row with every key masked gets ``lse = -inf`` and zeros.
+    """
     n_chunks = q.shape[2]
     if n_chunks > 1:
         k, v, key_positions, key_valid = _look_back(k), _look_back(v), _look_back(positions), _look_back(valid)
@@ -197,7 +194,7 @@ def window_attention_torch(q, k, v, positions, valid, chunks, causal: bool):
 
 
 class _WindowAttentionCPU(torch.autograd.Function):
-    """:func:`window_attention` on ``(G, chunks, chunk, ...)`` rows (G = B H) through the C++
+    """:func:`window_attention_torch`'s step on ``(G, chunks, chunk, ...)`` rows (G = B H) through the C++
     kernel. Saves the window probabilities, ``(G, chunks, chunk, window)`` (what the PyTorch
     path keeps of its scores), so the backward recomputes neither scores nor exponentials."""
 

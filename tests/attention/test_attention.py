@@ -8,7 +8,8 @@ from conftest import assert_close, built_in_attention
 
 import linformer_lab as ll
 from linformer_lab.ops import reference
-from linformer_lab.ops.linear_attention import CausalDotProduct, causal_dot_product, naive
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import CausalDotProduct, naive
 
 CPU_BACKENDS = [name for name in built_in_attention() if name != "linear_cuda"]
 FEATURE_MAPS = ll.list_feature_maps()
@@ -195,7 +196,7 @@ def test_causal_dot_product_reference_over_rows(monkeypatch, chunk):
     """The PyTorch reference (forced: on CPU the C++ kernel would take these inputs) over several
     B H rows and a partial last chunk gives the values and gradients of the O(N^2) definition,
     with the intra-chunk scores kept for the backward (L <= max(C, M)) and recomputed."""
-    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "causal=reference")
+    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "causal=pytorch")
     q, k, v = (t.requires_grad_() for t in _inputs(b=2, h=3, n=37, d=4, m=5))
     out = causal_dot_product(q, k, v, chunk)
     ref = naive.causal_dot_product_naive(q, k, v)
@@ -207,7 +208,7 @@ def test_causal_dot_product_reference_over_rows(monkeypatch, chunk):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("kernel", ["", "causal=reference"], ids=["cpu-kernel-if-built", "pure-pytorch"])
+@pytest.mark.parametrize("kernel", ["", "causal=pytorch"], ids=["cpu-kernel-if-built", "pure-pytorch"])
 @pytest.mark.parametrize("chunk", [4, 8], ids=["scores-kept", "scores-recomputed"])
 def test_causal_dot_product_backward_twice_with_retain_graph(monkeypatch, chunk, kernel):
     """The backward pass must not modify what the forward saved (chunk states, scores):

@@ -166,7 +166,7 @@ def test_rnn_step_in_half_precision_matches_float64(backend, dtype):
 
 # ---------------------------------------------------------------- causal linear: long sequences, values of mean 1
 @pytest.mark.parametrize("packed", [False, True], ids=["one sequence", "packed"])
-@pytest.mark.parametrize("kernel", ["reference", pytest.param("recurrence", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kernel", ["pytorch", pytest.param("recurrence", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_lengths(request, monkeypatch, dtype,
                                                                                   kernel, packed):
@@ -175,11 +175,11 @@ def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_length
     and a normaliser term that nearly cancel when v has a nonzero mean, lost a digit when the two
     were rounded to half precision apart. The output and every gradient must be finite and within
     one half-precision unit (relative, in norm) of the float64 attention of the same half inputs:
-    on the PyTorch chunk path (the reference kernel, what a GPU without Triton runs), on the C++
+    on the PyTorch chunk path (the ``pytorch`` candidate, what a GPU without Triton runs), on the C++
     recurrence, and for three packed sequences (one pass, whatever the kernel)."""
     if kernel == "recurrence":
         request.getfixturevalue("causal_extension")
-    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "reference" if kernel == "reference" else "causal=recurrence")
+    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "pytorch" if kernel == "pytorch" else "causal=recurrence")
     gen = torch.Generator().manual_seed(0)
     attn = ll.build_attention("linear", causal=True, query_dim=64)
     n, edges = 2048, [0, 700, 701, 2048]

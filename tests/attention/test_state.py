@@ -13,8 +13,8 @@ from conftest import assert_close
 from test_attention import CONFIGS, _build, _inputs, _reference
 
 import linformer_lab as ll
+from linformer_lab.ops.kernels import causal_dot_product
 from linformer_lab.ops.linear_attention import (
-    causal_dot_product,
     causal_linear_attention,
     dot_product_with_state,
     naive,

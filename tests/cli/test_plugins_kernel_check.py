@@ -71,8 +71,8 @@ def test_a_kernel_that_fails_to_launch_is_one_error_line_naming_the_switch(built
     assert code == 1
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == ["error: kernel causal=recurrence on cpu float32 failed to compile or launch: RuntimeError: PTX "
-                     "compilation failed: out of registers; run with LINFORMER_LAB_KERNELS=causal=reference (or "
-                     "LINFORMER_LAB_KERNELS=reference for every op) to use the PyTorch reference"]
+                     "compilation failed: out of registers; run with LINFORMER_LAB_KERNELS=causal=pytorch (or "
+                     "LINFORMER_LAB_KERNELS=pytorch for every op) to use the PyTorch reference"]
     assert "Traceback" not in err and "causal=recurrence on cpu float32: error" in out
     assert "lsh_window=cpp on cpu float32: pass" in out  # the others are still checked
 
@@ -90,7 +90,7 @@ def test_a_kernel_that_disagrees_fails_in_one_line(built, monkeypatch):
     failed = [r for r in json.loads(out)["kernel_check"] if r["status"] == "FAIL"]
     assert [(r["op"], r["candidate"]) for r in failed] == [("lsh_window", "cpp")] and failed[0]["error"] > 5e-3
     assert "error: kernel lsh_window=cpp on cpu float32 disagrees with the reference (relative error" in err
-    assert "LINFORMER_LAB_KERNELS=lsh_window=reference" in err
+    assert "LINFORMER_LAB_KERNELS=lsh_window=pytorch" in err
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ normaliser, though phi(0) = 1); key lengths (masked keys enter neither outputs n
 gradient); packed sequences (cu_seqlens) with empty ones, one state row each; one row on two threads
 (the forward's column pieces, the backward's split passes); every instruction-set version the CPU
 runs; float32 and float64; half inputs run as float32; the layer with the fused kernel equal to the
-layer on the PyTorch reference, and the dispatch taking it for the elu map only; the operators'
+layer on the ``pytorch`` candidate, and the dispatch taking it for the elu map only; the operators'
 opcheck (slow).
 """
 
@@ -172,20 +172,20 @@ def _layer_results(monkeypatch, switch, dtype, feature_map="elu"):
     return [out, s_n, z_n, q.grad, k.grad, v.grad, state[0].grad, state[1].grad]
 
 
-def test_layer_on_the_fused_kernel_equals_the_layer_on_the_reference(monkeypatch, causal_extension):
+def test_layer_on_the_fused_kernel_equals_the_layer_on_pytorch(monkeypatch, causal_extension):
     calls = []
     original = cpu_kernel.causal_attention
     monkeypatch.setattr(cpu_kernel, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     got = _layer_results(monkeypatch, None, torch.float32)
     assert calls, "the layer did not take the fused kernel"
-    want = _layer_results(monkeypatch, "causal_attention=reference", torch.float64)
+    want = _layer_results(monkeypatch, "causal_attention=pytorch", torch.float64)
     assert len(calls) == 1
     assert_close(got, [w.double() for w in want], torch.float32)
 
 
 def test_half_inputs_run_as_float32(monkeypatch, causal_extension):
     got = _layer_results(monkeypatch, None, torch.bfloat16)
-    want = _layer_results(monkeypatch, "causal_attention=reference", torch.bfloat16)
+    want = _layer_results(monkeypatch, "causal_attention=pytorch", torch.bfloat16)
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
     for name, g, w in zip(NAMES, got, want):  # the reference maps phi in bf16, the kernel in fp32: bf16's rounding
         scale = w.double().abs().max().item()
@@ -198,7 +198,7 @@ def test_dispatch_takes_the_kernel_for_the_elu_map_only(causal_extension, monkey
     x = torch.zeros(1, 1, 4, 8)
     assert kernels.select("causal_attention", EluFeatureMap(8), x, x, x).name == "cpp"
     other = LinearAttention(causal=True, query_dim=8, feature_map="poly2").feature_map
-    assert kernels.select("causal_attention", other, x, x, x).name == kernels.REFERENCE
+    assert kernels.select("causal_attention", other, x, x, x).name == kernels.PYTORCH
     assert any(line.startswith("causal_attention op on cpu") and "elu and the normaliser fused" in line
                for line in kernels.describe())
     with pytest.raises(ValueError, match="elu feature map only"):

@@ -21,7 +21,8 @@ import torch
 from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, ran  # noqa: F401 - fixtures
 
 from linformer_lab.ops import cpu, kernels
-from linformer_lab.ops.linear_attention import causal_dot_product, chunk, cpu_kernel
+from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import chunk, cpu_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,8 +111,8 @@ def test_only_the_final_state_used(causal_extension, ran):  # noqa: F811
 
 
 def test_switched_off_runs_the_reference(monkeypatch, causal_extension, ran):  # noqa: F811
-    monkeypatch.setenv(kernels.SWITCH, "causal=reference")
-    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "reference"
+    monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
+    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "pytorch"
     tensors = _inputs(1, 2, 100, 16, 16)
     _close(_run(tensors, torch.float32, True, 2), _reference(*tensors), torch.float32)
     assert ran == []

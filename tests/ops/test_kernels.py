@@ -1,7 +1,7 @@
 """The kernel dispatch (linformer_lab/ops/kernels.py): which candidate computes each op under each
 condition (device, dtype, autocast, shapes, the build, the LINFORMER_LAB_KERNELS switch), the
 switch's errors, describe(), and that the ``linear`` backend runs what it picks: on CPU the C++
-kernel, under the switch the PyTorch reference, both equal to the float64 O(N^2) definition; for
+kernel, under the switch the ``pytorch`` candidate, both equal to the float64 O(N^2) definition; for
 CUDA tensors the CUDA kernel (fake CUDA tensors and a stand-in kernel here: no GPU in CI).
 
 The fast tests stand in for the builds (each candidate's ``available``); the ones marked slow load
@@ -9,6 +9,8 @@ The fast tests stand in for the builds (each candidate's ``available``); the one
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -56,35 +58,35 @@ def test_cpu_float32_and_float64_take_the_cpp_kernel_where_it_builds(builds):
     assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=torch.float64)) == "recurrence"
     assert chosen("causal", *qkv(c=7, m=5)) == "recurrence"  # zero-padded to whole registers
     builds()
-    assert chosen("causal", *qkv()) == "reference"
+    assert chosen("causal", *qkv()) == "pytorch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_on_cpu_takes_the_recurrence_for_causal_else_the_reference(builds, dtype):
+def test_half_precision_on_cpu_takes_the_recurrence_for_causal_else_pytorch(builds, dtype):
     builds(recurrence=True, lsh=True)
     assert chosen("causal", *qkv(dtype=dtype)) == "recurrence"  # run as float32 (tests/ops/test_kernels_half.py)
-    assert chosen("lsh_window", *qkv(dtype=dtype)) == "reference"
+    assert chosen("lsh_window", *qkv(dtype=dtype)) == "pytorch"
     builds()
-    assert chosen("causal", *qkv(dtype=dtype)) == "reference"
+    assert chosen("causal", *qkv(dtype=dtype)) == "pytorch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cpu_autocast_takes_the_recurrence_for_causal_and_mixed_dtypes_the_reference(builds, dtype):
+def test_cpu_autocast_takes_the_recurrence_for_causal_and_mixed_dtypes_pytorch(builds, dtype):
     builds(recurrence=True, lsh=True, fused=True)
     with torch.autocast("cpu", dtype=dtype):
         assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=dtype)) == "recurrence"
-        assert chosen("lsh_window", *qkv()) == "reference"
-        assert chosen("fused_step", torch.zeros(1, 16)) == "reference"
+        assert chosen("lsh_window", *qkv()) == "pytorch"
+        assert chosen("fused_step", torch.zeros(1, 16)) == "pytorch"
     q, k, v = qkv()
-    assert chosen("causal", q, k, v.double()) == "reference"
+    assert chosen("causal", q, k, v.double()) == "pytorch"
     assert chosen("causal", q, k, v) == "recurrence"
 
 
 def test_fused_step_only_for_small_cpu_batches(builds):
     builds(fused=True)
     assert chosen("fused_step", torch.zeros(kernels.FUSED_MAX_BATCH, 16)) == "cpp"
-    assert chosen("fused_step", torch.zeros(kernels.FUSED_MAX_BATCH + 1, 16)) == "reference"
-    assert chosen("fused_step", torch.zeros(1, 16, dtype=torch.float16)) == "reference"
+    assert chosen("fused_step", torch.zeros(kernels.FUSED_MAX_BATCH + 1, 16)) == "pytorch"
+    assert chosen("fused_step", torch.zeros(1, 16, dtype=torch.float16)) == "pytorch"
 
 
 def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
@@ -92,12 +94,12 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
     with FakeTensorMode():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert chosen("causal", *qkv("cuda", dtype)) == "cuda"
-        assert chosen("causal", *qkv("cuda", c=257)) == "reference"  # past the kernel's tiles
-        assert chosen("causal", *qkv("cuda", torch.float64)) == "reference"
-        assert chosen("lsh_window", *qkv("cuda")) == "reference"
-        assert chosen("fused_step", torch.zeros(1, 16, device="cuda")) == "reference"
+        assert chosen("causal", *qkv("cuda", c=257)) == "pytorch"  # past the kernel's tiles
+        assert chosen("causal", *qkv("cuda", torch.float64)) == "pytorch"
+        assert chosen("lsh_window", *qkv("cuda")) == "pytorch"
+        assert chosen("fused_step", torch.zeros(1, 16, device="cuda")) == "pytorch"
         builds(recurrence=True, cuda=False)
-        assert chosen("causal", *qkv("cuda")) == "reference"
+        assert chosen("causal", *qkv("cuda")) == "pytorch"
     assert chosen("causal", *qkv()) == "recurrence"  # CPU tensors never take the CUDA kernel
 
 
@@ -105,31 +107,49 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("", {}), ("auto", {}), ("reference", {op: "reference" for op in kernels.CANDIDATES}),
+    ("", {}), ("auto", {}), ("pytorch", {op: "pytorch" for op in kernels.CANDIDATES}),
     ("causal=recurrence", {"causal": "recurrence"}),
-    (" causal = reference , lsh_window=cpp ", {"causal": "reference", "lsh_window": "cpp"}),
+    (" causal = pytorch , lsh_window=cpp ", {"causal": "pytorch", "lsh_window": "cpp"}),
 ])
 def test_switch_values(monkeypatch, value, expected):
     monkeypatch.setenv(kernels.SWITCH, value)
     assert kernels.forced() == expected
 
 
-def test_switch_forces_a_candidate_where_it_applies_and_the_reference_elsewhere(builds, monkeypatch):
+@pytest.mark.parametrize("value, expected", [
+    ("reference", {op: "pytorch" for op in kernels.CANDIDATES}),
+    ("lsh_window=cpp,causal=reference", {"causal": "pytorch", "lsh_window": "cpp"}),
+])
+def test_the_old_name_of_the_pytorch_candidates_is_read_with_a_warning(monkeypatch, value, expected):
+    """Scripts written before the rename keep working: ``reference`` is read as ``pytorch``, and
+    says so once per value (the switch is parsed once per value)."""
+    kernels._parse_switch.cache_clear()
+    monkeypatch.setenv(kernels.SWITCH, value)
+    with pytest.warns(FutureWarning, match="'reference' is now called 'pytorch'"):
+        assert kernels.forced() == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.forced() == expected
+    with pytest.warns(FutureWarning, match="force='reference'"):
+        assert kernels.select("causal", *qkv(), force="reference").name == "pytorch"
+
+
+def test_switch_forces_a_candidate_where_it_applies_and_pytorch_elsewhere(builds, monkeypatch):
     builds(recurrence=True, lsh=True, fused=True, cuda=True)
     monkeypatch.setenv(kernels.SWITCH, "causal=recurrence")
     assert chosen("causal", *qkv()) == "recurrence"
     assert chosen("lsh_window", *qkv()) == "cpp"  # other ops unaffected
     with FakeTensorMode():
-        assert chosen("causal", *qkv("cuda")) == "reference"  # the recurrence does not apply to CUDA tensors
-    monkeypatch.setenv(kernels.SWITCH, "reference")
+        assert chosen("causal", *qkv("cuda")) == "pytorch"  # the recurrence does not apply to CUDA tensors
+    monkeypatch.setenv(kernels.SWITCH, "pytorch")
     assert [chosen("causal", *qkv()), chosen("lsh_window", *qkv()), chosen("fused_step", torch.zeros(1, 4))] \
-        == ["reference"] * 3
+        == ["pytorch"] * 3
 
 
 @pytest.mark.parametrize("value, names", [
-    ("causal=fast", "its kernels: cuda, recurrence, reference"),
-    ("attention=reference", "an op among causal, lsh_window, fused_step, causal_attention"),
-    ("0", "is not 'auto', 'reference' or op=kernel"),
+    ("causal=fast", "its kernels: cuda, recurrence, pytorch"),
+    ("attention=pytorch", "an op among causal, lsh_window, fused_step, causal_attention"),
+    ("0", "is not 'auto', 'pytorch' or op=kernel"),
 ])
 def test_a_bad_switch_value_is_one_line_naming_the_choices(monkeypatch, value, names):
     monkeypatch.setenv(kernels.SWITCH, value)
@@ -154,9 +174,9 @@ def test_describe_names_the_chosen_candidate_per_op(builds, monkeypatch):
     assert lines[1].startswith("lsh_window op on cpu (float32): PyTorch window step")
     assert lines[2].startswith("fused_step op on cpu (float32, batch 1): Python step")
     assert lines[-1].startswith(f"{kernels.SWITCH} unset")
-    monkeypatch.setenv(kernels.SWITCH, "causal=reference")
-    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked reference")
-    assert kernels.describe()[-1] == f"{kernels.SWITCH}=causal=reference: forced {{'causal': 'reference'}}"
+    monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
+    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked numerator")
+    assert kernels.describe()[-1] == f"{kernels.SWITCH}=causal=pytorch: forced {{'causal': 'pytorch'}}"
 
 
 # ---------------------------------------------------------------- what linear runs
@@ -176,19 +196,19 @@ def naive_linear(attention, q, k, v):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("c, m, kernel", [(16, 16, "cpp"), (7, 5, "cpp")])  # 7, 5: zero-padded
-@pytest.mark.parametrize("switch", ["", "reference"])
-def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_the_reference(
+@pytest.mark.parametrize("switch", ["", "pytorch"])
+def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_pytorch(
         causal_extension, monkeypatch, c, m, kernel, switch):
     """The causal layer (elu map) takes the fused C++ attention (the causal_attention op's cpp candidate)."""
     monkeypatch.setenv(kernels.SWITCH, switch)
     ran = []
-    for name in ("cpp", "reference"):
+    for name in ("cpp", "pytorch"):
         entry = candidate("causal_attention", name)
         monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
     attention = ll.build_attention("linear", causal=True, query_dim=c)
     q, k, v = linear_inputs(c, m)
     out = attention(q, k, v)
-    assert ran == [kernel if not switch else "reference"]
+    assert ran == [kernel if not switch else "pytorch"]
     expected = naive_linear(attention, q, k, v)
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -226,31 +246,34 @@ def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
 
 def test_force_picks_the_named_candidate_where_it_applies_over_the_switch(builds, monkeypatch):
     builds(recurrence=True, cuda=True)
-    monkeypatch.setenv(kernels.SWITCH, "reference")
+    monkeypatch.setenv(kernels.SWITCH, "pytorch")
     assert kernels.select("causal", *qkv(), force="recurrence").name == "recurrence"
-    assert kernels.select("causal", *qkv(), force="cuda").name == "reference"  # CPU tensors: not the CUDA kernel
+    assert kernels.select("causal", *qkv(), force="cuda").name == "pytorch"  # CPU tensors: not the CUDA kernel
     with FakeTensorMode():
         assert kernels.select("causal", *qkv("cuda"), force="cuda").name == "cuda"
     with pytest.raises(ValueError) as error:
         kernels.select("causal", *qkv(), force="triton")
-    assert "\n" not in str(error.value) and "its kernels: cuda, recurrence, reference" in str(error.value)
+    assert "\n" not in str(error.value) and "its kernels: cuda, recurrence, pytorch" in str(error.value)
 
 
 def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):
-    """``linear_cuda`` has no dispatch of its own: the ``linear`` forward with ``forced_kernels``,
-    here on fake CUDA tensors without Triton, so the ``causal_attention`` op falls to its reference
-    and the numerator goes to the CUDA kernel, although the switch says ``reference``; ``linear``
-    under the same switch keeps to the reference."""
+    """``linear_cuda`` is no class of its own: it builds the ``linear`` layer with ``gpu_kernels``,
+    whose ``forced_kernels`` name the GPU kernels; here on fake CUDA tensors without Triton, so the
+    ``causal_attention`` op falls to its PyTorch candidate and the numerator goes to the CUDA
+    kernel, although the switch says ``pytorch``; ``linear`` under the same switch keeps to the
+    PyTorch candidates."""
     from linformer_lab.attention.linear import LinearAttention
     from linformer_lab.attention.linear_cuda import LinearCudaAttention
 
     builds(cuda=True)
-    monkeypatch.setenv(kernels.SWITCH, "reference")
-    assert "forward" not in vars(LinearCudaAttention) and "causal_dot_product" not in vars(LinearCudaAttention)
-    assert LinearCudaAttention.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}
-    assert LinearAttention.forced_kernels == {}
+    monkeypatch.setenv(kernels.SWITCH, "pytorch")
+    assert not issubclass(LinearCudaAttention, LinearAttention)
+    built = ll.build_attention("linear_cuda", causal=True, query_dim=4, eps=1e-5)
+    assert type(built) is LinearAttention and built.gpu_kernels and built.eps == 1e-5
+    assert built.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}
+    assert ll.build_attention("linear", causal=True, query_dim=4).forced_kernels == {}
     ran = []
-    for name in ("cuda", "reference"):
+    for name in ("cuda", "pytorch"):
         entry = candidate("causal", name)
         monkeypatch.setattr(entry, "run", lambda *a, run=entry.run, name=name: ran.append(name) or run(*a))
     monkeypatch.setattr(candidate("causal", "cuda"), "run",
@@ -260,4 +283,4 @@ def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):
         for backend in ("linear_cuda", "linear"):
             out = ll.build_attention(backend, causal=True, query_dim=4)(q, k, v)
             assert out.shape == (1, 2, 6, 3)
-    assert ran == ["cuda", "reference"]
+    assert ran == ["cuda", "pytorch"]

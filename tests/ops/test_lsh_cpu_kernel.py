@@ -1,5 +1,5 @@
 """The C++ CPU kernel of lsh attention's window step (linformer_lab/ops/cpu/lsh_window.cpp through
-:func:`linformer_lab.ops.lsh.window_attention`) against its references.
+:func:`linformer_lab.ops.kernels.lsh_window` on CPU) against its references.
 
 Checked: the kernel's outputs, log normalisers and gradients against the PyTorch window step
 (:func:`~linformer_lab.ops.lsh.window_attention_torch`, autograd for its gradients) in float64
@@ -7,12 +7,13 @@ and float32, on every instruction set this CPU has, for the sizes compiled in (D
 with chunks of 32) and run-time sizes, one round and several, causal and not, with padding and
 with rows that see no key at all; whole lsh attention, outputs and gradients, on both paths
 against the one-query-at-a-time definition (``lsh_attention_naive``, autograd); that the kernel
-is taken on CPU and ``LINFORMER_LAB_KERNELS=lsh_window=reference`` keeps to the PyTorch step; clear errors for
+is taken on CPU and ``LINFORMER_LAB_KERNELS=lsh_window=pytorch`` keeps to the PyTorch step; clear errors for
 malformed inputs. Tests that need the extension skip where it cannot be built (no compiler).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -60,7 +61,7 @@ def test_kernel_equals_the_pytorch_window_step(lsh_isa, shape, n_hashes, causal,
     inputs = _window_inputs(2, 3, chunks_per_round * n_hashes, chunk, d, m, n_hashes, dtype, padded)
     grad_out = torch.randn(*inputs[2].shape[:-1], m, dtype=dtype)
     grad_lse = torch.randn(inputs[3].shape, dtype=dtype)
-    got = _run(lsh.window_attention, *inputs, causal, grad_out, grad_lse)
+    got = _run(kernels.lsh_window, *inputs, causal, grad_out, grad_lse)
     want = _run(lsh.window_attention_torch, *inputs, causal, grad_out, grad_lse)
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(a, b, **TOLERANCE[dtype], msg=lambda text, name=name: f"{name}: {text}")
@@ -73,8 +74,8 @@ def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(lsh_exte
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 1, 4, 3, requires_grad=True), torch.randn(1, 1, 4, 3), torch.randn(1, 1, 4, 2)
     valid = torch.ones(1, 1, 4, dtype=torch.bool)
-    out, lse = lsh.window_attention(q[:, :, None], k[:, :, None], v[:, :, None], positions[:, :, None],
-                                    valid[:, :, None], None, True)
+    out, lse = kernels.lsh_window(q[:, :, None], k[:, :, None], v[:, :, None], positions[:, :, None],
+                                 valid[:, :, None], None, True)
     assert torch.isinf(lse[0, 0, 0, 0]) and lse[0, 0, 0, 0] < 0 and torch.isfinite(lse[0, 0, 0, 1:]).all()
     assert (out[0, 0, 0, 0] == 0).all()
     grad_lse = torch.ones_like(lse)
@@ -88,14 +89,15 @@ def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(lsh_exte
 def test_lsh_attention_and_its_gradients_equal_the_naive_definition(path, n_hashes, causal, monkeypatch, lsh_extension):
     """Whole lsh attention on each path of step 4, against autograd through the one-query-at-a-
     time definition, in float64 (padding from key_lengths and from a partial last chunk)."""
-    monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=reference")
+    monkeypatch.setenv(kernels.SWITCH, "" if path == "kernel" else "lsh_window=pytorch")
     torch.manual_seed(n_hashes)
     rotations = torch.randn(8, n_hashes, 4, dtype=torch.float64)
     q0, v0 = torch.randn(2, 2, 21, 8, dtype=torch.float64), torch.randn(2, 2, 21, 5, dtype=torch.float64)
     grad = torch.randn(2, 2, 21, 5, dtype=torch.float64)
     lengths = torch.tensor([21, 13])
     results = []
-    for function in (lsh.lsh_attention, lsh.lsh_attention_naive):
+    fast = functools.partial(lsh.lsh_attention, window=kernels.lsh_window)  # as the lsh backend calls it
+    for function in (fast, lsh.lsh_attention_naive):
         q, v = q0.clone().requires_grad_(), v0.clone().requires_grad_()
         out = function(q, v, rotations, 8, causal, lengths)
         (out * grad).sum().backward()
@@ -111,10 +113,10 @@ def test_the_kernel_is_taken_on_cpu_and_the_switch_turns_it_off(monkeypatch, lsh
     monkeypatch.setattr(lsh._WindowAttentionCPU, "apply", lambda *args: calls.append(1) or original(*args))
     q, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     rotations = torch.randn(8, 2, 4)
-    on = lsh.lsh_attention(q, v, rotations, 8, True)
+    on = lsh.lsh_attention(q, v, rotations, 8, True, window=kernels.lsh_window)
     assert len(calls) == 1
-    monkeypatch.setenv(kernels.SWITCH, "lsh_window=reference")
-    off = lsh.lsh_attention(q, v, rotations, 8, True)
+    monkeypatch.setenv(kernels.SWITCH, "lsh_window=pytorch")
+    off = lsh.lsh_attention(q, v, rotations, 8, True, window=kernels.lsh_window)
     assert len(calls) == 1
     torch.testing.assert_close(on, off, **TOLERANCE[torch.float32])
 

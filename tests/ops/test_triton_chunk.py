@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 from triton_accuracy import assert_as_exact_as_the_pytorch_form  # noqa: E402
 
-from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_reference  # noqa: E402
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_torch  # noqa: E402
 from linformer_lab.ops.linear_attention.naive import kernel_similarity  # noqa: E402
 
 EPS = 1e-6
@@ -176,7 +176,7 @@ def test_feature_map_none_takes_mapped_inputs(device):
 def test_sequence_major_layout(device):
     """head_first=False: ``(B, T, H, D)`` inputs give the ``(B, T, H, M)`` output of the same attention."""
     q, k, v = (x.detach() for x in inputs(2, 2, 19, 8, 12, torch.float32, device=device))
-    want = chunk_linear_attention_reference(q, k, v, chunk_size=16)
+    want = chunk_linear_attention_torch(q, k, v, chunk_size=16)
     got = chunk_linear_attention(*(x.transpose(1, 2).contiguous() for x in (q, k, v)), chunk_size=16, head_first=False)
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
 
@@ -185,13 +185,13 @@ def test_sequence_major_layout(device):
 def test_pytorch_form_equals_the_definition(chunk):
     """The PyTorch form of the chunk algorithm (float64, state and packing) against the naive form."""
     q, k, v, s0, z0 = inputs(2, 2, 45, 6, 5, torch.float64, state=True)
-    got, (s_n, z_n) = chunk_linear_attention_reference(q, k, v, initial_state=(s0, z0), return_final_state=True,
+    got, (s_n, z_n) = chunk_linear_attention_torch(q, k, v, initial_state=(s0, z0), return_final_state=True,
                                                        chunk_size=chunk)
     want, s_want, z_want = naive(q, k, v, s0, z0)
     for name, g, w in (("out", got, want), ("S_N", s_n, s_want), ("z_N", z_n, z_want)):
         check(f"pytorch form {name}", g, w, torch.float64)
     edges = torch.tensor([0, 20, 45])
-    packed = chunk_linear_attention_reference(q[:1], k[:1], v[:1], cu_seqlens=edges, chunk_size=chunk)
+    packed = chunk_linear_attention_torch(q[:1], k[:1], v[:1], cu_seqlens=edges, chunk_size=chunk)
     parts = [naive(q[:1, :, a:b], k[:1, :, a:b], v[:1, :, a:b])[0] for a, b in ((0, 20), (20, 45))]
     check("pytorch form packed", packed, torch.cat(parts, dim=2), torch.float64)
 
@@ -199,9 +199,9 @@ def test_pytorch_form_equals_the_definition(chunk):
 @pytest.mark.slow
 @pytest.mark.parametrize("feature_map, with_lengths", [("elu", False), ("elu", True), ("poly2", False)],
                          ids=["elu-fused", "elu-key_lengths", "poly2"])
-def test_backend_equals_the_causal_attention_reference(device, feature_map, with_lengths):
+def test_backend_equals_the_causal_attention_pytorch_candidate(device, feature_map, with_lengths):
     """``backend.causal_attention`` (the GPU candidate of the ``causal_attention`` op and
-    ``linear_cuda``'s causal forward) equals that op's reference: the elu map fused or, with
+    ``linear_cuda``'s causal forward) equals that op's ``pytorch`` candidate: the elu map fused or, with
     key_lengths or another map, applied first; state in and out; gradients."""
     from linformer_lab.attention.linear import LinearAttention
     from linformer_lab.ops import kernels
@@ -221,24 +221,24 @@ def test_backend_equals_the_causal_attention_reference(device, feature_map, with
                                     (s0, z0), True)
         return out, state[0], state[1]
 
-    compare(lambda *x: run(backend.causal_attention, *x), lambda *x: run(kernels.reference("causal_attention").run, *x),
+    compare(lambda *x: run(backend.causal_attention, *x), lambda *x: run(kernels.fallback("causal_attention").run, *x),
             (q, k, v, s0, z0), torch.float32, f"backend {feature_map}")
 
 
 def test_dispatch_lists_the_kernel_first_for_cuda_only(monkeypatch):
-    """The ``causal_attention`` op of the kernel dispatch has the kernel first and the reference
+    """The ``causal_attention`` op of the kernel dispatch has the kernel first and ``pytorch``
     last; CPU tensors get the CPU candidate (the fused C++ kernel, ``tests/ops/test_causal_cpu_attention.py``),
-    and the reference when the switch forces the Triton kernel by its name."""
+    and ``pytorch`` when the switch forces the Triton kernel by its name."""
     from linformer_lab.feature_maps import build_feature_map
     from linformer_lab.ops import kernels
 
-    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", "cpp", kernels.REFERENCE]
+    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", "cpp", kernels.PYTORCH]
     feature_map = build_feature_map("elu", query_dim=4)
     q = torch.randn(1, 2, 8, 4)
     assert kernels.select("causal_attention", feature_map, q, q, q).name != "triton"
     monkeypatch.setenv(kernels.SWITCH, "causal_attention=triton")
     assert kernels.forced() == {"causal_attention": "triton"}
-    assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.REFERENCE
+    assert kernels.select("causal_attention", feature_map, q, q, q).name == kernels.PYTORCH
 
 
 @pytest.mark.slow

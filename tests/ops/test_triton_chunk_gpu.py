@@ -162,7 +162,7 @@ def test_state_and_packing_on_gpu_in_bf16():
 @pytest.mark.parametrize("backend", ["linear", "linear_cuda"])
 def test_layers_run_the_kernel_and_equal_the_reference(monkeypatch, backend):
     """On a GPU ``linear`` (through the kernel dispatch) and ``linear_cuda`` (insisting) run the
-    Triton kernel; both equal ``linear`` on the PyTorch reference (``LINFORMER_LAB_KERNELS=reference``),
+    Triton kernel; both equal ``linear`` on the PyTorch candidates (``LINFORMER_LAB_KERNELS=pytorch``),
     state and gradients included."""
     from linformer_lab.attention import build_attention
     from linformer_lab.ops import kernels
@@ -180,7 +180,7 @@ def test_layers_run_the_kernel_and_equal_the_reference(monkeypatch, backend):
     attention, got = run(backend)
     assert kernels.select("causal_attention", attention.feature_map, q, k, v).name == "triton"
     assert triton_backend.accepts(attention.feature_map, q, k, v)
-    monkeypatch.setenv(kernels.SWITCH, "reference")
+    monkeypatch.setenv(kernels.SWITCH, "pytorch")
     _, want = run("linear")
     for i, (g, w) in enumerate(zip(got, want)):
         error = ((g.double() - w.double()).norm() / w.double().norm()).item()

@@ -106,12 +106,12 @@ def test_grids_are_one_dimensional_past_cudas_y_and_z_limits():
 def _unfold_probe(OUT, pid, T, H, NT, sb, sh, st):
     """Stores what program ``pid`` of a chunk-parallel kernel addresses: b, h, chunk, state row,
     and the 64-bit offset of its first position."""
-    b, h, bos, length, c, g = chunk_program(pid, OUT, OUT, OUT, T, H, NT, 64, False)
+    _, b, h, start, g, _, _ = chunk_program(pid, 1, OUT, OUT, OUT, T, H, NT, 64, False)
     tl.store(OUT + 0, b.to(tl.int64))
     tl.store(OUT + 1, h.to(tl.int64))
-    tl.store(OUT + 2, c.to(tl.int64))
+    tl.store(OUT + 2, (start // 64).to(tl.int64))  # the chunk: one sequence per row starts at 0
     tl.store(OUT + 3, g.to(tl.int64))
-    tl.store(OUT + 4, base_offset(b, h, bos + c * 64, sb, sh, st))
+    tl.store(OUT + 4, base_offset(b, h, start, sb, sh, st))
 
 
 @INTERPRETER

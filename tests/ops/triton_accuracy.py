@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_reference
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, chunk_linear_attention_torch
 
 
 def half_errors(fn, dtype, t, mean, d=32, chunk=64, seed=0, device="cpu"):
@@ -22,7 +22,7 @@ def half_errors(fn, dtype, t, mean, d=32, chunk=64, seed=0, device="cpu"):
     exact = [x.detach().double().requires_grad_() for x in tensors]
     out = fn(*tensors[:3], initial_state=tensors[3:], chunk_size=chunk)
     out.backward(weight.to(device, dtype))
-    want = chunk_linear_attention_reference(*exact[:3], initial_state=exact[3:], chunk_size=chunk)
+    want = chunk_linear_attention_torch(*exact[:3], initial_state=exact[3:], chunk_size=chunk)
     want.backward(weight.to(device, torch.float64))
     errors = {"out": ((out.double() - want).norm() / want.norm()).item()}
     for name, x, r in zip(("q", "k", "v", "S0", "z0"), tensors, exact):
@@ -36,6 +36,6 @@ def assert_as_exact_as_the_pytorch_form(dtype, t, mean, d=32, device="cpu"):
     in the same dtype (the issue's target; a dq from half-precision outputs or bf16 states was
     10-20x)."""
     got = half_errors(chunk_linear_attention, dtype, t, mean, d, device=device)
-    want = half_errors(chunk_linear_attention_reference, dtype, t, mean, d, device=device)
+    want = half_errors(chunk_linear_attention_torch, dtype, t, mean, d, device=device)
     worse = {name: f"{got[name]:.3g} vs {want[name]:.3g}" for name in got if got[name] > 1.5 * want[name]}
     assert not worse, f"{dtype} T={t} v mean {mean}: kernel error > 1.5x the PyTorch form's: {worse}"

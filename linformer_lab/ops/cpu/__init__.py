@@ -8,7 +8,7 @@
   :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (C and M zero-padded to whole
   registers) through the operators of :mod:`linformer_lab.ops.custom_ops`;
 * :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
-  attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention` calls.
+  attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention_cpp` calls.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; the flags
 are portable: ``-O3``, no ``-march=native``, so a cached build runs on any CPU of the
@@ -20,7 +20,7 @@ process loads the cached library without compiling (no compiler needed then).
 
 Nothing here is required: :meth:`Extension.module` returns None (and warns once) where the
 extension cannot be built or loaded, and :mod:`linformer_lab.ops.kernels` picks the next
-candidate (in the end the PyTorch reference).
+candidate (in the end the ``pytorch`` one).
 
 Public API: :class:`Extension` with :meth:`~Extension.load` (build if needed and import; raises
 RuntimeError saying why not) and :meth:`~Extension.module` (the same, None instead of an error);
@@ -229,7 +229,7 @@ class Extension:
 FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
                        "generation keeps to the Python step (linformer_lab.models.generation.fast_step)")
 CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
-                              "the causal linear-attention numerator keeps to the PyTorch reference "
+                              "the causal linear-attention numerator keeps to PyTorch "
                               "(linformer_lab.ops.linear_attention.chunk)")
 
 LSH_WINDOW = Extension("linformer_lab_lsh_window", "lsh_window.cpp",

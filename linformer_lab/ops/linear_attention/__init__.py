@@ -6,23 +6,29 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
 * :mod:`.naive` -- the paper's equations written plainly: the O(N^2) similarity form (eq. 3, 4,
   8, 9) and the loop over t of eq. 10-12. Slow on purpose; the tests compare against it.
 * :mod:`.chunk` -- the causal numerator as a chunked ``autograd.Function`` (matmuls per chunk,
-  eq. 13-15 backward), no ``(N, C, M)`` tensor: the PyTorch reference of the kernels in
+  eq. 13-15 backward), no ``(N, C, M)`` tensor: the ``pytorch`` candidate of the ``causal`` op,
+  which runs anywhere (the kernels are tested against the float64 :mod:`.naive` form).
 * :mod:`.cpu_kernel` -- the same contract on the C++ CPU kernel: a register-resident recurrence
   (``linformer_lab/ops/cpu/causal_recurrence.cpp``), C and M zero-padded to whole SIMD registers.
-  :func:`causal_dot_product` runs the kernel that :mod:`linformer_lab.ops.kernels` picks for the
-  inputs' device and dtype (this one, the CUDA kernel, or the reference).
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
 * :mod:`.packed` -- causal and non-causal attention over packed sequences (``cu_seqlens``) in one
   pass, the sequences' offsets never read on the host.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
-  normaliser, with fp32 accumulation for half inputs.
+  normaliser, with fp32 accumulation for half inputs; :func:`causal_attention`, the PyTorch
+  candidate of the ``causal_attention`` op (feature map, numerator, normaliser).
+
+Nothing here chooses a kernel: :mod:`linformer_lab.ops.kernels` imports these forms and chooses,
+and the causal numerator is an argument (``dot_product``; by default the chunked PyTorch one), so
+a caller passes the numerator the router picks (``kernels.causal_dot_product``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from linformer_lab.ops.kernels import causal_dot_product
+from linformer_lab.ops.linear_attention import chunk
 from linformer_lab.ops.linear_attention.chunk import CausalDotProduct, compute_dtype, reference_chunk_size
 from linformer_lab.ops.linear_attention.packed import packed_linear_attention
 from linformer_lab.ops.linear_attention.recurrent import (
@@ -38,7 +44,7 @@ __all__ = [
     "CausalDotProduct",
     "LinearState",
     "StateOwner",
-    "causal_dot_product",
+    "causal_attention",
     "causal_linear_attention",
     "check_linear_state",
     "check_step_fits_state",
@@ -145,7 +151,7 @@ def causal_linear_attention(
     v: torch.Tensor,
     key_lengths: torch.Tensor | None = None,
     eps: float = 1e-6,
-    dot_product=causal_dot_product,
+    dot_product: Callable | None = None,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
 ):
@@ -153,7 +159,8 @@ def causal_linear_attention(
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
     ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
-    numerator (:func:`causal_dot_product`, which runs the kernel for the device);
+    numerator: the caller's choice (the layers pass ``kernels.causal_dot_product``, which runs the
+    kernel for the device), None for the chunked PyTorch one (:func:`.chunk.causal_dot_product`);
     ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
     (from an earlier segment: the parallel form continues the recurrence), None = empty.
     Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last
@@ -169,6 +176,7 @@ def causal_linear_attention(
     where v has a nonzero mean, so they are summed in fp32 and rounded to half precision once.
     """
     compute = compute_dtype(v.dtype)
+    dot_product = dot_product or chunk.causal_dot_product
     with torch.autocast(phi_q.device.type, enabled=False):
         # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
         phi_q, phi_k, values = phi_q.to(compute), phi_k.to(compute), v.to(compute)
@@ -192,3 +200,16 @@ def causal_linear_attention(
         if z0 is not None:
             z_final = z_final + z0.to(compute)
     return out, joint_state(s_final.to(compute), z_final)
+
+
+def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
+                     return_state=False, cu_seqlens=None):
+    """Causal eq. 9-12 from the unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``: the feature map
+    (a :class:`~linformer_lab.feature_maps.FeatureMap`), then :func:`causal_linear_attention` with
+    the numerator ``dot_product``; with ``cu_seqlens`` (packed sequences, B = 1)
+    :func:`packed_linear_attention` in one pass, which computes its own numerator. The PyTorch
+    candidate of the ``causal_attention`` op (``ops/kernels.py`` names the op's arguments)."""
+    phi_q, phi_k = feature_map.forward_queries(q), feature_map.forward_keys(k)
+    if cu_seqlens is not None:
+        return packed_linear_attention(phi_q, phi_k, v, cu_seqlens, True, eps, initial_state, return_state)
+    return causal_linear_attention(phi_q, phi_k, v, key_lengths, eps, dot_product, initial_state, return_state)

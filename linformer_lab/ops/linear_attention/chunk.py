@@ -30,10 +30,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference_chunk_size(feature_dim: int, value_dim: int) -> int:
-    """The reference's chunk length when none is given: at least min(C, M) so chunk states stay
-    O(N max(C, M)), at least 32 so matmuls are not tiny, at most 256 so intra-chunk work stays
-    small."""
+    """The chunk length of :class:`CausalDotProduct` (the ``pytorch`` numerator) when none is given:
+    at least min(C, M) so chunk states stay O(N max(C, M)), at least 32 so matmuls are not tiny, at
+    most 256 so intra-chunk work stays small."""
     return max(32, min(256, min(feature_dim, value_dim)))
+
+
+def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
+                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
+    """The causal numerator of eq. 9 in PyTorch, chunked (:class:`CausalDotProduct`): the ``causal``
+    op's ``pytorch`` candidate in :mod:`linformer_lab.ops.kernels`, which also says its contract."""
+    return CausalDotProduct.apply(q, k, v, chunk_size, initial_state, return_final_state)
 
 
 def _chunked(x: torch.Tensor, chunk: int, dtype: torch.dtype) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Same contract as :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct` (initial
 state in, final state out, gradients into both); :mod:`linformer_lab.ops.kernels` decides where
 it runs (the ``recurrence`` candidate of the ``causal`` op: CPU tensors of one dtype, under CPU
-autocast too). float16 / bfloat16 inputs run as float32, as the reference accumulates them
+autocast too). float16 / bfloat16 inputs run as float32, as the PyTorch numerator accumulates them
 (:func:`~linformer_lab.ops.linear_attention.chunk.compute_dtype`): the output comes back in the
 inputs' dtype, S_N in float32, the gradients in the inputs' dtypes.
 
@@ -71,10 +71,10 @@ def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     ``q, k (B, H, N, C), v (B, H, N, M)`` of one dtype on CPU, ``initial_state`` S_0
     ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in that dtype, with ``return_final_state``
     ``(out, S_N)``, S_N in the compute dtype (float32 for float16 / bfloat16 inputs, module
-    docstring). ``chunk_size`` is the reference's and unused here."""
+    docstring). ``chunk_size`` is the PyTorch numerator's and unused here."""
     dtype = q.dtype
     compute = compute_dtype(dtype)
-    # the operator takes only float32 / float64: autocast off around it, as around the reference's
+    # the operator takes only float32 / float64: autocast off around it, as around the PyTorch numerator's
     # two passes, so that nothing on the way in or out is recast to half precision
     with torch.autocast("cpu", enabled=False):
         out, final = _recurrence(q.to(compute), k.to(compute), v.to(compute),
@@ -171,7 +171,7 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
 
 def _checked_state(state, k: torch.Tensor, v: torch.Tensor, cu_seqlens):
     """``(S_0, Z_0)`` fitting the inputs (one row per batch entry, or per packed sequence), or the
-    ValueError of the reference path saying what was expected."""
+    ValueError of the PyTorch path saying what was expected."""
     from linformer_lab.ops.linear_attention import check_linear_state
 
     if cu_seqlens is None:

@@ -139,7 +139,7 @@ def packed_linear_attention(
 
     Args: phi_q, phi_k ``(1, H, T, C)``, v ``(1, H, T, M)``, ``cu_seqlens`` ``(S + 1,)`` (module
     docstring); ``initial_state`` ``(S_0 (S, H, C, M), Z_0 (S, H, C))``, one row per sequence, or
-    None; ``chunk_size``: L, by default the reference's for C and M, at most the mean length.
+    None; ``chunk_size``: L, by default the chunked numerator's for C and M, at most the mean length.
     Returns ``(1, H, T, M)`` in v's dtype, with ``return_state`` also each sequence's final state as
     a :class:`LinearState` of S rows (fp32 for half inputs). Gradients flow into every input and
     the initial state, and out of the returned state.

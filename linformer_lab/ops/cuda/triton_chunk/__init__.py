@@ -5,8 +5,8 @@ over (sequence x head, chunk, tile), state in and out, packed sequences.
 * :func:`chunk_linear_attention` -- the public function (``op.py``: the ``torch.library``
   custom ops ``linformer_lab::chunk_linear_attention_fwd`` / ``_bwd`` with fake tensors and
   autograd, so ``torch.compile(fullgraph=True)`` traces through it);
-* :func:`chunk_linear_attention_reference` -- the same algorithm and signature in PyTorch
-  (``reference.py``), for tests and as the readable form;
+* :func:`chunk_linear_attention_torch` -- the same algorithm and signature in PyTorch
+  (``torch_chunk.py``), for tests and as the readable form;
 * ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients (and
   why half-precision inputs keep states and products with them in fp32's accuracy);
   ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU),
@@ -26,9 +26,9 @@ import importlib.util
 import torch
 
 from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
-from linformer_lab.ops.cuda.triton_chunk.reference import chunk_linear_attention_reference
+from linformer_lab.ops.cuda.triton_chunk.torch_chunk import chunk_linear_attention_torch
 
-__all__ = ["chunk_linear_attention", "chunk_linear_attention_reference", "is_available", "unavailable_reason"]
+__all__ = ["chunk_linear_attention", "chunk_linear_attention_torch", "is_available", "unavailable_reason"]
 
 
 def unavailable_reason() -> str | None:

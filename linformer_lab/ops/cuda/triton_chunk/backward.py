@@ -81,11 +81,8 @@ def chunk_numerator_backward(
     operand is S_c do_i, the others multiply input tiles. For half inputs: dq and dk add r_i z to
     terms it nearly cancels when v has a nonzero mean (S_c o_i ~ z_c (o_i . out_i)), so r must
     carry fp32's accuracy, which an output rounded to 8 or 11 bits does not."""
-    b, h, bos, length, c, g = chunk_program(tl.program_id(0), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
+    _, b, h, start, g, tt, tmask = chunk_program(tl.program_id(0), 1, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
-    tt = tl.arange(0, BT)
-    tmask = c * BT + tt < length
-    start = bos + c * BT
     q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)
     k_base = K + base_offset(b, h, start, sk_b, sk_h, sk_t)
     v_base = V + base_offset(b, h, start, sv_b, sv_h, sv_t)
@@ -137,20 +134,9 @@ def chunk_states_backward(
     """Grid ``(cdiv(M, BV) cdiv(C, BK) sequences H,)``: walks the chunks last to first and
     writes dH_c, dh_c after each (DSTATES, DZSTATES like the forward STATES, ZSTATES), then
     dS_0, dz_0 (DS0, DZ0), all fp32."""
-    pid = tl.program_id(0)
-    i_v = pid % tl.cdiv(M, BV)
-    i_k = (pid // tl.cdiv(M, BV)) % tl.cdiv(C, BK)
-    i_sh = pid // (tl.cdiv(M, BV) * tl.cdiv(C, BK))
-    b, h, bos, length, g0 = walk_program(i_sh, CU, CHUNK_OFF, T, H, BT, VARLEN)
+    i_v, b, h, bos, length, g0, row, ck, cv, kmask, vmask, tt, state_offs, state_mask = walk_program(
+        tl.program_id(0), CU, CHUNK_OFF, T, H, C, M, BT, BK, BV, VARLEN)
     DT = Q.dtype.element_ty
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask = ck < C
-    vmask = cv < M
-    tt = tl.arange(0, BT)
-    state_offs = ck[:, None] * M + cv[None, :]
-    state_mask = kmask[:, None] & vmask[None, :]
-    row = i_sh.to(tl.int64)
     if HAS_DFINAL:
         acc = tl.load(DSN + row * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
         dz = tl.load(DZN + row * C + ck, mask=kmask, other=0.0).to(tl.float32)
@@ -197,13 +183,9 @@ def chunk_dq_dk_backward(
 ):
     """Grid ``(cdiv(C, BK) NT rows,)`` (chunks as ``chunk_output_forward``): dq and dk of one
     feature tile of one chunk; loops over the value dim for B = do v^T and the state terms."""
-    pid = tl.program_id(0)
-    i_k = pid % tl.cdiv(C, BK)
-    b, h, bos, length, c, g = chunk_program(pid // tl.cdiv(C, BK), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
+    i_k, b, h, start, g, tt, tmask = chunk_program(tl.program_id(0), tl.cdiv(C, BK), CU, CHUNK_OFF, CHUNK_TABLE,
+                                                  T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
-    tt = tl.arange(0, BT)
-    tmask = c * BT + tt < length
-    start = bos + c * BT
     ck = i_k * BK + tl.arange(0, BK)
     kmask = ck < C
     mask = tmask[:, None] & kmask[None, :]
@@ -259,13 +241,9 @@ def chunk_dv_backward(
 ):
     """Grid ``(cdiv(M, BV) NT rows,)`` (chunks as ``chunk_output_forward``): dv of one value
     tile of one chunk; loops over the feature dim for the scores q k^T and dH_c^T k."""
-    pid = tl.program_id(0)
-    i_v = pid % tl.cdiv(M, BV)
-    b, h, bos, length, c, g = chunk_program(pid // tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
+    i_v, b, h, start, g, tt, tmask = chunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE,
+                                                  T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
-    tt = tl.arange(0, BT)
-    tmask = c * BT + tt < length
-    start = bos + c * BT
     cv = i_v * BV + tl.arange(0, BV)
     vmask = cv < M
     q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)

@@ -17,8 +17,9 @@ or the inputs as given). Two kernels:
   q . z_c. It also stores the denominator per position for the backward pass.
 
 The kernels are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first used;
-the helpers they call (``elu_plus_one``, ``chunk_program``, ``walk_program``) are jitted here, in
-the mode of the import (``TRITON_INTERPRET`` must be set before triton is imported anyway).
+the helpers they call (``elu_plus_one``; ``chunk_program`` and ``walk_program``, the preambles
+that unfold a program's index, the one of every kernel parallel over chunks and the one of the two
+state walks) are jitted here, in the mode of the import (``TRITON_INTERPRET`` must be set before triton is imported anyway).
 
 Addressing: every grid is one-dimensional (CUDA caps its y and z at 65,535; x holds 2^31 - 1
 programs), each program unfolding its index into (tile, chunk, sequence x head). Every tensor
@@ -51,12 +52,15 @@ def elu_plus_one(x, mask, tiny, DT: tl.constexpr):
 
 
 @triton.jit
-def chunk_program(rest, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """The chunk of a program of the kernels parallel over chunks, from its index ``rest`` over
-    (chunk, sequence x head), NT chunks per row: -> (b, h, bos, length, c, g): batch row, head,
-    first position and length of the sequence, chunk within it, state row (global chunk x H + h).
+def chunk_program(pid, TILES, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """The preamble of the kernels parallel over chunks: a program's index ``pid`` over (tile, chunk,
+    sequence x head), TILES tiles per chunk and NT chunks per row, unfolded -> (tile, b, h, start,
+    g, tt, tmask): the tile, batch row, head, first position of the chunk, its state row (global
+    chunk x H + h), the chunk's offsets 0..BT-1 and which of them lie inside the sequence.
     VARLEN: the rows are the heads and CHUNK_TABLE ``(NT, 2)`` maps the global chunk to
     (sequence, chunk in it); NT is an upper bound, chunks past a sequence's end are masked."""
+    tile = pid % TILES
+    rest = pid // TILES
     i_t = rest % NT
     i_sh = rest // NT
     if VARLEN:
@@ -75,13 +79,23 @@ def chunk_program(rest, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT: tl.constexpr, 
         length = T
         b = s
         g = (s * NT + c) * H + h
-    return b, h, bos, length, c, g
+    tt = tl.arange(0, BT)
+    tmask = c * BT + tt < length
+    return tile, b, h, bos + c * BT, g, tt, tmask
 
 
 @triton.jit
-def walk_program(i_sh, CU, CHUNK_OFF, T, H, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """The sequence of a state walk's program (row ``i_sh`` = sequence x H + head): -> (b, h,
-    bos, length, g0): batch row, head, first position, length, first global chunk."""
+def walk_program(pid, CU, CHUNK_OFF, T, H, C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, VARLEN: tl.constexpr):
+    """The preamble of the state walks: a program's index ``pid`` over (value tile, feature tile,
+    sequence x head) unfolded -> (i_v, b, h, bos, length, g0, row, ck, cv, kmask, vmask, tt,
+    state_offs, state_mask): the value tile, batch row, head, first position and length of the
+    sequence, its first global chunk, its row of the initial and final states (sequence x H +
+    head), the tile's feature and value indices and masks, the offsets 0..BT-1 within a chunk, and
+    the tile's offsets and mask within one ``(C, M)`` state."""
+    i_v = pid % tl.cdiv(M, BV)
+    i_k = (pid // tl.cdiv(M, BV)) % tl.cdiv(C, BK)
+    i_sh = pid // (tl.cdiv(M, BV) * tl.cdiv(C, BK))
     s = i_sh // H
     h = i_sh % H
     if VARLEN:
@@ -94,7 +108,14 @@ def walk_program(i_sh, CU, CHUNK_OFF, T, H, BT: tl.constexpr, VARLEN: tl.constex
         length = T
         b = s
         g0 = s * tl.cdiv(T, BT)
-    return b, h, bos, length, g0
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    kmask = ck < C
+    vmask = cv < M
+    state_offs = ck[:, None] * M + cv[None, :]
+    state_mask = kmask[:, None] & vmask[None, :]
+    return (i_v, b, h, bos, length, g0, i_sh.to(tl.int64), ck, cv, kmask, vmask, tl.arange(0, BT), state_offs,
+            state_mask)
 
 
 @triton.jit
@@ -113,20 +134,9 @@ def chunk_states_forward(
     """Grid ``(cdiv(M, BV) cdiv(C, BK) sequences H,)``. STATES ``(chunks, H, C, M)``, ZSTATES
     ``(chunks, H, C)``, SN/ZN and S0/Z0 ``(sequences, H, C, M / -)``, all fp32. MAX_CHUNKS
     (interpreter only): a bound on any sequence's chunks."""
-    pid = tl.program_id(0)
-    i_v = pid % tl.cdiv(M, BV)
-    i_k = (pid // tl.cdiv(M, BV)) % tl.cdiv(C, BK)
-    i_sh = pid // (tl.cdiv(M, BV) * tl.cdiv(C, BK))
-    b, h, bos, length, g0 = walk_program(i_sh, CU, CHUNK_OFF, T, H, BT, VARLEN)
+    i_v, b, h, bos, length, g0, row, ck, cv, kmask, vmask, tt, state_offs, state_mask = walk_program(
+        tl.program_id(0), CU, CHUNK_OFF, T, H, C, M, BT, BK, BV, VARLEN)
     DT = K.dtype.element_ty
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask = ck < C
-    vmask = cv < M
-    tt = tl.arange(0, BT)
-    state_offs = ck[:, None] * M + cv[None, :]
-    state_mask = kmask[:, None] & vmask[None, :]
-    row = i_sh.to(tl.int64)
     if HAS_INIT:
         acc = tl.load(S0 + row * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
         z = tl.load(Z0 + row * C + ck, mask=kmask, other=0.0).to(tl.float32)
@@ -168,15 +178,11 @@ def chunk_output_forward(
     """Grid ``(cdiv(M, BV) NT rows,)``: value tile, chunk (NT per row), row (sequence x head,
     or with VARLEN the head; see ``chunk_program``). O like V; DEN ``(B, H, T)`` fp32: the
     denominator q_i^T z_i + eps of every position."""
-    pid = tl.program_id(0)
-    i_v = pid % tl.cdiv(M, BV)
-    b, h, bos, length, c, g = chunk_program(pid // tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT, VARLEN)
+    i_v, b, h, start, g, tt, tmask = chunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE,
+                                                  T, H, NT, BT, VARLEN)
     DT = Q.dtype.element_ty
-    tt = tl.arange(0, BT)
-    tmask = c * BT + tt < length
     cv = i_v * BV + tl.arange(0, BV)
     vmask = cv < M
-    start = bos + c * BT
     q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)
     k_base = K + base_offset(b, h, start, sk_b, sk_h, sk_t)
     num = tl.zeros([BT, BV], dtype=tl.float32)

@@ -44,7 +44,7 @@ def _one_sequence(q, k, v, s0, z0, chunk: int, eps: float):
     return out, after[:, -1], z_after[:, -1]
 
 
-def chunk_linear_attention_reference(q, k, v, *, feature_map="elu", eps=1e-6, initial_state=None,
+def chunk_linear_attention_torch(q, k, v, *, feature_map="elu", eps=1e-6, initial_state=None,
                                      return_final_state=False, cu_seqlens=None, chunk_size=64, head_first=True):
     """The arguments and results of
     :func:`~linformer_lab.ops.cuda.triton_chunk.chunk_linear_attention`, computed in PyTorch."""
