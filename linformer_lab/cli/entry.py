@@ -4,8 +4,9 @@ Lightning, and hands the four Lightning subcommands, their argv normalised by
 :func:`~linformer_lab.cli.args.prepare_argv`, to
 :func:`~linformer_lab.cli.lightning_cli.run_lightning_cli` (the first import of Lightning).
 
-Nothing at module level imports torch or Lightning: ``tests/cli/test_cli_startup.py`` checks
-that ``--help`` and ``plugins`` load neither.
+Nothing at module level imports torch or Lightning: ``tests/cli/test_cli_startup.py`` (through
+:func:`main`) and ``tests/cli/test_cli_imports.py`` (``python cli.py`` as typed) check that
+``--help`` and ``plugins`` load neither.
 """
 
 from __future__ import annotations
