@@ -1,13 +1,13 @@
 """Command line: ``python cli.py {fit,validate,test,predict,plugins} --config NAME.yaml``. See docs/cli.md.
 
-``linformer_lab.cli_args`` answers ``--help`` and ``plugins`` without importing Lightning; the
+``linformer_lab.cli.entry`` answers ``--help`` and ``plugins`` without importing Lightning; the
 four Lightning subcommands import it there, on demand.
 """
 
 import os
 import sys
 
-from linformer_lab.cli_args import close_process_group, main
+from linformer_lab.cli.entry import close_process_group, main
 
 if __name__ == "__main__":
     try:

@@ -167,7 +167,7 @@ def _restored_torch_flags():
 
 def run_cli(args: list[str], cwd: Path = REPO) -> tuple[int, str, str]:
     """Run ``cli.main(args)`` in this process; returns (exit code, stdout, stderr)."""
-    from linformer_lab.cli import main
+    from linformer_lab.cli.entry import main
 
     out, err = io.StringIO(), io.StringIO()
     old = os.getcwd()

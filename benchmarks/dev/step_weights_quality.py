@@ -53,12 +53,12 @@ def load_model(args) -> tuple[PixelTransformer, str]:
     if args.random:
         torch.manual_seed(0)
         return PixelTransformer("linear", n_layers=8).eval(), "random weights (paper-size MNIST model)"
-    from linformer_lab.checkpoints import UnreadableCheckpointError, load_checkpoint_header
+    from linformer_lab.cli.checkpoints import CheckpointMismatchError, load_checkpoint_header
     from linformer_lab.tasks.image_generation import ImageGenerationTask
 
     try:  # the header first: it refuses a file holding anything but tensors and plain data, before it runs
         load_checkpoint_header(args.ckpt)
-    except UnreadableCheckpointError as err:
+    except CheckpointMismatchError as err:  # not there, unreadable or unsafe
         raise SystemExit(f"error: {err}") from None
     # weights_only given explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only an unset one
     task = ImageGenerationTask.load_from_checkpoint(args.ckpt, map_location="cpu", weights_only=True)

@@ -66,7 +66,7 @@ import common  # noqa: E402
 from generation_report import DATASETS, METHODS, RECURRENT, header_lines, plot, write_reports  # noqa: E402
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
-from linformer_lab.checkpoints import UnreadableCheckpointError, load_checkpoint_header  # noqa: E402
+from linformer_lab.cli.checkpoints import CheckpointMismatchError, load_checkpoint_header  # noqa: E402
 from linformer_lab.models import generation  # noqa: E402
 from linformer_lab.models.generation import STEP_WEIGHT_FORMATS  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
@@ -108,7 +108,7 @@ def trained_model(method: str, runs: str, device: str) -> PixelTransformer:
     path = common.best_checkpoint(TRAINED_RUN[method], runs)
     try:  # the header first: it refuses a file holding anything but tensors and plain data, before it runs
         load_checkpoint_header(str(path))
-    except UnreadableCheckpointError as err:
+    except CheckpointMismatchError as err:  # not there, unreadable or unsafe
         raise SystemExit(f"error: {err}") from None
     # weights_only given explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD overrides only an unset one
     model = ImageGenerationTask.load_from_checkpoint(path, map_location=device, weights_only=True).model

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from linformer_lab.data.sampling import EpochSampler, ResumableLoader, process_share
+from linformer_lab.data.sampling import EpochSampler, PredictsOnTestSplit, ResumableLoader, process_share
 from linformer_lab.validation import check_at_least
 
 PAD = 0
@@ -126,7 +126,7 @@ class BatchKeySampler(EpochSampler):
             yield (self.split, epoch, i, self.rank, self.num_replicas)
 
 
-class CopyDataModule(L.LightningDataModule):
+class CopyDataModule(PredictsOnTestSplit, L.LightningDataModule):
     """Copy task (paper §4.1.1). Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``, N = 2*max_length+1.
 
     Args:

@@ -45,7 +45,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
-from linformer_lab.data.sampling import EpochSampler, ResumableLoader, padded_share, process_share
+from linformer_lab.data.sampling import EpochSampler, PredictsOnTestSplit, ResumableLoader, padded_share, process_share
 from linformer_lab.validation import ConfigurationError, check_at_least
 
 
@@ -104,7 +104,7 @@ class ShuffleSampler(EpochSampler):
         return iter(self.share()[self.start_batch() * self.batch_size:])
 
 
-class _ImageDataModule(L.LightningDataModule):
+class _ImageDataModule(PredictsOnTestSplit, L.LightningDataModule):
     """Shared part: subclasses implement ``_load() -> dict split -> (images uint8 (N, C, H, W), labels int64 (N,))``."""
 
     def __init__(self, batch_size, num_workers, limit_train, limit_val, limit_test, seed):

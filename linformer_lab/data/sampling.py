@@ -27,9 +27,19 @@ wrap the sampler in its own distributed wrapper, which knows nothing of resuming
 
 from __future__ import annotations
 
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from linformer_lab.validation import ConfigurationError
+
+
+class PredictsOnTestSplit:
+    """For a data module with no predict split of its own: predict (``cli.py predict``,
+    ``trainer.predict(datamodule=...)``) runs on its test split, and says so once per run."""
+
+    def predict_dataloader(self) -> DataLoader:
+        rank_zero_info(f"{type(self).__name__} has no predict split: predicting on its test split")
+        return self.test_dataloader()
 
 
 def process_share(datamodule) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import lightning as L
 import torch
@@ -104,7 +105,7 @@ class Task(L.LightningModule):
             # a silent fit from scratch would look like a converted model
             raise ConfigurationError(
                 f"init_from {init_from} is read by the command line (python cli.py fit); from Python, call "
-                f"task.initialise_from(linformer_lab.checkpoints.load_checkpoint_header(path), path) before trainer.fit"
+                f"task.initialise_from(linformer_lab.cli.checkpoints.load_checkpoint_header(path), path) before trainer.fit"
             )
         self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
 
@@ -350,8 +351,16 @@ def check_attention_devices(module: torch.nn.Module, device: torch.device) -> No
             check(device)
 
 
-def task_settings(model: L.LightningModule) -> tuple[str | None, str, tuple[str, ...]]:
-    """``(monitor, monitor_mode, hparams_free_to_change)`` of any LightningModule: a :class:`Task`'s
-    declared values, or the defaults above for other modules."""
+class TaskSettings(NamedTuple):
+    """What the command line reads from a task (:class:`Task` declares each)."""
+
+    monitor: str | None
+    monitor_mode: str
+    hparams_free_to_change: tuple[str, ...]
+
+
+def task_settings(model: L.LightningModule) -> TaskSettings:
+    """The :class:`TaskSettings` of any LightningModule: a :class:`Task`'s declared values, or the
+    defaults above for other modules."""
     cls = model if isinstance(model, Task) else Task
-    return cls.monitor, cls.monitor_mode, tuple(cls.hparams_free_to_change)
+    return TaskSettings(cls.monitor, cls.monitor_mode, tuple(cls.hparams_free_to_change))

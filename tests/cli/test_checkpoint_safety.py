@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import checkpoint_dir, run_cli, tiny_copy_args
 
-from linformer_lab.checkpoints import (
+from linformer_lab.cli.checkpoints import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     OptimizerStateMismatchError,
@@ -159,11 +159,30 @@ def test_each_mismatch_is_one_line_and_exit_2_through_the_cli(trained, tmp_path,
 
 
 def test_nothing_to_resume_is_its_own_class(tmp_path):
-    from linformer_lab.checkpoints import resolve_checkpoint_path
+    from linformer_lab.cli.checkpoints import resolve_checkpoint_path
     from linformer_lab.tasks.copy_task import CopyTask
 
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint found"):
         resolve_checkpoint_path("best", CopyTask(), tmp_path)
+
+
+def test_a_checkpoint_file_that_is_not_there_is_not_found_on_every_road(tmp_path):
+    """A missing file is a CheckpointNotFoundError (not an unreadable one) whether the header is read,
+    the file checked against a model or named with --ckpt_path / --model.init_from."""
+    from linformer_lab.cli.checkpoints import resolve_checkpoint_path
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    missing = str(tmp_path / "gone.ckpt")
+    model = CopyTask(attention="linear", d_model=16, vocab_size=12, sequence_length=13, n_layers=1, n_heads=2)
+    for read in (lambda: load_checkpoint_header(missing), lambda: check_checkpoint(missing, model),
+                 lambda: resolve_checkpoint_path(missing, model, tmp_path)):
+        with pytest.raises(CheckpointNotFoundError, match=f"checkpoint {missing} does not exist") as caught:
+            read()
+        assert not isinstance(caught.value, UnreadableCheckpointError)
+    for flag in ("--ckpt_path", "--model.init_from"):
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--trainer.max_steps=1", flag, missing])
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and errors == [f"error: checkpoint {missing} does not exist."], err
 
 
 def test_an_optimizer_state_saved_in_another_parameter_order_is_refused_with_the_way_out(trained, tmp_path):

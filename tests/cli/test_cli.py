@@ -7,13 +7,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
 from conftest import REPO, checkpoint_dir, read_metrics, run_cli, tiny_copy_args
 
 import linformer_lab as ll
-from linformer_lab import cli
+from linformer_lab.cli.args import resolve_config_args
+from linformer_lab.cli.checkpoints import CheckpointMismatchError, resolve_checkpoint_path
+from linformer_lab.cli.checks import CHECKPOINT_ERROR_EXIT_CODE, resolve_precision
+from linformer_lab.cli.lightning_cli import LinformerCLI
+from linformer_lab.data.copy import CopyDataModule
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -33,15 +38,15 @@ def test_every_config_parses(config):
 def test_config_name_is_found_under_configs(tmp_path, monkeypatch):
     # From the repo root "configs/NAME" is used, from anywhere else this checkout's configs/.
     monkeypatch.chdir(REPO)
-    assert cli.resolve_config_args(["fit", "--config", "copy_lsh4.yaml"]) == ["fit", "--config", "configs/copy_lsh4.yaml"]
-    assert cli.resolve_config_args(["fit", "-c", "copy_lsh4"])[-1] == "configs/copy_lsh4.yaml"
+    assert resolve_config_args(["fit", "--config", "copy_lsh4.yaml"]) == ["fit", "--config", "configs/copy_lsh4.yaml"]
+    assert resolve_config_args(["fit", "-c", "copy_lsh4"])[-1] == "configs/copy_lsh4.yaml"
     monkeypatch.chdir(tmp_path)
-    resolved = cli.resolve_config_args(["fit", "--config=copy_softmax.yaml"])
+    resolved = resolve_config_args(["fit", "--config=copy_softmax.yaml"])
     assert resolved == ["fit", f"--config={REPO / 'configs' / 'copy_softmax.yaml'}"]
     # A file in the working directory wins; inline YAML is left alone.
     (tmp_path / "copy_softmax.yaml").write_text("seed_everything: 1\n")
-    assert cli.resolve_config_args(["--config", "copy_softmax.yaml"]) == ["--config", "copy_softmax.yaml"]
-    assert cli.resolve_config_args(["--config", "{trainer: {max_steps: 3}}"])[-1] == "{trainer: {max_steps: 3}}"
+    assert resolve_config_args(["--config", "copy_softmax.yaml"]) == ["--config", "copy_softmax.yaml"]
+    assert resolve_config_args(["--config", "{trainer: {max_steps: 3}}"])[-1] == "{trainer: {max_steps: 3}}"
 
 
 def test_print_config_from_outside_the_repo(tmp_path):
@@ -179,8 +184,8 @@ def test_default_checkpoints_and_best_resolution(trained):
     files = sorted(p.name for p in checkpoint_dir(trained).iterdir())
     assert "last.ckpt" in files and any(f.startswith("best-") for f in files)
     model = CopyTask(vocab_size=12, sequence_length=13, d_model=16, n_heads=2, n_layers=1)
-    assert cli.resolve_checkpoint_path("last", model, trained) == str(checkpoint_dir(trained) / "last.ckpt")
-    assert Path(cli.resolve_checkpoint_path("best", model, trained)).name.startswith("best-")
+    assert resolve_checkpoint_path("last", model, trained) == str(checkpoint_dir(trained) / "last.ckpt")
+    assert Path(resolve_checkpoint_path("best", model, trained)).name.startswith("best-")
 
 
 def test_best_of_a_moved_run_folder(trained, tmp_path, monkeypatch):
@@ -189,19 +194,19 @@ def test_best_of_a_moved_run_folder(trained, tmp_path, monkeypatch):
     original's); when neither exists, the error names the missing file (not "recorded none")."""
     import shutil
 
-    from linformer_lab import checkpoints
+    from linformer_lab.cli import checkpoints
     from linformer_lab.tasks.copy_task import CopyTask
 
     moved = tmp_path / "moved"
     shutil.copytree(trained, moved)
     model = CopyTask(vocab_size=12, sequence_length=13, d_model=16, n_heads=2, n_layers=1)
-    original = Path(cli.resolve_checkpoint_path("best", model, trained))
-    found = Path(cli.resolve_checkpoint_path("best", model, moved))
+    original = Path(resolve_checkpoint_path("best", model, trained))
+    found = Path(resolve_checkpoint_path("best", model, moved))
     assert found.parent == checkpoint_dir(moved) and found.name == original.name
     gone = tmp_path / "gone" / "best-epoch=9-step=99.ckpt"  # not beside last.ckpt either
     monkeypatch.setattr(checkpoints, "_best_from_last", lambda last: str(gone))
-    with pytest.raises(cli.CheckpointMismatchError, match="records .*gone.* as the best checkpoint, but that file is gone"):
-        cli.resolve_checkpoint_path("best", model, moved)
+    with pytest.raises(CheckpointMismatchError, match="records .*gone.* as the best checkpoint, but that file is gone"):
+        resolve_checkpoint_path("best", model, moved)
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
@@ -230,9 +235,23 @@ def test_predict_writes_predictions(trained):
     assert torch.equal(first["predicted"][~first["target_mask"]], first["tokens"][~first["target_mask"]])
 
 
+class CopyDataWithoutPredictSplit(CopyDataModule):
+    """A data module of another project: no predict split of its own."""
+
+    predict_dataloader = L.LightningDataModule.predict_dataloader
+
+
+def test_predict_without_any_predict_split_is_refused_in_one_line(tmp_path):
+    """The data module says what predict runs on (a hook, not a method the CLI replaces): where
+    neither it nor the model has one, the run stops naming the data module."""
+    code, _, err = run_cli(["predict", *tiny_copy_args(tmp_path), f"--data={__name__}.CopyDataWithoutPredictSplit"])
+    assert code == 2 and "error: CopyDataWithoutPredictSplit has no predict split" in err, err
+    assert not list(tmp_path.glob("version_*")), "a refused run left its run directory"
+
+
 def _expect_checkpoint_error(args, *fragments):
     code, _, err = run_cli(args)
-    assert code == cli.CHECKPOINT_ERROR_EXIT_CODE, err
+    assert code == CHECKPOINT_ERROR_EXIT_CODE, err
     assert "Traceback" not in err
     message = err.strip().splitlines()[-1]  # the whole explanation is this one line
     assert message.startswith("error: ")
@@ -326,13 +345,13 @@ def test_default_root_dir_follows_the_config_name(tmp_path):
 
 
 def test_resolve_precision():
-    assert cli.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
-    assert cli.resolve_precision(16, "cpu") == "bf16-mixed"
-    assert cli.resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
-    assert cli.resolve_precision("32-true", "auto") == "32-true"
-    assert cli.resolve_precision(None, "cpu") is None
+    assert resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+    assert resolve_precision(16, "cpu") == "bf16-mixed"
+    assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+    assert resolve_precision("32-true", "auto") == "32-true"
+    assert resolve_precision(None, "cpu") is None
     if not torch.cuda.is_available():
-        assert cli.resolve_precision("16-mixed", "auto") == "bf16-mixed"
+        assert resolve_precision("16-mixed", "auto") == "bf16-mixed"
 
 
 @pytest.mark.parametrize("precision, backend", [("bf16-mixed", "softmax"), ("16-mixed", "lsh"), ("bf16-mixed", "linear")])
@@ -382,7 +401,7 @@ def test_every_count_or_fraction_argument_keeps_its_integer(tmp_path):
             "--config", "{trainer: {val_check_interval: 2}}"]
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO)
-        built = cli.LinformerCLI(args=cli.resolve_config_args(args), run=False)
+        built = LinformerCLI(args=resolve_config_args(args), run=False)
     trainer = built.trainer
     assert (trainer.limit_train_batches, type(trainer.limit_train_batches)) == (2, int)
     assert (trainer.limit_val_batches, type(trainer.limit_val_batches)) == (1, int)
@@ -394,13 +413,13 @@ def test_every_count_or_fraction_argument_keeps_its_integer(tmp_path):
 def test_task_settings_come_from_the_declared_base():
     """The CLI reads monitor / mode / hparams_free_to_change from :class:`Task`; any other
     LightningModule gets the documented defaults."""
-    import lightning as L
-
     from linformer_lab.tasks.base import Task, task_settings
     from linformer_lab.tasks.copy_task import CopyTask
 
     task = CopyTask(d_model=8, n_heads=2, n_layers=1)
-    assert task_settings(task) == ("val/loss", "min", CopyTask.hparams_free_to_change)
+    settings = task_settings(task)
+    assert (settings.monitor, settings.monitor_mode) == ("val/loss", "min")
+    assert settings.hparams_free_to_change == tuple(CopyTask.hparams_free_to_change) and "lr" in settings.hparams_free_to_change
     assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, ())
     assert task.hparams["attention"] == {"backend": "linear", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}
 
@@ -410,7 +429,7 @@ def test_the_process_group_a_ddp_run_leaves_is_closed_before_exit(tmp_path):
     interpreter shutdown could otherwise abort a process whose run succeeded)."""
     import torch.distributed as dist
 
-    from linformer_lab.cli_args import close_process_group
+    from linformer_lab.cli.entry import close_process_group
 
     close_process_group()  # none open: nothing to do
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

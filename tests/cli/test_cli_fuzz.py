@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from test_cli_startup import error_lines
 
-from linformer_lab.cli_checks import TRAINER_RANGES, trainer_value_error
+from linformer_lab.cli.checks import TRAINER_RANGES, trainer_value_error
 
 NUMBERS = st.one_of(st.integers(-3, 3), st.sampled_from([-1, 0, 1, 2, 1000, -0.5, 0.0, 0.25, 1.0, 1.5, 2.0, 3.7]))
 

@@ -41,7 +41,7 @@ def test_help_plugins_and_config_lookup_import_neither_lightning_nor_torch(tmp_p
     script = f"""
 import contextlib, io, json, sys
 sys.path.insert(0, {str(REPO)!r})
-from linformer_lab.cli_args import main
+from linformer_lab.cli.entry import main
 codes = []
 with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
     codes.append(main(["--help"]))

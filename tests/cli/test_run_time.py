@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 from conftest import run_cli, tiny_copy_args, tiny_mnist_args
 
-from linformer_lab.cli_checks import cpu_recipe
+from linformer_lab.cli.checks import cpu_recipe
 from linformer_lab.tasks.callbacks import format_duration, validations_within
 
 LINE = re.compile(r"time: about (.+?) for this run on this machine.*?\(([\d,]+) updates at ([\d.e-]+) s, "

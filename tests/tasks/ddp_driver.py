@@ -4,7 +4,7 @@ such jobs (tests/tasks/test_ddp*.py: :func:`run_job` starts one and waits for it
     torchrun ... ddp_driver.py PLAN.json
 
 ``PLAN.json`` holds ``{"commands": [[ARG, ...], ...]}``: every process runs the commands in order
-through ``linformer_lab.cli.main``, as ``python cli.py ARG ...`` would, the Trainer of each finding
+through ``linformer_lab.cli.entry.main``, as ``python cli.py ARG ...`` would, the Trainer of each finding
 the job's process group (torchrun's environment) instead of starting processes of its own. One
 job then holds a whole story (fit, stop, resume, validate, test, predict) and pays the start of
 its processes once. A command that fails ends the process with its exit code, which makes
@@ -132,7 +132,7 @@ def slurm_env(rank: int, tasks: int, port: int) -> dict[str, str]:
 
 
 def main(plan_path: str) -> int:
-    from linformer_lab.cli import main as cli_main
+    from linformer_lab.cli.entry import main as cli_main
 
     for args in json.loads(Path(plan_path).read_text())["commands"]:
         start = time.process_time()
@@ -151,7 +151,7 @@ def main(plan_path: str) -> int:
 
 def run(plan_path: str) -> int:
     """:func:`main`, then the job's process group closed, as ``cli.py`` closes it."""
-    from linformer_lab.cli_args import close_process_group
+    from linformer_lab.cli.entry import close_process_group
 
     try:
         return main(plan_path)

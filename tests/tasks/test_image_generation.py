@@ -201,7 +201,7 @@ def test_tensorboard_logger_receives_images(tmp_path, monkeypatch):
 @pytest.mark.parametrize("method", ["linear", "softmax", "lsh1", "lsh4"])
 def test_configs_build_the_paper_models(dataset, method, tmp_path, monkeypatch):
     """configs/{dataset}_{method}.yaml parse and instantiate through the project's CLI."""
-    from linformer_lab.cli import LinformerCLI
+    from linformer_lab.cli.lightning_cli import LinformerCLI
     from linformer_lab.data.images import CIFAR10DataModule, MNISTDataModule
 
     monkeypatch.chdir(tmp_path)  # the trainer's default_root_dir is relative

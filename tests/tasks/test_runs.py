@@ -15,7 +15,7 @@ import yaml
 from conftest import BatchCounter, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args, tiny_mnist_args
 from test_resume import kill_once_checkpointed
 
-from linformer_lab.checkpoints import CheckpointSetupError, claim_checkpoint_dir
+from linformer_lab.cli.checkpoints import CheckpointSetupError, claim_checkpoint_dir
 
 assert BatchCounter  # referenced by class path below ("conftest.BatchCounter")
 
@@ -266,7 +266,7 @@ def test_time_based_validation_interval_is_still_accepted(tmp_path):
 
 def test_resolved_checkpoint_replaces_the_keyword_for_other_ranks():
     """DDP's other ranks re-run sys.argv: they get the file rank 0 resolved, not the keyword."""
-    from linformer_lab.cli_args import with_ckpt_path
+    from linformer_lab.cli.args import with_ckpt_path
 
     argv = ["cli.py", "fit", "--config", "c.yaml", "--ckpt_path", "last", "--trainer.max_steps=3"]
     assert with_ckpt_path(argv, "/runs/v0/checkpoints/last.ckpt") == [

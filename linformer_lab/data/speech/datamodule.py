@@ -9,7 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.phonemes import NUM_PHONEMES
-from linformer_lab.data.sampling import ResumableLoader, process_share
+from linformer_lab.data.sampling import PredictsOnTestSplit, ResumableLoader, process_share
 from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
@@ -17,7 +17,7 @@ from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SPLITS, Synthetic
 from linformer_lab.validation import check_at_least, check_positive
 
 
-class SpeechDataModule(L.LightningDataModule):
+class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
     """Speech batches for CTC phoneme recognition (format in the module docstring).
 
     Args:

@@ -1,17 +1,15 @@
-"""The command line before Lightning: what ``cli.py`` answers without importing it, and the
-argv it hands to :class:`~linformer_lab.cli.LinformerCLI`.
+"""The command line before Lightning: argv, ``--config`` look-up and one-line errors with a
+did-you-mean, for :mod:`~linformer_lab.cli.entry` and :class:`~linformer_lab.cli.lightning_cli.LinformerCLI`.
 
-* :func:`main`: ``cli.py --help``, ``cli.py plugins`` and ``SUBCOMMAND --config X --help``
-  (:mod:`linformer_lab.cli_help`) answer here; the four Lightning
-  subcommands go to :func:`linformer_lab.cli.run_lightning_cli` (the first import of Lightning)
-  with their argv normalised by :func:`prepare_argv`: ``--config NAME`` looked up under configs/
+* :func:`prepare_argv`: the argv LightningCLI gets: ``--config NAME`` looked up under configs/
   (:func:`find_config`), a top-level ``-c X`` moved behind the subcommand, and the task and data
   short names of ``--model.help`` / ``--data.help`` (:data:`HELP_NAMES`) made class paths.
 * Faults found here are a :class:`UsageError`: one line with a did-you-mean, exit code 2.
-  :func:`parse_error_line` turns the parser's own errors into such a line too.
+  :func:`parse_error_line` turns the parser's own errors into such a line too (reading
+  jsonargparse's message in the forms :data:`~linformer_lab.cli.compat.JSONARGPARSE_MESSAGES` lists).
 * :data:`COUNT_OR_FRACTION`, the trainer arguments typed int-first, and :func:`with_ckpt_path`.
 
-Nothing at module level imports torch or Lightning (nor does :mod:`linformer_lab.registry`):
+Nothing here imports torch or Lightning (nor does :mod:`linformer_lab.registry`):
 ``tests/cli/test_cli_startup.py`` checks that ``--help`` and ``plugins`` load neither.
 """
 
@@ -20,15 +18,14 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
-import json
 import re
-import sys
-import textwrap
 import typing
 from pathlib import Path
 
+from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES, UNION_REPORT_FRAME
+
 #: configs/ of the source checkout (cli.py lives at its root); searched after ./configs.
-REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+REPO_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 #: Trainer arguments typed ``int | float`` that Lightning reads as a count when given an int and
 #: as a fraction when given a float: ``limit_val_batches=1`` is one batch, ``1.0`` all of them.
@@ -138,17 +135,17 @@ def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> 
             return f"({prog} --config NAME --help lists the model's and data's options)"
         return f"({prog} --help lists the options)"
 
-    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    unknown = re.match(JSONARGPARSE_MESSAGES["unrecognized"], message)
     if unknown:
         flag = next((word for word in unknown.group(1).split() if word.startswith("-")), unknown.group(1).split()[0])
         flag = flag.split("=", 1)[0]
         return f"error: unknown option {flag}{suggest_option(flag, options)} {tip(flag)}"
-    nested = re.findall(r"NestedArg\(key='([^']+)'", message)
-    group = re.match(r'Parser key "(\w+)"', message)
-    if not (nested and group and "is not accepted" in message):
+    nested = re.findall(JSONARGPARSE_MESSAGES["nested_key"], message)
+    group = re.match(JSONARGPARSE_MESSAGES["group_key"], message)
+    if not (nested and group and re.search(JSONARGPARSE_MESSAGES["not_accepted"], message)):
         return None
     flag = f"--{group.group(1)}.{nested[-1]}"
-    class_path = re.search(r"class_path '([\w.]+)'", message)
+    class_path = re.search(JSONARGPARSE_MESSAGES["class_path"], message)
     candidates = list(options)
     if class_path:
         # jsonargparse found the class a moment ago; without it the parser's own names remain
@@ -160,9 +157,8 @@ def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> 
 def condense_parse_error(message: str) -> str:
     """jsonargparse's nested union report -> its informative lines (the bad value, the reason),
     without the structure around them (``Does not validate against any of the Union subtypes``)."""
-    skip = ("Does not validate", "Subtypes:", "Errors:", "Given value type:", "- Expected a <class 'NoneType'>")
     lines = [line.strip().lstrip("- ") for line in message.splitlines()]
-    kept = [line for line in lines if line and not line.startswith(skip) and not line.startswith("Problem with")]
+    kept = [line for line in lines if line and not line.startswith(UNION_REPORT_FRAME)]
     return "; ".join(dict.fromkeys(kept)) or message
 
 
@@ -276,136 +272,6 @@ def prepare_argv(argv: list[str]) -> list[str]:
 
 def help_requested(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
-
-
-def top_level_help() -> str:
-    """``cli.py --help``: the subcommands, where their options are listed, and the configs."""
-    rows = [*SUBCOMMANDS.items(), ("plugins", "list the attention backends and feature maps (--check, --json)")]
-    configs = known_configs()
-    return "\n".join([
-        "usage: cli.py {fit,validate,test,predict} --config NAME.yaml [--group.option VALUE ...]",
-        "       cli.py plugins [--check] [--json]",
-        "",
-        "subcommands:",
-        *(f"  {name:<10} {text}" for name, text in rows),
-        "",
-        "options of a subcommand:          cli.py fit --help",
-        "and of a config's model and data: cli.py fit --config copy_linear.yaml --help",
-        "a task's or data module's:        cli.py fit --model.help copy   (tasks: " + ", ".join(HELP_NAMES["model"])
-        + "; data: " + ", ".join(HELP_NAMES["data"]) + ")",
-        "",
-        "configs (--config NAME looks in ./configs, then in this checkout's configs/):",
-        textwrap.fill(", ".join(configs) or "(none)", width=96, initial_indent="  ", subsequent_indent="  "),
-        "docs/cli.md has the rest.",
-    ]) + "\n"
-
-
-# ---------------------------------------------------------------------- plugins
-
-
-def plugins_command(argv: list[str]) -> int:
-    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
-    with the distribution(s) that register it; ``--check`` also imports each one, and checks every
-    kernel that can run here against its reference (:mod:`linformer_lab.kernel_check`: a failing
-    one is an error line naming the switch that forces the reference, exit code 1)."""
-    import argparse
-
-    from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
-
-    parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
-    parser.add_argument("--check", action="store_true",
-                        help="import every plugin and check every kernel against its reference; report failures")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-
-    report = {}
-    failed = False
-    for title, registry in (("attention", ATTENTION), ("feature_maps", FEATURE_MAPS)):
-        entries = []
-        for name, dists in registry.distributions().items():
-            entry = {"name": name, "distributions": dists, "status": "conflict" if len(dists) > 1 else "ok"}
-            if args.check and len(dists) == 1:
-                try:
-                    plugin = registry.get(name)
-                except PluginError as err:
-                    entry["status"], failed = f"broken: {err}", True
-                else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
-                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
-                    if reason:
-                        entry["status"] = f"unavailable here: {reason}"
-            failed |= len(dists) > 1
-            entries.append(entry)
-        report[title] = {"group": registry.group, "plugins": entries}
-    kernel_lines, checked = [], []
-    if args.check:  # --check also says which kernel computes each op here and checks every kernel
-        import linformer_lab.kernel_check as kernel_check
-        from linformer_lab.ops import kernels
-
-        kernel_lines, checked = kernels.describe(), kernel_check.check_kernels()
-        failed |= any(result.failed for result in checked)
-
-    if args.json:
-        print(json.dumps({**report, "kernels": kernel_lines, "kernel_check": [r.as_dict() for r in checked]}
-                         if args.check else report, indent=2))
-    else:
-        for title, section in report.items():
-            print(f"{title} (entry-point group {section['group']!r}):")
-            for e in section["plugins"]:
-                status = "" if e["status"] == "ok" else f"  [{e['status']}]"
-                print(f"  {e['name']:<16} {', '.join(e['distributions'])}{status}")
-        if kernel_lines:
-            print("kernels (ops/kernels.py):")
-            print("\n".join(f"  {line}" for line in kernel_lines))
-            print("kernel check (forward and backward against the float64 reference, small shapes):")
-            print("\n".join(f"  {line}" for line in kernel_check.report(checked)))
-    for result in checked:
-        if result.failed:
-            sys.stderr.write(kernel_check.error_line(result) + "\n")
-    return 1 if failed else 0
-
-
-# ---------------------------------------------------------------------- entry point
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cli.py``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from linformer_lab.cli_checks import kernel_switch_error
-
-    switch_error = kernel_switch_error(argv)
-    if switch_error:
-        sys.stderr.write(f"error: {switch_error}\n")
-        return 2
-    if argv[:1] == ["plugins"]:
-        return plugins_command(argv[1:])
-    if argv[:1] in (["-h"], ["--help"]):
-        sys.stdout.write(top_level_help())
-        return 0
-    try:
-        if not argv:
-            raise UsageError("error: name a subcommand, e.g. cli.py fit --config copy_linear.yaml (cli.py --help lists them)")
-        argv = prepare_argv(argv)
-    except UsageError as err:
-        sys.stderr.write(f"{err}\n")
-        return 2
-    configs = config_values(argv)
-    if help_requested(argv) and configs:  # from the config and its classes' sources: no Lightning
-        from linformer_lab.cli_help import config_help
-
-        sys.stdout.write(config_help(argv[0], configs))
-        return 0
-    from linformer_lab.cli import run_lightning_cli  # the first import of Lightning
-
-    return run_lightning_cli(argv)
-
-
-def close_process_group() -> None:
-    """Destroy the process group a DDP run leaves behind (Lightning keeps it for a next Trainer): at
-    interpreter shutdown gloo's threads may otherwise still run and abort a process whose run
-    succeeded ("terminate called without an active exception", a non-zero exit)."""
-    distributed = sys.modules.get("torch.distributed")  # never imported by --help or plugins: nothing to close
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        distributed.destroy_process_group()
 
 
 def with_ckpt_path(argv: list[str], path: str | None) -> list[str]:

@@ -7,7 +7,8 @@ line (exit code 2) before anything is written, and the precision fallback:
   Lightning finds only while building the Trainer, after the run's folder exists;
 * :func:`kernel_switch_error`: an unknown ``LINFORMER_LAB_KERNELS`` value, which the first
   kernel call would find inside the run;
-* :func:`resolve_precision`: a precision the device cannot run -> the closest one it can.
+* :func:`resolve_precision`: a precision the device cannot run -> the closest one it can;
+* :func:`exit_with_error`: how every such check stops a command (one line, exit code 2).
 
 Nothing at module level imports torch or Lightning (``cli.py --help`` and ``plugins`` load neither).
 """
@@ -16,9 +17,22 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import typing
 
-from linformer_lab.cli_args import COUNT_OR_FRACTION, help_requested, known_configs
+from linformer_lab.cli.args import COUNT_OR_FRACTION, help_requested, known_configs
+from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES
+
+#: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
+CHECKPOINT_ERROR_EXIT_CODE = 2
+
+
+def exit_with_error(message: str):
+    """One paragraph on stderr and exit code 2 (:data:`CHECKPOINT_ERROR_EXIT_CODE`): the CLI's
+    way to stop on a checkpoint or run-directory fault before any work is done."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
+
 
 #: Trainer arguments whose range Lightning checks only while it builds the Trainer, after the
 #: run's folder exists: name -> (test of a number, what is valid). Checked before anything is
@@ -45,17 +59,17 @@ def type_error_line(message: str, argv: typing.Sequence[str] = ()) -> str | None
     Expected a typing.Literal[...] ... Given value: 17``) -> ``--trainer.precision 17: expected one
     of 64, 32, ..., bf16 or null``: the flag as given in ``argv``, the value, the valid types and
     choices once each; None for a message of another kind."""
-    keys = list(re.finditer(r'Parser key "([^"]+)":', message))
+    keys = list(re.finditer(JSONARGPARSE_MESSAGES["parser_key"], message))
     if not keys:
         return None
     # a model's or data's argument is reported inside its group's ("data": ... "batch_size": ...)
     key, inner = keys[-1], message[keys[-1].end():]
-    given = re.search(r"(?:Given|Got) value: (.*)$", inner, re.MULTILINE)
+    given = re.search(JSONARGPARSE_MESSAGES["given_value"], inner, re.MULTILINE)
     given = given.group(1) if given else None
     if given is None:
-        nested = re.search(r"NestedArg\(key='[^']*', val=(.*)\)\s*$", message)
+        nested = re.search(JSONARGPARSE_MESSAGES["nested_value"], message)
         given = nested.group(1).strip("'\"") if nested else None
-    expected = re.findall(r"Expected an? (typing\.Literal\[.*\]|<class '[\w.]+'>|dot import path|path)", inner)
+    expected = re.findall(JSONARGPARSE_MESSAGES["expected"], inner)
     if not (given is not None and expected):
         return None
     # "batch_size" for --data.batch_size (a subclass-mode group names the bare argument): the flag as typed

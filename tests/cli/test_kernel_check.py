@@ -1,4 +1,4 @@
-"""``cli.py plugins --check`` on the kernels (linformer_lab/kernel_check.py): every candidate that
+"""``cli.py plugins --check`` on the kernels (linformer_lab/cli/kernel_check.py): every candidate that
 runs here is compared, forward and backward, with its op's float64 reference; one that raises
 (a kernel that fails to compile or launch) or disagrees is one error line naming the switch that
 forces the reference, and exit code 1. On a CPU the C++ kernels are checked; the Triton kernel is
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 
-from linformer_lab import kernel_check
+from linformer_lab.cli import kernel_check
 from linformer_lab.ops import cpu, kernels
 
 

@@ -1,24 +1,22 @@
-"""Command line of linformer_lab: ``python cli.py SUBCOMMAND --config NAME.yaml [--key value ...]``.
+"""The Lightning subcommands of ``python cli.py SUBCOMMAND --config NAME.yaml [--key value ...]``:
+``fit``, ``validate``, ``test``, ``predict``. See docs/cli.md for the user's view; this module is
+the wiring:
 
-Subcommands: ``fit``, ``validate``, ``test``, ``predict`` (LightningCLI) and ``plugins`` (ours).
-See docs/cli.md for the user's view; this module is the wiring:
-
-* :func:`~linformer_lab.cli_args.main` (in :mod:`linformer_lab.cli_args`, re-exported here)
-  answers ``--help`` and ``plugins`` without importing Lightning, finds ``--config NAME.yaml``
-  under ``configs/`` and hands the rest to :func:`run_lightning_cli`, which discovers the
-  entry-point plugins and runs :class:`LinformerCLI`;
+* :func:`~linformer_lab.cli.entry.main` answers ``--help`` and ``plugins`` without importing
+  Lightning, finds ``--config NAME.yaml`` under ``configs/`` and hands the rest to
+  :func:`run_lightning_cli`, which discovers the entry-point plugins and runs :class:`LinformerCLI`;
 * :class:`LinformerArgumentParser` makes the parser's errors one line with a did-you-mean;
 * :class:`LinformerCLI` is a LightningCLI in subclass mode for model and data (any
   LightningModule / LightningDataModule, chosen by ``class_path``), which adds:
   - data -> model links (``vocab_size``, ``sequence_length``) read from the instantiated data module;
   - per-run directories: ``trainer.default_root_dir`` defaults to ``logs/<config name>``; every
     run gets a new ``<root>/version_N`` (metrics, saved config, ``checkpoints/``) and a resumed
-    fit continues in the directory of the run it resumes (:mod:`linformer_lab.checkpoints`);
-  - default checkpointing (:class:`~linformer_lab.checkpoints.CheckpointSettings`,
+    fit continues in the directory of the run it resumes (:mod:`linformer_lab.cli.checkpoints`);
+  - default checkpointing (:class:`~linformer_lab.cli.checkpoints.CheckpointSettings`,
     ``--checkpoint.*``): ``last.ckpt`` after every validation and the best checkpoint by the
     task's ``monitor`` / ``monitor_mode`` (:class:`~linformer_lab.tasks.base.Task`);
   - the ``int | float`` trainer arguments typed int-first (``limit_val_batches 1`` is one batch,
-    not 100 %, also in the saved config; :data:`~linformer_lab.cli_args.COUNT_OR_FRACTION`), and
+    not 100 %, also in the saved config; :data:`~linformer_lab.cli.args.COUNT_OR_FRACTION`), and
     no abbreviated flags (``--trainer.limit_val`` is an error, not ``limit_val_batches``);
   - precision fallback (fp16 AMP has no CPU kernels: ``16-mixed`` -> ``bf16-mixed`` on CPU);
   - checks before any work, each one paragraph and exit code 2: a ``--ckpt_path`` that does not fit
@@ -44,39 +42,35 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-import linformer_lab.lightning_compat as compat
-from linformer_lab.checkpoint_callbacks import interrupted_message
-from linformer_lab.checkpoints import (
-    CHECKPOINT_ERROR_EXIT_CODE,
+import linformer_lab.cli.compat as compat
+from linformer_lab.cli.args import (
+    COUNT_OR_FRACTION,
+    SUBCOMMANDS,
+    condense_parse_error,
+    help_requested,
+    parse_error_line,
+    with_ckpt_path,
+)
+from linformer_lab.cli.callbacks import interrupted_message
+from linformer_lab.cli.checkpoints import (
     CheckpointMismatchError,
     CheckpointSettings,
     CheckpointSetupError,
     claim_checkpoint_dir,
     default_checkpoint_callbacks,
-    exit_with_error,
     load_checkpoint_header,
     new_run_version,
     resolve_checkpoint_path,
     resumed_run_dir,
     saved_run_checkpoint_dir,
 )
-from linformer_lab.cli_args import (  # noqa: F401 (main, plugins_command, resolve_config_args: the entry points, kept here)
-    COUNT_OR_FRACTION,
-    SUBCOMMANDS,
-    condense_parse_error,
-    help_requested,
-    main,
-    parse_error_line,
-    plugins_command,
-    resolve_config_args,
-    with_ckpt_path,
-)
-from linformer_lab.cli_checks import (
+from linformer_lab.cli.checks import (
+    CHECKPOINT_ERROR_EXIT_CODE,
     cpu_recipe,
+    exit_with_error,
     experiment_name,
     linked_argument_error,
     none_strings_to_none,
@@ -97,7 +91,7 @@ DATA_TO_MODEL_LINKS = ("vocab_size", "sequence_length", "num_phonemes")
 
 class LinformerArgumentParser(LightningArgumentParser):
     """LightningCLI's parser whose errors are one line (no usage block, which runs to 56-64 lines
-    here): an unknown option with a did-you-mean (:func:`~linformer_lab.cli_args.parse_error_line`),
+    here): an unknown option with a did-you-mean (:func:`~linformer_lab.cli.args.parse_error_line`),
     any other fault condensed. ``JSONARGPARSE_DEBUG=1`` shows jsonargparse's own report."""
 
     def error(self, message: str, ex: Exception | None = None):
@@ -106,7 +100,7 @@ class LinformerArgumentParser(LightningArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         subcommand = parser.prog.split()[-1]  # "cli.py [options] fit" (the name in sys.argv[0])
         prog = f"cli.py {subcommand}" if subcommand in SUBCOMMANDS else "cli.py"
-        options = [o for o in parser._option_string_actions if o.startswith("--")]
+        options = [o for o in compat.option_strings(parser) if o.startswith("--")]
         line = parse_error_line(message, options, prog)
         if line is None:
             wrong_type = type_error_line(message, sys.argv)
@@ -124,9 +118,9 @@ class LinformerCLI(LightningCLI):
     """
 
     def __init__(self, args=None, run: bool = True, **kwargs):
-        try:  # the private Lightning members we rely on, before any work (lightning_compat)
+        try:  # the private Lightning and jsonargparse members we rely on, before any work (cli/compat.py)
             compat.check()
-        except compat.LightningCompatError as err:
+        except compat.CompatError as err:
             exit_with_error(str(err))
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("parser_class", LinformerArgumentParser)
@@ -155,10 +149,10 @@ class LinformerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Lightning types these Union[float, int, None]; parsed float-first, "1" became 1.0 (all
         # batches) in the run and in the saved config. Int-first keeps 1 a count and 1.0 a fraction.
-        for action in parser._actions:
+        for action in compat.parser_actions(parser):
             name = action.dest[len("trainer."):] if action.dest.startswith("trainer.") else None
             if name in COUNT_OR_FRACTION and name != "val_check_interval":  # that one is int-first already
-                action._typehint = int | float | None
+                compat.retype(action, int | float | None)
         parser.add_class_arguments(CheckpointSettings, "checkpoint")
         for name in DATA_TO_MODEL_LINKS:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
@@ -331,7 +325,7 @@ class LinformerCLI(LightningCLI):
 
     def _saved_run_checkpoints(self) -> str | None:
         """The checkpoints/ of the run whose saved config this command was given, if any
-        (:func:`~linformer_lab.checkpoints.saved_run_checkpoint_dir`)."""
+        (:func:`~linformer_lab.cli.checkpoints.saved_run_checkpoint_dir`)."""
         sources = self._section().get("config") or []
         folder = saved_run_checkpoint_dir(getattr(s, "absolute", None) or str(s) for s in sources)
         return str(folder) if folder is not None else None
@@ -365,11 +359,16 @@ class LinformerCLI(LightningCLI):
     def predict(self, model, datamodule=None, ckpt_path=None, return_predictions=None, **kwargs):
         """Runs ``trainer.predict`` and saves the predictions to ``<log_dir>/predictions.pt``.
 
-        Data modules without a predict split predict on their test split.
+        The project's data modules without a predict split of their own predict on their test
+        split (:class:`~linformer_lab.data.sampling.PredictsOnTestSplit`); a run where neither
+        the data module nor the model says what to predict on stops with one line.
         """
-        if datamodule is not None and not is_overridden("predict_dataloader", datamodule, L.LightningDataModule):
-            rank_zero_info(f"{type(datamodule).__name__} has no predict split: predicting on its test split")
-            datamodule.predict_dataloader = datamodule.test_dataloader
+        if datamodule is not None and not any(
+                is_overridden("predict_dataloader", owner, base)
+                for owner, base in ((datamodule, L.LightningDataModule), (model, L.LightningModule))):
+            self._stop(f"{type(datamodule).__name__} has no predict split (predict_dataloader), nor has "
+                       f"{type(model).__name__}; give the data module one (linformer_lab.data.sampling."
+                       f"PredictsOnTestSplit predicts on the test split)")
         predictions = self.trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=True, **kwargs)
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
         rank = self.trainer.global_rank
@@ -420,10 +419,10 @@ def default_logger(save_dir: str, version: int | None = None):
 
 
 def run_lightning_cli(argv: list[str]) -> int:
-    """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli_args.prepare_argv`
-    left it (``main``, in :mod:`linformer_lab.cli_args`, answers what needs no Lightning);
+    """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli.args.prepare_argv`
+    left it (``main``, in :mod:`linformer_lab.cli.entry`, answers what needs no Lightning);
     returns the exit code. ``SUBCOMMAND --help`` (without a config: ``main`` answers that one
-    from the config, :mod:`linformer_lab.cli_help`) ends with where the model's options are."""
+    from the config, :mod:`linformer_lab.cli.config_help`) ends with where the model's options are."""
     # Discover the entry points (metadata only, no imports) before parsing, so a config naming a
     # third-party backend or feature map is validated against everything installed.
     ATTENTION.names()
@@ -442,7 +441,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     except SystemExit as done:
         if done.code not in (0, None) or not help_requested(argv):
             raise
-        # with a config, main answers from it (linformer_lab.cli_help) without coming here
+        # with a config, main answers from it (linformer_lab.cli.config_help) without coming here
         print("\nThe model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names).")
     except ConfigurationError as err:
         # a check at the start of the run (Task.setup) refused the configuration: one line, as

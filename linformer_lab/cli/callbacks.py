@@ -1,6 +1,6 @@
 """The checkpoint callbacks the CLI adds to every fit: :class:`LastCheckpoint` (the resume point)
 and :class:`BestCheckpoint` (the best ``save_top_k`` by the task's monitored metric);
-:mod:`linformer_lab.checkpoints` says where they write and how ``--ckpt_path`` finds them."""
+:mod:`linformer_lab.cli.checkpoints` says where they write and how ``--ckpt_path`` finds them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import warnings
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import linformer_lab.lightning_compat as compat
+import linformer_lab.cli.compat as compat
 from linformer_lab.tasks.base import epoch_ran_to_end
 
 __all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved", "interrupted_message"]
@@ -38,7 +38,7 @@ class LastCheckpoint(ModelCheckpoint):
     closed (the rest of its batches skipped) and the logged step one short of ``global_step``.
 
     Lightning has no public hook for these saves: the private members used are read through
-    :mod:`linformer_lab.lightning_compat`.
+    :mod:`linformer_lab.cli.compat`.
     """
 
     def __init__(self, dirpath: str | None, every_n_train_steps: int | None):

@@ -21,7 +21,6 @@ import fcntl
 import os
 import pickle
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +28,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from linformer_lab.checkpoint_callbacks import BestCheckpoint, LastCheckpoint
+from linformer_lab.cli.callbacks import BestCheckpoint, LastCheckpoint
 from linformer_lab.tasks.base import task_settings
-
-#: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
-CHECKPOINT_ERROR_EXIT_CODE = 2
 
 
 @dataclass
@@ -64,11 +60,12 @@ class CheckpointMismatchError(Exception):
 
 
 class CheckpointNotFoundError(CheckpointMismatchError):
-    """``--ckpt_path last|best`` finds no checkpoint, or the best one ``last.ckpt`` records is gone."""
+    """The checkpoint is not there: a file that does not exist, ``--ckpt_path last|best`` finding
+    none, or the best one ``last.ckpt`` records gone."""
 
 
 class UnreadableCheckpointError(CheckpointMismatchError):
-    """The file cannot be read as a Lightning checkpoint (missing, truncated, corrupt)."""
+    """The file cannot be read as a Lightning checkpoint (a directory, truncated, corrupt)."""
 
 
 class UnsafeCheckpointError(UnreadableCheckpointError):
@@ -102,11 +99,11 @@ def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.Lightnin
     written after the best-model record it carries has been updated.
     """
     callbacks: list[ModelCheckpoint] = []
-    monitor, monitor_mode, _ = task_settings(model)
-    if monitor and settings.save_top_k != 0:
+    settings_of_task = task_settings(model)
+    if settings_of_task.monitor and settings.save_top_k != 0:
         callbacks.append(
             BestCheckpoint(
-                dirpath=dirpath, monitor=monitor, mode=monitor_mode,
+                dirpath=dirpath, monitor=settings_of_task.monitor, mode=settings_of_task.monitor_mode,
                 save_top_k=settings.save_top_k,
                 # the metric names hold '/', which would make sub-directories in a file name
                 filename="best-epoch={epoch}-step={step}", auto_insert_metric_name=False,
@@ -205,7 +202,7 @@ def resolve_checkpoint_path(
     for last in candidates:
         try:
             ckpt = check_checkpoint(str(last), model)
-        except UnreadableCheckpointError:
+        except (UnreadableCheckpointError, CheckpointNotFoundError):  # the newest, being written or gone
             raise
         except CheckpointMismatchError as err:
             mismatches.append(str(err))
@@ -292,13 +289,6 @@ def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object
     return lock
 
 
-def exit_with_error(message: str):
-    """One paragraph on stderr and exit code 2 (:data:`CHECKPOINT_ERROR_EXIT_CODE`): the CLI's
-    way to stop on a checkpoint or run-directory fault before any work is done."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
-
-
 # ---------------------------------------------------------------------- checkpoint check
 
 
@@ -317,7 +307,7 @@ def load_checkpoint_header(path: str) -> dict:
             + (f" ({', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''})" if inside else "")
             + " or --ckpt_path last|best (which find the newest run's).")
     if not Path(path).is_file():
-        raise UnreadableCheckpointError(f"checkpoint {path} does not exist.")
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist.")
     try:
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -387,7 +377,7 @@ def check_checkpoint(path: str, model: L.LightningModule) -> dict:
 
     problems, attention_differs = [], False
     ours = _flatten(dict(model.hparams))
-    allowed = set(task_settings(model)[2])
+    allowed = set(task_settings(model).hparams_free_to_change)
     for key, saved in sorted(_flatten(hparams).items()):
         if key in ours and key.split(".")[0] not in allowed and not _same(saved, ours[key]):
             problems.append(f"{key}: checkpoint {saved!r}, configuration {ours[key]!r}")

@@ -1,6 +1,7 @@
-"""The private Lightning members the package relies on (``linformer_lab.lightning_compat``): all
-present in the pinned release, each missing one named exactly (also through the CLI, before any
-work), none used outside the compat module, and the upstream warning filter matching its message."""
+"""The private Lightning and jsonargparse members the CLI relies on (``linformer_lab.cli.compat``):
+all present in the pinned releases, each missing one named exactly (also through the CLI, before
+any work), none used outside the compat module; the forms of jsonargparse's error messages it
+reads, each produced by the installed jsonargparse; the upstream warning filter matching its message."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from conftest import run_cli, tiny_copy_args
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fit_loop import _FitLoop
 
-import linformer_lab.lightning_compat as compat
-from linformer_lab.checkpoint_callbacks import LastCheckpoint
+import linformer_lab.cli.compat as compat
+from linformer_lab.cli.callbacks import LastCheckpoint
 
 PACKAGE = Path(__file__).resolve().parents[2] / "linformer_lab"
 
 
-def test_every_member_exists_in_the_installed_lightning():
+def test_every_member_exists_in_the_installed_lightning_and_jsonargparse():
     assert compat.missing_members() == []
     compat.check()
 
@@ -33,10 +34,10 @@ def test_a_removed_member_is_named_and_only_it(monkeypatch, owner, member, shown
     monkeypatch.delattr(owner, member)
     missing = compat.missing_members()
     assert len(missing) == 1 and missing[0].startswith(f"{shown} ("), missing
-    with pytest.raises(compat.LightningCompatError, match=re.escape(shown)) as caught:
+    with pytest.raises(compat.CompatError, match=re.escape(shown)) as caught:
         compat.check()
     message = str(caught.value)
-    assert "\n" not in message and "lightning_compat.py" in message
+    assert "\n" not in message and "cli/compat.py" in message
     others = [f"{path.partition(':')[2]}.{name}" for path, name, _ in compat.MEMBERS if name != member]
     assert not any(other in message for other in others), message
 
@@ -51,14 +52,14 @@ def test_an_instance_member_removed_from_init_is_named(monkeypatch):
 
     monkeypatch.setattr(ModelCheckpoint, "__init__", init_without)
     assert [m.split(" ")[0] for m in compat.missing_members()] == ["ModelCheckpoint._last_global_step_saved"]
-    with pytest.raises(compat.LightningCompatError, match=re.escape("LastCheckpoint._last_global_step_saved")):
+    with pytest.raises(compat.CompatError, match=re.escape("LastCheckpoint._last_global_step_saved")):
         compat.last_saved_step(LastCheckpoint(dirpath=None, every_n_train_steps=None))
 
 
 def test_a_wrapper_names_the_member_it_cannot_find(monkeypatch):
     callback = LastCheckpoint(dirpath=None, every_n_train_steps=None)
     monkeypatch.delattr(ModelCheckpoint, "_monitor_candidates")
-    with pytest.raises(compat.LightningCompatError, match=re.escape("LastCheckpoint._monitor_candidates")):
+    with pytest.raises(compat.CompatError, match=re.escape("LastCheckpoint._monitor_candidates")):
         compat.save_last_checkpoint(callback, trainer=None)
 
 
@@ -73,12 +74,12 @@ def test_the_cli_stops_before_any_work_naming_the_member(monkeypatch, tmp_path):
 
 def test_no_module_but_the_compat_module_reads_a_listed_member():
     """The CLI may override the two LightningCLI hooks (``def name``, ``super().name``); every
-    other use of a listed member goes through lightning_compat."""
+    other use of a listed member goes through cli/compat.py."""
     names = {member for _, member, _ in compat.MEMBERS}
     overridable = {"_parse_ckpt_path", "_run_subcommand"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "lightning_compat.py":
+        if path.relative_to(PACKAGE).as_posix() == "cli/compat.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for name in names:
@@ -86,6 +87,61 @@ def test_no_module_but_the_compat_module_reads_a_listed_member():
                         name in overridable and re.search(rf"def {name}\(|super\(\)\.{name}\(", line)):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_jsonargparse_member_removed_from_init_is_named_as_jsonargparse_s(monkeypatch):
+    import jsonargparse
+
+    original = jsonargparse.ArgumentParser.__init__
+
+    def init_without(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        del self._option_string_actions
+
+    monkeypatch.setattr(jsonargparse.ArgumentParser, "__init__", init_without)
+    assert [m.split(" ")[0] for m in compat.missing_members()] == ["ArgumentParser._option_string_actions"]
+    with pytest.raises(compat.CompatError) as caught:
+        compat.check()
+    assert str(caught.value).startswith("jsonargparse ") and "lightning " not in str(caught.value)
+
+
+#: command-line arguments -> the facts each message form of JSONARGPARSE_MESSAGES must find in
+#: jsonargparse's report of them
+MESSAGE_CASES = [
+    (["--trainer.max_step", "3"], {"unrecognized": "--trainer.max_step 3"}),
+    (["--model.n_layer", "3"], {"group_key": "model", "nested_key": "n_layer", "not_accepted": "is not accepted",
+                                "class_path": "linformer_lab.tasks.copy_task.CopyTask"}),
+    (["--trainer.precision", "17"], {"parser_key": "trainer.precision", "given_value": "17",
+                                     "expected": "typing.Literal[64, 32, 16]"}),
+    (["--data.batch_size", "abc"], {"parser_key": "batch_size", "nested_value": "'abc'", "expected": "<class 'int'>"}),
+]
+
+
+def test_every_jsonargparse_message_form_read_is_the_one_jsonargparse_writes(monkeypatch, tmp_path):
+    from linformer_lab.cli.lightning_cli import LinformerArgumentParser
+
+    messages = []
+    original = LinformerArgumentParser.error
+
+    def recording(self, message, ex=None):
+        if self.exit_on_error:  # the report the user would see, not jsonargparse's lenient inner checks
+            messages.append(message)
+        return original(self, message, ex)
+
+    monkeypatch.setattr(LinformerArgumentParser, "error", recording)
+    found = {}
+    for extra, facts in MESSAGE_CASES:
+        code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), *extra])
+        assert code == 2 and messages, err
+        message = messages[-1]
+        for name, fact in facts.items():
+            pattern = compat.JSONARGPARSE_MESSAGES[name]
+            captured = [m if isinstance(m, str) else m[0] for m in re.findall(pattern, message, re.MULTILINE)]
+            found[name] = captured
+            assert fact in captured or (not re.compile(pattern).groups and captured), (name, pattern, message)
+    assert set(found) == set(compat.JSONARGPARSE_MESSAGES), "a listed message form is not exercised here"
+    lines = [line.strip().lstrip("- ") for message in messages for line in message.splitlines()]
+    assert all(any(line.startswith(frame) for line in lines) for frame in compat.UNION_REPORT_FRAME), messages
 
 
 def test_the_upstream_warning_filter_matches_the_message_torch_gives():

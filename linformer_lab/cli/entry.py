@@ -1,0 +1,157 @@
+"""The entry of ``cli.py``: :func:`main` answers ``cli.py --help``, ``cli.py plugins`` and
+``SUBCOMMAND --config X --help`` (:mod:`~linformer_lab.cli.config_help`) without importing
+Lightning, and hands the four Lightning subcommands, their argv normalised by
+:func:`~linformer_lab.cli.args.prepare_argv`, to
+:func:`~linformer_lab.cli.lightning_cli.run_lightning_cli` (the first import of Lightning).
+
+Nothing at module level imports torch or Lightning: ``tests/cli/test_cli_startup.py`` (through
+:func:`main`) and ``tests/cli/test_cli_imports.py`` (``python cli.py`` as typed) check that
+``--help`` and ``plugins`` load neither.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+from linformer_lab.cli.args import (
+    HELP_NAMES,
+    SUBCOMMANDS,
+    UsageError,
+    config_values,
+    help_requested,
+    known_configs,
+    prepare_argv,
+)
+from linformer_lab.cli.checks import kernel_switch_error
+
+__all__ = ["main", "plugins_command", "top_level_help", "close_process_group"]
+
+
+def top_level_help() -> str:
+    """``cli.py --help``: the subcommands, where their options are listed, and the configs."""
+    rows = [*SUBCOMMANDS.items(), ("plugins", "list the attention backends and feature maps (--check, --json)")]
+    configs = known_configs()
+    return "\n".join([
+        "usage: cli.py {fit,validate,test,predict} --config NAME.yaml [--group.option VALUE ...]",
+        "       cli.py plugins [--check] [--json]",
+        "",
+        "subcommands:",
+        *(f"  {name:<10} {text}" for name, text in rows),
+        "",
+        "options of a subcommand:          cli.py fit --help",
+        "and of a config's model and data: cli.py fit --config copy_linear.yaml --help",
+        "a task's or data module's:        cli.py fit --model.help copy   (tasks: " + ", ".join(HELP_NAMES["model"])
+        + "; data: " + ", ".join(HELP_NAMES["data"]) + ")",
+        "",
+        "configs (--config NAME looks in ./configs, then in this checkout's configs/):",
+        textwrap.fill(", ".join(configs) or "(none)", width=96, initial_indent="  ", subsequent_indent="  "),
+        "docs/cli.md has the rest.",
+    ]) + "\n"
+
+
+# ---------------------------------------------------------------------- plugins
+
+
+def plugins_command(argv: list[str]) -> int:
+    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
+    with the distribution(s) that register it; ``--check`` also imports each one, and checks every
+    kernel that can run here against its reference (:mod:`linformer_lab.cli.kernel_check`: a failing
+    one is an error line naming the switch that forces the reference, exit code 1)."""
+    import argparse
+
+    from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+
+    parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
+    parser.add_argument("--check", action="store_true",
+                        help="import every plugin and check every kernel against its reference; report failures")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    report = {}
+    failed = False
+    for title, registry in (("attention", ATTENTION), ("feature_maps", FEATURE_MAPS)):
+        entries = []
+        for name, dists in registry.distributions().items():
+            entry = {"name": name, "distributions": dists, "status": "conflict" if len(dists) > 1 else "ok"}
+            if args.check and len(dists) == 1:
+                try:
+                    plugin = registry.get(name)
+                except PluginError as err:
+                    entry["status"], failed = f"broken: {err}", True
+                else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
+                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
+                    if reason:
+                        entry["status"] = f"unavailable here: {reason}"
+            failed |= len(dists) > 1
+            entries.append(entry)
+        report[title] = {"group": registry.group, "plugins": entries}
+    kernel_lines, checked = [], []
+    if args.check:  # --check also says which kernel computes each op here and checks every kernel
+        import linformer_lab.cli.kernel_check as kernel_check
+        from linformer_lab.ops import kernels
+
+        kernel_lines, checked = kernels.describe(), kernel_check.check_kernels()
+        failed |= any(result.failed for result in checked)
+
+    if args.json:
+        print(json.dumps({**report, "kernels": kernel_lines, "kernel_check": [r.as_dict() for r in checked]}
+                         if args.check else report, indent=2))
+    else:
+        for title, section in report.items():
+            print(f"{title} (entry-point group {section['group']!r}):")
+            for e in section["plugins"]:
+                status = "" if e["status"] == "ok" else f"  [{e['status']}]"
+                print(f"  {e['name']:<16} {', '.join(e['distributions'])}{status}")
+        if kernel_lines:
+            print("kernels (ops/kernels.py):")
+            print("\n".join(f"  {line}" for line in kernel_lines))
+            print("kernel check (forward and backward against the float64 reference, small shapes):")
+            print("\n".join(f"  {line}" for line in kernel_check.report(checked)))
+    for result in checked:
+        if result.failed:
+            sys.stderr.write(kernel_check.error_line(result) + "\n")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``cli.py``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    switch_error = kernel_switch_error(argv)
+    if switch_error:
+        sys.stderr.write(f"error: {switch_error}\n")
+        return 2
+    if argv[:1] == ["plugins"]:
+        return plugins_command(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(top_level_help())
+        return 0
+    try:
+        if not argv:
+            raise UsageError("error: name a subcommand, e.g. cli.py fit --config copy_linear.yaml (cli.py --help lists them)")
+        argv = prepare_argv(argv)
+    except UsageError as err:
+        sys.stderr.write(f"{err}\n")
+        return 2
+    configs = config_values(argv)
+    if help_requested(argv) and configs:  # from the config and its classes' sources: no Lightning
+        from linformer_lab.cli.config_help import config_help
+
+        sys.stdout.write(config_help(argv[0], configs))
+        return 0
+    from linformer_lab.cli.lightning_cli import run_lightning_cli  # the first import of Lightning
+
+    return run_lightning_cli(argv)
+
+
+def close_process_group() -> None:
+    """Destroy the process group a DDP run leaves behind (Lightning keeps it for a next Trainer): at
+    interpreter shutdown gloo's threads may otherwise still run and abort a process whose run
+    succeeded ("terminate called without an active exception", a non-zero exit)."""
+    distributed = sys.modules.get("torch.distributed")  # never imported by --help or plugins: nothing to close
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
