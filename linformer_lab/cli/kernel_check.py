@@ -12,8 +12,8 @@ odd lengths, state in and out, values of mean one (the case that exposes cancell
 precision), masked slots.
 
 A candidate that raises (a Triton kernel that fails to compile or launch) or disagrees is a
-failure: :func:`error_line` says it in one line that names the switch forcing the reference
-(``LINFORMER_LAB_KERNELS=<op>=reference``). A candidate that does not apply on a device, or
+failure: :func:`error_line` says it in one line that names the switch forcing the PyTorch form
+(``LINFORMER_LAB_KERNELS=<op>=pytorch``). A candidate that does not apply on a device, or
 whose build cannot be had here, is reported and not a failure: the op then runs on the next
 candidate by itself.
 """
@@ -115,7 +115,7 @@ def _causal_attention(device: str, dtype: torch.dtype):
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     s0, z0 = _leaves((s0, z0), device, state_dtype)
     feature_map = build_feature_map("elu", d).to(device)
-    reference_numerator = kernels.reference("causal").run
+    reference_numerator = kernels.fallback("causal").run
 
     def dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False):
         return reference_numerator(phi_q, phi_k, v, None, initial_state, return_final_state)
@@ -194,7 +194,7 @@ def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None
     results = []
     for op in ops or list(PROBES):
         probe = PROBES[op]
-        reference = kernels.reference(op)
+        reference = kernels.fallback(op)
         for device in devices or _devices():
             for dtype in _dtypes(device):
                 label = str(dtype).removeprefix("torch.")
@@ -227,12 +227,12 @@ def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None
 
 
 def error_line(result: CheckResult) -> str:
-    """One line for a failed candidate, naming the switch that runs the reference instead."""
+    """One line for a failed candidate, naming the switch that runs the PyTorch form instead."""
     what = ("failed to compile or launch" if result.status == "error"
             else f"disagrees with the reference (relative error {result.error:.2e} > {result.allowed:.1e})")
     return (f"error: kernel {result.op}={result.candidate} on {result.device} {result.dtype} {what}: {result.detail}; "
-            f"run with {kernels.SWITCH}={result.op}={kernels.REFERENCE} (or {kernels.SWITCH}={kernels.REFERENCE} "
-            "for every op) to use the PyTorch reference")
+            f"run with {kernels.SWITCH}={result.op}={kernels.PYTORCH} (or {kernels.SWITCH}={kernels.PYTORCH} "
+            "for every op) to use the PyTorch form")
 
 
 def report(results: list[CheckResult]) -> list[str]:

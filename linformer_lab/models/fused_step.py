@@ -64,7 +64,7 @@ def step(transformer: Transformer, x_t: torch.Tensor, state, copy_attribute: str
     ``copy_attribute``: the attribute under which ``weight_copies_for_steps`` gives a linear layer
     its weight copy."""
     kernel = None if state is None else kernels.select("fused_step", x_t)
-    if kernel is None or kernel.name == kernels.REFERENCE:
+    if kernel is None or kernel.name == kernels.PYTORCH:
         return None
     plan = _PLANS.get(transformer)
     if plan is None or plan.qkv.__dict__.get(copy_attribute) is not plan.marker:

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "REFERENCE", "SWITCH", "Candidate", "causal_dot_product",
-           "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "reference", "select", "switched"]
+__all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "SWITCH", "Candidate", "causal_dot_product",
+           "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
@@ -65,8 +65,6 @@ PYTORCH = "pytorch"
 #: Older names of candidates, still read by the switch and ``force`` (with a FutureWarning): "reference"
 #: named the ``pytorch`` candidates, although the float64 oracle of the tests is the naive form.
 RENAMED = {"reference": PYTORCH}
-#: The older name of :data:`PYTORCH`, for callers written before the rename.
-REFERENCE = PYTORCH
 #: The fused C++ step runs batches of at most this many rows: its gain, the per-operation cost,
 #: shrinks as a batch spreads it over more arithmetic, and its plain loops are not vectorized as
 #: ATen's kernels are.
@@ -387,9 +385,6 @@ def fallback(op: str) -> Candidate:
     """``op``'s ``pytorch`` candidate (its last), which runs anywhere."""
     return CANDIDATES[op][-1]
 
-
-#: The older name of :func:`fallback`, for callers written before the rename.
-reference = fallback
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,

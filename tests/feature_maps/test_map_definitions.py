@@ -278,7 +278,7 @@ def test_every_map_through_the_triton_chunk_kernel(name):
     # one row of 21 positions: two chunks of the interpreter's 16, each program run in Python
     q, k, v = (t[:1, :1].to(device).requires_grad_() for t in _inputs(torch.float32, d=4, n=21))
     results = []
-    for run in (backend.causal_attention, kernels.reference("causal_attention").run):
+    for run in (backend.causal_attention, kernels.fallback("causal_attention").run):
         out, state = run(attention.feature_map, q, k, v, None, attention.eps, attention.causal_dot_product, None, True)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], device=device)).sum() + state[0].sum(),
                                     [q, k, v, *attention.feature_map.parameters()])
