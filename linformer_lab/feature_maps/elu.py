@@ -7,6 +7,18 @@ import torch
 from linformer_lab.feature_maps.base import FeatureMap
 
 
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """``phi(x) = elu(x) + 1`` (eq. 7) elementwise, without autograd: ``exp(min(x, 0)) + max(x, 0)``,
+    which is ``x + 1`` for x > 0 and ``exp(x)`` otherwise (no cancellation in ``(exp(x) - 1) + 1``).
+    Half-precision outputs are clamped at the dtype's smallest normal number, as in
+    :class:`EluFeatureMap`, so phi stays > 0. The one Python phi: the kernels that apply the map
+    themselves keep an inline copy each, tested against this one."""
+    out = torch.exp(x.clamp_max(0.0)).add_(x.clamp_min(0.0))
+    if x.dtype in (torch.float16, torch.bfloat16):
+        out = out.clamp_min(torch.finfo(x.dtype).tiny)
+    return out
+
+
 class EluPlusOne(torch.autograd.Function):
     """``phi(x) = elu(x) + 1`` with a backward that needs only ``phi``: the derivative is 1 for
     x > 0 and exp(x) = phi(x) otherwise, i.e. ``min(phi(x), 1)``.
