@@ -1,4 +1,4 @@
-"""The fused C++ CPU step (``linformer_lab.models.fused_step``) against the Python ``fast_step`` and
+"""The fused C++ CPU step (``linformer_lab.models.generation.cpu_step``) against the Python ``fast_step`` and
 the weight-product floor, interleaved in one process.
 
     uv run python benchmarks/dev/fused_step.py                     # batch 1

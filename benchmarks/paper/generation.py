@@ -67,8 +67,7 @@ from generation_report import DATASETS, METHODS, RECURRENT, header_lines, plot, 
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
 from linformer_lab.cli.checkpoints import CheckpointMismatchError, load_checkpoint_header  # noqa: E402
-from linformer_lab.models import generation  # noqa: E402
-from linformer_lab.models.generation import STEP_WEIGHT_FORMATS  # noqa: E402
+from linformer_lab.models.generation import STEP_WEIGHT_FORMATS, dynamic_step  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
 from linformer_lab.ops.state import SequenceBuffer, state_nbytes  # noqa: E402  (SequenceBuffer: lsh's step state, to time one step)
 from linformer_lab.tasks.image_generation import ImageGenerationTask  # noqa: E402
@@ -155,19 +154,19 @@ def lsh_step_at(model: PixelTransformer, batch_size: int, t: int):
 
     def call():
         with torch.inference_mode():
-            hidden, _ = generation.fast_step(model.transformer, x_t, states.pop())
+            hidden, _ = dynamic_step.fast_step(model.transformer, x_t, states.pop())
             model.head.sample(model.head(hidden))
 
     return prepare, call
 
 
 class StateRecorder:
-    """Wraps ``generation.fast_step`` (the step ``generate`` runs) during one ``generate`` call
+    """Wraps ``dynamic_step.fast_step`` (the step ``generate`` runs) during one ``generate`` call
     and records the recurrent state's size after the first and after the last sub-pixel (and on
     GPU the allocated memory at those two points)."""
 
     def __init__(self, model: PixelTransformer):
-        self.model, self.step, self.position = model, generation.fast_step, 0
+        self.model, self.step, self.position = model, dynamic_step.fast_step, 0
         self.first_bytes = self.last_bytes = self.first_alloc = self.last_alloc = None
         self.cuda = model.start.is_cuda
 
@@ -184,11 +183,11 @@ class StateRecorder:
         return out, state
 
     def __enter__(self):
-        generation.fast_step = self  # generate() looks it up on the module at every step
+        dynamic_step.fast_step = self  # generate() looks it up on the module at every step
         return self
 
     def __exit__(self, *exc):
-        generation.fast_step = self.step
+        dynamic_step.fast_step = self.step
 
 
 def fit_total(positions: list[int], seconds: list[float], n: int) -> tuple[float, list[float]]:

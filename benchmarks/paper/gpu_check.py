@@ -29,8 +29,8 @@ already in its journal, so the report keeps them.
 Writes ``gpu_check_<device>.md`` (device, versions, date, command, the targets table, every table),
 ``gpu_check_<device>.csv`` (all rows) and ``gpu_check_logs.tar.gz`` (each part's log and journal,
 ``plugins_check.json``, ``pytest.log``, Fig. 2's reports): three files, inside the device tool's
-limit of eight. ``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the eager
-static decoder for the graph; no compilation; pytest only collects the GPU tests), which
+limit of eight. ``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the graph
+step run eagerly; no compilation; pytest only collects the GPU tests), which
 ``tests/benchmarks/test_gpu_check.py`` runs.
 """
 
@@ -261,7 +261,7 @@ def targets(rows: list[dict]) -> list[list]:
                 f"{top['images_per_s']:.0f} (batch {top['batch']}, {top['step_weights']})" if top else "not measured",
                 _verdict(top and top["images_per_s"] >= 5000, top and top["images_per_s"] >= 20000)])
     mid = {(r["method"], r["step_weights"]): r["images_per_s"] for r in rows
-           if r["part"] == "generation" and r["role"] == "batch 1,000" and r["decoder"] in ("graph", "static")}
+           if r["part"] == "generation" and r["role"] == "batch 1,000" and r["decoder"] == "graph"}
     ratios = [(w, mid["linear", w] / mid["stateful-softmax", w]) for w in ("model", "bfloat16")
               if ("linear", w) in mid and ("stateful-softmax", w) in mid]
     out.append(["linear ÷ stateful-softmax images/s at batch 1,000 (both graphed)", "≥ 5×", "≥ 19×",

@@ -8,12 +8,17 @@ from linformer_lab.feature_maps.base import FeatureMap
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """``phi(x) = elu(x) + 1`` as ``x + 1`` for x > 0 and ``exp(x)`` otherwise: the one Python phi.
-
-    The same function as eq. 7 without the cancellation of ``(exp(x) - 1) + 1``, which rounds phi
-    to 0 for x below about -17 in fp32 (about -9 in bf16) and makes the normaliser 0/0. The clamp
-    keeps the unused branch's exp finite, so autograd's zero gradient there stays zero (not 0 * inf)."""
-    return torch.where(x > 0, x + 1, torch.exp(x.clamp_max(0.0)))
+    """``phi(x) = elu(x) + 1`` (eq. 7) elementwise, the one Python phi: ``exp(min(x, 0)) + max(x, 0)``,
+    which is ``x + 1`` for x > 0 and ``exp(x)`` otherwise, without the cancellation of
+    ``(exp(x) - 1) + 1`` that rounds phi to 0 for x below about -17 in fp32 (about -9 in bf16) and
+    makes the normaliser 0/0. In fp16 even exp(x) underflows below about -17, so half-precision
+    outputs are clamped at the dtype's smallest normal number: phi stays > 0. The clamps keep the
+    unused branch finite, so autograd's zero gradient there stays zero. The kernels that apply the
+    map themselves keep an inline copy each, tested against this one."""
+    out = torch.exp(x.clamp_max(0.0)) + x.clamp_min(0.0)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        out = out.clamp_min(torch.finfo(x.dtype).tiny)
+    return out
 
 
 class EluPlusOne(torch.autograd.Function):
@@ -41,10 +46,8 @@ class EluFeatureMap(FeatureMap):
     """``elu(x) + 1``, elementwise; ``output_dim == query_dim``.
 
     Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, which is the same function
-    without the cancellation of ``(exp(x) - 1) + 1``: in bf16/fp16 that sum rounds to 0 for
-    x below about -9 (bf16), making phi zero and the attention normaliser 0/0. In fp16 even
-    exp(x) underflows to 0 below about -17, so half-precision outputs are clamped at the
-    dtype's smallest normal number: phi stays > 0 there too.
+    without the cancellation of ``(exp(x) - 1) + 1``, half-precision outputs clamped above 0
+    (:func:`elu_plus_one`).
     """
 
     def __init__(self, query_dim: int):
@@ -56,10 +59,7 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        out = EluPlusOne.apply(x)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            out = out.clamp_min(torch.finfo(x.dtype).tiny)
-        return out
+        return EluPlusOne.apply(x)
 
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``(elu(q) + 1)^T (elu(k) + 1)`` from torch's own elu (eq. 7 as written)."""

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models import generation, static_decoder
+from linformer_lab.models.generation import sampling, weights
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.validation import ConfigurationError, check_transformer_shape
@@ -272,13 +272,12 @@ class PixelTransformer(nn.Module):
                 the per-layer state the steps continue from (default); False feeds it through
                 ``step`` one position at a time. Both give the same state; the parallel pass
                 reads the model's own weights whatever ``step_weights`` says.
-            decoder: how the steps run (:mod:`linformer_lab.models.static_decoder`):
-                ``"dynamic"`` the ``fast_step`` loop; ``"static"`` the whole generation step
-                on buffers allocated once; ``"graph"`` (CUDA) that step captured as a CUDA graph
-                and replayed per position; ``"compiled"`` it through ``torch.compile`` (and
-                captured on CUDA); ``"auto"`` (default) ``"graph"`` on CUDA for stacks of linear
-                and softmax attention, else ``"dynamic"``. All draw the same noise from
-                ``generator``.
+            decoder: how the steps run (:mod:`linformer_lab.models.generation.sampling`):
+                ``"dynamic"`` the ``fast_step`` loop; ``"graph"`` the whole generation step on
+                buffers allocated once, captured as a CUDA graph and replayed per position on
+                CUDA, run eagerly elsewhere; ``"auto"`` (default) ``"graph"`` on CUDA for stacks
+                of the paper's form with linear or softmax attention, else ``"dynamic"``. Both
+                draw the same noise from ``generator``.
         Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
 
         The model is put in eval mode for the call (dropout off) and restored afterwards.
@@ -294,8 +293,7 @@ class PixelTransformer(nn.Module):
         """
         device = self.start.device
         self.check_step_weights(step_weights)
-        recurrent = self.transformer.has_recurrent_form
-        decoder = static_decoder.choose_decoder(decoder, self.transformer, device)
+        decoder = sampling.choose_decoder(decoder, self.transformer, device)
         prefix = self._check_prefix(prefix, batch_size, device)
         known = 0 if prefix is None else prefix.shape[1]
         values = torch.empty(batch_size, self.seq_len, dtype=torch.long, device=device)
@@ -309,26 +307,13 @@ class PixelTransformer(nn.Module):
             x_t = self.step_input(None, 0, table, batch_size)
             if known and prefill:
                 # positions 0..known-1 in one parallel pass; its state is what the steps through
-                # them would have left. Outside generation_kernels: this pass is large enough to
-                # gain from every thread.
+                # them would have left. Outside the sampling loop's kernel settings: this pass is
+                # large enough to gain from every thread.
                 _, state = self.transformer(self.embed(values[:, :known]), return_state=True)
                 first = known
                 if first < self.seq_len:
                     x_t = self.step_input(values[:, first - 1], first, table, batch_size)
-            with generation.generation_kernels(device, batch_size, recurrent), \
-                    generation.weight_copies_for_steps(self.transformer, step_weights, enabled=recurrent):
-                if decoder != "dynamic":
-                    static_decoder.decode(self, values, known, first, state, x_t, temperature, generator, decoder)
-                    return self.to_images(values)
-                head = self.head
-                noise = generation.noise_per_position(head, batch_size, self.seq_len - known, temperature, generator, device)
-                for position in range(first, self.seq_len):
-                    # looked up on the module at every call, so a test or benchmark can wrap it
-                    hidden, state = generation.fast_step(self.transformer, x_t, state)
-                    if position >= known:  # a prefix position only sets the state: no output head
-                        values[:, position] = head.sample(head(hidden), temperature, noise=next(noise))
-                    if position + 1 < self.seq_len:
-                        x_t = self.step_input(values[:, position], position + 1, table, batch_size)
+            sampling.sample(self, values, known, first, state, x_t, temperature, generator, decoder, step_weights)
         finally:
             self.train(was_training)
         return self.to_images(values)
@@ -336,7 +321,7 @@ class PixelTransformer(nn.Module):
     def check_step_weights(self, step_weights: str) -> None:
         """Raise a ValueError unless ``step_weights`` is a known format this model can use: a
         lossy copy needs a backend with a recurrent step."""
-        generation.check_step_weight_format(step_weights)
+        weights.check_step_weight_format(step_weights)
         if step_weights != "model" and not self.transformer.has_recurrent_form:
             raise ValueError(
                 f"step_weights={step_weights!r} applies to the recurrent step, but attention backend "

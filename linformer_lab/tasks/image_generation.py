@@ -40,9 +40,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.models.generation.sampling import DECODERS
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
-from linformer_lab.models.static_decoder import DECODERS
 from linformer_lab.models.transformer import segmented_forward
 from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
 from linformer_lab.tasks.callbacks import (

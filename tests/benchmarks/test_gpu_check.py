@@ -1,7 +1,7 @@
 """benchmarks/paper/gpu_check.py, the one GPU command: its plan against the device's 15 minutes
 (the command in benchmarks/README.md), a part stopped at its budget keeping what it measured, and
 its dry run (every part at toy sizes on CPU, through the command line: Triton's interpreter for
-our kernel, the eager static decoder for the graph, pytest collecting the GPU tests, Fig. 2's
+our kernel, the graph step run eagerly, pytest collecting the GPU tests, Fig. 2's
 toy matrix), so the command cannot rot between the rare runs on a GPU."""
 
 from __future__ import annotations

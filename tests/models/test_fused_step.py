@@ -1,4 +1,4 @@
-"""The fused C++ CPU step (linformer_lab/ops/cpu/fused_step.cpp, linformer_lab/models/fused_step.py)
+"""The fused C++ CPU step (linformer_lab/ops/cpu/fused_step.cpp, linformer_lab/models/generation/cpu_step.py)
 against the readable ``Transformer.step`` and the Python ``fast_step``.
 
 ``fast_step`` takes the fused step on CPU inside a ``"model"`` weight-copy block for a stack of
@@ -24,8 +24,7 @@ import tomllib
 import torch
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models import fused_step
-from linformer_lab.models.generation import fast_step, weight_copies_for_steps
+from linformer_lab.models.generation import cpu_step, dynamic_step, fast_step, weight_copies_for_steps, weights
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops import build_cache, cpu, kernels
 
@@ -47,7 +46,7 @@ def extension():
 @pytest.fixture
 def taken(monkeypatch):
     """Records, per fast_step call after the first, whether the fused step ran (True) or not."""
-    record, original = [], fused_step.step
+    record, original = [], cpu_step.step
 
     def spy(transformer, x_t, state, *args):
         result = original(transformer, x_t, state, *args)
@@ -55,7 +54,7 @@ def taken(monkeypatch):
             record.append(result is not None)
         return result
 
-    monkeypatch.setattr(fused_step, "step", spy)
+    monkeypatch.setattr(cpu_step, "step", spy)
     return record
 
 
@@ -94,7 +93,7 @@ def _fast(model, x, state=None, start=0, copies="model"):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("batch", [1, 3, fused_step.FUSED_MAX_BATCH])
+@pytest.mark.parametrize("batch", [1, 3, cpu_step.FUSED_MAX_BATCH])
 @pytest.mark.parametrize("shape", [SMALL, MNIST], ids=["small", "mnist"])
 def test_the_fused_step_equals_the_readable_step(extension, taken, shape, batch, dtype):
     model = _model(shape, dtype)
@@ -118,6 +117,30 @@ def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, dtyp
     monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
     python, _ = _fast(model, x)
     torch.testing.assert_close(fused, python, **TOLERANCE[dtype])
+
+
+def test_the_inline_phi_of_the_cpp_step_is_the_python_phi(extension, taken, monkeypatch):
+    """fused_step.cpp writes phi = elu + 1 inline; the Python step reads the one Python phi,
+    ``feature_maps.elu.elu_plus_one``. With queries and keys spread over both branches of phi
+    and far into exp's tail, the fused step equals the Python step, and a Python step with
+    another phi (exp on both branches) does not."""
+    model = _model()
+    attention = model.layers[0].attention
+    with torch.no_grad():  # the q and k rows of every fused projection, x 20: |q|, |k| up to tens
+        for layer in model.layers:
+            layer.attention.qkv.weight[: 2 * attention.n_heads * attention.query_dim].mul_(20)
+    x = _inputs(model, 2, 8)
+    with torch.inference_mode():
+        q = model.layers[0].attention.qkv(model.layers[0].norm_attention(x))[..., : attention.n_heads * attention.query_dim]
+    assert q.min() < -20 and q.max() > 20
+    fused, _ = _fast(model, x)
+    assert taken == [True] * 7
+    monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
+    python, _ = _fast(model, x)
+    torch.testing.assert_close(fused, python, **TOLERANCE[torch.float64])
+    monkeypatch.setattr(dynamic_step, "elu_plus_one", lambda t: torch.exp(t))
+    other, _ = _fast(model, x)
+    assert not torch.allclose(fused, other, rtol=1e-3, atol=1e-3)
 
 
 def test_under_no_grad_the_state_is_a_normal_tensor_whose_version_moves(extension, taken):
@@ -173,7 +196,7 @@ def test_other_cases_keep_to_the_python_path(extension, taken, case):
     attention = {"softmax": AttentionConfig("softmax"),
                  "favor": AttentionConfig("linear", feature_map="favor", feature_map_kwargs={"num_features": 8})}
     model = _model(dtype=torch.float32, attention=attention.get(case))
-    x = _inputs(model, fused_step.FUSED_MAX_BATCH + 1 if case == "large-batch" else 2, 6)
+    x = _inputs(model, cpu_step.FUSED_MAX_BATCH + 1 if case == "large-batch" else 2, 6)
     copies = {"no-copies": None, "bfloat16-copies": "bfloat16"}.get(case, "model")
     with torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext():
         got, _ = _fast(model, x, copies=copies)
@@ -202,7 +225,7 @@ def test_the_plan_follows_the_weight_copies(extension, taken):
     model = _model()
     x = _inputs(model, 1, 4)
     first, _ = _fast(model, x)
-    assert model not in fused_step._PLANS
+    assert model not in weights._PLANS
     with torch.no_grad():
         model.layers[1].feedforward[3].weight.mul_(2)
         want, _ = _run(_readable, model, x)

@@ -1,4 +1,4 @@
-"""The generation module's fast step against the readable one (linformer_lab.models.generation).
+"""The generation wing's Python step against the readable one (linformer_lab.models.generation.dynamic_step).
 
 ``fast_step`` is ``Transformer.step`` written for speed (no module calls, views of the fused
 projection, linear attention's own in-place step with a CPU product for few rows); the readable
@@ -17,8 +17,8 @@ from conftest import attention_configs, config_id
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.linear import LinearAttention
-from linformer_lab.models import generation, static_decoder
-from linformer_lab.models.generation import CPU_MATMUL_MIN_ROWS, fast_step, weight_copies_for_steps
+from linformer_lab.models.generation import dynamic_step, fast_step, sampling, weight_copies_for_steps
+from linformer_lab.models.generation.dynamic_step import CPU_MATMUL_MIN_ROWS
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.state import SequenceBuffer
@@ -91,10 +91,10 @@ def test_fast_step_and_decoders_take_the_authors_post_norm_relu_layers(backend, 
         got = _stepped(fast_step, model, x)
     with torch.no_grad():
         torch.testing.assert_close(got, model(x), rtol=1e-9, atol=1e-9)
-    assert static_decoder.choose_decoder("auto", model, torch.device("cpu")) == "dynamic"
+    assert sampling.choose_decoder("auto", model, torch.device("cpu")) == "dynamic"
     if not norm_first:
         with pytest.raises(ValueError, match="post-norm"):
-            static_decoder.choose_decoder("static", model, torch.device("cpu"))
+            sampling.choose_decoder("graph", model, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("config", [c for c in RECURRENT if c.backend == "linear"], ids=config_id)
@@ -195,6 +195,6 @@ def test_fast_elu_features_equal_the_feature_map(dtype):
     feature_map = EluFeatureMap(x.shape[-1])
     with torch.inference_mode():
         expected = feature_map(x)
-        phi_q, phi_k = generation._features(feature_map, x, x)
+        phi_q, phi_k = dynamic_step._features(feature_map, x, x)
     assert torch.equal(phi_q, expected) and torch.equal(phi_k, expected)
     assert bool((phi_q > 0).all())

@@ -16,7 +16,7 @@ import torch
 
 import linformer_lab as ll
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models import generation
+from linformer_lab.models.generation import dynamic_step
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.ops.state import LinearState, state_nbytes
 
@@ -33,7 +33,7 @@ def _model(feature_map="elu", image_shape=(1, 6, 6), seed=0) -> PixelTransformer
 
 
 class _Recorder:
-    """Wraps ``generation.fast_step`` (the step ``generate`` runs) inside its ``with`` block and
+    """Wraps ``dynamic_step.fast_step`` (the step ``generate`` runs) inside its ``with`` block and
     records, after every sub-pixel, the state's bytes and the data pointers of its tensors."""
 
     def __init__(self):
@@ -46,11 +46,11 @@ class _Recorder:
         return out, state
 
     def __enter__(self):
-        self.step, generation.fast_step = generation.fast_step, self  # generate() looks it up on the module
+        self.step, dynamic_step.fast_step = dynamic_step.fast_step, self  # generate() looks it up on the module
         return self
 
     def __exit__(self, *exc):
-        generation.fast_step = self.step
+        dynamic_step.fast_step = self.step
 
 
 def _feature_dim(model) -> int:
@@ -118,14 +118,14 @@ def test_linear_state_is_one_buffer_seen_as_s_and_z():
 def test_cuda_memory_is_the_same_at_the_first_and_last_pixel(monkeypatch):
     model = _model(image_shape=(1, 8, 8)).cuda()
     allocated = []
-    step = generation.fast_step
+    step = dynamic_step.fast_step
 
     def recording_step(transformer, x_t, state=None):
         out, state = step(transformer, x_t, state)
         allocated.append(torch.cuda.memory_allocated())
         return out, state
 
-    monkeypatch.setattr(generation, "fast_step", recording_step)
+    monkeypatch.setattr(dynamic_step, "fast_step", recording_step)
     model.generate(4, generator=torch.Generator(device="cuda").manual_seed(0))
     assert allocated[1] == allocated[-1]  # after the first step nothing is allocated for good
 
@@ -152,7 +152,7 @@ def test_completion_prefill_keeps_the_threads_and_steps_take_one(monkeypatch):
         return call
 
     model.transformer.forward = recording("forward", forward)
-    monkeypatch.setattr(generation, "fast_step", recording("step", generation.fast_step))
+    monkeypatch.setattr(dynamic_step, "fast_step", recording("step", dynamic_step.fast_step))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

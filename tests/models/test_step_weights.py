@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from linformer_lab.models import generation
 from linformer_lab.models.generation import (
     STEP_WEIGHT_FORMATS,
+    dynamic_step,
     fast_step,
     generation_kernels,
     quantize_int8,
@@ -149,7 +149,7 @@ def test_generate_runs_the_library_step_with_the_copy(backend, format, device, m
         formats_seen.update(m.__dict__["_step_weight"].format for m in transformer.modules() if isinstance(m, nn.Linear))
         return fast_step(transformer, x_t, state)
 
-    monkeypatch.setattr(generation, "fast_step", recording_step)
+    monkeypatch.setattr(dynamic_step, "fast_step", recording_step)
     images = model.generate(2, temperature=0.0, step_weights=format)
     assert formats_seen == {format}
     assert images.dtype == torch.uint8 and images.shape == (2, 1, 4, 4)

@@ -1,7 +1,7 @@
 """C++ CPU extensions, each an :class:`Extension` (one source, one module):
 
 * :data:`FUSED_STEP` (``fused_step.cpp``): the fused RNN step of a stack of linear-attention
-  (elu + 1) layers, which :mod:`linformer_lab.models.fused_step` calls from
+  (elu + 1) layers, which :mod:`linformer_lab.models.generation.cpu_step` calls from
   :func:`~linformer_lab.models.generation.fast_step`;
 * :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``): the causal numerator of linear
   attention, forward and backward, as a register-resident recurrence, which

@@ -12,9 +12,11 @@ Mamba's decoder).
 
 * :class:`StaticDecoder`: the buffers and :meth:`StaticDecoder.step`, which runs eagerly on any
   device (the CPU tests hold it to ``fast_step`` and ``Transformer.step``);
-* :func:`decode`: the sampling loop of ``PixelTransformer.generate`` over a decoder, eager
-  (``"static"``), graphed (``"graph"``) or through ``torch.compile`` (``"compiled"``: compiled,
-  and captured as a graph on CUDA).
+* :func:`decode`: the sampling loop over a :class:`StaticDecoder` (``generate(decoder="graph")``):
+  each step captured as a CUDA graph and replayed on CUDA, run eagerly elsewhere.
+
+It takes stacks of the paper's form with causal linear or softmax attention
+(:func:`~linformer_lab.models.generation.form.why_not_paper_form` with ``LINEAR_OR_SOFTMAX``).
 
 The state per layer: linear attention's ``[S | Z]`` buffer ``(B, H, C, M + 1)`` (as
 :class:`~linformer_lab.ops.linear_attention.LinearState`), softmax's keys and values for the
@@ -24,7 +26,7 @@ softmax, paper appendix C.1, with a preallocated cache). Softmax attends to the 
 :data:`SPAN_BLOCK` (one graph per block), so its cost follows the position as with a growing
 cache instead of paying for the whole image at every step.
 
-The weight copies of :func:`~linformer_lab.models.generation.weight_copies_for_steps` apply
+The weight copies of :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps` apply
 (``step_weights="bfloat16"`` halves the bytes of every weight product); the sampling noise is
 drawn ahead for the whole image, in the blocks and order of ``generate``'s dynamic loop, so a
 generator seeded alike gives the same images on both paths.
@@ -36,53 +38,18 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.attention.linear import LinearAttention
-from linformer_lab.attention.softmax import SoftmaxAttention
-from linformer_lab.models.generation import NOISE_BLOCK, split_heads, step_linear
+from linformer_lab.models.generation.dynamic_step import split_heads
+from linformer_lab.models.generation.form import LINEAR_OR_SOFTMAX, why_not_paper_form
+from linformer_lab.models.generation.weights import step_linear
 from linformer_lab.ops.state import KVCache
 
-__all__ = ["DECODERS", "SPAN_BLOCK", "StaticDecoder", "choose_decoder", "decode", "static_support"]
-
-#: ``PixelTransformer.generate(decoder=...)``: ``"auto"`` is ``"graph"`` on CUDA for stacks of
-#: linear and softmax attention, else ``"dynamic"`` (the ``fast_step`` loop).
-DECODERS = ("auto", "dynamic", "static", "graph", "compiled")
+__all__ = ["SPAN_BLOCK", "StaticDecoder", "capture", "decode"]
 
 #: Softmax attends to the cache in spans that grow by this many positions (one graph each).
 SPAN_BLOCK = 128
 
 #: Eager runs of a step before its capture (lazy initialisation, the allocator's first blocks).
 _WARMUP_RUNS = 2
-
-
-def static_support(transformer) -> str | None:
-    """None when every layer of ``transformer`` can step on static buffers (linear attention
-    with its own step, causal softmax), else the reason it cannot."""
-    for i, layer in enumerate(transformer.layers):
-        backend = layer.attention.attention
-        linear = isinstance(backend, LinearAttention) and type(backend).step is LinearAttention.step
-        softmax = isinstance(backend, SoftmaxAttention) and type(backend).step is SoftmaxAttention.step
-        if not (linear or softmax) or not backend.causal:
-            return f"layer {i} uses {type(backend).__name__}, which has no static-buffer step (linear or causal softmax)"
-        if not layer.norm_first:
-            return f"layer {i} is post-norm (norm_first=False); the static step is written for pre-norm layers"
-        up, activation, _, down = layer.feedforward
-        if not isinstance(activation, torch.nn.GELU):
-            return f"layer {i}'s feed-forward is not Linear-GELU-Dropout-Linear"
-    return None
-
-
-def choose_decoder(decoder: str, transformer, device: torch.device) -> str:
-    """``decoder`` checked against :data:`DECODERS` and ``"auto"`` resolved (see there)."""
-    if decoder not in DECODERS:
-        raise ValueError(f"unknown decoder {decoder!r}; valid choices: {', '.join(DECODERS)}")
-    why = static_support(transformer)
-    if decoder == "auto":
-        return "graph" if device.type == "cuda" and why is None else "dynamic"
-    if decoder != "dynamic" and why is not None:
-        raise ValueError(f"decoder={decoder!r} needs static buffers, but {why}; use decoder='dynamic'")
-    if decoder == "graph" and device.type != "cuda":
-        raise ValueError(f"decoder='graph' captures a CUDA graph; the model is on {device.type}: use 'static' "
-                         f"(the same step, eager) or 'dynamic'")
-    return decoder
 
 
 class _LinearBuffers:
@@ -147,13 +114,13 @@ class StaticDecoder:
 
     Args:
         model: a :class:`~linformer_lab.models.pixel_transformer.PixelTransformer` whose stack
-            :func:`static_support` accepts, in eval mode.
+            ``why_not_paper_form(..., LINEAR_OR_SOFTMAX)`` accepts, in eval mode.
         values: int64 ``(B, N)``, the image being generated; positions ``< known`` hold the
             prefix and are never overwritten. Filled in place.
         known: prefix length ``P``.
         temperature: as ``DiscretizedMixtureOfLogistics.sample``.
         noise: ``(gumbel (B, N - P, K), logistic (B, N - P))`` for the sampled positions (see
-            :func:`whole_image_noise`); None at temperature 0.
+            ``sampling.whole_image_noise``); None at temperature 0.
         span_block: softmax's spans grow by this many positions (:data:`SPAN_BLOCK`).
 
     :meth:`load` sets the state, input and position; each :meth:`step` then predicts and
@@ -164,7 +131,7 @@ class StaticDecoder:
 
     def __init__(self, model, values: torch.Tensor, known: int, temperature: float, noise,
                  span_block: int = SPAN_BLOCK):
-        why = static_support(model.transformer)
+        why = why_not_paper_form(model.transformer, LINEAR_OR_SOFTMAX)
         if why is not None:
             raise ValueError(f"StaticDecoder: {why}")
         self.model, self.values, self.known, self.temperature = model, values, known, temperature
@@ -242,17 +209,6 @@ class StaticDecoder:
         position.add_(1)
 
 
-def whole_image_noise(head, batch: int, positions: int, temperature: float, generator, device):
-    """The noise of :func:`~linformer_lab.models.generation.noise_per_position` for all
-    ``positions`` at once: ``(gumbel (B, P, K), logistic (B, P))``, drawn in the same blocks
-    and order (so the same numbers); None at temperature 0."""
-    if temperature == 0 or positions == 0:
-        return None
-    blocks = [head.sampling_noise((batch, min(NOISE_BLOCK, positions - start)), generator, device)
-              for start in range(0, positions, NOISE_BLOCK)]
-    return torch.cat([g for g, _ in blocks], dim=1), torch.cat([u for _, u in blocks], dim=1)
-
-
 def capture(function, device: torch.device):
     """``function`` (no arguments, static buffers) captured as a CUDA graph after
     :data:`_WARMUP_RUNS` eager runs on a side stream; returns the graph. The warm-up runs change
@@ -270,28 +226,22 @@ def capture(function, device: torch.device):
 
 
 def decode(model, values: torch.Tensor, known: int, first: int, state, x_t: torch.Tensor, temperature: float,
-           generator, decoder: str) -> None:
+           noise) -> None:
     """Fill ``values[:, known:]`` from position ``first`` on (``first <= known`` with the
-    state after positions ``< first`` and the input ``x_t`` of ``first``): the loop of
-    ``PixelTransformer.generate`` on a :class:`StaticDecoder`, ``decoder`` one of
-    ``"static"``, ``"graph"``, ``"compiled"`` (see :data:`DECODERS`)."""
+    state after positions ``< first`` and the input ``x_t`` of ``first``) on a
+    :class:`StaticDecoder`: one CUDA graph per span replayed per position on CUDA, the same step
+    eagerly elsewhere. ``noise``: as :class:`StaticDecoder`'s."""
     device, length = values.device, values.shape[1]
     if first >= length:
         return
-    noise = whole_image_noise(model.head, values.shape[0], length - known, temperature, generator, device)
-    # compiled: one span (the whole cache, masked), not one compilation per span
-    static = StaticDecoder(model, values, known, temperature, noise, length if decoder == "compiled" else SPAN_BLOCK)
-    run = static.step
-    if decoder == "compiled":
-        run = torch.compile(static.step, dynamic=False, fullgraph=True)
+    static = StaticDecoder(model, values, known, temperature, noise)
     steps = {}
     for span in static.spans(first):
-        if device.type == "cuda" and decoder in ("graph", "compiled"):
+        if device.type == "cuda":
             static.position.zero_()
-            graph = capture(lambda span=span: run(span), device)
-            steps[span] = graph.replay
+            steps[span] = capture(lambda span=span: static.step(span), device).replay
         else:
-            steps[span] = lambda span=span: run(span)
+            steps[span] = lambda span=span: static.step(span)
     static.load(state, x_t, first)
     for position in range(first, length):
         steps[static.span(position)]()

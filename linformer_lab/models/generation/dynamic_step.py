@@ -1,0 +1,172 @@
+"""The Python generation step: what makes the one-position RNN step (paper §3.4) fast at small
+batch sizes, beside the readable step it is tested equal to.
+
+:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>` is the readable
+recurrent path: module calls and each backend's own ``step``. At small batch sizes a generation
+step is a few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs
+(module calls, argument handling, thread start-up, reading the weights), not arithmetic.
+:func:`fast_step` is ``Transformer.step`` for inference with fewer operations and no module calls;
+``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every backend and
+feature map. Layers of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_layer`)
+step here with the weight copies of :mod:`~linformer_lab.models.generation.weights`; other
+layers through ``TransformerLayer.step``. On CPU, inside a ``"model"`` weight-copy block, a
+stack of the paper's form with linear attention and elu steps in one C++ call
+(:mod:`~linformer_lab.models.generation.cpu_step`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.feature_maps import FeatureMap
+from linformer_lab.feature_maps.elu import EluFeatureMap, elu_plus_one
+from linformer_lab.models.generation import cpu_step
+from linformer_lab.models.generation.form import ANY_ATTENTION, has_linear_step, why_not_paper_layer
+from linformer_lab.models.generation.weights import step_linear
+from linformer_lab.models.transformer import Transformer, TransformerLayer
+from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state
+from linformer_lab.ops.state import LinearState, SequenceBuffer
+from linformer_lab.ops.state import StackState
+
+__all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "split_heads"]
+
+#: On CPU, :func:`fast_step` computes linear attention's ``phi(q)^T [S | Z]`` as a batched matmul
+#: when the state has at least this many (batch x head) rows, and as a broadcast product + sum
+#: below: a batched matmul of (1, C) x (C, M + 1) costs more in BLAS set-up than the arithmetic at
+#: a few rows, and from here on the product's (B, H, C, M + 1) temporary costs more than that set-up.
+CPU_MATMUL_MIN_ROWS = 32
+_OWNED = StateOwner()  # the linear states fast_step made, the only ones it updates in place (others: copied first)
+
+
+def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | SequenceBuffer | None = None):
+    """:meth:`Transformer.step` for inference: ``x_t (B, d_model) -> (out (B, d_model), state)``,
+    the same weights and arithmetic up to summation order (the weight copies of
+    :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps` aside), in fewer tensor operations.
+
+    Needs eval mode (it applies no dropout) and no autograd (``torch.no_grad()`` or
+    ``torch.inference_mode()``: a linear state it made is updated in place, one from elsewhere copied first). Per layer:
+    ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a backend flag on every
+    call), the linear layers through :func:`~linformer_lab.models.generation.weights.step_linear`, q, k, v as views of the fused
+    projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
+    not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
+    in-place step. Other backends step through their ``step``; a stack without a recurrent form
+    (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix. Where
+    :func:`linformer_lab.models.generation.cpu_step.step` applies (CPU, linear attention with elu, inside
+    a ``"model"`` weight-copy block, small batches, after the first step), it is one C++ call.
+    The state is a :class:`~linformer_lab.ops.state.StackState`, as ``Transformer.step``'s.
+    """
+    if transformer.training:
+        raise RuntimeError("fast_step applies no dropout: call it on a model in eval mode (model.eval()); "
+                           "Transformer.step is the step for training mode")
+    if torch.is_grad_enabled():
+        raise RuntimeError("fast_step updates the attention state in place, without autograd: call it under "
+                           "torch.no_grad() or torch.inference_mode(); Transformer.step is the step with gradients")
+    # a recurrent form is decided on a sequence's first step, by the kind of state afterwards (no walk over the layers)
+    recurrent = transformer.has_recurrent_form if state is None else not isinstance(state, SequenceBuffer)
+    if not recurrent:
+        return transformer.step(x_t, state)
+    if (fused := cpu_step.step(transformer, x_t, (state := _OWNED.take(state)))) is not None:
+        return fused
+    new_state = StackState()
+    for layer, layer_state in zip(transformer.layers, state or [None] * len(transformer.layers)):
+        x_t, layer_state = _layer_step(layer, x_t, layer_state)
+        new_state.append(layer_state)
+    return _layer_norm(x_t, transformer.norm), new_state
+
+
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
+    """``TransformerLayer.step`` in eval mode (every dropout the identity): ``(B, d_model) -> ((B, d_model), state)``."""
+    if why_not_paper_layer(layer, ANY_ATTENTION) is not None:
+        return layer.step(x_t, state)  # e.g. the authors' post-norm / ReLU layer: the readable step, written for all
+    attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
+    x_t = x_t + attended
+    up, activation, _, down = layer.feedforward  # Linear, GELU, Dropout, Linear
+    hidden = F.gelu(step_linear(_layer_norm(x_t, layer.norm_ff), up), approximate=activation.approximate)
+    return x_t + step_linear(hidden, down), state
+
+
+def _attention_step(attention: MultiHeadAttention, x_t: torch.Tensor, state):
+    """``MultiHeadAttention.step``: ``(B, d_model) -> ((B, d_model), state)``."""
+    q, k, v = split_heads(attention, step_linear(x_t, attention.qkv))
+    backend = attention.attention
+    if has_linear_step(backend):
+        out, state = _linear_attention_step(backend, q, k, v, state)
+    else:
+        out, state = backend.step(q, k, v, state)
+    return step_linear(out.flatten(1), attention.out), state
+
+
+def split_heads(attention: MultiHeadAttention, qkv: torch.Tensor):
+    """The fused projection ``(B, parts x heads x dim)``, laid out as ``MultiHeadAttention``
+    documents, -> q, k, v each ``(B, heads, dim)``, as views; k is q for shared-QK backends."""
+    batch, heads = qkv.shape[0], attention.n_heads
+    if attention.query_dim == attention.value_dim:  # one view (B, parts, H, dim) instead of split + views
+        parts = qkv.view(batch, -1, heads, attention.query_dim).unbind(1)
+    else:
+        queries, values = heads * attention.query_dim, heads * attention.value_dim
+        sizes = [queries, values] if attention.shares_query_key else [queries, queries, values]
+        parts = [part.view(batch, heads, -1) for part in qkv.split(sizes, dim=-1)]
+    if attention.shares_query_key:
+        q, v = parts
+        return q, q, v
+    return parts
+
+
+def _linear_attention_step(backend: LinearAttention, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, state):
+    """``LinearAttention.step`` (eq. 18-20) on the :class:`LinearState`'s ``[S | Z]`` buffer, in
+    place: q_t, k_t ``(B, H, D)``, v_t ``(B, H, M)`` -> ``(out (B, H, M), state)``."""
+    if not isinstance(state, LinearState):  # None or (S, Z) built by hand: the backend's step makes the state
+        return _OWNED.adopt(*backend.step(q_t, k_t, v_t, state))
+    phi_q, phi_k = _features(backend.feature_map, q_t, k_t)
+    joint, (s, z) = state.joint, state
+    check_step_fits_state(phi_k, v_t, s, z)
+    v = v_t
+    if phi_q.dtype != joint.dtype or v.dtype != joint.dtype:
+        phi_q, phi_k, v = phi_q.to(joint.dtype), phi_k.to(joint.dtype), v.to(joint.dtype)
+    s.addcmul_(phi_k.unsqueeze(-1), v.unsqueeze(-2))  # S += phi(k) v^T
+    z.add_(phi_k)
+    if joint.device.type == "cpu" and joint.shape[0] * joint.shape[1] < CPU_MATMUL_MIN_ROWS:
+        both = (phi_q.unsqueeze(-1) * joint).sum(-2)  # (B, H, M + 1) = [phi(q)^T S | phi(q)^T Z]
+    elif torch.is_autocast_enabled(joint.device.type):  # the product with the fp32 state stays fp32
+        with torch.autocast(joint.device.type, enabled=False):
+            both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+    else:  # the autocast context costs time of its own: entered only when autocast is on
+        both = torch.matmul(phi_q.unsqueeze(-2), joint).squeeze(-2)
+    m = s.shape[-1]
+    out = both[..., :m] / both[..., m:].add_(_scalar(backend.eps, both))
+    return (out if out.dtype == v_t.dtype else out.to(v_t.dtype)), state
+
+
+def _features(feature_map: FeatureMap, q_t: torch.Tensor, k_t: torch.Tensor):
+    """``(feature_map.forward_queries(q_t), feature_map.forward_keys(k_t))``; the paper's elu map
+    through :func:`~linformer_lab.feature_maps.elu.elu_plus_one` (the same values as its
+    ``forward`` in fewer tensor operations, without autograd), and where a map keeps the base
+    class's versions (which are ``self(x)``), ``forward`` is called without the module-call
+    machinery."""
+    cls = type(feature_map)
+    if cls is EluFeatureMap:
+        return elu_plus_one(q_t), elu_plus_one(k_t)
+    phi_q = feature_map.forward(q_t) if cls.forward_queries is FeatureMap.forward_queries else feature_map.forward_queries(q_t)
+    phi_k = feature_map.forward(k_t) if cls.forward_keys is FeatureMap.forward_keys else feature_map.forward_keys(k_t)
+    return phi_q, phi_k
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor of ``value`` in ``like``'s dtype and device, cached (a float becomes a tensor at every call)."""
+    key = (value, like.dtype, like.device)
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
+            scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return scalar

@@ -1,0 +1,106 @@
+"""Is this stack of the paper's form, and if not, why not: the one question every fast generation
+path asks before it reads a layer's parts directly instead of calling its ``step``.
+
+The paper's layer (§3.1, eq. 2 with a pre-norm residual block) is a :class:`TransformerLayer` with
+``norm_first=True``, LayerNorms with weight and bias, a ``Linear-GELU-Dropout-Linear``
+feed-forward and a :class:`MultiHeadAttention` with its fused ``qkv`` / ``out`` projections. The
+fast paths differ only in the attention they can compute (``attention`` below):
+
+* :data:`ANY_ATTENTION`: the Python step (``dynamic_step.fast_step``) steps any backend through
+  its own ``step``; a layer of another form goes through ``TransformerLayer.step``;
+* :data:`LINEAR_OR_SOFTMAX`: the graph step (``graph_step``) keeps state buffers for causal
+  linear attention and causal softmax attention;
+* :data:`LINEAR_ELU`: the C++ step (``cpu_step``) computes eq. 18-20 with phi = elu + 1 written
+  in, separate keys, and one set of head sizes, attention eps and GELU form for the whole stack.
+
+A subclass that overrides a part's computation is not the paper's form (the fast paths would
+bypass the override), so types are checked exactly.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.attention.multihead import MultiHeadAttention
+from linformer_lab.attention.softmax import SoftmaxAttention
+from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.models.transformer import Transformer, TransformerLayer
+
+__all__ = ["ANY_ATTENTION", "ATTENTION_FORMS", "LINEAR_ELU", "LINEAR_OR_SOFTMAX", "has_linear_step",
+           "why_not_paper_form", "why_not_paper_layer"]
+
+ANY_ATTENTION = "any"
+LINEAR_OR_SOFTMAX = "linear-or-softmax"
+LINEAR_ELU = "linear-elu"
+#: The ``attention`` argument's choices, from the loosest to the strictest.
+ATTENTION_FORMS = (ANY_ATTENTION, LINEAR_OR_SOFTMAX, LINEAR_ELU)
+
+
+def has_linear_step(backend) -> bool:
+    """True for linear attention whose recurrent step is ``LinearAttention.step`` (eq. 18-20 on a
+    ``[S | Z]`` state), the step the fast paths compute in place."""
+    return isinstance(backend, LinearAttention) and type(backend).step is LinearAttention.step
+
+
+def _has_softmax_step(backend) -> bool:
+    return isinstance(backend, SoftmaxAttention) and type(backend).step is SoftmaxAttention.step
+
+
+def _affine_layer_norm(norm) -> bool:
+    return type(norm) is nn.LayerNorm and norm.weight is not None and norm.bias is not None \
+        and len(norm.normalized_shape) == 1
+
+
+def why_not_paper_layer(layer, attention: str = LINEAR_ELU) -> str | None:
+    """None when ``layer`` is the paper's layer with an ``attention`` the path computes (one of
+    :data:`ATTENTION_FORMS`), else why not, as a phrase about the layer ("it is post-norm ...")."""
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"unknown attention form {attention!r}; valid choices: {', '.join(ATTENTION_FORMS)}")
+    if type(layer) is not TransformerLayer:
+        return f"it is a {type(layer).__name__}, not a TransformerLayer"
+    if not layer.norm_first:
+        return "it is post-norm (norm_first=False); the fast steps are written for pre-norm layers"
+    if not (_affine_layer_norm(layer.norm_attention) and _affine_layer_norm(layer.norm_ff)):
+        return "its norms are not LayerNorms with weight and bias over the last dimension"
+    parts = list(layer.feedforward)
+    kinds = (nn.Linear, nn.GELU, nn.Dropout, nn.Linear)
+    if len(parts) != len(kinds) or any(type(part) is not kind for part, kind in zip(parts, kinds)):
+        names = "-".join(type(part).__name__ for part in parts)
+        return f"its feed-forward is {names}, not Linear-GELU-Dropout-Linear"
+    if type(layer.attention) is not MultiHeadAttention:
+        return f"its attention is a {type(layer.attention).__name__}, not a MultiHeadAttention"
+    backend = layer.attention.attention
+    if attention == LINEAR_OR_SOFTMAX:
+        if not (has_linear_step(backend) or _has_softmax_step(backend)) or not backend.causal:
+            return f"it uses {type(backend).__name__}, which has no static-buffer step (linear or causal softmax)"
+    elif attention == LINEAR_ELU:
+        if not has_linear_step(backend):
+            return f"it uses {type(backend).__name__}, not linear attention with LinearAttention's step"
+        if type(backend.feature_map) is not EluFeatureMap:
+            return f"its feature map is {type(backend.feature_map).__name__}, not elu (phi = elu + 1)"
+        if layer.attention.shares_query_key:
+            return "its queries are its keys (shared QK); the fused step takes separate keys"
+    return None
+
+
+def why_not_paper_form(transformer: Transformer, attention: str = LINEAR_ELU) -> str | None:
+    """None when every layer of ``transformer`` passes :func:`why_not_paper_layer` for
+    ``attention`` and its final norm is a LayerNorm with weight and bias, else the first reason
+    it is not (naming the layer). For :data:`LINEAR_ELU` the layers must also agree on head sizes,
+    attention eps and GELU form (the C++ step takes one of each)."""
+    for i, layer in enumerate(transformer.layers):
+        why = why_not_paper_layer(layer, attention)
+        if why is not None:
+            return f"layer {i}: {why}"
+    if not _affine_layer_norm(transformer.norm):
+        return "the final norm is not a LayerNorm with weight and bias over the last dimension"
+    if attention == LINEAR_ELU:
+        for what, value in (("head sizes", lambda layer: (layer.attention.n_heads, layer.attention.query_dim,
+                                                          layer.attention.value_dim)),
+                            ("attention eps", lambda layer: float(layer.attention.attention.eps)),
+                            ("GELU form", lambda layer: layer.feedforward[1].approximate)):
+            values = {value(layer) for layer in transformer.layers}
+            if len(values) > 1:
+                return f"the layers differ in {what} ({', '.join(sorted(map(str, values)))}); the fused step takes one"
+    return None
