@@ -19,11 +19,12 @@ op                    candidates, first to last             called from
                                                             of eq. 9), which the layers pass to
                                                             ``ops.linear_attention`` as its argument
 ``lsh_window``        cpp, pytorch                          :func:`lsh_window` (``attention/lsh.py``)
-``fused_step``        cpp, pytorch                          ``models/fused_step.py`` (generation)
-``causal_attention``  triton, cpp, pytorch                  ``attention/linear.py``: eq. 9-12 with
+``fused_step``        cpp, pytorch                          ``models/generation/cpu_step.py``
+``causal_attention``  triton, bf16, cpp, pytorch            ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
-                                                            CPU: ``ops/cpu/causal_recurrence.cpp``),
+                                                            CPU: ``ops/cpu/causal_recurrence.cpp``;
+                                                            bf16 on AMX: ``ops/cpu/bf16_chunk.py``),
                                                             packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
@@ -210,7 +211,7 @@ def _lsh_window(implementation: str) -> Callable:
 
 def _fused_stack(*args):
     """``(weights, norm eps, heads, query dim, value dim, eps, GELU approximate)`` -> the C++
-    ``FusedStack`` (``models/fused_step.py``); the ``pytorch`` candidate has none: ``fast_step``'s Python path."""
+    ``FusedStack`` (``models/generation/cpu_step.py``); the ``pytorch`` candidate has none: ``fast_step``'s Python path."""
     return _cpu_module("FUSED_STEP").FusedStack(*args)
 
 
@@ -253,6 +254,31 @@ def _causal_attention_cpu_run(*args, **kwargs):
     return cpu_kernel.causal_attention(*args, **kwargs)
 
 
+def _bf16_accepts(feature_map, q, k, v) -> bool:
+    """The bf16 path's inputs, and unforced only where it pays (``ops/cpu/bf16_chunk.py``)."""
+    from linformer_lab.ops.cpu import bf16_chunk
+
+    return bf16_chunk.accepts(feature_map, q, k, v) and (bf16_chunk.pays_here() or _forced_name("causal_attention") == "bf16")
+
+
+def _bf16_available() -> bool:
+    from linformer_lab.ops.cpu import bf16_chunk
+
+    return bf16_chunk.available()
+
+
+def _bf16_run(*args, **kwargs):
+    from linformer_lab.ops.cpu import bf16_chunk
+
+    return bf16_chunk.causal_attention(*args, **kwargs)
+
+
+def _bf16_units() -> str:
+    from linformer_lab.ops.cpu import bf16_chunk
+
+    return f"matrix units: {bf16_chunk.matrix_units()}"
+
+
 def _triton_available() -> bool:
     from linformer_lab.ops.cuda import triton_chunk
 
@@ -284,9 +310,9 @@ CANDIDATES: dict[str, list[Candidate]] = {
     "fused_step": [
         Candidate("cpp", "C++ fused step (ops/cpu/fused_step.cpp)",
                   f"CPU, float32 or float64, CPU autocast off, at most {FUSED_MAX_BATCH} rows "
-                  "(and a stack of the form models/fused_step.py checks)",
+                  "(and a stack of the form models/generation/form.py checks)",
                   _fused_cpu, _cpu_available("FUSED_STEP"), _fused_stack),
-        Candidate(PYTORCH, "Python step (models/generation.py: fast_step)", _ALWAYS,
+        Candidate(PYTORCH, "Python step (models/generation/dynamic_step.py: fast_step)", _ALWAYS,
                   _everywhere, lambda: True, lambda *args: None),
     ],
     "causal_attention": [
@@ -294,6 +320,9 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
+        Candidate("bf16", "bf16 chunked form, oneDNN GEMMs, float32 state (ops/cpu/bf16_chunk.py)",
+                  "bfloat16 CPU tensors, the elu map, a CPU with AMX (AVX-512-BF16 alone: forced only)",
+                  _bf16_accepts, _bf16_available, _bf16_run, _bf16_units),
         Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), the elu map "
                   "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
@@ -415,6 +444,9 @@ _PROBES = {  # op -> (what the line says the probe is, its arguments on a device
     # the elu map by its registered name: ops sits below feature_maps (docs/ARCHITECTURE.md)
     "causal_attention": ("float32, elu map", lambda d: ("elu", *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
 }
+#: probes of a second dtype: (op, (what the line says, its arguments)); bf16 has a CPU path of its own
+_DTYPE_PROBES = [("causal_attention", ("bfloat16, elu map",
+                                       lambda d: ("elu", *(torch.zeros(1, 1, 1, 32, device=d, dtype=torch.bfloat16),) * 3)))]
 
 
 def describe() -> list[str]:
@@ -423,7 +455,7 @@ def describe() -> list[str]:
     the switch. Builds the C++ extensions that are not built yet."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     lines = []
-    for op, (probe, make) in _PROBES.items():
+    for op, (probe, make) in [*_PROBES.items(), *_DTYPE_PROBES]:
         for device in devices:
             chosen = select(op, *make(device))
             detail = f", {chosen.detail()}" if chosen.detail is not None else ""

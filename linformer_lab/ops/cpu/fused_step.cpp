@@ -12,7 +12,7 @@
 // weight products (ATen's CPU mm, the BLAS that fast_step's addmm uses, on the same transposed
 // weights) and the GELU (ATen's CPU kernel) per layer.
 //
-// The caller (linformer_lab/models/fused_step.py) checks that the stack has this form; this
+// The caller (linformer_lab/models/generation/cpu_step.py) checks that the stack has this form; this
 // file checks shapes, dtypes and layouts. Built by linformer_lab/ops/cpu/__init__.py.
 
 #include <ATen/ATen.h>
