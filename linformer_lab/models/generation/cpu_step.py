@@ -36,8 +36,7 @@ from linformer_lab.models.generation.weights import fused_plan
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops import kernels
 from linformer_lab.ops.kernels import FUSED_MAX_BATCH
-from linformer_lab.ops.state import LinearState
-from linformer_lab.ops.state import StackState
+from linformer_lab.ops.state import LinearState, StackState
 
 __all__ = ["FUSED_MAX_BATCH", "step"]
 

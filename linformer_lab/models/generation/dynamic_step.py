@@ -29,8 +29,7 @@ from linformer_lab.models.generation.form import ANY_ATTENTION, has_linear_step,
 from linformer_lab.models.generation.weights import step_linear
 from linformer_lab.models.transformer import Transformer, TransformerLayer
 from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state
-from linformer_lab.ops.state import LinearState, SequenceBuffer
-from linformer_lab.ops.state import StackState
+from linformer_lab.ops.state import LinearState, SequenceBuffer, StackState
 
 __all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "split_heads"]
 
