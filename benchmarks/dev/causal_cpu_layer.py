@@ -25,7 +25,7 @@ venv"); without it the others still run::
 
     PYTHONPATH=. .bench_env/bin/python benchmarks/dev/causal_cpu_layer.py [--quick]
 
-``--bf16``: also the layer on bf16 inputs, on the bf16 chunked path (``ops/cpu/bf16_chunk.py``,
+``--bf16``: also the layer on bf16 inputs, on the bf16 chunked path (``ops/linear_attention/bf16_chunk.py``,
 forced) and on the fused kernel (which runs them as float32), over the float32 layer.
 
 End to end, ``--train mnist_cpu_linear.yaml``: one training update of the config's image model
@@ -388,7 +388,7 @@ def main(argv=None):
                    "and after, --calls each")
     p.add_argument("--calls", type=int, default=5, help="timed completions per variant and mode with --generate")
     p.add_argument("--bf16", action="store_true", help="also the layer on bf16 inputs: the bf16 chunked path "
-                   "(ops/cpu/bf16_chunk.py, forced) and the fused kernel running them as float32")
+                   "(ops/linear_attention/bf16_chunk.py, forced) and the fused kernel running them as float32")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)

@@ -24,7 +24,7 @@ op                    candidates, first to last             called from
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
                                                             CPU: ``ops/cpu/causal_recurrence.cpp``;
-                                                            bf16 on AMX: ``ops/cpu/bf16_chunk.py``),
+                                                            bf16 on AMX: ``ops/linear_attention/bf16_chunk.py``),
                                                             packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
@@ -254,29 +254,15 @@ def _causal_attention_cpu_run(*args, **kwargs):
     return cpu_kernel.causal_attention(*args, **kwargs)
 
 
+def _bf16():
+    from linformer_lab.ops.linear_attention import bf16_chunk
+
+    return bf16_chunk
+
+
 def _bf16_accepts(feature_map, q, k, v) -> bool:
-    """The bf16 path's inputs, and unforced only where it pays (``ops/cpu/bf16_chunk.py``)."""
-    from linformer_lab.ops.cpu import bf16_chunk
-
-    return bf16_chunk.accepts(feature_map, q, k, v) and (bf16_chunk.pays_here() or _forced_name("causal_attention") == "bf16")
-
-
-def _bf16_available() -> bool:
-    from linformer_lab.ops.cpu import bf16_chunk
-
-    return bf16_chunk.available()
-
-
-def _bf16_run(*args, **kwargs):
-    from linformer_lab.ops.cpu import bf16_chunk
-
-    return bf16_chunk.causal_attention(*args, **kwargs)
-
-
-def _bf16_units() -> str:
-    from linformer_lab.ops.cpu import bf16_chunk
-
-    return f"matrix units: {bf16_chunk.matrix_units()}"
+    """The bf16 path's inputs, and unforced only where it pays (``ops/linear_attention/bf16_chunk.py``)."""
+    return _bf16().accepts(feature_map, q, k, v) and (_bf16().pays_here() or _forced_name("causal_attention") == "bf16")
 
 
 def _triton_available() -> bool:
@@ -320,9 +306,10 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
-        Candidate("bf16", "bf16 chunked form, oneDNN GEMMs, float32 state (ops/cpu/bf16_chunk.py)",
+        Candidate("bf16", "bf16 chunked form, oneDNN GEMMs, float32 state (ops/linear_attention/bf16_chunk.py)",
                   "bfloat16 CPU tensors, the elu map, a CPU with AMX (AVX-512-BF16 alone: forced only)",
-                  _bf16_accepts, _bf16_available, _bf16_run, _bf16_units),
+                  _bf16_accepts, lambda: _bf16().available(), lambda *args, **kwargs: _bf16().causal_attention(*args, **kwargs),
+                  lambda: f"matrix units: {_bf16().matrix_units()}"),
         Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), the elu map "
                   "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",

@@ -72,7 +72,7 @@ def test_a_kernel_that_fails_to_launch_is_one_error_line_naming_the_switch(built
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == ["error: kernel causal=recurrence on cpu float32 failed to compile or launch: RuntimeError: PTX "
                      "compilation failed: out of registers; run with LINFORMER_LAB_KERNELS=causal=pytorch (or "
-                     "LINFORMER_LAB_KERNELS=pytorch for every op) to use the PyTorch reference"]
+                     "LINFORMER_LAB_KERNELS=pytorch for every op) to use the PyTorch form"]
     assert "Traceback" not in err and "causal=recurrence on cpu float32: error" in out
     assert "lsh_window=cpp on cpu float32: pass" in out  # the others are still checked
 

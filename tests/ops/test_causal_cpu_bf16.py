@@ -1,4 +1,4 @@
-"""The bf16 chunked causal attention on CPU (``linformer_lab/ops/cpu/bf16_chunk.py``, the ``bf16``
+"""The bf16 chunked causal attention on CPU (``linformer_lab/ops/linear_attention/bf16_chunk.py``, the ``bf16``
 candidate of the ``causal_attention`` op) against the float64 O(N^2) attention of
 test_causal_cpu_attention.py, gradients against autograd of it.
 
@@ -19,8 +19,8 @@ from test_causal_cpu_attention import EPS, NAMES, inputs, naive_attention
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.ops import kernels
-from linformer_lab.ops.cpu import bf16_chunk
-from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention_reference
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention_torch
+from linformer_lab.ops.linear_attention import bf16_chunk
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 matmul needs oneDNN")
 
@@ -87,7 +87,7 @@ def half_form_errors(fn, t, mean, seed=0):
     tensors = [x.requires_grad_() for x in (q.bfloat16(), k.bfloat16(), (v + mean).bfloat16(), s0, z0)]
     exact = [x.detach().double().requires_grad_() for x in tensors]
     fn(*tensors).backward(weight.bfloat16())
-    chunk_linear_attention_reference(*exact[:3], initial_state=exact[3:]).backward(weight.double())
+    chunk_linear_attention_torch(*exact[:3], initial_state=exact[3:]).backward(weight.double())
     return {name: ((x.grad.double() - r.grad).norm() / r.grad.norm()).item()
             for name, x, r in zip(("q", "k", "v", "S0", "z0"), tensors, exact)}
 
@@ -99,7 +99,7 @@ def test_gradient_error_against_the_pytorch_form_in_bf16(mean):
     and grad q sums the intra-chunk and the state terms of that precision (measured 1.9-2.2x)."""
     ours = bf16_chunk.causal_attention
     got = half_form_errors(lambda q, k, v, s0, z0: ours("elu", q, k, v, initial_state=(s0, z0)), 500, mean)
-    want = half_form_errors(lambda q, k, v, s0, z0: chunk_linear_attention_reference(q, k, v, initial_state=(s0, z0)),
+    want = half_form_errors(lambda q, k, v, s0, z0: chunk_linear_attention_torch(q, k, v, initial_state=(s0, z0)),
                             500, mean)
     bound = {"q": 2.5, "z0": 2.5}
     worse = {name: f"{got[name]:.3g} vs {want[name]:.3g}" for name in got if got[name] > bound.get(name, 1.5) * want[name]}
