@@ -191,3 +191,22 @@ def test_the_python_step_reads_the_one_phi(monkeypatch):
         monkeypatch.setattr(dynamic_step, "elu_plus_one", lambda t: elu_plus_one(t) * 2 + 1)
         wrong, _ = fast_step(model, x[:, 1], [s.clone() for s in state])
     assert not torch.allclose(right, wrong)
+
+
+def test_the_steps_cached_answer_follows_a_replaced_sub_module():
+    """The Python step asks the predicate once per layer and keeps the answer (the RNN step's hot
+    path); replacing a sub-module after a step makes it ask again, so the answer stays the predicate's."""
+    from torch import nn
+
+    from linformer_lab.models.generation.dynamic_step import _is_paper_layer
+    from linformer_lab.models.generation.form import ANY_ATTENTION, why_not_paper_layer
+    from linformer_lab.models.transformer import Transformer
+
+    layer = Transformer(1, 16, 2, attention="linear", d_ff=32).eval().layers[0]
+    assert _is_paper_layer(layer) and _is_paper_layer(layer)
+    layer.feedforward[1] = nn.ReLU()
+    assert not _is_paper_layer(layer) and why_not_paper_layer(layer, ANY_ATTENTION) is not None
+    layer.feedforward[1] = nn.GELU()
+    assert _is_paper_layer(layer)
+    layer.norm_ff = nn.Identity()
+    assert not _is_paper_layer(layer)

@@ -16,6 +16,8 @@ stack of the paper's form with linear attention and elu steps in one C++ call
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,9 +83,24 @@ def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
+#: layer -> (what its form depends on, whether it is the paper's layer): the predicate's answer, asked
+#: again only when a sub-module was replaced, so the per-step cost is a tuple comparison.
+_PAPER_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is_paper_layer(layer: TransformerLayer) -> bool:
+    feedforward = layer._modules.get("feedforward")
+    key = (getattr(layer, "norm_first", None), *layer._modules.values(),
+           *(feedforward._modules.values() if feedforward is not None else ()))
+    cached = _PAPER_LAYERS.get(layer)
+    if cached is None or cached[0] != key:  # modules compare by identity
+        cached = _PAPER_LAYERS[layer] = (key, why_not_paper_layer(layer, ANY_ATTENTION) is None)
+    return cached[1]
+
+
 def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
     """``TransformerLayer.step`` in eval mode (every dropout the identity): ``(B, d_model) -> ((B, d_model), state)``."""
-    if why_not_paper_layer(layer, ANY_ATTENTION) is not None:
+    if not _is_paper_layer(layer):
         return layer.step(x_t, state)  # e.g. the authors' post-norm / ReLU layer: the readable step, written for all
     attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
     x_t = x_t + attended
