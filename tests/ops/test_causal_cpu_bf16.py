@@ -133,3 +133,16 @@ def test_layer_forced_to_bf16_is_close_to_the_layer_in_float32():
         got = layer(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_very_negative_queries_and_keys_keep_their_weights():
+    """phi = elu + 1 without cancellation: at x near -25 phi is exp(x) ~ 1e-11, not 0, so the output
+    is still the weighted mean of the values (elu(x) + 1 in fp32 would make every weight 0)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 2, 40, 16) * 0.5 - 25 for _ in range(2))
+    v = torch.randn(1, 2, 40, 8)
+    got = bf16_chunk.causal_attention(EluFeatureMap(16), q.bfloat16(), k.bfloat16(), v.bfloat16(), eps=0.0)
+    phi_q, phi_k = (torch.exp(x.bfloat16().double()) for x in (q, k))
+    weights = (phi_q @ phi_k.transpose(-1, -2)).tril()
+    want = (weights / weights.sum(-1, keepdim=True)) @ v.bfloat16().double()
+    assert torch.allclose(got.double(), want, atol=0.05), (got.double() - want).abs().max()

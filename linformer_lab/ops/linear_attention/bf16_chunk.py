@@ -97,7 +97,9 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
     b, h, n, c = q.shape
     m = v.shape[-1]
     with torch.autocast("cpu", enabled=False):
-        phi_q, phi_k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+        # phi = elu + 1 as the fused kernel computes it: exp(min(x, 0)) + max(x, 0), without the
+        # cancellation of (exp(x) - 1) + 1 that makes phi 0 below about -17 in fp32
+        phi_q, phi_k = (torch.exp(x.float().clamp_max(0.0)) + x.float().clamp_min(0.0) for x in (q, k))
         values = v.float()
         if key_lengths is not None:
             valid = length_mask(key_lengths.to(q.device), n)[:, None, :, None]
