@@ -347,11 +347,17 @@ def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
     """The newest ``best-*.ckpt`` of ``cli.py fit --config mnist_cpu_M.yaml`` under ``runs/mnist_cpu_M``
     (the trained models of ``paper/mnist_table1.py``, which ``paper/generation.py --trained`` times)."""
     run_dir = Path(runs) / f"mnist_cpu_{method}"
-    found = sorted(run_dir.glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not found:
+    found = newest_best_checkpoint(run_dir)
+    if found is None:
         raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it first with "
                          f"benchmarks/paper/mnist_table1.py --methods {method}")
-    return found[-1]
+    return found
+
+
+def newest_best_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest ``version_*/checkpoints/best-*.ckpt`` of a ``cli.py fit`` run root, or None."""
+    found = sorted(Path(run_dir).glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def fit_run(root: str | Path) -> dict:

@@ -34,7 +34,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
-from common import command_line, fit_run, machine_info, markdown_table, results_dir, torch_info, write_csv  # noqa: E402
+from common import (  # noqa: E402
+    command_line,
+    fit_run,
+    machine_info,
+    markdown_table,
+    newest_best_checkpoint,
+    results_dir,
+    torch_info,
+    write_csv,
+)
 
 MAPS = ("elu", "t2r", "hedgehog")
 LABELS = {"elu": "softmax → elu + 1", "t2r": "softmax → t2r", "hedgehog": "softmax → hedgehog (distilled)",
@@ -74,11 +83,6 @@ def train_and_test(kinds: list[str], budgets: list[int], threads: int) -> None:
             cli("test", kind, updates, threads, "--ckpt_path", "best")
 
 
-def best_checkpoint(root: Path) -> Path | None:
-    found = sorted(root.glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
 def generation_seconds(roots: dict[str, Path], repeats: int) -> dict[str, float]:
     """Median seconds for one whole image at batch 1 per model, the models interleaved."""
     import torch
@@ -88,7 +92,7 @@ def generation_seconds(roots: dict[str, Path], repeats: int) -> dict[str, float]
     torch.set_num_threads(1)
     models = {}
     for name, root in roots.items():
-        path = best_checkpoint(root)
+        path = newest_best_checkpoint(root)
         if path is not None:
             models[name] = ImageGenerationTask.load_from_checkpoint(path, map_location="cpu", weights_only=True).model.eval()
     times: dict[str, list[float]] = {name: [] for name in models}
