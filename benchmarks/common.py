@@ -344,20 +344,15 @@ def version_metrics(root: str | Path) -> list[Path]:
 
 
 def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
-    """The newest ``best-*.ckpt`` of ``cli.py fit --config mnist_cpu_M.yaml`` under ``runs/mnist_cpu_M``
-    (the trained models of ``paper/mnist_table1.py``, which ``paper/generation.py --trained`` times)."""
-    run_dir = Path(runs) / f"mnist_cpu_{method}"
-    found = newest_best_checkpoint(run_dir)
-    if found is None:
-        raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it first with "
-                         f"benchmarks/paper/mnist_table1.py --methods {method}")
+    """The newest best checkpoint of ``paper/mnist_table1.py``'s run of M (``runs/mnist_cpu_M``)."""
+    if (found := newest_best_checkpoint(run_dir := Path(runs) / f"mnist_cpu_{method}")) is None:
+        raise SystemExit(f"no best-*.ckpt in {run_dir}/version_*/checkpoints: train it with mnist_table1.py --methods {method}")
     return found
 
 
 def newest_best_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest ``version_*/checkpoints/best-*.ckpt`` of a ``cli.py fit`` run root, or None."""
-    found = sorted(Path(run_dir).glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    return max(Path(run_dir).glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime, default=None)
 
 
 def fit_run(root: str | Path) -> dict:
