@@ -34,6 +34,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch():
+    """Every test starts from torch's seed 0: a test that draws from the global generator gets the
+    same numbers whatever ran before it in its process (``pytest -n 2`` deals tests to workers in
+    an order of its own), so a pass or a failure is reproducible by running that test alone."""
+    torch.manual_seed(0)
+
+
 def assert_close(name: str, reference: torch.Tensor, got: torch.Tensor, rtol: float = 1e-9, atol: float = 1e-9) -> None:
     """``got`` equals ``reference`` within tolerance; on failure the message names the component
     under test (``name``, e.g. ``"linear/poly2 causal: grad q"``) and the largest error and where."""
