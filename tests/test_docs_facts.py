@@ -24,9 +24,11 @@ def config(name: str) -> dict:
     return yaml.safe_load((REPO / "configs" / name).read_text())
 
 
-def the_same_in_all(pattern: str, pick) -> object:
-    """``pick(config)`` for every ``configs/<pattern>``, which must all agree (the prose speaks of them as one)."""
-    values = {path.name: pick(yaml.safe_load(path.read_text())) for path in sorted((REPO / "configs").glob(pattern))}
+def the_same_in_all(pattern: str, pick, but: tuple[str, ...] = ()) -> object:
+    """``pick(config)`` for every ``configs/<pattern>`` whose name starts with none of ``but``, which
+    must all agree (the prose speaks of them as one)."""
+    values = {path.name: pick(yaml.safe_load(path.read_text())) for path in sorted((REPO / "configs").glob(pattern))
+              if not path.name.startswith(but)}
     assert values and len(set(map(repr, values.values()))) == 1, f"configs/{pattern} disagree: {values}"
     return next(iter(values.values()))
 
@@ -49,20 +51,26 @@ def assert_states(text: str, where: str, *facts: str) -> None:
     assert not missing, f"{where} does not state {missing} (the configs' values); it reads: {text[:600]}"
 
 
+#: the copy configs at CPU scale (the conversion comparison's): the paper's lengths, a smaller model
+CPU_SCALE_COPY = ("copy_cpu_", "copy_convert_")
+
+
 def copy_settings() -> dict:
+    """The settings of the paper-sized copy configs (``configs/copy_*.yaml`` but the CPU-scale ones)."""
     init = lambda c, part: c[part]["init_args"]  # noqa: E731
+    same = lambda pick: the_same_in_all("copy_*.yaml", pick, but=CPU_SCALE_COPY)  # noqa: E731
     return dict(
-        min=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["min_length"]),
-        max=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["max_length"]),
-        dropout=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["dropout"]),
-        d_model=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["d_model"]),
-        layers=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["n_layers"]),
-        heads=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["n_heads"]),
-        batch=the_same_in_all("copy_*.yaml", lambda c: init(c, "data")["batch_size"]),
-        lr=the_same_in_all("copy_*.yaml", lambda c: init(c, "model")["lr"]),
-        decay=the_same_in_all("copy_*.yaml", lambda c: (init(c, "model")["lr_decay_steps"], init(c, "model")["lr_decay_factor"])),
-        steps=the_same_in_all("copy_*.yaml", lambda c: c["trainer"]["max_steps"]),
-        val_every=the_same_in_all("copy_*.yaml", lambda c: c["trainer"]["val_check_interval"]),
+        min=same(lambda c: init(c, "data")["min_length"]),
+        max=same(lambda c: init(c, "data")["max_length"]),
+        dropout=same(lambda c: init(c, "model")["dropout"]),
+        d_model=same(lambda c: init(c, "model")["d_model"]),
+        layers=same(lambda c: init(c, "model")["n_layers"]),
+        heads=same(lambda c: init(c, "model")["n_heads"]),
+        batch=same(lambda c: init(c, "data")["batch_size"]),
+        lr=same(lambda c: init(c, "model")["lr"]),
+        decay=same(lambda c: (init(c, "model")["lr_decay_steps"], init(c, "model")["lr_decay_factor"])),
+        steps=same(lambda c: c["trainer"]["max_steps"]),
+        val_every=same(lambda c: c["trainer"]["val_check_interval"]),
     )
 
 
@@ -84,13 +92,17 @@ def test_every_symbol_range_in_the_docs_is_the_copy_configs():
     assert ranges, "no 'A-B symbols' in the docs: the pattern no longer matches their wording"
     found = [(name, m.group(0)) for name, m in ranges if (int(m.group(1)), int(m.group(2))) != (s["min"], s["max"])]
     assert not found, f"the copy configs draw {s['min']}-{s['max']} symbols; the docs say {found}"
+    cpu_scale = {(the_same_in_all(f"{prefix}*.yaml", lambda c: c["data"]["init_args"][key]))
+                 for prefix in CPU_SCALE_COPY for key in ("min_length", "max_length")}
+    assert cpu_scale == {s["min"], s["max"]}, f"the CPU-scale copy configs draw other lengths: {cpu_scale}"
 
 
 def test_reproduction_states_the_authors_copy_settings_as_the_configs_hold_them():
     s = copy_settings()
     text = paragraph("docs/REPRODUCTION.md", "\"maximum length 128\" is the whole example")
     assert_states(text, "REPRODUCTION.md (Fig. 2, the paper's lengths)", f"{s['min']}–{s['max']} random symbols",
-                  f"dropout {s['dropout']}", "`configs/copy_*.yaml` use these lengths and dropout")
+                  f"dropout {s['dropout']}", "`configs/copy_*.yaml` use these lengths and dropout",
+                  "`copy_cpu_*.yaml` and `copy_convert_*.yaml` the same lengths")
 
 
 def mnist_cpu_settings() -> dict:

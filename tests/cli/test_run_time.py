@@ -66,7 +66,8 @@ def test_a_gpu_sized_config_of_over_an_hour_on_a_cpu_names_its_cpu_recipe(tmp_pa
 
 def test_cpu_recipe_names_and_durations():
     assert cpu_recipe("mnist_linear") == "mnist_cpu_linear.yaml" and cpu_recipe("speech_lsh4") == "speech_cpu_lsh4.yaml"
-    assert cpu_recipe("mnist_cpu_linear") is None and cpu_recipe("copy_linear") is None and cpu_recipe("config") is None
+    assert cpu_recipe("copy_linear") == "copy_cpu_linear.yaml"
+    assert cpu_recipe("mnist_cpu_linear") is None and cpu_recipe("copy_lsh4") is None and cpu_recipe("config") is None
     assert [format_duration(s) for s in (45, 720, 12_000, 1_234_567)] == ["45 s", "12 min", "3 h 20 min", "14 d 6 h"]
 
 
