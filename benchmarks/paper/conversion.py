@@ -78,11 +78,14 @@ class Task:
 
 
 TASKS = {
-    "mnist": Task("mnist", "MNIST, CPU recipe", (500, 1000, 2000), 7000, "mnist_cpu_linear", "test/bits_per_dim", "test bits/dim", 3,
+    "mnist": Task("mnist", "MNIST, CPU recipe", budgets=(500, 1000, 2000), teacher_updates=7000,
+                  scratch_full="mnist_cpu_linear", metric="test/bits_per_dim", metric_label="test bits/dim", digits=3,
                   times_generation=True,
-                  test_note="Test bits/dim: all 784 sub-pixels of the 10,000 test images, best checkpoint by validation bits/dim."),
-    "copy": Task("copy", "copy task at the paper's lengths, CPU scale", (250, 500, 1000), 3000, "copy_cpu_linear_3000", "test/loss", "test loss",
-                 4, extra_metric="test/accuracy",
+                  test_note="Test bits/dim: all 784 sub-pixels of the 10,000 test images, best checkpoint by "
+                            "validation bits/dim."),
+    "copy": Task("copy", "copy task at the paper's lengths, CPU scale", budgets=(250, 500, 1000), teacher_updates=3000,
+                 scratch_full="copy_cpu_linear_3000", metric="test/loss", metric_label="test loss", digits=4,
+                 extra_metric="test/accuracy",
                  test_note="Test loss: cross-entropy of the copied half over 20 fixed batches of 64 sequences of 32-62 "
                            "symbols, best checkpoint by validation loss; accuracy: the share of copied symbols predicted "
                            "exactly (argmax)."),
