@@ -167,6 +167,14 @@ def generation_seconds(roots: dict[str, Path], repeats: int) -> dict[str, float]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def cell(task: Task, metrics: dict[str, float]) -> str:
+    """A table cell: the metric (and the extra one in brackets), or an em dash for a run not tested."""
+    if task.metric not in metrics:
+        return "—"
+    value = f"{metrics[task.metric]:.{task.digits}f}"
+    return value if task.extra_metric is None else f"{value} ({metrics.get(task.extra_metric, float('nan')):.3f})"
+
+
 def write_report(task: Task, kinds: list[str], budgets: list[int], seconds: dict[str, float], args) -> Path:
     short = task.metric.split("/")[1]
     teacher = test_metrics(teacher_root(task)).get(task.metric)
@@ -181,16 +189,20 @@ def write_report(task: Task, kinds: list[str], budgets: list[int], seconds: dict
                             if task.extra_metric else {}),
                          "gap_to_teacher": None if value is None or teacher is None else round(value - teacher, task.digits + 1),
                          **({"seconds_per_image_batch1": seconds.get(kind)} if task.times_generation else {})})
-        table.append([LABELS[kind], *("—" if task.metric not in tests[n] else show(tests[n][task.metric]) for n in budgets),
+        table.append([LABELS[kind], *(cell(task, tests[n]) for n in budgets),
                       *(["—" if kind not in seconds else f"{seconds[kind]:.2f}"] if task.times_generation else [])])
-    full = test_metrics(LOGS / task.scratch_full).get(task.metric)
+    full_metrics = test_metrics(LOGS / task.scratch_full)
+    full = full_metrics.get(task.metric)
     if full is not None:
         rows.append({"model": "scratch", "updates": task.teacher_updates, f"test_{short}": full,
+                     **({f"test_{task.extra_metric.split('/')[1]}": full_metrics.get(task.extra_metric)}
+                        if task.extra_metric else {}),
                      "gap_to_teacher": None if teacher is None else round(full - teacher, task.digits + 1)})
     name = f"{task.name}_conversion"
     write_csv(str(RESULTS / f"{name}.csv"), rows)
     info, versions = machine_info(), torch_info()
-    header = ["model", *(f"{task.metric_label}, {n:,} updates" for n in budgets),
+    label = task.metric_label + (f" ({task.extra_metric.split('/')[1]})" if task.extra_metric else "")
+    header = ["model", *(f"{label}, {n:,} updates" for n in budgets),
               *(["s / image, batch 1"] if task.times_generation else [])]
     teacher_line = "—" if teacher is None else show(teacher)
     teacher_speed = f", {seconds['teacher']:.2f} s / image at batch 1 (KV cache)" if "teacher" in seconds else ""
@@ -201,7 +213,8 @@ def write_report(task: Task, kinds: list[str], budgets: list[int], seconds: dict
         f"`{command_line('benchmarks/paper/conversion.py', args.argv)}`. Training: one torch thread per run. "
         f"{task.test_note} The teacher (`{config(task, 'teacher')}`, {task.teacher_updates:,} updates): "
         f"{teacher_line} {task.metric_label}{teacher_speed}"
-        + ("" if full is None else f"; linear from scratch for as many updates (`logs/{task.scratch_full}`): {show(full)}")
+        + ("" if full is None else f"; linear from scratch for as many updates (`logs/{task.scratch_full}`): "
+                                   f"{cell(task, full_metrics)}")
         + ".\n\n"
         + markdown_table(header, table)
         + f"\n\nCommands: `python cli.py fit --config {task.name}_convert_M.yaml --trainer.max_steps N "
