@@ -9,7 +9,7 @@ attention with the elu map, seed 0; untrained: the cost does not depend on the w
 fp32, under the kernels and ``"model"`` weight copies ``generate`` steps with:
 
 * **step**: ``--steps`` consecutive ``fast_step`` calls continuing a state (made once, before),
-  fused (the default) and Python (``LINFORMER_LAB_KERNELS=fused_step=reference``), beside the floor: only the four weight
+  fused (the default) and Python (``LINFORMER_LAB_KERNELS=fused_step=pytorch``), beside the floor: only the four weight
   products of every layer (``step_linear``, as ``benchmarks/paper/generation.py``'s
   ``matvec_floor``), the same number of times. Reported per step.
 * **image**: a whole ``generate`` call (784 sub-pixels, temperature 1), fused and Python.
@@ -54,7 +54,7 @@ def measure(batch: int, steps: int, rounds: int, threads: int | None) -> list[di
                for layer in transformer.layers]
 
     def switch(on: bool):
-        os.environ[kernels.SWITCH] = "" if on else "fused_step=reference"
+        os.environ[kernels.SWITCH] = "" if on else "fused_step=pytorch"
 
     def stepping(on: bool):
         with torch.inference_mode():
