@@ -2,11 +2,13 @@
 against the readable ``Transformer.step`` and the Python ``fast_step``.
 
 ``fast_step`` takes the fused step on CPU inside a ``"model"`` weight-copy block for a stack of
-linear attention with the elu map, after a sequence's first step. Checked here: it is taken
-where it should be and equals the readable step over many positions (float64 and float32, batch
-1 and more, a small and the MNIST-shaped stack, from a first step or a prefill), and every other
-case (switched off, no copies, another backend or format, autocast, a state that does not fit,
-no extension) keeps to the Python path. The tests that need the extension skip, saying why, where
+linear attention with one of the maps it computes (elu, t2r, hedgehog), after a sequence's first
+step. Checked here: it is taken where it should be and equals the readable step over many
+positions (each map, the learned ones with random weights and F != D; float64 and float32, batch
+1 and more, a small and the MNIST-shaped stack, from a first step or a prefill), its maps equal
+the Python feature maps (far into exp's and softmax's tails), and every other case (switched
+off, no copies, another backend, map or format, autocast, a state that does not fit, no
+extension) keeps to the Python path. The tests that need the extension skip, saying why, where
 it cannot be built (no C++ compiler).
 """
 
@@ -27,12 +29,17 @@ from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.generation import cpu_step, dynamic_step, fast_step, weight_copies_for_steps, weights
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops import build_cache, cpu, kernels
+from linformer_lab.ops.state import LinearState
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n_layers=2, d_model=16, n_heads=4, d_ff=32)
 MNIST = dict(n_layers=8, d_model=256, n_heads=8, d_ff=1024)  # the paper's MNIST stack
 #: tolerances against the readable step: summation order only
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+#: the feature maps the fused step computes; the learned ones with F != D (C = F for t2r, 2 F for hedgehog)
+MAPS = {"elu": AttentionConfig("linear"),
+        "t2r": AttentionConfig("linear", feature_map="t2r", feature_map_kwargs={"num_features": 6}),
+        "hedgehog": AttentionConfig("linear", feature_map="hedgehog", feature_map_kwargs={"num_features": 3})}
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +68,12 @@ def taken(monkeypatch):
 def _model(shape=SMALL, dtype=torch.float64, attention=None, seed=0) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(**shape, attention=attention or AttentionConfig("linear")).to(dtype).eval()
-    with torch.no_grad():  # LayerNorms away from their initial ones and zeros: their weights count
-        for name, parameter in model.named_parameters():
+    with torch.no_grad():  # LayerNorms away from their initial ones and zeros, learned maps away from
+        for name, parameter in model.named_parameters():  # hedgehog's identity: their weights count
             if "norm" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif "feature_map" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.5)
     return model
 
 
@@ -95,8 +104,9 @@ def _fast(model, x, state=None, start=0, copies="model"):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("batch", [1, 3, cpu_step.FUSED_MAX_BATCH])
 @pytest.mark.parametrize("shape", [SMALL, MNIST], ids=["small", "mnist"])
-def test_the_fused_step_equals_the_readable_step(extension, taken, shape, batch, dtype):
-    model = _model(shape, dtype)
+@pytest.mark.parametrize("feature_map", list(MAPS))
+def test_the_fused_step_equals_the_readable_step(extension, taken, feature_map, shape, batch, dtype):
+    model = _model(shape, dtype, MAPS[feature_map])
     length = 40 if shape is SMALL else 12
     x = _inputs(model, batch, length)
     with torch.no_grad():
@@ -110,12 +120,45 @@ def test_the_fused_step_equals_the_readable_step(extension, taken, shape, batch,
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, dtype):
-    model = _model(MNIST, dtype)
+@pytest.mark.parametrize("feature_map", list(MAPS))
+def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, feature_map, dtype):
+    model = _model(MNIST, dtype, MAPS[feature_map])
     x = _inputs(model, 2, 10)
     fused, _ = _fast(model, x)
-    monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
+    monkeypatch.setenv(kernels.SWITCH, "fused_step=pytorch")
     python, _ = _fast(model, x)
+    torch.testing.assert_close(fused, python, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("feature_map", ["t2r", "hedgehog"])
+def test_the_cpp_learned_maps_are_the_python_maps(extension, taken, feature_map, dtype):
+    """One fused step from a zero state leaves Z = phi(k) (eq. 19), computed in C++: it equals the
+    Python map's ``forward_keys`` on the same keys, and the outputs equal the Python step's
+    (``phi(q)`` enters only there). The maps' weights x 100 spread W k + b over hundreds, where
+    an exp that is not shifted by the maximum overflows in float32 (hedgehog's softmax)."""
+    model = _model(dict(SMALL, n_layers=1), dtype, MAPS[feature_map])
+    feature = model.layers[0].attention.attention.feature_map
+    with torch.no_grad():
+        for parameter in feature.parameters():
+            parameter.mul_(100)
+    x = _inputs(model, 3, 2)
+    with torch.inference_mode(), weight_copies_for_steps(model, "model"):
+        _, state = fast_step(model, x[:, 0])
+        for layer_state in state:
+            layer_state.joint.zero_()
+        fused, state = fast_step(model, x[:, 1], state)
+        attention = model.layers[0].attention
+        q, k, _ = dynamic_step.split_heads(attention, attention.qkv(model.layers[0].norm_attention(x[:, 1])))
+        want_phi_k = feature.forward_keys(k)
+    assert taken == [True]
+    projected = (feature.projection if feature_map == "t2r" else feature.key_map)(k)
+    assert projected.abs().max() > 100  # exp(100) overflows float32: the softmax must be shifted
+    assert want_phi_k.shape[-1] == feature.output_dim != k.shape[-1]
+    torch.testing.assert_close(state[0][1], want_phi_k, **TOLERANCE[dtype])
+    with torch.no_grad():
+        python, _ = model.step(x[:, 1], [LinearState(torch.zeros_like(state[0].joint))])
+    assert torch.isfinite(fused).all()
     torch.testing.assert_close(fused, python, **TOLERANCE[dtype])
 
 
@@ -135,7 +178,7 @@ def test_the_inline_phi_of_the_cpp_step_is_the_python_phi(extension, taken, monk
     assert q.min() < -20 and q.max() > 20
     fused, _ = _fast(model, x)
     assert taken == [True] * 7
-    monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
+    monkeypatch.setenv(kernels.SWITCH, "fused_step=pytorch")
     python, _ = _fast(model, x)
     torch.testing.assert_close(fused, python, **TOLERANCE[torch.float64])
     monkeypatch.setattr(dynamic_step, "elu_plus_one", lambda t: torch.exp(t))
@@ -175,11 +218,11 @@ def test_the_fused_step_continues_a_prefilled_state(extension, taken):
 
 @pytest.mark.parametrize("off", ["environment", "no-extension"])
 def test_switched_off_the_python_step_runs(request, taken, monkeypatch, off):
-    """LINFORMER_LAB_KERNELS=fused_step=reference (with the extension there), or an extension that
+    """LINFORMER_LAB_KERNELS=fused_step=pytorch (with the extension there), or an extension that
     cannot be had: the Python step, the same numbers."""
     if off == "environment":
         request.getfixturevalue("extension")
-        monkeypatch.setenv(kernels.SWITCH, "fused_step=reference")
+        monkeypatch.setenv(kernels.SWITCH, "fused_step=pytorch")
     else:
         monkeypatch.setattr(cpu.FUSED_STEP, "module", lambda: None)
     model = _model()

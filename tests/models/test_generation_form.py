@@ -15,10 +15,12 @@ from torch import nn
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap, elu_plus_one
+from linformer_lab.feature_maps.learned import T2RFeatureMap
 from linformer_lab.models.generation import fast_step, sampling, weight_copies_for_steps, weights
 from linformer_lab.models.generation.form import (
     ATTENTION_FORMS,
-    LINEAR_ELU,
+    FUSED_FEATURE_MAPS,
+    LINEAR_FUSED,
     LINEAR_OR_SOFTMAX,
     why_not_paper_form,
 )
@@ -38,6 +40,20 @@ class _OwnLayer(TransformerLayer):
 
 class _OwnAttention(MultiHeadAttention):
     pass
+
+
+class _OwnT2R(T2RFeatureMap):
+    pass
+
+
+def _learned(feature_map: str, num_features: int | None = None) -> AttentionConfig:
+    """Linear attention with ``feature_map``; a learned map with ``num_features`` (elu takes none)."""
+    kwargs = {} if feature_map == "elu" else {"num_features": num_features}
+    return AttentionConfig("linear", feature_map=feature_map, feature_map_kwargs=kwargs)
+
+
+def _other_layer(model: Transformer, index: int, attention) -> None:
+    model.layers[index] = TransformerLayer(D_MODEL, HEADS, D_FF, attention=attention).double().eval()
 
 
 def _plain_norm() -> nn.LayerNorm:
@@ -60,24 +76,32 @@ REFUSALS = {
              "layer 0: its feed-forward is Linear-ReLU-Dropout-Linear, not Linear-GELU-Dropout-Linear"),
     "attention-subclass": (lambda: _set(_stack(), lambda m: _retyped(m.layers[0].attention, _OwnAttention)),
                            ATTENTION_FORMS, "layer 0: its attention is a _OwnAttention, not a MultiHeadAttention"),
-    "lsh": (lambda: _stack("lsh"), (LINEAR_OR_SOFTMAX, LINEAR_ELU), "layer 0: it uses LSHAttention"),
-    "non-causal-softmax": (lambda: _stack("softmax", causal=False), (LINEAR_OR_SOFTMAX, LINEAR_ELU),
+    "lsh": (lambda: _stack("lsh"), (LINEAR_OR_SOFTMAX, LINEAR_FUSED), "layer 0: it uses LSHAttention"),
+    "non-causal-softmax": (lambda: _stack("softmax", causal=False), (LINEAR_OR_SOFTMAX, LINEAR_FUSED),
                            "layer 0: it uses SoftmaxAttention"),
-    "softmax": (lambda: _stack("softmax"), (LINEAR_ELU,),
+    "softmax": (lambda: _stack("softmax"), (LINEAR_FUSED,),
                 "layer 0: it uses SoftmaxAttention, not linear attention with LinearAttention's step"),
     "favor": (lambda: _stack(AttentionConfig("linear", feature_map="favor", feature_map_kwargs={"num_features": 8})),
-              (LINEAR_ELU,), "layer 0: its feature map is Favor"),
+              (LINEAR_FUSED,), "layer 0: its feature map is Favor"),
+    "map-subclass": (lambda: _set(_stack(_learned("t2r")),
+                                  lambda m: _retyped(m.layers[0].attention.attention.feature_map, _OwnT2R)),
+                     (LINEAR_FUSED,), "layer 0: its feature map is _OwnT2R, not one the fused step computes"),
+    "mixed-maps": (lambda: _set(_stack(_learned("t2r")), lambda m: _other_layer(m, 1, _learned("hedgehog"))),
+                   (LINEAR_FUSED,), "the layers differ in feature map (HedgehogFeatureMap of 8 features, "
+                                    "T2RFeatureMap of 4 features); the fused step takes one"),
+    "map-sizes": (lambda: _set(_stack(_learned("t2r")), lambda m: _other_layer(m, 1, _learned("t2r", num_features=6))),
+                  (LINEAR_FUSED,), "the layers differ in feature map (T2RFeatureMap of 4 features, T2RFeatureMap of 6"),
     "shared-qk": (lambda: _set(_stack(), lambda m: setattr(m.layers[1].attention, "shares_query_key", True)),
-                  (LINEAR_ELU,), "layer 1: its queries are its keys"),
+                  (LINEAR_FUSED,), "layer 1: its queries are its keys"),
     "final-norm": (lambda: _set(_stack(), lambda m: setattr(m, "norm", _plain_norm())),
                    ATTENTION_FORMS, "the final norm is not a LayerNorm with weight and bias"),
     "head-sizes": (lambda: _set(_stack(), lambda m: m.layers.__setitem__(
         1, TransformerLayer(D_MODEL, HEADS // 2, D_FF, attention="linear").double().eval())),
-                   (LINEAR_ELU,), "the layers differ in head sizes"),
+                   (LINEAR_FUSED,), "the layers differ in head sizes"),
     "eps": (lambda: _set(_stack(), lambda m: setattr(m.layers[1].attention.attention, "eps", 1e-3)),
-            (LINEAR_ELU,), "the layers differ in attention eps"),
+            (LINEAR_FUSED,), "the layers differ in attention eps"),
     "gelu-form": (lambda: _set(_stack(), lambda m: setattr(m.layers[1].feedforward[1], "approximate", "tanh")),
-                  (LINEAR_ELU,), "the layers differ in GELU form"),
+                  (LINEAR_FUSED,), "the layers differ in GELU form"),
 }
 
 
@@ -89,6 +113,8 @@ def _set(model, change):
 def test_the_papers_stack_passes_every_form():
     for attention in ATTENTION_FORMS:
         assert why_not_paper_form(_stack(), attention) is None
+        for feature_map in FUSED_FEATURE_MAPS.values():  # the maps the C++ step computes, learned ones too
+            assert why_not_paper_form(_stack(_learned(feature_map, num_features=3)), attention) is None
     assert why_not_paper_form(_stack("softmax"), LINEAR_OR_SOFTMAX) is None
 
 
@@ -105,11 +131,11 @@ def test_each_difference_is_refused_with_its_reason(case):
 
 
 def test_an_unknown_form_is_refused():
-    with pytest.raises(ValueError, match="unknown attention form 'fast'; valid choices: any, linear-or-softmax, linear-elu"):
+    with pytest.raises(ValueError, match="unknown attention form 'fast'; valid choices: any, linear-or-softmax, linear-fused"):
         why_not_paper_form(_stack(), "fast")
 
 
-@pytest.mark.parametrize("case", [c for c, (_, refusing, _) in REFUSALS.items() if LINEAR_ELU in refusing and c != "lsh"])
+@pytest.mark.parametrize("case", [c for c, (_, refusing, _) in REFUSALS.items() if LINEAR_FUSED in refusing and c != "lsh"])
 def test_the_fused_plan_builds_no_stack_for_a_refused_stack(case):
     """The C++ step's plan asks the same question: no ``FusedStack`` is built for a stack the
     predicate refuses, one is for the paper's (the builder is a stand-in: no extension needed)."""
@@ -124,6 +150,26 @@ def test_the_fused_plan_builds_no_stack_for_a_refused_stack(case):
             plan = weights.fused_plan(model, make_stack)
             assert plan is not None and plan.stack == want
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("feature_map", list(FUSED_FEATURE_MAPS.values()))
+def test_the_fused_plan_passes_the_map_by_name_and_its_weights_after_each_layers(feature_map):
+    """``FusedStack`` takes the map's name and, after each layer's twelve tensors, the map's
+    ``W (F, D)``, ``b (F)`` as the map holds them (t2r: one pair; hedgehog: queries', then keys')."""
+    built = []
+    model = _stack(_learned(feature_map, num_features=3))
+    with torch.no_grad(), weight_copies_for_steps(model, "model"):
+        weights.fused_plan(model, lambda *args: built.append(args) or "stack")
+    (tensors, *_, name), = built
+    assert name == feature_map
+    projections = {"elu": lambda m: (), "t2r": lambda m: (m.projection,), "hedgehog": lambda m: (m.query_map, m.key_map)}
+    parameters = [[t for linear in projections[feature_map](layer.attention.attention.feature_map)
+                   for t in (linear.weight, linear.bias)] for layer in model.layers]
+    per_layer = 12 + len(parameters[0])
+    assert len(tensors) == per_layer * len(model.layers) + 2
+    for i, wanted in enumerate(parameters):
+        got = tensors[i * per_layer + 12:(i + 1) * per_layer]
+        assert len(got) == len(wanted) and all(g.data_ptr() == w.data_ptr() for g, w in zip(got, wanted))
 
 
 @pytest.mark.parametrize("case", ["post-norm", "relu", "layer-subclass", "attention-subclass"])

@@ -10,7 +10,8 @@ step is a few dozen operations on ``(B, d_model)`` rows, so its time goes to per
 feature map. Layers of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_layer`)
 step here with the weight copies of :mod:`~linformer_lab.models.generation.weights`; other
 layers through ``TransformerLayer.step``. On CPU, inside a ``"model"`` weight-copy block, a
-stack of the paper's form with linear attention and elu steps in one C++ call
+stack of the paper's form with linear attention and a map the C++ step computes (elu + 1, t2r,
+hedgehog) steps in one C++ call
 (:mod:`~linformer_lab.models.generation.cpu_step`).
 """
 
@@ -56,8 +57,9 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
     in-place step. Other backends step through their ``step``; a stack without a recurrent form
     (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix. Where
-    :func:`linformer_lab.models.generation.cpu_step.step` applies (CPU, linear attention with elu, inside
-    a ``"model"`` weight-copy block, small batches, after the first step), it is one C++ call.
+    :func:`linformer_lab.models.generation.cpu_step.step` applies (CPU, linear attention with elu + 1,
+    t2r or hedgehog, inside a ``"model"`` weight-copy block, small batches, after the first step), it
+    is one C++ call.
     The state is a :class:`~linformer_lab.ops.state.StackState`, as ``Transformer.step``'s.
     """
     if transformer.training:

@@ -10,11 +10,13 @@ fast paths differ only in the attention they can compute (``attention`` below):
   its own ``step``; a layer of another form goes through ``TransformerLayer.step``;
 * :data:`LINEAR_OR_SOFTMAX`: the graph step (``graph_step``) keeps state buffers for causal
   linear attention and causal softmax attention;
-* :data:`LINEAR_ELU`: the C++ step (``cpu_step``) computes eq. 18-20 with phi = elu + 1 written
-  in, separate keys, and one set of head sizes, attention eps and GELU form for the whole stack.
+* :data:`LINEAR_FUSED`: the C++ step (``cpu_step``) computes eq. 18-20 with the feature maps it
+  has written in (:data:`FUSED_FEATURE_MAPS`: elu + 1, t2r, hedgehog), separate keys, and one
+  feature map (kind and size), set of head sizes, attention eps and GELU form for the whole stack.
 
 A subclass that overrides a part's computation is not the paper's form (the fast paths would
-bypass the override), so types are checked exactly.
+bypass the override), so types are checked exactly: feature maps too (a subclass of
+``T2RFeatureMap`` is not computed by the C++ step).
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.attention.softmax import SoftmaxAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.feature_maps.learned import HedgehogFeatureMap, T2RFeatureMap
 from linformer_lab.models.transformer import Transformer, TransformerLayer
 
-__all__ = ["ANY_ATTENTION", "ATTENTION_FORMS", "LINEAR_ELU", "LINEAR_OR_SOFTMAX", "has_linear_step",
-           "why_not_paper_form", "why_not_paper_layer"]
+__all__ = ["ANY_ATTENTION", "ATTENTION_FORMS", "FUSED_FEATURE_MAPS", "LINEAR_FUSED", "LINEAR_OR_SOFTMAX",
+           "has_linear_step", "why_not_paper_form", "why_not_paper_layer"]
 
 ANY_ATTENTION = "any"
 LINEAR_OR_SOFTMAX = "linear-or-softmax"
-LINEAR_ELU = "linear-elu"
+LINEAR_FUSED = "linear-fused"
 #: The ``attention`` argument's choices, from the loosest to the strictest.
-ATTENTION_FORMS = (ANY_ATTENTION, LINEAR_OR_SOFTMAX, LINEAR_ELU)
+ATTENTION_FORMS = (ANY_ATTENTION, LINEAR_OR_SOFTMAX, LINEAR_FUSED)
+#: The feature maps the C++ step computes (exact types), by the name ``fused_step.cpp`` takes.
+FUSED_FEATURE_MAPS = {EluFeatureMap: "elu", T2RFeatureMap: "t2r", HedgehogFeatureMap: "hedgehog"}
 
 
 def has_linear_step(backend) -> bool:
@@ -52,7 +57,7 @@ def _affine_layer_norm(norm) -> bool:
         and len(norm.normalized_shape) == 1
 
 
-def why_not_paper_layer(layer, attention: str = LINEAR_ELU) -> str | None:
+def why_not_paper_layer(layer, attention: str = LINEAR_FUSED) -> str | None:
     """None when ``layer`` is the paper's layer with an ``attention`` the path computes (one of
     :data:`ATTENTION_FORMS`), else why not, as a phrase about the layer ("it is post-norm ...")."""
     if attention not in ATTENTION_FORMS:
@@ -74,30 +79,40 @@ def why_not_paper_layer(layer, attention: str = LINEAR_ELU) -> str | None:
     if attention == LINEAR_OR_SOFTMAX:
         if not (has_linear_step(backend) or _has_softmax_step(backend)) or not backend.causal:
             return f"it uses {type(backend).__name__}, which has no static-buffer step (linear or causal softmax)"
-    elif attention == LINEAR_ELU:
+    elif attention == LINEAR_FUSED:
         if not has_linear_step(backend):
             return f"it uses {type(backend).__name__}, not linear attention with LinearAttention's step"
-        if type(backend.feature_map) is not EluFeatureMap:
-            return f"its feature map is {type(backend.feature_map).__name__}, not elu (phi = elu + 1)"
+        if type(backend.feature_map) not in FUSED_FEATURE_MAPS:
+            return (f"its feature map is {type(backend.feature_map).__name__}, not one the fused step computes "
+                    f"({', '.join(cls.__name__ for cls in FUSED_FEATURE_MAPS)})")
         if layer.attention.shares_query_key:
             return "its queries are its keys (shared QK); the fused step takes separate keys"
     return None
 
 
-def why_not_paper_form(transformer: Transformer, attention: str = LINEAR_ELU) -> str | None:
+def _map_and_size(feature_map) -> str:
+    return f"{type(feature_map).__name__} of {feature_map.output_dim} features"
+
+
+def why_not_paper_form(transformer: Transformer, attention: str = LINEAR_FUSED) -> str | None:
     """None when every layer of ``transformer`` passes :func:`why_not_paper_layer` for
     ``attention`` and its final norm is a LayerNorm with weight and bias, else the first reason
-    it is not (naming the layer). For :data:`LINEAR_ELU` the layers must also agree on head sizes,
-    attention eps and GELU form (the C++ step takes one of each)."""
+    it is not (naming the layer). For :data:`LINEAR_FUSED` the layers must also agree on head
+    sizes, the feature map (kind and ``output_dim``), attention eps and GELU form (the C++ step
+    takes one of each)."""
     for i, layer in enumerate(transformer.layers):
         why = why_not_paper_layer(layer, attention)
         if why is not None:
             return f"layer {i}: {why}"
     if not _affine_layer_norm(transformer.norm):
         return "the final norm is not a LayerNorm with weight and bias over the last dimension"
-    if attention == LINEAR_ELU:
+    if attention == LINEAR_FUSED:
+        # One map for the stack: the step takes one map kind and one state size C. Per-layer maps
+        # would cost a branch and a weight count per layer for stacks nobody builds: a model's
+        # attention settings name one map, converted models included.
         for what, value in (("head sizes", lambda layer: (layer.attention.n_heads, layer.attention.query_dim,
                                                           layer.attention.value_dim)),
+                            ("feature map", lambda layer: _map_and_size(layer.attention.attention.feature_map)),
                             ("attention eps", lambda layer: float(layer.attention.attention.eps)),
                             ("GELU form", lambda layer: layer.feedforward[1].approximate)):
             values = {value(layer) for layer in transformer.layers}

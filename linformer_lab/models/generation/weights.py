@@ -49,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.models.generation.form import LINEAR_ELU, why_not_paper_form
+from linformer_lab.feature_maps.learned import HedgehogFeatureMap, T2RFeatureMap
+from linformer_lab.models.generation.form import FUSED_FEATURE_MAPS, LINEAR_FUSED, why_not_paper_form
 from linformer_lab.models.transformer import Transformer
 
 __all__ = [
@@ -243,9 +244,9 @@ def fused_plan(transformer: Transformer, make_stack) -> FusedPlan | None:
     found = _fused_weights(transformer)
     stack, dtype = None, None
     if found is not None:
-        weights, norm_eps, sizes, eps, approximate = found
+        weights, norm_eps, sizes, eps, approximate, feature_map = found
         try:
-            stack = make_stack(weights, norm_eps, *sizes, eps, approximate)
+            stack = make_stack(weights, norm_eps, *sizes, eps, approximate, feature_map)
             dtype = weights[0].dtype
         except RuntimeError:  # shapes the fused step does not take (e.g. d_ff differing by layer)
             stack = None
@@ -261,11 +262,14 @@ def release_fused_plans(module: nn.Module) -> None:
 
 
 def _fused_weights(transformer: Transformer):
-    """``(weights, norm eps, (heads, query dim, value dim), attention eps, GELU approximate)`` in
-    the order ``FusedStack`` takes them, or None when the stack is not the paper's form with
-    linear attention and elu, or its linear layers do not all hold ``"model"`` copies with a bias
-    (transposed, on CPU), or its weights are not float32 / float64, contiguous, of one dtype."""
-    if why_not_paper_form(transformer, LINEAR_ELU) is not None:
+    """``(weights, norm eps, (heads, query dim, value dim), attention eps, GELU approximate,
+    feature map name)`` in the order ``FusedStack`` takes them, or None when the stack is not the
+    paper's form with linear attention and a map the C++ step computes (``LINEAR_FUSED``), or its
+    linear layers do not all hold ``"model"`` copies with a bias (transposed, on CPU), or its
+    weights are not float32 / float64, contiguous, of one dtype. A layer's learned map follows its
+    twelve tensors as the map holds it, ``W (F, D)`` and ``b (F)``: t2r's one, hedgehog's query
+    map then key map."""
+    if why_not_paper_form(transformer, LINEAR_FUSED) is not None:
         return None
     weights, norm_eps = [], []
     for layer in transformer.layers:
@@ -281,6 +285,7 @@ def _fused_weights(transformer: Transformer):
             if copy is None or copy.format != "model" or weight_t is None or copy.bias is None:
                 return None
             weights += [weight_t, copy.bias]
+        weights += _map_weights(attention.attention.feature_map)
     norm = transformer.norm
     weights += [norm.weight.detach(), norm.bias.detach()]
     norm_eps.append(float(norm.eps))
@@ -290,4 +295,18 @@ def _fused_weights(transformer: Transformer):
         return None
     first = transformer.layers[0]
     sizes = (first.attention.n_heads, first.attention.query_dim, first.attention.value_dim)
-    return weights, norm_eps, sizes, float(first.attention.attention.eps), first.feedforward[1].approximate
+    backend = first.attention.attention
+    return (weights, norm_eps, sizes, float(backend.eps), first.feedforward[1].approximate,
+            FUSED_FEATURE_MAPS[type(backend.feature_map)])
+
+
+def _map_weights(feature_map) -> list[torch.Tensor]:
+    """A learned map's ``[W (F, D), b (F)]`` per projection, as ``FusedStack`` takes them after a
+    layer's other tensors: t2r's one projection, hedgehog's query map then key map; none for elu."""
+    if type(feature_map) is T2RFeatureMap:
+        projections = (feature_map.projection,)
+    elif type(feature_map) is HedgehogFeatureMap:
+        projections = (feature_map.query_map, feature_map.key_map)
+    else:
+        projections = ()
+    return [tensor.detach() for linear in projections for tensor in (linear.weight, linear.bias)]
