@@ -329,11 +329,11 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 // beside S as one register row over C (z += phi(k_t), den_t = phi(q_t) . z): as a column of S it
 // would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
 // separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
-// forward maps the block's q and k into scratch (phi(k) zeroed past a row's key length, phi of both
-// zeroed in C's padding columns), walks z to get den_t, scales phi(q_t) by 1 / den_t (so the
-// numerator's pass writes the quotient directly) and runs the forward pass. The backward, with
-// gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q), phi(k), v, gn)
-// plus the normaliser's terms, and the derivative of phi in the passes' last store:
+// forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
+// length, phi of both zeroed in C's padding columns), walks z to get den_t, writes phi(q_t) / den_t
+// to scratch (so the numerator's pass writes the quotient directly) and runs the forward pass. The
+// backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
+// phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
 //
 //   grad q_t = min(phi(q_t), 1) (S_t gn_t + gd_t z_t)         (in order, from the saved S, z)
 //   grad v_t = R_t^T phi(k_t)                                   (reversed)
@@ -464,14 +464,16 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
     T inverse[W];
     for (int u = 0; u < W; ++u) {
       V sum = V{};
-      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W) sum += load<T, B>(g + t * m + i) * load<T, B>(out + t * m + i);
+      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W)
+        sum += load<T, B>(g + t * m + i) * load<T, B>(out + t * m + i);
       products[u] = sum;
       inverse[u] = u < count ? den[t0 + u] : T(1);
     }
     store<T, B>(inverse, T(1) / load<T, B>(inverse));
     store<T, B>(gd + t0, -lane_sums<T, B>(products) * load<T, B>(inverse));
     for (int u = 0; u < count; ++u)
-      for (int64_t i = 0, t = t0 + u; i < m; i += W) store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inverse[u]);
+      for (int64_t i = 0, t = t0 + u; i < m; i += W)
+        store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inverse[u]);
   }
 }
 
@@ -704,8 +706,8 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
           run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
                                   static_cast<const T*>(out.data_ptr<T>() + at * m),
                                   static_cast<const T*>(den.data_ptr<T>() + at), gn.data(), gd.data());
-          const T *vp = v.data_ptr<T>() + at * m, *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
-          const T *gnp = gn.data(), *gdp = gd.data();
+          const T *vp = v.data_ptr<T>() + at * m, *gnp = gn.data(), *gdp = gd.data();
+          const T *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
           if (do_q) {
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
             const T* zs = z_states.data_ptr<T>() + saved * c;
