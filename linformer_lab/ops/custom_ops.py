@@ -26,10 +26,14 @@ CPU, causal attention with phi = elu + 1 fused (the same source's ``attention_fo
   features, eps)``: unmapped ``q, k (B, H, N, C)``, ``v (B, H, N, M)``, ``S_0 (S, H, C, M)``,
   ``z_0 (S, H, C)`` or None (S = B, or the packed sequences of ``cu_seqlens [0, n_1, ..., N]``
   with B = 1), ``key_lengths (B,)`` or None, C's columns from ``features`` on padding ->
-  ``(out (B, H, N, M), den (B, H, N), S_N (S, H, C, M), z_N (S, H, C), states, z_states)``, the
-  last three the backward's (den = phi(q_t)^T z_t + eps; S and z at every block start);
-* ``torch.ops.linformer_lab.causal_elu_attention_backward(...)`` -> ``(grad q, grad k, grad v,
-  grad S_0, grad z_0)``.
+  ``(out (B, H, N, M), den (B, H, N), S_N (S, H, C, M), z_N (S, H, C), states, z_states, phi(q),
+  phi(k) (B, H, N, C))``, den and the last four the backward's (den = phi(q_t)^T z_t + eps; S and z
+  at every block start; the maps, 0 at masked keys and padding columns, which autograd keeps in
+  place of q and k: 2 C numbers per position and head, more memory only where q, k stay alive
+  anyway);
+* ``torch.ops.linformer_lab.causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out,
+  states, z_states, cu_seqlens, grad_s, grad_z)`` -> ``(grad q, grad k, grad v, grad S_0, grad z_0)``:
+  no map to recompute.
 
 CUDA (``ops/cuda``): :func:`register_cuda_ops` gives the operators that ``binding.cpp``
 defines (``torch.ops.linformer_lab_cuda.causal_dot_product_fwd`` / ``_bwd``) their fake
@@ -147,16 +151,17 @@ def causal_elu_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                                  key_lengths: torch.Tensor | None, features: int, eps: float
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor]:
+                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     """out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes)."""
     b, h, n, c = q.shape
     m = v.shape[-1]
     segments = _segments(q, cu_seqlens)
-    out, den, s_n, z_n, states, z_states = cpu.CAUSAL_RECURRENCE.load().attention_forward(
+    out, den, s_n, z_n, states, z_states, phi_q, phi_k = cpu.CAUSAL_RECURRENCE.load().attention_forward(
         _rows(q), _rows(k), _rows(v), _state_rows(s0), _state_rows(z0), cu_seqlens, _row_lengths(key_lengths, h),
         features, eps)
     return (out.view(b, h, n, m), den.view(b, h, n), s_n.view(segments, h, c, m), z_n.view(segments, h, c),
-            states.view(b, h, states.shape[1], c, m), z_states.view(b, h, z_states.shape[1], c))
+            states.view(b, h, states.shape[1], c, m), z_states.view(b, h, z_states.shape[1], c),
+            phi_q.view(b, h, n, c), phi_k.view(b, h, n, c))
 
 
 @causal_elu_attention_forward.register_fake
@@ -165,53 +170,53 @@ def _causal_elu_attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths,
     m, segments = v.shape[-1], _segments(q, cu_seqlens)
     blocks = _saved_blocks(n, 1 if cu_seqlens is None else segments)
     return (q.new_empty(b, h, n, m), q.new_empty(b, h, n), q.new_empty(segments, h, c, m), q.new_empty(segments, h, c),
-            q.new_empty(b, h, blocks, c, m), q.new_empty(b, h, blocks, c))
+            q.new_empty(b, h, blocks, c, m), q.new_empty(b, h, blocks, c), q.new_empty(b, h, n, c), q.new_empty(b, h, n, c))
 
 
 @torch.library.custom_op("linformer_lab::causal_elu_attention_backward", mutates_args=())
-def causal_elu_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def causal_elu_attention_backward(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                   den: torch.Tensor, grad_out: torch.Tensor, states: torch.Tensor,
                                   z_states: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                                  key_lengths: torch.Tensor | None, features: int, grad_s: torch.Tensor | None,
-                                  grad_z: torch.Tensor | None
+                                  grad_s: torch.Tensor | None, grad_z: torch.Tensor | None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`causal_elu_attention_forward` from ``grad_out (B, H, N, M)``, its ``out``,
-    ``den`` and states, and ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v,
-    grad S_0, grad z_0)``."""
-    b, h, n, c = q.shape
-    m, segments = v.shape[-1], _segments(q, cu_seqlens)
+    """Gradients of :func:`causal_elu_attention_forward` from ``grad_out (B, H, N, M)``, its maps
+    ``phi_q``, ``phi_k``, ``out``, ``den`` and states, and ``grad_s``, ``grad_z`` (of S_N, z_N, or
+    None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``."""
+    b, h, n, c = phi_q.shape
+    m, segments = v.shape[-1], _segments(phi_q, cu_seqlens)
     gq, gk, gv, gs, gz = cpu.CAUSAL_RECURRENCE.load().attention_backward(
-        _rows(q), _rows(k), _rows(v), _rows(out), den.reshape(b * h, n).contiguous(), _rows(grad_out.to(q.dtype)),
-        states.reshape(b * h, *states.shape[2:]).contiguous(), z_states.reshape(b * h, *z_states.shape[2:]).contiguous(),
-        cu_seqlens, _row_lengths(key_lengths, h), features, _state_rows(grad_s), _state_rows(grad_z))
+        _rows(phi_q), _rows(phi_k), _rows(v), _rows(out), den.reshape(b * h, n).contiguous(),
+        _rows(grad_out.to(phi_q.dtype)), states.reshape(b * h, *states.shape[2:]).contiguous(),
+        z_states.reshape(b * h, *z_states.shape[2:]).contiguous(), cu_seqlens, _state_rows(grad_s), _state_rows(grad_z))
     return (gq.view(b, h, n, c), gk.view(b, h, n, c), gv.view(b, h, n, m), gs.view(segments, h, c, m),
             gz.view(segments, h, c))
 
 
 @causal_elu_attention_backward.register_fake
-def _causal_elu_attention_backward_fake(q, k, v, out, den, grad_out, states, z_states, cu_seqlens, key_lengths,
-                                        features, grad_s, grad_z):
-    h, c, m, segments = q.shape[1], q.shape[-1], v.shape[-1], _segments(q, cu_seqlens)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(segments, h, c, m),
-            q.new_empty(segments, h, c))
+def _causal_elu_attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
+                                        grad_z):
+    h, c, m, segments = phi_q.shape[1], phi_q.shape[-1], v.shape[-1], _segments(phi_q, cu_seqlens)
+    return (torch.empty_like(phi_q), torch.empty_like(phi_k), torch.empty_like(v), phi_q.new_empty(segments, h, c, m),
+            phi_q.new_empty(segments, h, c))
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, s0, z0, cu_seqlens, key_lengths, features, _ = inputs
-    out, den, _, _, states, z_states = output
-    ctx.save_for_backward(q, k, v, out, den, states, z_states, cu_seqlens, key_lengths)
-    ctx.features = features
+    _, _, v, s0, z0, cu_seqlens, _, _, _ = inputs
+    out, den, _, _, states, z_states, phi_q, phi_k = output
+    # the maps in place of q and k: the backward needs phi and phi' = min(phi, 1), not q, k
+    ctx.save_for_backward(phi_q, phi_k, v, out, den, states, z_states, cu_seqlens)
     ctx.state_dtypes = (None if s0 is None else s0.dtype, None if z0 is None else z0.dtype)
-    ctx.mark_non_differentiable(den, states, z_states)
+    ctx.mark_non_differentiable(den, states, z_states, phi_q, phi_k)
     ctx.set_materialize_grads(False)
 
 
-def _attention_backward(ctx, grad_out, _grad_den, grad_s, grad_z, _grad_states, _grad_z_states):
-    q, k, v, out, den, states, z_states, cu_seqlens, key_lengths = ctx.saved_tensors
+def _attention_backward(ctx, grad_out, _grad_den, grad_s, grad_z, _grad_states, _grad_z_states, _grad_phi_q,
+                        _grad_phi_k):
+    phi_q, phi_k, v, out, den, states, z_states, cu_seqlens = ctx.saved_tensors
     if grad_out is None:  # only the final state was used
         grad_out = torch.zeros_like(out)
-    gq, gk, gv, gs, gz = causal_elu_attention_backward(q, k, v, out, den, grad_out, states, z_states, cu_seqlens,
-                                                       key_lengths, ctx.features, grad_s, grad_z)
+    gq, gk, gv, gs, gz = causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states,
+                                                       cu_seqlens, grad_s, grad_z)
     s_dtype, z_dtype = ctx.state_dtypes
     return (gq, gk, gv, None if s_dtype is None else gs.to(s_dtype), None if z_dtype is None else gz.to(z_dtype),
             None, None, None, None)

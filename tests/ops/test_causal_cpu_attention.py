@@ -9,8 +9,8 @@ normaliser, though phi(0) = 1); key lengths (masked keys enter neither outputs n
 gradient); packed sequences (cu_seqlens) with empty ones, one state row each; one row on two threads
 (the forward's column pieces, the backward's split passes); every instruction-set version the CPU
 runs; float32 and float64; half inputs run as float32; the layer with the fused kernel equal to the
-layer on the ``pytorch`` candidate, and the dispatch taking it for the elu map only; the operators'
-opcheck (slow).
+layer on the ``pytorch`` candidate, and the dispatch taking it for the elu map only; the maps phi(q),
+phi(k) the forward returns for the backward, which needs neither q nor k; the operators' opcheck (slow).
 """
 
 from __future__ import annotations
@@ -205,6 +205,40 @@ def test_dispatch_takes_the_kernel_for_the_elu_map_only(causal_extension, monkey
         cpu_kernel.causal_attention(other, x, x, x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_forward_returns_the_maps_the_backward_uses(causal_extension, dtype):
+    """The forward's phi(q), phi(k) (what autograd keeps for the backward in place of q and k) are
+    elu + 1 of the inputs, phi(k) 0 at masked keys and both 0 in C's padding columns (from
+    ``features`` on), over two blocks and packed sequences, x down to -100 (exp's clamp)."""
+    leaves, _ = inputs(1, 2, 300, 16, 16)  # one row: packed sequences run with B = 1
+    q, k, v = (t.to(dtype) for t in leaves[:3])
+    q[0, 0, :8, 0] = torch.tensor([-100.0, -87.5, -30.0, -1e-3, 0.0, 1e-3, 20.0, -5.0], dtype=dtype)
+    key_lengths = torch.tensor([261])
+    for cu_seqlens in (None, torch.tensor([0, 100, 300])):
+        *_, phi_q, phi_k = custom_ops.causal_elu_attention_forward(q, k, v, None, None, cu_seqlens, key_lengths, 12, EPS)
+        # exp(min(x, 0)) + max(x, 0): float64's elu(x) + 1 loses exp(x) to cancellation far below 0
+        want_q, want_k = (torch.exp(x.double().clamp(max=0)) + x.double().clamp(min=0) for x in (q, k))
+        want_k[:, :, 261:] = 0
+        want_q[..., 12:], want_k[..., 12:] = 0, 0
+        tol = TOLERANCE[dtype]["rtol"]
+        torch.testing.assert_close(phi_q.double(), want_q, rtol=tol, atol=1e-30)
+        torch.testing.assert_close(phi_k.double(), want_k, rtol=tol, atol=1e-30)
+        assert (phi_q[..., :12] > 0).all() and phi_q.dtype == phi_k.dtype == dtype
+
+
+def test_backward_needs_neither_q_nor_k(causal_extension):
+    """q and k changed in place after the forward: the gradients are still those of the values the
+    forward saw (autograd holds phi(q), phi(k), and would refuse a changed saved q)."""
+    leaves, grads = inputs(1, 2, 280, 16, 32)
+    want = results(naive_attention, leaves, grads, torch.float64)
+    q, k, v, s0, z0 = (t.detach().float().requires_grad_() for t in leaves)
+    outs = fused()(q, k, v, s0, z0)
+    with torch.no_grad():
+        q.mul_(-3.0), k.add_(1.0)
+    torch.autograd.backward(outs, [g.float() for g in grads])
+    assert_close([o.detach() for o in outs] + [t.grad for t in (q, k, v, s0, z0)], want, torch.float32)
+
+
 @pytest.mark.slow  # opcheck traces with AOT autograd: several seconds
 @pytest.mark.parametrize("case", ["plain", "state-and-lengths", "packed"])
 def test_operators_pass_opcheck(causal_extension, case):
@@ -216,11 +250,11 @@ def test_operators_pass_opcheck(causal_extension, case):
         s0 = z0 = None
     args = (q, k, v, s0, z0, cu_seqlens, key_lengths, 4, EPS)
     torch.library.opcheck(custom_ops.causal_elu_attention_forward, args)
-    out, den, s_n, z_n, states, z_states = custom_ops.causal_elu_attention_forward(*args)
+    out, den, s_n, z_n, states, z_states, phi_q, phi_k = custom_ops.causal_elu_attention_forward(*args)
     for grad_s, grad_z in ((torch.randn_like(s_n), torch.randn_like(z_n)), (None, None)):
         torch.library.opcheck(custom_ops.causal_elu_attention_backward,
-                              (q.detach(), k.detach(), v.detach(), out.detach(), den, torch.randn_like(out), states,
-                               z_states, cu_seqlens, key_lengths, 4, grad_s, grad_z))
+                              (phi_q, phi_k, v.detach(), out.detach(), den, torch.randn_like(out), states, z_states,
+                               cu_seqlens, grad_s, grad_z))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])

@@ -329,25 +329,28 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 // beside S as one register row over C (z += phi(k_t), den_t = phi(q_t) . z): as a column of S it
 // would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
 // separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
-// forward maps the block's q and k into scratch (phi(k) zeroed past a row's key length, phi of both
-// zeroed in C's padding columns), walks z to get den_t, scales phi(q_t) by 1 / den_t (so the
-// numerator's pass writes the quotient directly) and runs the forward pass. The backward, with
-// gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q), phi(k), v, gn)
-// plus the normaliser's terms, and the derivative of phi in the passes' last store:
+// forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
+// length, phi of both zeroed in C's padding columns), walks z to get den_t, writes phi(q_t) / den_t
+// to scratch (so the numerator's pass writes the quotient directly) and runs the forward pass. The
+// backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
+// phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
 //
 //   grad q_t = min(phi(q_t), 1) (S_t gn_t + gd_t z_t)         (in order, from the saved S, z)
 //   grad v_t = R_t^T phi(k_t)                                   (reversed)
 //   grad k_t = min(phi(k_t), 1) (R_t v_t + r_t)                 (reversed)
 //   R_t = grad S_N + sum_{s >= t} phi(q_s) gn_s^T,   r_t = grad z_N + sum_{s >= t} gd_s phi(q_s)
 //
-// so grad S_0 = R_0 and grad z_0 = r_0. phi is recomputed in the backward, not saved; the forward
-// saves den (one number per position) and S, z at every block start. Rows hold one sequence each,
+// so grad S_0 = R_0 and grad z_0 = r_0. The forward saves phi(q), phi(k) (2 C numbers per position,
+// kept for the backward in place of q and k, so no more memory than before unless q, k are kept
+// alive elsewhere), den (one number per position) and S, z at every block start: the backward maps
+// nothing (its phi' is min(phi, 1): exp(x) = phi below 0, 1 above). Rows hold one sequence each,
 // or (cu_seqlens) segments that are sequences of their own: an item is a (segment, row) pair with
 // its own state, states[item = segment * rows + row].
 
-// exp(x) for x <= 0 in float: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial of degree 6 (relative error ~1e-7). x is clamped at -87, where exp is still a normal
-// float (1.6e-38): below that torch's exp gives denormals or 0, a difference no sum can see.
+// exp(x) for x <= 0 in float: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by a polynomial
+// of degree 5 fitted for the least relative error there (~2e-7, as the degree-6 Taylor polynomial;
+// p(0) = 1 exactly, so exp(0) = 1). x is clamped at -87, where exp is still a normal float (1.6e-38):
+// below that torch's exp gives denormals or 0, a difference no sum can see.
 template <int B>
 INLINE typename Register<float, B>::type exp_nonpositive(typename Register<float, B>::type x) {
   using V = typename Register<float, B>::type;
@@ -357,17 +360,18 @@ INLINE typename Register<float, B>::type exp_nonpositive(typename Register<float
   const V shifted = x * 1.44269504f + 12582912.0f;  // 1.5 * 2^23: the sum's rounding rounds to an integer
   const V n = shifted - 12582912.0f;
   const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
-  V p = r * (1.0f / 720) + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
+  V p = r * 0.0082903150f + 0.041897930f;
+  p = p * r + 0.16667636f;
+  p = p * r + 0.49999151f;
+  p = p * r + 0.99999970f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return p * reinterpret_cast<const V&>(bits);
+  // times 2^n: n sits in shifted's lowest mantissa bits (shifted = 1.5 * 2^23 + n, n >= -126), so
+  // those bits shifted 23 places left add n to p's exponent field (p >= 1 where n = -126: no underflow)
+  const I bits = reinterpret_cast<const I&>(p) + (reinterpret_cast<const I&>(shifted) << 23);
+  return reinterpret_cast<const V&>(bits);
 }
 
-// out[i] = elu(x[i]) + 1 for `count` numbers (a multiple of the register width).
+// out[i] = elu(x[i]) + 1 = exp(min(x, 0)) + max(x, 0) for `count` numbers (a multiple of the register width).
 template <typename T, int B>
 INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   using V = typename Vec<T, B>::type;
@@ -375,36 +379,31 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   if constexpr (std::is_same<T, float>::value) {
     for (int64_t i = 0; i < count; i += W) {
       const V v = load<T, B>(x + i), zero = V{};
-      store<T, B>(out + i, v > zero ? v + 1.0f : exp_nonpositive<B>(v < zero ? v : zero));
+      store<T, B>(out + i, exp_nonpositive<B>(v < zero ? v : zero) + (v > zero ? v : zero));
     }
   } else {
     for (int64_t i = 0; i < count; ++i) out[i] = x[i] > 0 ? x[i] + 1 : std::exp(x[i]);
   }
 }
 
-// The sum of a register's lanes, halved in registers (no copy of the halves through memory).
-template <typename T, int B>
-INLINE T lane_sum(typename Register<T, B>::type x) {
-  constexpr int W = B / sizeof(T);
-  if constexpr (W == 16) {
-    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  } else if constexpr (W == 8) {
-    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
-  }
-  T sum = 0;
-  for (int i = 0; i < (W < 4 ? W : 4); ++i) sum += x[i];
-  return sum;
-}
+// One register whose lane i is the sum of x[i]'s lanes, x[0..W): pairs of registers summed into
+// their even and odd lanes, halving the count per round (W - 1 additions and 2 (W - 1) shuffles for W
+// sums, where W horizontal sums take W log2 W shuffles and lane extractions besides).
+template <typename V, size_t... I>
+INLINE V even_lanes(V a, V b, std::index_sequence<I...>) { return __builtin_shufflevector(a, b, (2 * I)...); }
+template <typename V, size_t... I>
+INLINE V odd_lanes(V a, V b, std::index_sequence<I...>) { return __builtin_shufflevector(a, b, (2 * I + 1)...); }
 
-// x . y over n numbers (a multiple of the register width).
 template <typename T, int B>
-INLINE T dot(const T* x, const T* y, int64_t n) {
-  using V = typename Vec<T, B>::type;
+INLINE typename Vec<T, B>::type lane_sums(typename Vec<T, B>::type* x) {
   constexpr int W = Vec<T, B>::kWidth;
-  V sum = V{};
-  for (int64_t i = 0; i < n; i += W) sum += load<T, B>(x + i) * load<T, B>(y + i);
-  return lane_sum<T, B>(sum);
+  const auto lanes = std::make_index_sequence<W>{};
+#pragma GCC unroll 4
+  for (int count = W; count > 1; count /= 2)
+#pragma GCC unroll 8
+    for (int i = 0; i < count / 2; ++i)
+      x[i] = even_lanes(x[2 * i], x[2 * i + 1], lanes) + odd_lanes(x[2 * i], x[2 * i + 1], lanes);
+  return x[0];
 }
 
 // phi of a block's `len` positions of q and k (c numbers each) into qf, kf: phi(k) zero at positions
@@ -421,32 +420,60 @@ INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, co
 }
 
 // The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
-// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null.
+// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null; qs
+// (len x c, scratch) takes phi(q_t) / den_t, the numerator pass's query. den in groups of W positions:
+// the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
 template <typename T, int B>
-INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, T* qf, const T* kf, T eps,
-                                    T* z, T* den, T* s, T* out, int64_t col0, int64_t col1) {
+INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf, T eps,
+                                    T* z, T* den, T* s, T* qs, T* out, int64_t col0, int64_t col1) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
-  for (int64_t t = 0; t < len; ++t) {
-    for (int64_t i = 0; i < c; i += W) store<T, B>(z + i, load<T, B>(z + i) + load<T, B>(kf + t * c + i));
-    const T d = dot<T, B>(qf + t * c, z, c) + eps;
-    if (den != nullptr) den[t] = d;
-    const V scale = V{} + T(1) / d;
-    for (int64_t i = 0; i < c; i += W) store<T, B>(qf + t * c + i, load<T, B>(qf + t * c + i) * scale);
+  for (int64_t t0 = 0; t0 < len; t0 += W) {
+    const int count = static_cast<int>(std::min<int64_t>(W, len - t0));
+    V products[W];
+    for (int u = 0; u < W; ++u) {
+      V sum = V{};
+      for (int64_t i = 0, t = t0 + u; u < count && i < c; i += W) {
+        const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
+        store<T, B>(z + i, zi);
+        sum += load<T, B>(qf + t * c + i) * zi;
+      }
+      products[u] = sum;
+    }
+    const V d = lane_sums<T, B>(products) + eps;  // lanes from count on: eps, unused
+    T inverse[W];
+    store<T, B>(inverse, T(1) / d);
+    for (int u = 0; u < count; ++u) {
+      const int64_t t = t0 + u;
+      if (den != nullptr) den[t] = d[u];
+      for (int64_t i = 0; i < c; i += W) store<T, B>(qs + t * c + i, load<T, B>(qf + t * c + i) * inverse[u]);
+    }
   }
-  pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1);
+  pass<T, B>(0, len, false, c, m, kf, v, qs, out, s, col0, col1);
 }
 
-// gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block.
+// gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block (gd: len rounded
+// up to W numbers), in groups of W positions as the forward's den.
 template <typename T, int B>
 INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* gn, T* gd) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
-  for (int64_t t = 0; t < len; ++t) {
-    const T inverse = T(1) / den[t];
-    const V scale = V{} + inverse;
-    for (int64_t i = 0; i < m; i += W) store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * scale);
-    gd[t] = -dot<T, B>(g + t * m, out + t * m, m) * inverse;
+  for (int64_t t0 = 0; t0 < len; t0 += W) {
+    const int count = static_cast<int>(std::min<int64_t>(W, len - t0));
+    V products[W];
+    T inverse[W];
+    for (int u = 0; u < W; ++u) {
+      V sum = V{};
+      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W)
+        sum += load<T, B>(g + t * m + i) * load<T, B>(out + t * m + i);
+      products[u] = sum;
+      inverse[u] = u < count ? den[t0 + u] : T(1);
+    }
+    store<T, B>(inverse, T(1) / load<T, B>(inverse));
+    store<T, B>(gd + t0, -lane_sums<T, B>(products) * load<T, B>(inverse));
+    for (int u = 0; u < count; ++u)
+      for (int64_t i = 0, t = t0 + u; i < m; i += W)
+        store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inverse[u]);
   }
 }
 
@@ -562,7 +589,8 @@ at::Tensor state_or_zeros(const c10::optional<at::Tensor>& given, at::IntArrayRe
 }
 
 // -> (out (rows, N, M), den (rows, N), S_N (items, C, M), z_N (items, C), states (rows, blocks, C, M),
-// z states (rows, blocks, C)); q, k (rows, N, C) unmapped, C's columns >= `features` padding.
+// z states (rows, blocks, C), phi(q), phi(k) (rows, N, C)); q, k (rows, N, C) unmapped, C's columns
+// >= `features` padding (phi 0 there, and phi(k) 0 at masked keys).
 std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const c10::optional<at::Tensor>& s0, const c10::optional<at::Tensor>& z0,
                                           const c10::optional<at::Tensor>& cu_seqlens,
@@ -583,6 +611,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   auto z_final = at::empty({items, c}, q.options());
   auto states = empty_outputs({rows, blocks, c, m}, q.options());
   auto z_states = at::empty({rows, blocks, c}, q.options());
+  auto phi_q = empty_outputs({rows, n, c}, q.options()), phi_k = empty_outputs({rows, n, c}, q.options());
   // the bound's spare blocks (packed sequences) are zero, not whatever the buffer held: a result is a value
   const int64_t used = seg.count() == 0 ? 0 : seg.first_block.back() + (seg.length.back() + kBlock - 1) / kBlock;
   states.narrow(1, used, blocks - used).zero_(), z_states.narrow(1, used, blocks - used).zero_();
@@ -591,15 +620,15 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
     const int bytes = width_bytes(c, m, sizeof(T));
     const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
     // As the numerator's forward: tasks of whole items, else of an item's columns (each piece maps
-    // the block and walks z itself; the first writes den and z)
+    // the block and walks z itself; the first writes den, z and the maps, the others map into scratch)
     const int64_t pieces = rows_share_out(items) ? 1 : tiles % threads == 0 ? threads : tiles;
     const int64_t span = m / pieces;
     at::parallel_for(0, items * pieces, grain(items * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
       // one buffer, the parts a cache line apart from a multiple of 4 KiB (addresses that agree in their
       // low 12 bits make a load wait on an unrelated store)
       const int64_t part = kBlock * c + 16;
-      std::vector<T> scratch(2 * part + c + 16);
-      T *qf = scratch.data(), *kf = qf + part, *z = kf + part;
+      std::vector<T> scratch(3 * part + c + 16);
+      T *qs = scratch.data(), *q_scratch = qs + part, *k_scratch = q_scratch + part, *z = k_scratch + part;
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = e / pieces, j = e % pieces * span, s = item / rows, row = item % rows;
         const bool first = j == 0;
@@ -612,37 +641,39 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
           T* saved_s = states.data_ptr<T>() + saved * c * m;
           for (int64_t x = 0; x < c; ++x) std::memcpy(saved_s + x * m + j, state + x * m + j, span * sizeof(T));
           if (first) std::copy(z, z + c, z_states.data_ptr<T>() + saved * c);
+          T* qf = first ? phi_q.data_ptr<T>() + at * c : q_scratch;
+          T* kf = first ? phi_k.data_ptr<T>() + at * c : k_scratch;
           run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
                            k.data_ptr<T>() + at * c, qf, kf);
-          run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m), qf,
-                               static_cast<const T*>(kf), static_cast<T>(eps), z,
-                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state,
+          run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m),
+                               static_cast<const T*>(qf), static_cast<const T*>(kf), static_cast<T>(eps), z,
+                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state, qs,
                                out.data_ptr<T>() + at * m, j, j + span);
         }
         if (first) std::copy(z, z + c, z_final.data_ptr<T>() + item * c);
       }
     });
   });
-  return {out, den, s_final, z_final, states, z_states};
+  return {out, den, s_final, z_final, states, z_states, phi_q, phi_k};
 }
 
-// -> (grad q, grad k, grad v, grad S_0 (items, C, M), grad z_0 (items, C)) from the forward's inputs,
-// out, den and saved states, the gradient of out and those of S_N, z_N (or None).
-std::vector<at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// -> (grad q, grad k, grad v, grad S_0 (items, C, M), grad z_0 (items, C)) from the forward's maps
+// phi(q), phi(k) (masked keys and padding columns already 0 in them), v, out, den and saved states,
+// the gradient of out and those of S_N, z_N (or None).
+std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Tensor& phi_k, const at::Tensor& v,
                                            const at::Tensor& out, const at::Tensor& den, const at::Tensor& g,
                                            const at::Tensor& states, const at::Tensor& z_states,
                                            const c10::optional<at::Tensor>& cu_seqlens,
-                                           const c10::optional<at::Tensor>& key_lengths, int64_t features,
                                            const c10::optional<at::Tensor>& grad_s, const c10::optional<at::Tensor>& grad_z) {
-  check(q, q, -1, "q");
-  check(k, q, q.size(2), "k");
+  const at::Tensor& q = phi_q;  // shapes and dtype
+  check(q, q, -1, "phi(q)");
+  check(phi_k, q, q.size(2), "phi(k)");
   check(v, q, -1, "v");
   check(out, q, v.size(2), "out");
   check(g, q, v.size(2), "grad");
   const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2);
   TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
   const Segments seg = segments_of(cu_seqlens, n);
-  const std::vector<int64_t> keys = key_counts(key_lengths, rows, n);
   const int64_t items = seg.count() * rows, blocks = saved_blocks(n, seg.count());
   TORCH_CHECK(den.is_contiguous() && den.sizes() == at::IntArrayRef({rows, n}) && den.scalar_type() == q.scalar_type(),
               "den does not fit the inputs");
@@ -650,18 +681,18 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor
               z_states.is_contiguous() && z_states.sizes() == at::IntArrayRef({rows, blocks, c}) &&
               states.scalar_type() == q.scalar_type() && z_states.scalar_type() == q.scalar_type(),
               "states do not fit the inputs");
-  auto gq = empty_outputs(q.sizes(), q.options()), gk = empty_outputs(k.sizes(), k.options());
+  auto gq = empty_outputs(q.sizes(), q.options()), gk = empty_outputs(q.sizes(), q.options());
   auto gv = empty_outputs(v.sizes(), v.options());
   at::Tensor gs = state_or_zeros(grad_s, {items, c, m}, q), gz = state_or_zeros(grad_z, {items, c}, q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_backward", [&] {
     using T = scalar_t;
     const int bytes = width_bytes(c, m, sizeof(T));
     // As the numerator's backward: whole items where they share out evenly, else two tasks per item
-    // (grad q; grad v with grad k), each mapping the blocks and scaling g itself.
+    // (grad q; grad v with grad k), each scaling g itself.
     const bool fused = rows_share_out(items);
     const int64_t tasks = fused ? items : 2 * items;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> qf(kBlock * c), kf(kBlock * c), gn(kBlock * m), gd(kBlock), st(c * m), rt(c * m), z(c);
+      std::vector<T> gn(kBlock * m), gd(kBlock), st(c * m), rt(c * m), z(c);
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = fused ? e : e / 2, s = item / rows, row = item % rows;
         const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
@@ -672,12 +703,11 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor
         for (int64_t i = count - 1; i >= 0; --i) {
           const int64_t t0 = i * kBlock, len = std::min(kBlock, seg.length[s] - t0);
           const int64_t at = row * n + seg.start[s] + t0, saved = row * blocks + seg.first_block[s] + i;
-          run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
-                           k.data_ptr<T>() + at * c, qf.data(), kf.data());
           run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
                                   static_cast<const T*>(out.data_ptr<T>() + at * m),
                                   static_cast<const T*>(den.data_ptr<T>() + at), gn.data(), gd.data());
-          const T *vp = v.data_ptr<T>() + at * m, *qfp = qf.data(), *kfp = kf.data(), *gnp = gn.data(), *gdp = gd.data();
+          const T *vp = v.data_ptr<T>() + at * m, *gnp = gn.data(), *gdp = gd.data();
+          const T *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
           if (do_q) {
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
             const T* zs = z_states.data_ptr<T>() + saved * c;
@@ -711,9 +741,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
   module.def("attention_forward", &attention_forward,
              "(q, k, v, S_0, z_0, cu_seqlens, key_lengths (per row), features, eps), each optional one or None -> "
-             "[out, den, S_N, z_N, states, z_states]: causal attention with phi = elu + 1 fused");
+             "[out, den, S_N, z_N, states, z_states, phi(q), phi(k)]: causal attention with phi = elu + 1 fused");
   module.def("attention_backward", &attention_backward,
-             "(q, k, v, out, den, grad_out, states, z_states, cu_seqlens, key_lengths, features, grad S_N, grad z_N) "
+             "(phi(q), phi(k), v, out, den, grad_out, states, z_states, cu_seqlens, grad S_N, grad z_N) "
              "-> [gq, gk, gv, grad S_0, grad z_0]");
   module.def("saved_blocks", &saved_blocks, "(N, segments) -> the blocks of states the fused forward saves per row");
   bind_instruction_set(module);

@@ -159,8 +159,8 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
             cu_seqlens = cu_seqlens.to(device="cpu", dtype=torch.int64)
         if key_lengths is not None:
             key_lengths = key_lengths.to(device="cpu", dtype=torch.int64)
-        out, _, s_n, z_n, _, _ = custom_ops.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, c,
-                                                                         float(eps))
+        out, _, s_n, z_n, *_ = custom_ops.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, c,
+                                                                       float(eps))
         if pad_c or pad_m:
             out, s_n, z_n = out[..., :m], s_n[..., :c, :m], z_n[..., :c]
     out = out.to(dtype)
