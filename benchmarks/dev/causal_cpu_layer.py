@@ -7,7 +7,7 @@ interleaved in one process (1 thread by default), on the timing thread's CPU tim
 * ``layer after``: the layer as it runs now: the ``cpp`` candidate of the ``causal_attention`` op
   (``ops/cpu/causal_recurrence.cpp``'s ``attention_forward`` / ``attention_backward``: phi, the
   numerator and the normaliser in one forward and one backward);
-* ``layer before``: the same layer with ``LINFORMER_LAB_KERNELS=causal_attention=reference``, the
+* ``layer before``: the same layer with ``LINFORMER_LAB_KERNELS=causal_attention=pytorch``, the
   path before the fused kernel: the elu map, the recurrence for the numerator and the normaliser
   in PyTorch (cumsum, product, division) and their gradients;
 * ``kernel``: the bare numerator (``cpu_kernel.causal_dot_product``) on feature-mapped q, k, what the
@@ -129,7 +129,7 @@ def measure(torch, shape, args) -> dict:
         "kernel": common.forward_backward(lambda: cpu_kernel.causal_dot_product(phi_q, phi_k, v), (phi_q, phi_k, v), grad),
         "layer_after": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad),
         "layer_before": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad,
-                                                lambda: switched("causal_attention=reference")),
+                                                lambda: switched("causal_attention=pytorch")),
     }
     if args.bf16:
         # the layer on bf16 inputs: the bf16 chunked path (forced; unforced only on AMX), and the
@@ -194,7 +194,7 @@ def cpu_medians(cases: dict, repeats: int) -> tuple[dict, dict]:
 
 def train(args, env) -> str:
     """``--train CONFIG``: one training update of the config's image model (``common.image_training_update``)
-    or copy task (``copy_*.yaml``) before (``causal_attention=reference``) and after the fused kernel,
+    or copy task (``copy_*.yaml``) before (``causal_attention=pytorch``) and after the fused kernel,
     interleaved, CPU time; under bf16 autocast (a ``bf16-mixed`` config) also the bf16 path, forced."""
     update, batch = (copy_training_update(args.train) if args.train.startswith("copy")
                      else common.image_training_update(args.train)[:2])
@@ -219,7 +219,7 @@ def train(args, env) -> str:
         f"{env['load_start']} at the start (a shared machine: the timing thread's CPU time, not wall time).", "",
         "Forward, backward, clipping and RAdam on random images (the copy task: one batch of its data) at the "
         "config's batch, under bf16 autocast where the config trains in bf16-mixed; before: "
-        "`LINFORMER_LAB_KERNELS=causal_attention=reference` (the path before the fused kernel), after: the "
+        "`LINFORMER_LAB_KERNELS=causal_attention=pytorch` (the path before the fused kernel), after: the "
         "default; alternating updates (rounds A B, B A, ...) in one process, medians.", "",
         common.markdown_table(["config", "batch", "updates each", "before s", "after s", "before updates/s",
                                "after updates/s", "after / before (updates/s)"],
@@ -249,7 +249,7 @@ def generate(args, env) -> str:
         return call
 
     cases = {f"{mode}_{variant}": complete(mode == "prefill", switch) for mode in ("prefill", "stepped")
-             for variant, switch in (("after", None), ("before", "causal_attention=reference"))}
+             for variant, switch in (("after", None), ("before", "causal_attention=pytorch"))}
     median, samples = cpu_medians(cases, args.calls)
     rows = [{"mode": mode, "calls_each": len(samples[f"{mode}_after"]), "before_cpu_s": round(median[f"{mode}_before"], 4),
              "after_cpu_s": round(median[f"{mode}_after"], 4),
@@ -264,7 +264,7 @@ def generate(args, env) -> str:
         f"{env['load_start']} at the start (a shared machine: the timing thread's CPU time, not wall time).", "",
         "The bottom half of an MNIST image given the top (the paper's model: 8 layers, 8 heads, d_model 256, "
         "untrained), the prefix prefilled in one parallel pass (the causal layer, where the fused kernel runs) or "
-        "stepped; before: `LINFORMER_LAB_KERNELS=causal_attention=reference`; calls alternating in one process, "
+        "stepped; before: `LINFORMER_LAB_KERNELS=causal_attention=pytorch`; calls alternating in one process, "
         "medians (s).", "",
         common.markdown_table(["mode", "calls each", "before s", "after s", "after / before"],
                               [[r["mode"], r["calls_each"], f"{r['before_cpu_s']:.3f}", f"{r['after_cpu_s']:.3f}",
@@ -304,7 +304,7 @@ def copy_training_update(config: str):
     return update, tokens.shape[0]
 
 
-def _switched_update(update, value="causal_attention=reference"):
+def _switched_update(update, value="causal_attention=pytorch"):
     with switched(value):
         update()
 
@@ -333,7 +333,7 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         + (" (the timing thread's CPU time: at one thread, what the call computed, not the time other processes "
            "held the core; the csv also has wall times)" if env["clock"] == "cpu" else "")
         + ". Layer after: `LinearAttention(causal=True)` (elu + 1) on the "
-        "fused C++ kernel; layer before: the same layer with `LINFORMER_LAB_KERNELS=causal_attention=reference` "
+        "fused C++ kernel; layer before: the same layer with `LINFORMER_LAB_KERNELS=causal_attention=pytorch` "
         "(elu map, the recurrence for the numerator, the normaliser in PyTorch); kernel: the bare numerator on "
         "feature-mapped q, k; FT layer: fast-transformers' `CausalLinearAttention` (its elu map and normaliser, "
         "layout B N H D).",
