@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -74,15 +75,22 @@ def test_ctrl_c_is_one_line_with_the_saved_step_and_exit_130(tmp_path):
 
 @pytest.mark.slow
 def test_a_real_sigint_ends_the_process_with_130_and_one_line(tmp_path):
+    # faulthandler: a run that outlives its Ctrl-C is aborted below and shows where it stood
     proc = cli_subprocess(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=100000",
-                           "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"])
+                           "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"],
+                          env={"PYTHONFAULTHANDLER": "1"})
     last = checkpoint_dir(tmp_path) / "last.ckpt"
     deadline = time.monotonic() + 120
     while not last.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate()
+        pytest.fail(f"still running 60 s after its Ctrl-C; its threads when aborted:\n{err[-6000:]}")
     assert proc.returncode == 130, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert re.fullmatch(r"interrupted \(Ctrl-C\) at step (\d+): .*last\.ckpt holds step (\d+), so (?:nothing is|the \d+ updates? "

@@ -62,3 +62,41 @@ def test_init_from_refusals_are_one_line(softmax_checkpoint, tmp_path):
     assert code == 2 and f"error: cannot read checkpoint {garbage}" in err, err
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "nofile", "linear", "--model.distill_steps=2")])
     assert code == 2 and "distill_steps=2 needs init_from" in err, err
+
+
+def _copy_config_at_toy_size(config: str, root, *extra: str) -> list[str]:
+    """``--config CONFIG`` (the conversion comparison's copy configs) shrunk to seconds: the docs'
+    commands as they run, with the model, data and budget overridden."""
+    return ["--config", config, "--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1",
+            "--data.min_length=1", "--data.max_length=6", "--data.batch_size=4", "--data.train_batches_per_epoch=4",
+            "--data.val_batches=1", "--data.test_batches=1", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0",
+            f"--trainer.default_root_dir={root}", *extra]
+
+
+@pytest.fixture(scope="module")
+def copy_teacher(tmp_path_factory):
+    root = tmp_path_factory.mktemp("copy_cpu_softmax")
+    code, _, err = run_cli(["fit", *_copy_config_at_toy_size("copy_cpu_softmax.yaml", root)])
+    assert code == 0, err
+    return checkpoint_dir(root) / "last.ckpt"
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "t2r", "hedgehog"])
+def test_the_copy_conversion_configs_fit_and_test_as_the_report_runs_them(copy_teacher, tmp_path, feature_map):
+    """``cli.py fit --config copy_convert_M.yaml`` from a softmax run of ``copy_cpu_softmax.yaml``,
+    then ``cli.py test --ckpt_path best`` with the same config and root (benchmarks/paper/conversion.py's
+    commands): the config's map is swapped in, the shared weights load, hedgehog distils first."""
+    config = f"copy_convert_{feature_map}.yaml"
+    distill = 2 if feature_map == "hedgehog" else 0
+    args = _copy_config_at_toy_size(config, tmp_path, f"--model.init_from={copy_teacher}",
+                                    *([f"--model.distill_steps={distill}"] if distill else []))
+    code, out, err = run_cli(["fit", *args])
+    assert code == 0, err
+    assert f"init_from {copy_teacher}: attention softmax -> linear/{feature_map}" in out
+    assert (f"attention distillation: update {distill} of {distill}" in out) == bool(distill)
+    code, _, err = run_cli(["test", *_copy_config_at_toy_size(config, tmp_path, "--ckpt_path=best")])
+    assert code == 0, err
+    tested = [row for version in sorted(tmp_path.glob("version_*")) for row in read_metrics(version) if "test/loss" in row]
+    assert len(tested) == 1 and tested[0]["test/loss"] > 0
