@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -79,11 +80,12 @@ struct Vec {
 // (a dependency chain of P / 4 FMAs); the positions are independent of each other but for the
 // one FMA per row of the update, so out-of-order execution overlaps consecutive positions.
 // kDerivative (the fused attention's gradients of q and k): the stored row is multiplied by
-// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out).
-template <typename T, int B, int P, bool kDerivative = false>
+// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out). kScaled (the fused
+// attention's forward): the sum is multiplied by scale[t] (1 / den_t) before it is stored or added.
+template <typename T, int B, int P, bool kDerivative = false, bool kScaled = false>
 INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a, const T* b, int64_t ld_b, const T* c,
                   int64_t ld_c, T* out, int64_t ld_out, bool accumulate, T* state, int64_t lds,
-                  const T* phi = nullptr) {
+                  const T* phi = nullptr, const T* scale = nullptr) {
   using V = typename Vec<T, B>::type;
   constexpr int kAcc = P < 4 ? P : 4;
   V x[P];
@@ -93,12 +95,13 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
   const int64_t first = reverse ? t1 - 1 : t0, step = reverse ? -1 : 1;
   const T *at = a + first * ld_a, *bt = b + first * ld_b, *ct = c + first * ld_c;
   const T* pt = kDerivative ? phi + first * ld_out : nullptr;
+  const T* st = kScaled ? scale + first : nullptr;
   T* ot = out + first * ld_out;
   const int64_t ahead = kAheadBytes / sizeof(T);
   const int64_t ahead_a = step * std::max(ld_a, ahead), ahead_b = step * std::max(ld_b, ahead);
   const int64_t ahead_c = step * std::max(ld_c, ahead);
   for (int64_t i = t0; i < t1; ++i, at += step * ld_a, bt += step * ld_b, ct += step * ld_c, ot += step * ld_out,
-               pt += kDerivative ? step * ld_out : 0) {
+               pt += kDerivative ? step * ld_out : 0, st += kScaled ? step : 0) {
     __builtin_prefetch(at + ahead_a, 0, 3), __builtin_prefetch(bt + ahead_b, 0, 3), __builtin_prefetch(ct + ahead_c, 0, 3);
     const V bv = load<T, B>(bt);
     V acc[kAcc];
@@ -109,6 +112,7 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
     }
 #pragma GCC unroll 4
     for (int u = 1; u < kAcc; ++u) acc[0] += acc[u];
+    if (kScaled) acc[0] *= *st;
     V result = accumulate ? acc[0] + load<T, B>(ot) : acc[0];
     if (kDerivative) {
       const V p = load<T, B>(pt), one = V{} + T(1);
@@ -123,11 +127,12 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
 // One pass over positions [t0, t1) for every tile of a (rows x cols) state, rows over a's and c's
 // dim, cols over b's and out's (both multiples of the register width): per column tile, the row
 // tiles add into the same out columns. `prefilled`: out already holds a term to add to (the fused
-// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep).
+// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep); `scale`:
+// every tile's sum is multiplied by scale[t] (sweep).
 template <typename T, int B>
 INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a, const T* b,
                  const T* c, T* out, T* state, int64_t col0, int64_t col1, bool prefilled = false,
-                 const T* phi = nullptr) {
+                 const T* phi = nullptr, const T* scale = nullptr) {
   constexpr int W = Vec<T, B>::kWidth, kRows = Vec<T, B>::kRows;
   for (int64_t j = col0; j < col1; j += W) {
     for (int64_t p = 0, r; p < rows; p += r) {
@@ -136,6 +141,13 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
       const int64_t left = rows - p;
       r = left >= kRows ? kRows : left >= 8 ? 8 : left >= 4 ? 4 : 2;
       const bool acc = prefilled || p > 0;
+      if (scale != nullptr) {
+#define ROWS(R) case R: sweep<T, B, R, false, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, \
+                                                    cols, acc, state + p * cols + j, cols, nullptr, scale); break;
+        switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
+#undef ROWS
+        continue;
+      }
       if (phi != nullptr && p + r == rows) {
 #define ROWS(R) case R: sweep<T, B, R, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, \
                                              acc, state + p * cols + j, cols, phi + j); break;
@@ -330,8 +342,8 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 // would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
 // separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
 // forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
-// length, phi of both zeroed in C's padding columns), walks z to get den_t, writes phi(q_t) / den_t
-// to scratch (so the numerator's pass writes the quotient directly) and runs the forward pass. The
+// length, phi of both zeroed in C's padding columns), walks z (in registers where C <= 4 registers)
+// to get den_t and runs the forward pass, which multiplies each output row by 1 / den_t before its store. The
 // backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
 // phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
 //
@@ -378,6 +390,8 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   constexpr int W = Vec<T, B>::kWidth;
   if constexpr (std::is_same<T, float>::value) {
     for (int64_t i = 0; i < count; i += W) {
+      // x is the block's first touch of q or k (read from memory at long rows): asked for ahead as the passes do
+      __builtin_prefetch(x + i + kAheadBytes / sizeof(T), 0, 3);
       const V v = load<T, B>(x + i), zero = V{};
       store<T, B>(out + i, exp_nonpositive<B>(v < zero ? v : zero) + (v > zero ? v : zero));
     }
@@ -419,37 +433,70 @@ INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, co
                                       std::fill(kf + t * c + features, kf + (t + 1) * c, T(0));
 }
 
+// A vector of `count` registers carried along positions (z, r): in registers where NC > 0 (NC = count,
+// known when compiled: unrolled loops keep it there), else in memory. As a store and a reload per
+// position it made a chain of store-to-load forwards, one per position, that the short passes of a
+// small head size could not hide.
+template <typename V, int NC>
+struct Carried {
+  V regs[NC > 0 ? NC : 1];
+  V* x;
+  explicit Carried(int64_t count)
+      : x(NC > 0 ? regs : static_cast<V*>(std::aligned_alloc(sizeof(V), count * sizeof(V)))) {
+    TORCH_CHECK(x != nullptr, "out of memory");
+  }
+  ~Carried() {
+    if (NC == 0) std::free(x);
+  }
+  Carried(const Carried&) = delete;
+  Carried& operator=(const Carried&) = delete;
+};
+
 // The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
-// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null; qs
-// (len x c, scratch) takes phi(q_t) / den_t, the numerator pass's query. den in groups of W positions:
+// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null; inv (len,
+// scratch) takes 1 / den_t, by which the numerator's pass scales its sums. den in groups of W positions:
 // the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
-template <typename T, int B>
+template <typename T, int B, int NC>
 INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf, T eps,
-                                    T* z, T* den, T* s, T* qs, T* out, int64_t col0, int64_t col1) {
+                                    T* z, T* den, T* s, T* inv, T* out, int64_t col0, int64_t col1) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
+  const int64_t nc = NC > 0 ? NC : c / W;
+  Carried<V, NC> carried(nc);
+  V* zr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) zr[i] = load<T, B>(z + i * W);
   for (int64_t t0 = 0; t0 < len; t0 += W) {
     const int count = static_cast<int>(std::min<int64_t>(W, len - t0));
     V products[W];
+#pragma GCC unroll 16
     for (int u = 0; u < W; ++u) {
       V sum = V{};
-      for (int64_t i = 0, t = t0 + u; u < count && i < c; i += W) {
-        const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
-        store<T, B>(z + i, zi);
-        sum += load<T, B>(qf + t * c + i) * zi;
-      }
+      const int64_t t = t0 + u;
+      if (u < count)
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < nc; ++i) {
+          zr[i] += load<T, B>(kf + t * c + i * W);
+          sum += load<T, B>(qf + t * c + i * W) * zr[i];
+        }
       products[u] = sum;
     }
     const V d = lane_sums<T, B>(products) + eps;  // lanes from count on: eps, unused
-    T inverse[W];
-    store<T, B>(inverse, T(1) / d);
-    for (int u = 0; u < count; ++u) {
-      const int64_t t = t0 + u;
-      if (den != nullptr) den[t] = d[u];
-      for (int64_t i = 0; i < c; i += W) store<T, B>(qs + t * c + i, load<T, B>(qf + t * c + i) * inverse[u]);
+    if (count == W) {
+      store<T, B>(inv + t0, T(1) / d);
+      if (den != nullptr) store<T, B>(den + t0, d);
+    } else {
+      T inverse[W];
+      store<T, B>(inverse, T(1) / d);
+      for (int u = 0; u < count; ++u) {
+        inv[t0 + u] = inverse[u];
+        if (den != nullptr) den[t0 + u] = d[u];
+      }
     }
   }
-  pass<T, B>(0, len, false, c, m, kf, v, qs, out, s, col0, col1);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
+  pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1, false, nullptr, inv);
 }
 
 // gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block (gd: len rounded
@@ -464,8 +511,12 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
     T inverse[W];
     for (int u = 0; u < W; ++u) {
       V sum = V{};
-      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W)
+      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W) {
+        // the block's first touch of g and out: asked for ahead as the passes do
+        __builtin_prefetch(g + t * m + i + kAheadBytes / sizeof(T), 0, 3);
+        __builtin_prefetch(out + t * m + i + kAheadBytes / sizeof(T), 0, 3);
         sum += load<T, B>(g + t * m + i) * load<T, B>(out + t * m + i);
+      }
       products[u] = sum;
       inverse[u] = u < count ? den[t0 + u] : T(1);
     }
@@ -479,49 +530,81 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
 
 // grad q of one block: z (c, the saved z at the block start; advanced here) gives the normaliser's
 // term gd_t z_t, then the pass from st = S^T (m x c) adds S_t gn_t and applies phi'.
-template <typename T, int B>
+template <typename T, int B, int NC>
 INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
                                    const T* gn, const T* gd, T* z, T* st, T* gq) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
+  const int64_t nc = NC > 0 ? NC : c / W;
+  Carried<V, NC> carried(nc);
+  V* zr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) zr[i] = load<T, B>(z + i * W);
   for (int64_t t = 0; t < len; ++t) {
     const V scale = V{} + gd[t];
-    for (int64_t i = 0; i < c; i += W) {
-      const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
-      store<T, B>(z + i, zi);
-      store<T, B>(gq + t * c + i, zi * scale);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < nc; ++i) {
+      zr[i] += load<T, B>(kf + t * c + i * W);
+      store<T, B>(gq + t * c + i * W, zr[i] * scale);
     }
   }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
   pass<T, B>(0, len, false, m, c, v, kf, gn, gq, st, 0, c, true, qf);
 }
 
 // grad v and grad k of one block, positions reversed: R (c x m), rt = R^T (m x c) and r (c) carried
 // from the block after.
-template <typename T, int B>
+template <typename T, int B, int NC>
 INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
                                     const T* gn, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   pass<T, B>(0, len, true, c, m, qf, gn, kf, gv, r_state, 0, m);
+  const int64_t nc = NC > 0 ? NC : c / W;
+  Carried<V, NC> carried(nc);
+  V* rr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) rr[i] = load<T, B>(r + i * W);
   for (int64_t t = len - 1; t >= 0; --t) {
     const V scale = V{} + gd[t];
-    for (int64_t i = 0; i < c; i += W) {
-      const V ri = load<T, B>(r + i) + scale * load<T, B>(qf + t * c + i);
-      store<T, B>(r + i, ri);
-      store<T, B>(gk + t * c + i, ri);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < nc; ++i) {
+      rr[i] += scale * load<T, B>(qf + t * c + i * W);
+      store<T, B>(gk + t * c + i * W, rr[i]);
     }
   }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(r + i * W, rr[i]);
   pass<T, B>(0, len, true, m, c, gn, qf, v, gk, rt, 0, c, true, kf);
 }
+
+// The block functions above with the carried vector's register count fixed where it is small (C <= 4 W)
+// (no lambda: it would not inherit the caller's target attribute, which the inlined loops need)
+#define WITH_CARRIED(FUNCTION)                                                                  \
+  template <typename T, int B, typename... A>                                                 \
+  INLINE void FUNCTION##_carried(int64_t len, int64_t c, A... a) {                             \
+    switch (c / Vec<T, B>::kWidth) {                                                          \
+      case 1: return FUNCTION<T, B, 1>(len, c, a...);                                         \
+      case 2: return FUNCTION<T, B, 2>(len, c, a...);                                         \
+      case 3: return FUNCTION<T, B, 3>(len, c, a...);                                         \
+      case 4: return FUNCTION<T, B, 4>(len, c, a...);                                         \
+      default: return FUNCTION<T, B, 0>(len, c, a...);                                        \
+    }                                                                                         \
+  }
+WITH_CARRIED(attention_forward_block)
+WITH_CARRIED(attention_grad_q_block)
+WITH_CARRIED(attention_grad_kv_block)
+#undef WITH_CARRIED
 
 #define DEFINE_FOR(NAME, ATTR, B)                                                                                 \
   template <typename T, typename... A> ATTR void map_block_##NAME(A... a) { map_block<T, B>(a...); }             \
   template <typename T, typename... A> ATTR void forward_block_##NAME(A... a) {                                  \
-    attention_forward_block<T, B>(a...);                                                                          \
+    attention_forward_block_carried<T, B>(a...);                                                                          \
   }                                                                                                               \
   template <typename T, typename... A> ATTR void output_gradients_##NAME(A... a) { output_gradients<T, B>(a...); } \
-  template <typename T, typename... A> ATTR void grad_q_block_##NAME(A... a) { attention_grad_q_block<T, B>(a...); } \
-  template <typename T, typename... A> ATTR void grad_kv_block_##NAME(A... a) { attention_grad_kv_block<T, B>(a...); }
+  template <typename T, typename... A> ATTR void grad_q_block_##NAME(A... a) { attention_grad_q_block_carried<T, B>(a...); } \
+  template <typename T, typename... A> ATTR void grad_kv_block_##NAME(A... a) { attention_grad_kv_block_carried<T, B>(a...); }
 DEFINE_FOR(avx512, TARGET_AVX512, 64)
 DEFINE_FOR(avx2, TARGET_AVX2, 32)
 DEFINE_FOR(baseline, , 16)
@@ -628,7 +711,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
       // low 12 bits make a load wait on an unrelated store)
       const int64_t part = kBlock * c + 16;
       std::vector<T> scratch(3 * part + c + 16);
-      T *qs = scratch.data(), *q_scratch = qs + part, *k_scratch = q_scratch + part, *z = k_scratch + part;
+      T *inverse = scratch.data(), *q_scratch = inverse + part, *k_scratch = q_scratch + part, *z = k_scratch + part;
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = e / pieces, j = e % pieces * span, s = item / rows, row = item % rows;
         const bool first = j == 0;
@@ -647,7 +730,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
                            k.data_ptr<T>() + at * c, qf, kf);
           run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m),
                                static_cast<const T*>(qf), static_cast<const T*>(kf), static_cast<T>(eps), z,
-                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state, qs,
+                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state, inverse,
                                out.data_ptr<T>() + at * m, j, j + span);
         }
         if (first) std::copy(z, z + c, z_final.data_ptr<T>() + item * c);
