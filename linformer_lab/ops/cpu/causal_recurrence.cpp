@@ -80,9 +80,11 @@ struct Vec {
 // (a dependency chain of P / 4 FMAs); the positions are independent of each other but for the
 // one FMA per row of the update, so out-of-order execution overlaps consecutive positions.
 // kDerivative (the fused attention's gradients of q and k): the stored row is multiplied by
-// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out). kScaled (the fused
-// attention's forward): the sum is multiplied by scale[t] (1 / den_t) before it is stored or added.
-template <typename T, int B, int P, bool kDerivative = false, bool kScaled = false>
+// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out). kScale (the fused
+// attention's 1 / den_t, so that no scaled copy of an operand is written): kScaleSum, the sum is
+// multiplied by scale[t] before it is stored or added; kScaleB, b[t, :] is.
+enum Scale { kScaleNone, kScaleSum, kScaleB };
+template <typename T, int B, int P, bool kDerivative = false, int kScale = kScaleNone>
 INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a, const T* b, int64_t ld_b, const T* c,
                   int64_t ld_c, T* out, int64_t ld_out, bool accumulate, T* state, int64_t lds,
                   const T* phi = nullptr, const T* scale = nullptr) {
@@ -95,15 +97,15 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
   const int64_t first = reverse ? t1 - 1 : t0, step = reverse ? -1 : 1;
   const T *at = a + first * ld_a, *bt = b + first * ld_b, *ct = c + first * ld_c;
   const T* pt = kDerivative ? phi + first * ld_out : nullptr;
-  const T* st = kScaled ? scale + first : nullptr;
+  const T* st = kScale != kScaleNone ? scale + first : nullptr;
   T* ot = out + first * ld_out;
   const int64_t ahead = kAheadBytes / sizeof(T);
   const int64_t ahead_a = step * std::max(ld_a, ahead), ahead_b = step * std::max(ld_b, ahead);
   const int64_t ahead_c = step * std::max(ld_c, ahead);
   for (int64_t i = t0; i < t1; ++i, at += step * ld_a, bt += step * ld_b, ct += step * ld_c, ot += step * ld_out,
-               pt += kDerivative ? step * ld_out : 0, st += kScaled ? step : 0) {
+               pt += kDerivative ? step * ld_out : 0, st += kScale != kScaleNone ? step : 0) {
     __builtin_prefetch(at + ahead_a, 0, 3), __builtin_prefetch(bt + ahead_b, 0, 3), __builtin_prefetch(ct + ahead_c, 0, 3);
-    const V bv = load<T, B>(bt);
+    const V bv = kScale == kScaleB ? load<T, B>(bt) * *st : load<T, B>(bt);
     V acc[kAcc];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
@@ -112,7 +114,7 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
     }
 #pragma GCC unroll 4
     for (int u = 1; u < kAcc; ++u) acc[0] += acc[u];
-    if (kScaled) acc[0] *= *st;
+    if (kScale == kScaleSum) acc[0] *= *st;
     V result = accumulate ? acc[0] + load<T, B>(ot) : acc[0];
     if (kDerivative) {
       const V p = load<T, B>(pt), one = V{} + T(1);
@@ -127,12 +129,12 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
 // One pass over positions [t0, t1) for every tile of a (rows x cols) state, rows over a's and c's
 // dim, cols over b's and out's (both multiples of the register width): per column tile, the row
 // tiles add into the same out columns. `prefilled`: out already holds a term to add to (the fused
-// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep); `scale`:
-// every tile's sum is multiplied by scale[t] (sweep).
+// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep); `scale`
+// (unless null): every tile's sum (kScaleSum) or b (kScaleB) is multiplied by scale[t] (sweep).
 template <typename T, int B>
 INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a, const T* b,
                  const T* c, T* out, T* state, int64_t col0, int64_t col1, bool prefilled = false,
-                 const T* phi = nullptr, const T* scale = nullptr) {
+                 const T* phi = nullptr, const T* scale = nullptr, Scale how = kScaleSum) {
   constexpr int W = Vec<T, B>::kWidth, kRows = Vec<T, B>::kRows;
   for (int64_t j = col0; j < col1; j += W) {
     for (int64_t p = 0, r; p < rows; p += r) {
@@ -140,24 +142,20 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
       // a tile of 16 rows runs only where kRows is 16)
       const int64_t left = rows - p;
       r = left >= kRows ? kRows : left >= 8 ? 8 : left >= 4 ? 4 : 2;
-      const bool acc = prefilled || p > 0;
-      if (scale != nullptr) {
-#define ROWS(R) case R: sweep<T, B, R, false, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, \
-                                                    cols, acc, state + p * cols + j, cols, nullptr, scale); break;
-        switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
-#undef ROWS
-        continue;
+      const bool acc = prefilled || p > 0, derivative = phi != nullptr && p + r == rows;
+      const int mode = scale == nullptr ? kScaleNone : how;
+      const T* phi_j = derivative ? phi + j : nullptr;
+#define ROWS(R, D, S) case R: sweep<T, B, R, D, S>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, \
+                                                   cols, acc, state + p * cols + j, cols, phi_j, scale); break;
+#define TILES(D, S) switch (r) { ROWS(16, D, S) ROWS(8, D, S) ROWS(4, D, S) default: ROWS(2, D, S) }
+      if (derivative) {
+        if (mode == kScaleSum) { TILES(true, kScaleSum) } else if (mode == kScaleB) { TILES(true, kScaleB) }
+        else { TILES(true, kScaleNone) }
+      } else {
+        if (mode == kScaleSum) { TILES(false, kScaleSum) } else if (mode == kScaleB) { TILES(false, kScaleB) }
+        else { TILES(false, kScaleNone) }
       }
-      if (phi != nullptr && p + r == rows) {
-#define ROWS(R) case R: sweep<T, B, R, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, \
-                                             acc, state + p * cols + j, cols, phi + j); break;
-        switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
-#undef ROWS
-        continue;
-      }
-#define ROWS(R) case R: sweep<T, B, R>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, acc, \
-                                       state + p * cols + j, cols); break;
-      switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
+#undef TILES
 #undef ROWS
     }
   }
@@ -499,10 +497,11 @@ INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* 
   pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1, false, nullptr, inv);
 }
 
-// gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block (gd: len rounded
-// up to W numbers), in groups of W positions as the forward's den.
+// inv_t = 1 / den_t and gd_t = -(g_t . out_t) / den_t of one block (len rounded up to W numbers each),
+// in groups of W positions as the forward's den. The passes take g with inv_t as a scale (gn_t = g_t
+// inv_t is never written out).
 template <typename T, int B>
-INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* gn, T* gd) {
+INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* inv, T* gd) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   for (int64_t t0 = 0; t0 < len; t0 += W) {
@@ -520,19 +519,17 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
       products[u] = sum;
       inverse[u] = u < count ? den[t0 + u] : T(1);
     }
-    store<T, B>(inverse, T(1) / load<T, B>(inverse));
-    store<T, B>(gd + t0, -lane_sums<T, B>(products) * load<T, B>(inverse));
-    for (int u = 0; u < count; ++u)
-      for (int64_t i = 0, t = t0 + u; i < m; i += W)
-        store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inverse[u]);
+    const V scale = T(1) / load<T, B>(inverse);
+    store<T, B>(inv + t0, scale);
+    store<T, B>(gd + t0, -lane_sums<T, B>(products) * scale);
   }
 }
 
 // grad q of one block: z (c, the saved z at the block start; advanced here) gives the normaliser's
-// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t gn_t and applies phi'.
+// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t g_t inv_t and applies phi'.
 template <typename T, int B, int NC>
 INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                   const T* gn, const T* gd, T* z, T* st, T* gq) {
+                                   const T* g, const T* inv, const T* gd, T* z, T* st, T* gq) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   const int64_t nc = NC > 0 ? NC : c / W;
@@ -550,17 +547,18 @@ INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
-  pass<T, B>(0, len, false, m, c, v, kf, gn, gq, st, 0, c, true, qf);
+  pass<T, B>(0, len, false, m, c, v, kf, g, gq, st, 0, c, true, qf, inv, kScaleSum);
 }
 
 // grad v and grad k of one block, positions reversed: R (c x m), rt = R^T (m x c) and r (c) carried
-// from the block after.
+// from the block after; gn_t = g_t inv_t as the b operand of R's update (grad v) and phi(q_t) inv_t
+// as that of R^T's (grad k).
 template <typename T, int B, int NC>
 INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                    const T* gn, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
+                                    const T* g, const T* inv, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
-  pass<T, B>(0, len, true, c, m, qf, gn, kf, gv, r_state, 0, m);
+  pass<T, B>(0, len, true, c, m, qf, g, kf, gv, r_state, 0, m, false, nullptr, inv, kScaleB);
   const int64_t nc = NC > 0 ? NC : c / W;
   Carried<V, NC> carried(nc);
   V* rr = carried.x;
@@ -576,7 +574,7 @@ INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* 
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < nc; ++i) store<T, B>(r + i * W, rr[i]);
-  pass<T, B>(0, len, true, m, c, gn, qf, v, gk, rt, 0, c, true, kf);
+  pass<T, B>(0, len, true, m, c, g, qf, v, gk, rt, 0, c, true, kf, inv, kScaleB);
 }
 
 // The block functions above with the carried vector's register count fixed where it is small (C <= 4 W)
@@ -775,7 +773,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
     const bool fused = rows_share_out(items);
     const int64_t tasks = fused ? items : 2 * items;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> gn(kBlock * m), gd(kBlock), st(c * m), rt(c * m), z(c);
+      std::vector<T> inv(kBlock), gd(kBlock), st(c * m), rt(c * m), z(c);
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = fused ? e : e / 2, s = item / rows, row = item % rows;
         const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
@@ -788,17 +786,17 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
           const int64_t at = row * n + seg.start[s] + t0, saved = row * blocks + seg.first_block[s] + i;
           run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
                                   static_cast<const T*>(out.data_ptr<T>() + at * m),
-                                  static_cast<const T*>(den.data_ptr<T>() + at), gn.data(), gd.data());
-          const T *vp = v.data_ptr<T>() + at * m, *gnp = gn.data(), *gdp = gd.data();
+                                  static_cast<const T*>(den.data_ptr<T>() + at), inv.data(), gd.data());
+          const T *vp = v.data_ptr<T>() + at * m, *gp = g.data_ptr<T>() + at * m, *ip = inv.data(), *gdp = gd.data();
           const T *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
           if (do_q) {
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
             const T* zs = z_states.data_ptr<T>() + saved * c;
             std::copy(zs, zs + c, z.data());
-            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
+            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
           }
           if (do_kv)
-            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, r_state, rt.data(), r,
+            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, r_state, rt.data(), r,
                                  gk.data_ptr<T>() + at * c, gv.data_ptr<T>() + at * m);
         }
       }
