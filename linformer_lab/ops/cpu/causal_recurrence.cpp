@@ -341,7 +341,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 // separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
 // forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
 // length, phi of both zeroed in C's padding columns), walks z (in registers where C <= 4 registers)
-// to get den_t and runs the forward pass, which multiplies each output row by 1 / den_t before its store. The
+// to get den_t and runs the forward pass on phi(q_t) / den_t (scaled_by_inverse says how). The
 // backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
 // phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
 //
@@ -431,6 +431,19 @@ INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, co
                                       std::fill(kf + t * c + features, kf + (t + 1) * c, T(0));
 }
 
+// Whether the fused attention's passes scale by 1 / den_t themselves (one product per position and
+// register tile) rather than read a copy of phi(q) or g divided by den (C / W or M / W products and
+// stores per position): at most two row tiles each way, where the copy was the larger cost.
+template <typename T, int B>
+INLINE bool scaled_by_inverse(int64_t c, int64_t m) {
+  return c <= 2 * Vec<T, B>::kRows && m <= 2 * Vec<T, B>::kRows;
+}
+template <typename T>
+bool scaled_by_inverse(int bytes, int64_t c, int64_t m) {
+  return bytes == 64 ? scaled_by_inverse<T, 64>(c, m) : bytes == 32 ? scaled_by_inverse<T, 32>(c, m)
+                                                                    : scaled_by_inverse<T, 16>(c, m);
+}
+
 // A vector of `count` registers carried along positions (z, r): in registers where NC > 0 (NC = count,
 // known when compiled: unrolled loops keep it there), else in memory. As a store and a reload per
 // position it made a chain of store-to-load forwards, one per position, that the short passes of a
@@ -451,15 +464,18 @@ struct Carried {
 };
 
 // The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
-// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null; inv (len,
-// scratch) takes 1 / den_t, by which the numerator's pass scales its sums. den in groups of W positions:
-// the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
+// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null. The pass
+// needs phi(q_t) / den_t: at small C and M (scaled_by_inverse) scratch (len) takes 1 / den_t, by which
+// the pass scales its sums (one product per tile and position), else scratch (len x c) takes
+// phi(q_t) / den_t (C / W products and stores per position, fewer than the tiles' at large C, M).
+// den in groups of W positions: the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
 template <typename T, int B, int NC>
 INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf, T eps,
-                                    T* z, T* den, T* s, T* inv, T* out, int64_t col0, int64_t col1) {
+                                    T* z, T* den, T* s, T* scratch, T* out, int64_t col0, int64_t col1) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   const int64_t nc = NC > 0 ? NC : c / W;
+  const bool scaled = scaled_by_inverse<T, B>(c, m);
   Carried<V, NC> carried(nc);
   V* zr = carried.x;
 #pragma GCC unroll 4
@@ -480,28 +496,33 @@ INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* 
       products[u] = sum;
     }
     const V d = lane_sums<T, B>(products) + eps;  // lanes from count on: eps, unused
-    if (count == W) {
-      store<T, B>(inv + t0, T(1) / d);
-      if (den != nullptr) store<T, B>(den + t0, d);
+    T inverse[W];
+    store<T, B>(inverse, T(1) / d);
+    if (scaled) {
+      if (count == W) store<T, B>(scratch + t0, load<T, B>(inverse));
+      else std::copy(inverse, inverse + count, scratch + t0);
     } else {
-      T inverse[W];
-      store<T, B>(inverse, T(1) / d);
-      for (int u = 0; u < count; ++u) {
-        inv[t0 + u] = inverse[u];
-        if (den != nullptr) den[t0 + u] = d[u];
-      }
+      for (int u = 0; u < count; ++u)
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < nc; ++i)
+          store<T, B>(scratch + (t0 + u) * c + i * W, load<T, B>(qf + (t0 + u) * c + i * W) * inverse[u]);
+    }
+    if (den != nullptr) {
+      if (count == W) store<T, B>(den + t0, d);
+      else for (int u = 0; u < count; ++u) den[t0 + u] = d[u];
     }
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
-  pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1, false, nullptr, inv);
+  if (scaled) pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1, false, nullptr, scratch);
+  else pass<T, B>(0, len, false, c, m, kf, v, scratch, out, s, col0, col1);
 }
 
 // inv_t = 1 / den_t and gd_t = -(g_t . out_t) / den_t of one block (len rounded up to W numbers each),
-// in groups of W positions as the forward's den. The passes take g with inv_t as a scale (gn_t = g_t
-// inv_t is never written out).
+// in groups of W positions as the forward's den, and gn_t = g_t inv_t (m numbers each) unless gn is null:
+// at small C and M (scaled_by_inverse) the passes take g with inv_t as a scale instead.
 template <typename T, int B>
-INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* inv, T* gd) {
+INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* inv, T* gd, T* gn) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   for (int64_t t0 = 0; t0 < len; t0 += W) {
@@ -522,6 +543,9 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
     const V scale = T(1) / load<T, B>(inverse);
     store<T, B>(inv + t0, scale);
     store<T, B>(gd + t0, -lane_sums<T, B>(products) * scale);
+    if (gn != nullptr)
+      for (int u = 0; u < count; ++u)
+        for (int64_t i = 0, t = t0 + u; i < m; i += W) store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inv[t]);
   }
 }
 
@@ -709,7 +733,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
       // low 12 bits make a load wait on an unrelated store)
       const int64_t part = kBlock * c + 16;
       std::vector<T> scratch(3 * part + c + 16);
-      T *inverse = scratch.data(), *q_scratch = inverse + part, *k_scratch = q_scratch + part, *z = k_scratch + part;
+      T *qs = scratch.data(), *q_scratch = qs + part, *k_scratch = q_scratch + part, *z = k_scratch + part;
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = e / pieces, j = e % pieces * span, s = item / rows, row = item % rows;
         const bool first = j == 0;
@@ -728,7 +752,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
                            k.data_ptr<T>() + at * c, qf, kf);
           run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m),
                                static_cast<const T*>(qf), static_cast<const T*>(kf), static_cast<T>(eps), z,
-                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state, inverse,
+                               first ? den.data_ptr<T>() + at : static_cast<T*>(nullptr), state, qs,
                                out.data_ptr<T>() + at * m, j, j + span);
         }
         if (first) std::copy(z, z + c, z_final.data_ptr<T>() + item * c);
@@ -773,7 +797,9 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
     const bool fused = rows_share_out(items);
     const int64_t tasks = fused ? items : 2 * items;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> inv(kBlock), gd(kBlock), st(c * m), rt(c * m), z(c);
+      // gn_t = g_t / den_t written out only where the passes do not scale by 1 / den_t themselves
+      const bool scaled = scaled_by_inverse<T>(bytes, c, m);
+      std::vector<T> inv(kBlock), gd(kBlock), gn(scaled ? 0 : kBlock * m), st(c * m), rt(c * m), z(c);
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = fused ? e : e / 2, s = item / rows, row = item % rows;
         const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
@@ -786,8 +812,10 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
           const int64_t at = row * n + seg.start[s] + t0, saved = row * blocks + seg.first_block[s] + i;
           run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
                                   static_cast<const T*>(out.data_ptr<T>() + at * m),
-                                  static_cast<const T*>(den.data_ptr<T>() + at), inv.data(), gd.data());
-          const T *vp = v.data_ptr<T>() + at * m, *gp = g.data_ptr<T>() + at * m, *ip = inv.data(), *gdp = gd.data();
+                                  static_cast<const T*>(den.data_ptr<T>() + at), inv.data(), gd.data(),
+                                  scaled ? static_cast<T*>(nullptr) : gn.data());
+          const T *vp = v.data_ptr<T>() + at * m, *gdp = gd.data();
+          const T *gp = scaled ? g.data_ptr<T>() + at * m : gn.data(), *ip = scaled ? inv.data() : nullptr;
           const T *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
           if (do_q) {
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
