@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -79,11 +80,14 @@ struct Vec {
 // (a dependency chain of P / 4 FMAs); the positions are independent of each other but for the
 // one FMA per row of the update, so out-of-order execution overlaps consecutive positions.
 // kDerivative (the fused attention's gradients of q and k): the stored row is multiplied by
-// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out).
-template <typename T, int B, int P, bool kDerivative = false>
+// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out). kScale (the fused
+// attention's 1 / den_t, so that no scaled copy of an operand is written): kScaleSum, the sum is
+// multiplied by scale[t] before it is stored or added; kScaleB, b[t, :] is.
+enum Scale { kScaleNone, kScaleSum, kScaleB };
+template <typename T, int B, int P, bool kDerivative = false, int kScale = kScaleNone>
 INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a, const T* b, int64_t ld_b, const T* c,
                   int64_t ld_c, T* out, int64_t ld_out, bool accumulate, T* state, int64_t lds,
-                  const T* phi = nullptr) {
+                  const T* phi = nullptr, const T* scale = nullptr) {
   using V = typename Vec<T, B>::type;
   constexpr int kAcc = P < 4 ? P : 4;
   V x[P];
@@ -93,14 +97,15 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
   const int64_t first = reverse ? t1 - 1 : t0, step = reverse ? -1 : 1;
   const T *at = a + first * ld_a, *bt = b + first * ld_b, *ct = c + first * ld_c;
   const T* pt = kDerivative ? phi + first * ld_out : nullptr;
+  const T* st = kScale != kScaleNone ? scale + first : nullptr;
   T* ot = out + first * ld_out;
   const int64_t ahead = kAheadBytes / sizeof(T);
   const int64_t ahead_a = step * std::max(ld_a, ahead), ahead_b = step * std::max(ld_b, ahead);
   const int64_t ahead_c = step * std::max(ld_c, ahead);
   for (int64_t i = t0; i < t1; ++i, at += step * ld_a, bt += step * ld_b, ct += step * ld_c, ot += step * ld_out,
-               pt += kDerivative ? step * ld_out : 0) {
+               pt += kDerivative ? step * ld_out : 0, st += kScale != kScaleNone ? step : 0) {
     __builtin_prefetch(at + ahead_a, 0, 3), __builtin_prefetch(bt + ahead_b, 0, 3), __builtin_prefetch(ct + ahead_c, 0, 3);
-    const V bv = load<T, B>(bt);
+    const V bv = kScale == kScaleB ? load<T, B>(bt) * *st : load<T, B>(bt);
     V acc[kAcc];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
@@ -109,6 +114,7 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
     }
 #pragma GCC unroll 4
     for (int u = 1; u < kAcc; ++u) acc[0] += acc[u];
+    if (kScale == kScaleSum) acc[0] *= *st;
     V result = accumulate ? acc[0] + load<T, B>(ot) : acc[0];
     if (kDerivative) {
       const V p = load<T, B>(pt), one = V{} + T(1);
@@ -123,11 +129,12 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
 // One pass over positions [t0, t1) for every tile of a (rows x cols) state, rows over a's and c's
 // dim, cols over b's and out's (both multiples of the register width): per column tile, the row
 // tiles add into the same out columns. `prefilled`: out already holds a term to add to (the fused
-// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep).
+// attention's normaliser gradient); `phi`: the last row tile multiplies by min(phi, 1) (sweep); `scale`
+// (unless null): every tile's sum (kScaleSum) or b (kScaleB) is multiplied by scale[t] (sweep).
 template <typename T, int B>
 INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a, const T* b,
                  const T* c, T* out, T* state, int64_t col0, int64_t col1, bool prefilled = false,
-                 const T* phi = nullptr) {
+                 const T* phi = nullptr, const T* scale = nullptr, Scale how = kScaleSum) {
   constexpr int W = Vec<T, B>::kWidth, kRows = Vec<T, B>::kRows;
   for (int64_t j = col0; j < col1; j += W) {
     for (int64_t p = 0, r; p < rows; p += r) {
@@ -135,17 +142,20 @@ INLINE void pass(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t col
       // a tile of 16 rows runs only where kRows is 16)
       const int64_t left = rows - p;
       r = left >= kRows ? kRows : left >= 8 ? 8 : left >= 4 ? 4 : 2;
-      const bool acc = prefilled || p > 0;
-      if (phi != nullptr && p + r == rows) {
-#define ROWS(R) case R: sweep<T, B, R, true>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, \
-                                             acc, state + p * cols + j, cols, phi + j); break;
-        switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
-#undef ROWS
-        continue;
+      const bool acc = prefilled || p > 0, derivative = phi != nullptr && p + r == rows;
+      const int mode = scale == nullptr ? kScaleNone : how;
+      const T* phi_j = derivative ? phi + j : nullptr;
+#define ROWS(R, D, S) case R: sweep<T, B, R, D, S>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, \
+                                                   cols, acc, state + p * cols + j, cols, phi_j, scale); break;
+#define TILES(D, S) switch (r) { ROWS(16, D, S) ROWS(8, D, S) ROWS(4, D, S) default: ROWS(2, D, S) }
+      if (derivative) {
+        if (mode == kScaleSum) { TILES(true, kScaleSum) } else if (mode == kScaleB) { TILES(true, kScaleB) }
+        else { TILES(true, kScaleNone) }
+      } else {
+        if (mode == kScaleSum) { TILES(false, kScaleSum) } else if (mode == kScaleB) { TILES(false, kScaleB) }
+        else { TILES(false, kScaleNone) }
       }
-#define ROWS(R) case R: sweep<T, B, R>(t0, t1, reverse, a + p, rows, b + j, cols, c + p, rows, out + j, cols, acc, \
-                                       state + p * cols + j, cols); break;
-      switch (r) { ROWS(16) ROWS(8) ROWS(4) default: ROWS(2) }
+#undef TILES
 #undef ROWS
     }
   }
@@ -330,8 +340,8 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
 // would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
 // separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
 // forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
-// length, phi of both zeroed in C's padding columns), walks z to get den_t, writes phi(q_t) / den_t
-// to scratch (so the numerator's pass writes the quotient directly) and runs the forward pass. The
+// length, phi of both zeroed in C's padding columns), walks z (in registers where C <= 4 registers)
+// to get den_t and runs the forward pass on phi(q_t) / den_t (scaled_by_inverse says how). The
 // backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
 // phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
 //
@@ -378,6 +388,8 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
   constexpr int W = Vec<T, B>::kWidth;
   if constexpr (std::is_same<T, float>::value) {
     for (int64_t i = 0; i < count; i += W) {
+      // x is the block's first touch of q or k (read from memory at long rows): asked for ahead as the passes do
+      __builtin_prefetch(x + i + kAheadBytes / sizeof(T), 0, 3);
       const V v = load<T, B>(x + i), zero = V{};
       store<T, B>(out + i, exp_nonpositive<B>(v < zero ? v : zero) + (v > zero ? v : zero));
     }
@@ -419,43 +431,98 @@ INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, co
                                       std::fill(kf + t * c + features, kf + (t + 1) * c, T(0));
 }
 
-// The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
-// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null; qs
-// (len x c, scratch) takes phi(q_t) / den_t, the numerator pass's query. den in groups of W positions:
-// the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
+// Whether the fused attention's passes scale by 1 / den_t themselves (one product per position and
+// register tile) rather than read a copy of phi(q) or g divided by den (C / W or M / W products and
+// stores per position): at most two row tiles each way, where the copy was the larger cost.
 template <typename T, int B>
+INLINE bool scaled_by_inverse(int64_t c, int64_t m) {
+  return c <= 2 * Vec<T, B>::kRows && m <= 2 * Vec<T, B>::kRows;
+}
+template <typename T>
+bool scaled_by_inverse(int bytes, int64_t c, int64_t m) {
+  return bytes == 64 ? scaled_by_inverse<T, 64>(c, m) : bytes == 32 ? scaled_by_inverse<T, 32>(c, m)
+                                                                    : scaled_by_inverse<T, 16>(c, m);
+}
+
+// A vector of `count` registers carried along positions (z, r): in registers where NC > 0 (NC = count,
+// known when compiled: unrolled loops keep it there), else in memory. As a store and a reload per
+// position it made a chain of store-to-load forwards, one per position, that the short passes of a
+// small head size could not hide.
+template <typename V, int NC>
+struct Carried {
+  V regs[NC > 0 ? NC : 1];
+  V* x;
+  explicit Carried(int64_t count)
+      : x(NC > 0 ? regs : static_cast<V*>(std::aligned_alloc(sizeof(V), count * sizeof(V)))) {
+    TORCH_CHECK(x != nullptr, "out of memory");
+  }
+  ~Carried() {
+    if (NC == 0) std::free(x);
+  }
+  Carried(const Carried&) = delete;
+  Carried& operator=(const Carried&) = delete;
+};
+
+// The forward of one block of `len` positions: qf, kf from map_block; z (c) and the state tile's
+// columns [col0, col1) of s (c x m) carried across blocks; den (len) written unless null. The pass
+// needs phi(q_t) / den_t: at small C and M (scaled_by_inverse) scratch (len) takes 1 / den_t, by which
+// the pass scales its sums (one product per tile and position), else scratch (len x c) takes
+// phi(q_t) / den_t (C / W products and stores per position, fewer than the tiles' at large C, M).
+// den in groups of W positions: the W products phi(q_t) * z_t summed at once (lane_sums), one division for W.
+template <typename T, int B, int NC>
 INLINE void attention_forward_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf, T eps,
-                                    T* z, T* den, T* s, T* qs, T* out, int64_t col0, int64_t col1) {
+                                    T* z, T* den, T* s, T* scratch, T* out, int64_t col0, int64_t col1) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
+  const int64_t nc = NC > 0 ? NC : c / W;
+  const bool scaled = scaled_by_inverse<T, B>(c, m);
+  Carried<V, NC> carried(nc);
+  V* zr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) zr[i] = load<T, B>(z + i * W);
   for (int64_t t0 = 0; t0 < len; t0 += W) {
     const int count = static_cast<int>(std::min<int64_t>(W, len - t0));
     V products[W];
+#pragma GCC unroll 16
     for (int u = 0; u < W; ++u) {
       V sum = V{};
-      for (int64_t i = 0, t = t0 + u; u < count && i < c; i += W) {
-        const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
-        store<T, B>(z + i, zi);
-        sum += load<T, B>(qf + t * c + i) * zi;
-      }
+      const int64_t t = t0 + u;
+      if (u < count)
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < nc; ++i) {
+          zr[i] += load<T, B>(kf + t * c + i * W);
+          sum += load<T, B>(qf + t * c + i * W) * zr[i];
+        }
       products[u] = sum;
     }
     const V d = lane_sums<T, B>(products) + eps;  // lanes from count on: eps, unused
     T inverse[W];
     store<T, B>(inverse, T(1) / d);
-    for (int u = 0; u < count; ++u) {
-      const int64_t t = t0 + u;
-      if (den != nullptr) den[t] = d[u];
-      for (int64_t i = 0; i < c; i += W) store<T, B>(qs + t * c + i, load<T, B>(qf + t * c + i) * inverse[u]);
+    if (scaled) {
+      if (count == W) store<T, B>(scratch + t0, load<T, B>(inverse));
+      else std::copy(inverse, inverse + count, scratch + t0);
+    } else {
+      for (int u = 0; u < count; ++u)
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < nc; ++i)
+          store<T, B>(scratch + (t0 + u) * c + i * W, load<T, B>(qf + (t0 + u) * c + i * W) * inverse[u]);
+    }
+    if (den != nullptr) {
+      if (count == W) store<T, B>(den + t0, d);
+      else for (int u = 0; u < count; ++u) den[t0 + u] = d[u];
     }
   }
-  pass<T, B>(0, len, false, c, m, kf, v, qs, out, s, col0, col1);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
+  if (scaled) pass<T, B>(0, len, false, c, m, kf, v, qf, out, s, col0, col1, false, nullptr, scratch);
+  else pass<T, B>(0, len, false, c, m, kf, v, scratch, out, s, col0, col1);
 }
 
-// gn_t = g_t / den_t (m numbers each) and gd_t = -(g_t . out_t) / den_t of one block (gd: len rounded
-// up to W numbers), in groups of W positions as the forward's den.
+// inv_t = 1 / den_t and gd_t = -(g_t . out_t) / den_t of one block (len rounded up to W numbers each),
+// in groups of W positions as the forward's den, and gn_t = g_t inv_t (m numbers each) unless gn is null:
+// at small C and M (scaled_by_inverse) the passes take g with inv_t as a scale instead.
 template <typename T, int B>
-INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* gn, T* gd) {
+INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, const T* den, T* inv, T* gd, T* gn) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   for (int64_t t0 = 0; t0 < len; t0 += W) {
@@ -464,64 +531,102 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
     T inverse[W];
     for (int u = 0; u < W; ++u) {
       V sum = V{};
-      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W)
+      for (int64_t i = 0, t = t0 + u; u < count && i < m; i += W) {
+        // the block's first touch of g and out: asked for ahead as the passes do
+        __builtin_prefetch(g + t * m + i + kAheadBytes / sizeof(T), 0, 3);
+        __builtin_prefetch(out + t * m + i + kAheadBytes / sizeof(T), 0, 3);
         sum += load<T, B>(g + t * m + i) * load<T, B>(out + t * m + i);
+      }
       products[u] = sum;
       inverse[u] = u < count ? den[t0 + u] : T(1);
     }
-    store<T, B>(inverse, T(1) / load<T, B>(inverse));
-    store<T, B>(gd + t0, -lane_sums<T, B>(products) * load<T, B>(inverse));
-    for (int u = 0; u < count; ++u)
-      for (int64_t i = 0, t = t0 + u; i < m; i += W)
-        store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inverse[u]);
+    const V scale = T(1) / load<T, B>(inverse);
+    store<T, B>(inv + t0, scale);
+    store<T, B>(gd + t0, -lane_sums<T, B>(products) * scale);
+    if (gn != nullptr)
+      for (int u = 0; u < count; ++u)
+        for (int64_t i = 0, t = t0 + u; i < m; i += W) store<T, B>(gn + t * m + i, load<T, B>(g + t * m + i) * inv[t]);
   }
 }
 
 // grad q of one block: z (c, the saved z at the block start; advanced here) gives the normaliser's
-// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t gn_t and applies phi'.
-template <typename T, int B>
+// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t g_t inv_t and applies phi'.
+template <typename T, int B, int NC>
 INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                   const T* gn, const T* gd, T* z, T* st, T* gq) {
+                                   const T* g, const T* inv, const T* gd, T* z, T* st, T* gq) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
+  const int64_t nc = NC > 0 ? NC : c / W;
+  Carried<V, NC> carried(nc);
+  V* zr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) zr[i] = load<T, B>(z + i * W);
   for (int64_t t = 0; t < len; ++t) {
     const V scale = V{} + gd[t];
-    for (int64_t i = 0; i < c; i += W) {
-      const V zi = load<T, B>(z + i) + load<T, B>(kf + t * c + i);
-      store<T, B>(z + i, zi);
-      store<T, B>(gq + t * c + i, zi * scale);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < nc; ++i) {
+      zr[i] += load<T, B>(kf + t * c + i * W);
+      store<T, B>(gq + t * c + i * W, zr[i] * scale);
     }
   }
-  pass<T, B>(0, len, false, m, c, v, kf, gn, gq, st, 0, c, true, qf);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
+  pass<T, B>(0, len, false, m, c, v, kf, g, gq, st, 0, c, true, qf, inv, kScaleSum);
 }
 
 // grad v and grad k of one block, positions reversed: R (c x m), rt = R^T (m x c) and r (c) carried
-// from the block after.
-template <typename T, int B>
+// from the block after; gn_t = g_t inv_t as the b operand of R's update (grad v) and phi(q_t) inv_t
+// as that of R^T's (grad k).
+template <typename T, int B, int NC>
 INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                    const T* gn, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
+                                    const T* g, const T* inv, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
-  pass<T, B>(0, len, true, c, m, qf, gn, kf, gv, r_state, 0, m);
+  pass<T, B>(0, len, true, c, m, qf, g, kf, gv, r_state, 0, m, false, nullptr, inv, kScaleB);
+  const int64_t nc = NC > 0 ? NC : c / W;
+  Carried<V, NC> carried(nc);
+  V* rr = carried.x;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) rr[i] = load<T, B>(r + i * W);
   for (int64_t t = len - 1; t >= 0; --t) {
     const V scale = V{} + gd[t];
-    for (int64_t i = 0; i < c; i += W) {
-      const V ri = load<T, B>(r + i) + scale * load<T, B>(qf + t * c + i);
-      store<T, B>(r + i, ri);
-      store<T, B>(gk + t * c + i, ri);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < nc; ++i) {
+      rr[i] += scale * load<T, B>(qf + t * c + i * W);
+      store<T, B>(gk + t * c + i * W, rr[i]);
     }
   }
-  pass<T, B>(0, len, true, m, c, gn, qf, v, gk, rt, 0, c, true, kf);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < nc; ++i) store<T, B>(r + i * W, rr[i]);
+  pass<T, B>(0, len, true, m, c, g, qf, v, gk, rt, 0, c, true, kf, inv, kScaleB);
 }
+
+// The block functions above with the carried vector's register count fixed where it is small (C <= 4 W)
+// (no lambda: it would not inherit the caller's target attribute, which the inlined loops need)
+#define WITH_CARRIED(FUNCTION)                                                                  \
+  template <typename T, int B, typename... A>                                                 \
+  INLINE void FUNCTION##_carried(int64_t len, int64_t c, A... a) {                             \
+    switch (c / Vec<T, B>::kWidth) {                                                          \
+      case 1: return FUNCTION<T, B, 1>(len, c, a...);                                         \
+      case 2: return FUNCTION<T, B, 2>(len, c, a...);                                         \
+      case 3: return FUNCTION<T, B, 3>(len, c, a...);                                         \
+      case 4: return FUNCTION<T, B, 4>(len, c, a...);                                         \
+      default: return FUNCTION<T, B, 0>(len, c, a...);                                        \
+    }                                                                                         \
+  }
+WITH_CARRIED(attention_forward_block)
+WITH_CARRIED(attention_grad_q_block)
+WITH_CARRIED(attention_grad_kv_block)
+#undef WITH_CARRIED
 
 #define DEFINE_FOR(NAME, ATTR, B)                                                                                 \
   template <typename T, typename... A> ATTR void map_block_##NAME(A... a) { map_block<T, B>(a...); }             \
   template <typename T, typename... A> ATTR void forward_block_##NAME(A... a) {                                  \
-    attention_forward_block<T, B>(a...);                                                                          \
+    attention_forward_block_carried<T, B>(a...);                                                                          \
   }                                                                                                               \
   template <typename T, typename... A> ATTR void output_gradients_##NAME(A... a) { output_gradients<T, B>(a...); } \
-  template <typename T, typename... A> ATTR void grad_q_block_##NAME(A... a) { attention_grad_q_block<T, B>(a...); } \
-  template <typename T, typename... A> ATTR void grad_kv_block_##NAME(A... a) { attention_grad_kv_block<T, B>(a...); }
+  template <typename T, typename... A> ATTR void grad_q_block_##NAME(A... a) { attention_grad_q_block_carried<T, B>(a...); } \
+  template <typename T, typename... A> ATTR void grad_kv_block_##NAME(A... a) { attention_grad_kv_block_carried<T, B>(a...); }
 DEFINE_FOR(avx512, TARGET_AVX512, 64)
 DEFINE_FOR(avx2, TARGET_AVX2, 32)
 DEFINE_FOR(baseline, , 16)
@@ -692,7 +797,9 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
     const bool fused = rows_share_out(items);
     const int64_t tasks = fused ? items : 2 * items;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> gn(kBlock * m), gd(kBlock), st(c * m), rt(c * m), z(c);
+      // gn_t = g_t / den_t written out only where the passes do not scale by 1 / den_t themselves
+      const bool scaled = scaled_by_inverse<T>(bytes, c, m);
+      std::vector<T> inv(kBlock), gd(kBlock), gn(scaled ? 0 : kBlock * m), st(c * m), rt(c * m), z(c);
       for (int64_t e = begin; e < end; ++e) {
         const int64_t item = fused ? e : e / 2, s = item / rows, row = item % rows;
         const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
@@ -705,17 +812,19 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
           const int64_t at = row * n + seg.start[s] + t0, saved = row * blocks + seg.first_block[s] + i;
           run_output_gradients<T>(bytes, len, m, static_cast<const T*>(g.data_ptr<T>() + at * m),
                                   static_cast<const T*>(out.data_ptr<T>() + at * m),
-                                  static_cast<const T*>(den.data_ptr<T>() + at), gn.data(), gd.data());
-          const T *vp = v.data_ptr<T>() + at * m, *gnp = gn.data(), *gdp = gd.data();
+                                  static_cast<const T*>(den.data_ptr<T>() + at), inv.data(), gd.data(),
+                                  scaled ? static_cast<T*>(nullptr) : gn.data());
+          const T *vp = v.data_ptr<T>() + at * m, *gdp = gd.data();
+          const T *gp = scaled ? g.data_ptr<T>() + at * m : gn.data(), *ip = scaled ? inv.data() : nullptr;
           const T *qfp = phi_q.data_ptr<T>() + at * c, *kfp = phi_k.data_ptr<T>() + at * c;
           if (do_q) {
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
             const T* zs = z_states.data_ptr<T>() + saved * c;
             std::copy(zs, zs + c, z.data());
-            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
+            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
           }
           if (do_kv)
-            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gnp, gdp, r_state, rt.data(), r,
+            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, r_state, rt.data(), r,
                                  gk.data_ptr<T>() + at * c, gv.data_ptr<T>() + at * m);
         }
       }
