@@ -35,11 +35,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(autouse=True)
-def _seeded_torch():
-    """Every test starts from torch's seed 0: a test that draws from the global generator gets the
-    same numbers whatever ran before it in its process (``pytest -n 2`` deals tests to workers in
-    an order of its own), so a pass or a failure is reproducible by running that test alone."""
+def _isolated_test():
+    """Every test starts from torch's seed 0 and leaves Ctrl-C's handler as it found it, whatever ran
+    before it in its process (``pytest -n 2`` deals tests to workers in an order of its own): a test
+    that draws from the global generator gets the same numbers, and Lightning's SIG_IGN after an
+    interrupt (a Trainer run directly) does not outlive its test, where every child process would
+    inherit it and ignore a real Ctrl-C."""
+    import signal
+
     torch.manual_seed(0)
+    sigint = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, sigint)
 
 
 def assert_close(name: str, reference: torch.Tensor, got: torch.Tensor, rtol: float = 1e-9, atol: float = 1e-9) -> None:

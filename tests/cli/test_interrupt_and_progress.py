@@ -73,12 +73,18 @@ def test_ctrl_c_is_one_line_with_the_saved_step_and_exit_130(tmp_path):
     assert signal.getsignal(signal.SIGINT) == sigint  # Lightning's SIG_IGN does not outlive the run
 
 
+def _default_ctrl_c() -> None:
+    """In the child before it runs: SIGINT's default action, as a terminal's foreground job has it
+    (an ignored SIGINT is inherited across exec, and Python then keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_a_real_sigint_ends_the_process_with_130_and_one_line(tmp_path):
     # faulthandler: a run that outlives its Ctrl-C is aborted below and shows where it stood
     proc = cli_subprocess(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=100000",
                            "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"],
-                          env={"PYTHONFAULTHANDLER": "1"})
+                          env={"PYTHONFAULTHANDLER": "1"}, preexec_fn=_default_ctrl_c)
     last = checkpoint_dir(tmp_path) / "last.ckpt"
     deadline = time.monotonic() + 120
     while not last.exists() and time.monotonic() < deadline and proc.poll() is None:
