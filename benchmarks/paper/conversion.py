@@ -175,36 +175,33 @@ def cell(task: Task, metrics: dict[str, float]) -> str:
     return value if task.extra_metric is None else f"{value} ({metrics.get(task.extra_metric, float('nan')):.3f})"
 
 
+def csv_row(task: Task, kind: str, updates: int, metrics: dict[str, float], teacher: float | None) -> dict:
+    """One run's csv row: its test metric (and the extra one), the gap to the teacher."""
+    value = metrics.get(task.metric)
+    return {"model": kind, "updates": updates, f"test_{task.metric.split('/')[1]}": value,
+            **({f"test_{task.extra_metric.split('/')[1]}": metrics.get(task.extra_metric)} if task.extra_metric else {}),
+            "gap_to_teacher": None if value is None or teacher is None else round(value - teacher, task.digits + 1)}
+
+
 def write_report(task: Task, kinds: list[str], budgets: list[int], seconds: dict[str, float], args) -> Path:
-    short = task.metric.split("/")[1]
-    teacher = test_metrics(teacher_root(task)).get(task.metric)
+    teacher_metrics = test_metrics(teacher_root(task))
+    teacher = teacher_metrics.get(task.metric)
     rows, table = [], []
-    show = f"{{:.{task.digits}f}}".format
     for kind in kinds:
         tests = {n: test_metrics(run_root(task, kind, n)) for n in budgets}
-        for n in budgets:
-            value = tests[n].get(task.metric)
-            rows.append({"model": kind, "updates": n, f"test_{short}": value,
-                         **({f"test_{task.extra_metric.split('/')[1]}": tests[n].get(task.extra_metric)}
-                            if task.extra_metric else {}),
-                         "gap_to_teacher": None if value is None or teacher is None else round(value - teacher, task.digits + 1),
-                         **({"seconds_per_image_batch1": seconds.get(kind)} if task.times_generation else {})})
+        rows += [{**csv_row(task, kind, n, tests[n], teacher),
+                  **({"seconds_per_image_batch1": seconds.get(kind)} if task.times_generation else {})} for n in budgets]
         table.append([LABELS[kind], *(cell(task, tests[n]) for n in budgets),
                       *(["—" if kind not in seconds else f"{seconds[kind]:.2f}"] if task.times_generation else [])])
     full_metrics = test_metrics(LOGS / task.scratch_full)
-    full = full_metrics.get(task.metric)
-    if full is not None:
-        rows.append({"model": "scratch", "updates": task.teacher_updates, f"test_{short}": full,
-                     **({f"test_{task.extra_metric.split('/')[1]}": full_metrics.get(task.extra_metric)}
-                        if task.extra_metric else {}),
-                     "gap_to_teacher": None if teacher is None else round(full - teacher, task.digits + 1)})
+    if task.metric in full_metrics:
+        rows.append(csv_row(task, "scratch", task.teacher_updates, full_metrics, teacher))
     name = f"{task.name}_conversion"
     write_csv(str(RESULTS / f"{name}.csv"), rows)
     info, versions = machine_info(), torch_info()
     label = task.metric_label + (f" ({task.extra_metric.split('/')[1]})" if task.extra_metric else "")
     header = ["model", *(f"{label}, {n:,} updates" for n in budgets),
               *(["s / image, batch 1"] if task.times_generation else [])]
-    teacher_line = "—" if teacher is None else show(teacher)
     teacher_speed = f", {seconds['teacher']:.2f} s / image at batch 1 (KV cache)" if "teacher" in seconds else ""
     path = RESULTS / f"{name}.md"
     path.write_text(
@@ -212,8 +209,8 @@ def write_report(task: Task, kinds: list[str], budgets: list[int], seconds: dict
         f"{info['cpu']}, {info['logical_cpus']} logical CPUs, torch {versions['torch']}, {time.strftime('%Y-%m-%d')}; "
         f"`{command_line('benchmarks/paper/conversion.py', args.argv)}`. Training: one torch thread per run. "
         f"{task.test_note} The teacher (`{config(task, 'teacher')}`, {task.teacher_updates:,} updates): "
-        f"{teacher_line} {task.metric_label}{teacher_speed}"
-        + ("" if full is None else f"; linear from scratch for as many updates (`logs/{task.scratch_full}`): "
+        f"{cell(task, teacher_metrics)} {task.metric_label}{teacher_speed}"
+        + ("" if task.metric not in full_metrics else f"; linear from scratch for as many updates (`logs/{task.scratch_full}`): "
                                    f"{cell(task, full_metrics)}")
         + ".\n\n"
         + markdown_table(header, table)
