@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.feature_maps.learned import HedgehogFeatureMap, T2RFeatureMap
 from linformer_lab.models.generation.form import FUSED_FEATURE_MAPS, LINEAR_FUSED, why_not_paper_form
 from linformer_lab.models.transformer import Transformer
 
@@ -300,13 +299,12 @@ def _fused_weights(transformer: Transformer):
             FUSED_FEATURE_MAPS[type(backend.feature_map)])
 
 
+#: The projections of each map the fused step computes (by its name in ``FUSED_FEATURE_MAPS``), in
+#: the order ``FusedStack`` takes their ``[W (F, D), b (F)]`` after a layer's other tensors.
+_MAP_PROJECTIONS = {"elu": (), "t2r": ("projection",), "hedgehog": ("query_map", "key_map")}
+
+
 def _map_weights(feature_map) -> list[torch.Tensor]:
-    """A learned map's ``[W (F, D), b (F)]`` per projection, as ``FusedStack`` takes them after a
-    layer's other tensors: t2r's one projection, hedgehog's query map then key map; none for elu."""
-    if type(feature_map) is T2RFeatureMap:
-        projections = (feature_map.projection,)
-    elif type(feature_map) is HedgehogFeatureMap:
-        projections = (feature_map.query_map, feature_map.key_map)
-    else:
-        projections = ()
+    """A fused map's ``[W, b]`` per projection: t2r's one, hedgehog's query map then key map; none for elu."""
+    projections = (getattr(feature_map, name) for name in _MAP_PROJECTIONS[FUSED_FEATURE_MAPS[type(feature_map)]])
     return [tensor.detach() for linear in projections for tensor in (linear.weight, linear.bias)]
