@@ -87,7 +87,8 @@ def test_copy_report_gives_loss_accuracy_and_the_scratch_run_at_the_teachers_bud
     assert float(by_model["scratch", "3000"]["test_accuracy"]) == 0.9
     assert "seconds_per_image_batch1" not in rows[0]
     text = (tmp_path / "results" / "copy_conversion.md").read_text()
-    assert "3,000 updates): 0.0050 (0.999) test loss; linear from scratch for as many updates" in text and ": 0.2500 (0.900)." in text
+    assert "3,000 updates): 0.0050 (0.999) test loss; linear from scratch for as many updates" in text
+    assert ": 0.2500 (0.900)." in text
     assert "| softmax → hedgehog (distilled) | 0.0625 (0.980) |" in text and "| softmax → elu + 1 | — |" in text
 
 
