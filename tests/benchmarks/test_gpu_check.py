@@ -126,9 +126,10 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     checked = {(r["op"], r["candidate"]): r["status"] for r in rows if r["part"] == "kernel_check"}
     assert checked[("causal", "recurrence")] == "pass" and checked[("causal_attention", "triton")] == "not here"
     tests = [r for r in rows if r["part"] == "tests"]
-    assert tests[0]["method"] == "cli.py plugins --check" and tests[0]["exit"] == "0"
-    assert tests[1]["method"] == " ".join(gpu_check.GPU_TESTS) and "collected" in tests[1]["result"]
-    assert tests[1]["env"] == "LINFORMER_LAB_TRITON_TESTS=cuda"
+    assert tests[0]["method"] == "build 3 extensions at once" and tests[0]["result"] == "3 of 3 built or cached"
+    assert tests[1]["method"] == "cli.py plugins --check" and tests[1]["exit"] == "0"
+    assert tests[2]["method"] == " ".join(gpu_check.GPU_TESTS) and "collected" in tests[2]["result"]
+    assert tests[2]["env"] == "LINFORMER_LAB_TRITON_TESTS=cuda"
     kernel = {r["method"]: r for r in rows if r["part"] == "kernel" and r["fwd_bwd_ms"]}
     assert {"ours", "ours_nomap", "sdpa"} <= set(kernel)  # ours through the interpreter, timed fwd and fwd+bwd
     assert float(kernel["ours"]["first_fwd_bwd_s"]) > 0  # the first call (Triton: compile, autotune) is recorded
@@ -145,7 +146,7 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     with tarfile.open(tmp_path / "gpu_check_logs.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"gpu_check_logs/plugins_check.json", "gpu_check_logs/pytest.log", "gpu_check_logs/figure2/figure2_quick.md",
-            "gpu_check_logs/kernel.jsonl"} <= names
+            "gpu_check_logs/kernel.jsonl", "gpu_check_logs/prebuild.log"} <= names
 
 
 @pytest.mark.slow
@@ -176,3 +177,65 @@ def test_the_kernel_report_shows_each_autotuning_and_their_sum():
     assert "| chunk_states_backward | (64, 64, 64) | BV: 64, num_warps: 4 | 2.50 |" in report
     assert "Autotuning in all: 3.8 s over 2 keys." in report
     assert gpu_check_kernel.tuning_rows() == []  # nothing tuned here: the interpreter times no configs
+
+
+def test_ratios_against_fla_come_from_the_round_that_timed_ours_beside_it():
+    gpu_check_kernel = import_benchmark("gpu_check_kernel")
+    big, small = (2, 16384, 16, 128), (8, 1024, 8, 64)
+
+    def row(part, method, shape, ms):
+        return {"part": part, "method": method, **dict(zip("BTHD", shape)), "fwd_ms": ms / 4, "fwd_bwd_ms": ms}
+
+    rows = [row("kernel", "ours", big, 8.0), row("kernel", "sdpa", big, 16.0), row("kernel", "ours", small, 1.0),
+            row("kernel", "sdpa", small, 0.5),  # the round without fla, every shape
+            row("kernel_fla", "ours", big, 6.0), row("kernel_fla", "fla", big, 3.0)]  # fla beside ours, one shape
+    ratios = {r[0]: r[1:] for r in gpu_check_kernel.ratio_rows(rows)}
+    columns = [f"{a}/{b}/{k}" for a, b, k in gpu_check_kernel.RATIOS]
+    cell = dict(zip(columns, ratios["2×16384×16×128"]))
+    assert cell["ours/fla/fwd_bwd"] == "2.00" and cell["ours/sdpa/fwd_bwd"] == "0.50"  # 6/3 and 8/16, not 8/3
+    assert dict(zip(columns, ratios["8×1024×8×64"]))["ours/fla/fwd_bwd"] == "—"
+    targets = {t[0]: t for t in gpu_check.targets(rows)}
+    vs_fla = targets["causal fwd+bwd vs fla (ours / fla)"]
+    assert vs_fla[3] == "max 2.00 over 1 of 7 shapes, at T ≥ 8,192 max 2.00" and vs_fla[4] == "NOT met"
+    rows[-2]["fwd_bwd_ms"] = 1.5  # faster than fla where timed, but only one shape of the grid was
+    vs_fla = {t[0]: t for t in gpu_check.targets(rows)}["causal fwd+bwd vs fla (ours / fla)"]
+    assert vs_fla[4] == "met where timed"
+
+
+def test_autotune_results_travel_from_one_run_to_the_next(tmp_path, monkeypatch):
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(first))
+    for folder, name in (("a1b2", "chunk_states_forward"), ("c3d4", "chunk_bwd_kernel_dh")):
+        (first / folder).mkdir(parents=True)
+        (first / folder / f"{name}.autotune.json").write_text('{"key": [64], "configs_timings": []}')
+    (first / "a1b2" / "chunk_states_forward.cubin").write_bytes(b"binary")  # compiled code stays behind
+    archive = tmp_path / "triton_autotune.tar.gz"
+    assert gpu_check.save_tuning(archive) == 2
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(second))
+    assert gpu_check.restore_tuning(archive) == 2
+    assert (second / "c3d4" / "chunk_bwd_kernel_dh.autotune.json").read_text() == '{"key": [64], "configs_timings": []}'
+    assert not (second / "a1b2" / "chunk_states_forward.cubin").exists()
+    assert gpu_check.restore_tuning(tmp_path / "missing.tar.gz") == 0  # the first run anywhere: nothing to reuse
+    assert gpu_check.save_tuning(tmp_path / "again.tar.gz") == 2
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty"))
+    assert gpu_check.save_tuning(tmp_path / "none.tar.gz") == 0 and not (tmp_path / "none.tar.gz").exists()
+
+
+def test_the_kernel_part_times_fla_in_a_round_of_its_own_beside_ours(monkeypatch):
+    import torch
+
+    gpu_check_kernel = import_benchmark("gpu_check_kernel")
+
+    def causal_mean(q, k, v):  # any causal function of (B, T, H, D) inputs stands in for a kernel here
+        return v.cumsum(1) / torch.arange(1, v.shape[1] + 1).view(1, -1, 1, 1) + 0 * (q + k)
+
+    found = {"ours": (causal_mean, "bthd"), "fla": (lambda q, k, v: causal_mean(q, k, v) * 1.0, "bthd"),
+             "sdpa": (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd")}
+    monkeypatch.setattr(gpu_check_kernel, "methods", lambda device: (found, {}))
+    budget = gpu_check.Budget(600.0)
+    summary, rows = gpu_check_kernel.measure("cpu", budget, dry_run=True)
+    rounds = {part: {r["method"] for r in rows if r["part"] == part} for part in ("kernel", "kernel_fla")}
+    assert rounds == {"kernel": {"ours", "sdpa"}, "kernel_fla": {"ours", "fla"}}
+    assert all(r.get("fwd_bwd_ms") for r in rows if r["part"].startswith("kernel"))
+    ratios = gpu_check_kernel.ratio_rows(rows)
+    assert len(ratios) == 1 and "—" not in ratios[0][1:2]  # ours/fla from the fla round
