@@ -181,6 +181,29 @@ def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int) 
     return list(rows.values())
 
 
+def kernel_profile(shape, fn, dtype, device: str, steps: int = 3) -> list[dict]:
+    """Where one fwd+bwd of ``fn`` at ``shape`` spends its time, kernel by kernel (torch.profiler;
+    on a CPU, the operators): ``{kernel, calls, ms}`` per step, the longest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs, grad = _inputs(shape, "bthd", dtype, device, seed=3)
+    step = _calls(fn, inputs, grad)["fwd_bwd"]
+    step()  # compiled and tuned already, but its allocations are not profiled either
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+    total = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    rows = [{"part": "kernel_profile", "method": "ours", **dict(zip("BTHD", shape)), "kernel": e.key[:80],
+             "calls": e.count / steps, "ms": total(e) / steps / 1e3} for e in events if total(e) > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:12]
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
     import torch
@@ -252,6 +275,11 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
             rows += budget.keep(time_shape(shape, without_fla, dtype, device, rounds, inner))
             if shape == ROOFLINE_SHAPE and (top := roofline(rows, bandwidth)):
                 rows += budget.keep([top])
+            if "ours" in found and (shape == ROOFLINE_SHAPE or dry_run):  # which of our kernels the time goes to
+                try:
+                    rows += budget.keep(kernel_profile(shape, found["ours"][0], dtype, device))
+                except Exception as err:  # noqa: BLE001 - a profiler that cannot run here: the table stays empty
+                    budget.skipped.append(f"kernel profile at {shape}: {type(err).__name__}: {str(err)[:160]}")
     beside_fla = {name: found[name] for name in ("ours", "ours_nomap", "fla") if name in found}
     if "fla" in beside_fla:
         need = 2 if dry_run else FLA_FIRST_CALL_S[bool(os.environ.get(RESTORED_TUNING))]
@@ -330,6 +358,12 @@ def report_lines(rows: list[dict]) -> list[str]:
                                   if r["part"] == "kernel" or (r["part"] == "kernel_fla" and r["method"] == "fla")]), "",
            f"First calls of ours, all shapes: {first_call_seconds(rows):.1f} s (the compile and autotune time, "
            "less the calls' own time).", ""]
+    profiled = [r for r in rows if r["part"] == "kernel_profile"]
+    md += ["## Kernels: where our fwd+bwd spends its time (torch.profiler, per step)", "",
+           common.markdown_table(["B×T×H×D", "kernel", "calls", "ms", "share"],
+                                 [["×".join(str(r[k]) for k in "BTHD"), r["kernel"], common.fmt(r["calls"], 1),
+                                   common.fmt(r["ms"], 3), f"{r['ms'] / sum(p['ms'] for p in profiled):.0%}"]
+                                  for r in profiled]), ""]
     tunings = [r for r in rows if r["part"] == "tuning"]
     md += ["## Kernels: autotuning (configs timed at each new key), seconds", "",
            common.markdown_table(["kernel", "key", "chosen config", "seconds"],

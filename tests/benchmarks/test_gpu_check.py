@@ -236,6 +236,22 @@ def test_the_kernel_part_times_fla_in_a_round_of_its_own_beside_ours(monkeypatch
     summary, rows = gpu_check_kernel.measure("cpu", budget, dry_run=True)
     rounds = {part: {r["method"] for r in rows if r["part"] == part} for part in ("kernel", "kernel_fla")}
     assert rounds == {"kernel": {"ours", "sdpa"}, "kernel_fla": {"ours", "fla"}}
-    assert all(r.get("fwd_bwd_ms") for r in rows if r["part"].startswith("kernel"))
+    assert all(r.get("fwd_bwd_ms") for r in rows if r["part"] in ("kernel", "kernel_fla"))
     ratios = gpu_check_kernel.ratio_rows(rows)
     assert len(ratios) == 1 and "—" not in ratios[0][1:2]  # ours/fla from the fla round
+
+
+def test_the_kernel_profile_says_where_a_step_spends_its_time():
+    import torch
+
+    gpu_check_kernel = import_benchmark("gpu_check_kernel")
+
+    def attention(q, k, v):  # a causal function of (B, T, H, D) whose backward runs a matrix product
+        scores = torch.einsum("bthd,bshd->bhts", q, k).tril()
+        return torch.einsum("bhts,bshd->bthd", scores, v)
+
+    rows = gpu_check_kernel.kernel_profile((1, 64, 2, 16), attention, torch.float32, "cpu", steps=2)
+    assert rows and rows == sorted(rows, key=lambda r: -r["ms"]) and all(r["ms"] > 0 for r in rows)
+    assert any("bmm" in r["kernel"] or "mm" in r["kernel"] for r in rows)
+    report = "\n".join(gpu_check_kernel.report_lines(rows))
+    assert "## Kernels: where our fwd+bwd spends its time" in report and "| 1×64×2×16 |" in report
