@@ -327,7 +327,7 @@ def report(rows: list[dict], skipped: list[str], args, device: str) -> list[str]
     md += [""] + gpu_check_kernel.report_lines(rows)
     md += ["## Training (images/s; an update = training_step, backward, RAdam; bf16 autocast on a GPU)", "",
            common.markdown_table(["config", "compile", "batch", "updates", "ms/update", "images/s", "warm-up s",
-                                  "GPU kernels per update"],
+                                  "GPU kernels per update", "GPU busy ms/update"],
                                  gpu_check_model.training_table(rows)), "",
            "## Generation (MNIST model, random weights; one whole generate call per sample, median)", "",
            common.markdown_table(["role", "method", "batch", "decoder", "step weights", "s per call", "s per image", "images/s"],

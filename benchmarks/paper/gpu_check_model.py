@@ -84,13 +84,15 @@ def train_rate(config: str, device: str, compile: str, batch: int | None, second
     elapsed = time.perf_counter() - start
     return {"part": "train", "config": config, "compile": compile, "batch": batch, "updates": done,
             "ms_per_update": elapsed / done * 1e3, "images_per_s": done * batch / elapsed, "warmup_s": warmup,
-            "kernels_per_update": kernel_launches(lambda: update(done), device)}
+            **gpu_work(lambda: update(done), device)}
 
 
-def kernel_launches(call, device: str) -> int | None:
-    """GPU kernels one call launches (torch.profiler), the count that launch overhead multiplies."""
+def gpu_work(call, device: str) -> dict:
+    """What one call asks of the GPU (torch.profiler): ``kernels_per_update``, the launches that
+    launch overhead multiplies, and ``gpu_busy_ms``, the kernels' own time; an update that takes
+    much longer than its busy time waits on the host (Python, launches), not on the GPU."""
     if device != "cuda":
-        return None
+        return {}
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,9 +100,11 @@ def kernel_launches(call, device: str) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             call()
             torch.cuda.synchronize()
-        return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception:  # noqa: BLE001 - a profiler that cannot run here: the column stays empty
-        return None
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {"kernels_per_update": sum(e.count for e in kernels),
+                "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3}
+    except Exception:  # noqa: BLE001 - a profiler that cannot run here: the columns stay empty
+        return {}
 
 
 def training(device: str, budget, dry_run: bool) -> list[dict]:
@@ -195,7 +199,8 @@ def generation(device: str, budget, dry_run: bool) -> list[dict]:
 
 def training_table(rows: list[dict]) -> list[list]:
     return [[r["config"], r["compile"], r["batch"], r["updates"], f"{r['ms_per_update']:.1f}", f"{r['images_per_s']:.0f}",
-             f"{r['warmup_s']:.1f}", r.get("kernels_per_update") or "—"] for r in rows if r["part"] == "train"]
+             f"{r['warmup_s']:.1f}", r.get("kernels_per_update") or "—",
+             f"{r['gpu_busy_ms']:.1f}" if r.get("gpu_busy_ms") else "—"] for r in rows if r["part"] == "train"]
 
 
 def generation_table(rows: list[dict]) -> list[list]:

@@ -255,3 +255,13 @@ def test_the_kernel_profile_says_where_a_step_spends_its_time():
     assert any("bmm" in r["kernel"] or "mm" in r["kernel"] for r in rows)
     report = "\n".join(gpu_check_kernel.report_lines(rows))
     assert "## Kernels: where our fwd+bwd spends its time" in report and "| 1×64×2×16 |" in report
+
+
+def test_the_training_table_says_how_long_the_gpu_was_busy_in_an_update():
+    gpu_check_model = import_benchmark("gpu_check_model")
+    row = {"part": "train", "config": "mnist_linear.yaml", "compile": "none", "batch": 10, "updates": 226,
+           "ms_per_update": 35.4, "images_per_s": 282.0, "warmup_s": 6.0}
+    on_gpu = {**row, "kernels_per_update": 766, "gpu_busy_ms": 9.25}  # the rest of the 35.4 ms waits on the host
+    assert gpu_check_model.training_table([on_gpu, row])[0][-2:] == [766, "9.2"]
+    assert gpu_check_model.training_table([on_gpu, row])[1][-2:] == ["—", "—"]  # no profile (a CPU dry run)
+    assert gpu_check_model.gpu_work(lambda: None, "cpu") == {}
