@@ -355,6 +355,17 @@ def newest_best_checkpoint(run_dir: str | Path) -> Path | None:
     return max(Path(run_dir).glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime, default=None)
 
 
+def test_metrics(root: str | Path) -> dict[str, float]:
+    """The last logged value of every ``test/*`` column of a run root's metrics, versions in
+    numeric order (empty: not tested yet)."""
+    found: dict[str, float] = {}
+    for metrics in version_metrics(root):
+        with open(metrics) as f:
+            for row in csv.DictReader(f):
+                found.update({k: float(v) for k, v in row.items() if k.startswith("test/") and v})
+    return found
+
+
 def fit_run(root: str | Path) -> dict:
     """What one ``cli.py fit`` (and ``cli.py test``) run root logged: ``curve`` (update -> validation
     bits/dim), ``test_bpd`` (the last test bits/dim) and ``fit_minutes`` (the spans of
@@ -362,14 +373,13 @@ def fit_run(root: str | Path) -> dict:
     version overwrites the updates its killed one logged past the checkpoint (and version_10 comes
     after version_9)."""
     root = Path(root)
-    curve, test = {}, None
+    curve = {}
     for metrics in version_metrics(root):
         with open(metrics) as f:
             for row in csv.DictReader(f):
                 if row.get("val/bits_per_dim"):
                     curve[int(row["step"]) + 1] = float(row["val/bits_per_dim"])
-                if row.get("test/bits_per_dim"):
-                    test = float(row["test/bits_per_dim"])
+    test = test_metrics(root).get("test/bits_per_dim")
     spans_path = root / "fit_seconds.json"
     spans = json.loads(spans_path.read_text()) if spans_path.exists() else []
     return {"curve": dict(sorted(curve.items())), "test_bpd": test,

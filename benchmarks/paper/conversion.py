@@ -30,7 +30,6 @@ Results: ``benchmarks/paper/results/T_conversion.{csv,md}``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -48,8 +47,8 @@ from common import (  # noqa: E402
     markdown_table,
     newest_best_checkpoint,
     results_dir,
+    test_metrics,
     torch_info,
-    version_metrics,
     write_csv,
 )
 
@@ -104,16 +103,6 @@ def run_root(task: Task, kind: str, updates: int) -> Path:
 def config(task: Task, kind: str) -> str:
     return {"scratch": f"{task.name}_cpu_linear.yaml", "teacher": f"{task.name}_cpu_softmax.yaml"}.get(
         kind, f"{task.name}_convert_{kind}.yaml")
-
-
-def test_metrics(root: Path) -> dict[str, float]:
-    """The last logged value of every ``test/*`` column of a run root's metrics (empty: no test yet)."""
-    found: dict[str, float] = {}
-    for metrics in version_metrics(root):
-        with open(metrics) as f:
-            for row in csv.DictReader(f):
-                found.update({k: float(v) for k, v in row.items() if k.startswith("test/") and v})
-    return found
 
 
 def cli(subcommand: str, config_name: str, root: Path, threads: int, *extra: str) -> None:
