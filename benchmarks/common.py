@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -337,12 +337,6 @@ def image_training_update(config: str, autocast: bool = False):
     return update, batch, task
 
 
-def version_metrics(root: str | Path) -> list[Path]:
-    """The ``version_N/metrics.csv`` files of a run root in numeric order (version_10 after
-    version_9), so that a resumed version's rows overwrite those its killed one logged."""
-    return sorted(Path(root).glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-
-
 def best_checkpoint(method: str, runs: str | Path = REPO / "logs") -> Path:
     """The newest best checkpoint of ``paper/mnist_table1.py``'s run of M (``runs/mnist_cpu_M``)."""
     if (found := newest_best_checkpoint(run_dir := Path(runs) / f"mnist_cpu_{method}")) is None:
@@ -355,30 +349,26 @@ def newest_best_checkpoint(run_dir: str | Path) -> Path | None:
     return max(Path(run_dir).glob("version_*/checkpoints/best-*.ckpt"), key=lambda p: p.stat().st_mtime, default=None)
 
 
-def test_metrics(root: str | Path) -> dict[str, float]:
-    """The last logged value of every ``test/*`` column of a run root's metrics, versions in
-    numeric order (empty: not tested yet)."""
-    found: dict[str, float] = {}
-    for metrics in version_metrics(root):
+def metric_rows(root: str | Path) -> Iterator[dict[str, str]]:
+    """Every row of a run root's ``version_N/metrics.csv`` files, versions in numeric order
+    (version_10 after version_9): a resumed version's rows come after those its killed one logged
+    past the checkpoint, and win where read last."""
+    for metrics in sorted(Path(root).glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
         with open(metrics) as f:
-            for row in csv.DictReader(f):
-                found.update({k: float(v) for k, v in row.items() if k.startswith("test/") and v})
-    return found
+            yield from csv.DictReader(f)
+
+
+def test_metrics(root: str | Path) -> dict[str, float]:
+    """The last logged value of every ``test/*`` column of a run root (empty: not tested yet)."""
+    return {k: float(v) for row in metric_rows(root) for k, v in row.items() if k.startswith("test/") and v}
 
 
 def fit_run(root: str | Path) -> dict:
     """What one ``cli.py fit`` (and ``cli.py test``) run root logged: ``curve`` (update -> validation
-    bits/dim), ``test_bpd`` (the last test bits/dim) and ``fit_minutes`` (the spans of
-    ``root/fit_seconds.json``, or None). Versions are read in numeric order, so a resumed run's
-    version overwrites the updates its killed one logged past the checkpoint (and version_10 comes
-    after version_9)."""
+    bits/dim, the last logged value of each update), ``test_bpd`` (the last test bits/dim) and
+    ``fit_minutes`` (the spans of ``root/fit_seconds.json``, or None)."""
     root = Path(root)
-    curve = {}
-    for metrics in version_metrics(root):
-        with open(metrics) as f:
-            for row in csv.DictReader(f):
-                if row.get("val/bits_per_dim"):
-                    curve[int(row["step"]) + 1] = float(row["val/bits_per_dim"])
+    curve = {int(row["step"]) + 1: float(row["val/bits_per_dim"]) for row in metric_rows(root) if row.get("val/bits_per_dim")}
     test = test_metrics(root).get("test/bits_per_dim")
     spans_path = root / "fit_seconds.json"
     spans = json.loads(spans_path.read_text()) if spans_path.exists() else []

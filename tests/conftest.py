@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -41,8 +42,6 @@ def _isolated_test():
     that draws from the global generator gets the same numbers, and Lightning's SIG_IGN after an
     interrupt (a Trainer run directly) does not outlive its test, where every child process would
     inherit it and ignore a real Ctrl-C."""
-    import signal
-
     torch.manual_seed(0)
     sigint = signal.getsignal(signal.SIGINT)
     yield

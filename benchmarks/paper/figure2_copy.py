@@ -89,7 +89,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import figure2_matrix  # noqa: E402 (the helper beside this script: --paper, --quick)
-from common import machine_info, results_dir, version_metrics  # noqa: E402
+from common import machine_info, metric_rows, results_dir  # noqa: E402
 
 RESULTS = results_dir(__file__)
 METHODS = ("softmax", "linear", "lsh1", "lsh4")
@@ -157,12 +157,10 @@ def logged_run(method: str, command: list[str], log_root: Path) -> dict:
 
     root = REPO / log_root / method
     by_step: dict[tuple[int, str], dict] = {}
-    for metrics in version_metrics(root):
-        with open(metrics) as f:
-            for row in csv.DictReader(f):
-                values = {k: float(v) for k, v in row.items() if v != ""}
-                kind = "val" if "val/loss" in values else "train"  # a step logs its training loss and, some, a validation
-                by_step.setdefault((int(values["step"]), kind), {}).update(values)
+    for row in metric_rows(root):
+        values = {k: float(v) for k, v in row.items() if v != ""}
+        kind = "val" if "val/loss" in values else "train"  # a step logs its training loss and, some, a validation
+        by_step.setdefault((int(values["step"]), kind), {}).update(values)
     if not by_step:
         raise RuntimeError(f"{method}: no metrics under {root}")
     rows = [by_step[key] for key in sorted(by_step)]
