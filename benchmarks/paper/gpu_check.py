@@ -60,14 +60,15 @@ GPU_TESTS = ["tests/ops/test_triton_chunk_gpu.py", "tests/models/test_generation
 #: What makes tests/ops/test_triton_chunk.py run on the GPU instead of skipping there.
 GPU_TEST_ENV = {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
 #: Seconds of each part at the default budget (shares of ``--budget-s``), in the order they run,
-#: as the first run on an H200 (2026-11-28) spent them: the extensions built at once (~40 s; one
-#: after another they took all of plugins --check's 120 s on a bare machine), plugins --check
-#: (Triton compiles its kernels for fp32 and bf16, forward and backward), the GPU tests the rest
-#: of 140 (each new shape compiles: the interpreter file, last, may be cut); the kernel grid 200
-#: (7 shapes without fla ~90 s, then fla beside ours at the longest shape: its first call there
-#: autotunes for ~100 s); training 40 (eager); generation 30; Fig. 2 the rest (it needs ~120 s,
-#: so only a rerun or a part another left time to gets it). With the machine's start and the wheels'
-#: install, one run leaves about 3.5 minutes of the 15 for a rerun of a part.
+#: planned from the first run on an H200 (benchmarks/NOTES.md, "What the GPU sessions found"):
+#: tests 140, the extensions built at once (built one after another they took all of
+#: plugins --check's 120 s on a bare machine), plugins --check (Triton compiles its kernels for fp32
+#: and bf16, forward and backward), then the GPU tests (each new shape compiles: the interpreter
+#: file, last, may be cut); the kernel grid 200 (the 7 shapes without fla, about 12 s each, then
+#: fla beside ours at the longest shape, whose first call there autotuned for 98 s); training 40
+#: (eager); generation 30; Fig. 2 the rest (it needs ~120 s, so only a rerun or a part another left
+#: time to gets it). With the machine's start and the wheels' install, one run leaves about 3.5
+#: minutes of the 15 for a rerun of a part.
 PARTS = {"tests": 140, "kernel": 200, "train": 40, "generation": 30, "figure2": 10}
 #: A part still running this long after its budget is stopped (its own checks should stop it first).
 GRACE_S = 20
