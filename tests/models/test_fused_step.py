@@ -121,10 +121,11 @@ def test_the_fused_step_equals_the_readable_step(extension, taken, feature_map, 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("feature_map", list(MAPS))
-def test_the_fused_step_equals_the_python_fast_step(extension, monkeypatch, feature_map, dtype):
+def test_the_fused_step_equals_the_python_fast_step(extension, taken, monkeypatch, feature_map, dtype):
     model = _model(MNIST, dtype, MAPS[feature_map])
     x = _inputs(model, 2, 10)
     fused, _ = _fast(model, x)
+    assert taken == [True] * 9  # the fused step ran (a refused map would compare the Python step with itself)
     monkeypatch.setenv(kernels.SWITCH, "fused_step=pytorch")
     python, _ = _fast(model, x)
     torch.testing.assert_close(fused, python, **TOLERANCE[dtype])

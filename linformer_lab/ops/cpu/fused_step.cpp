@@ -147,13 +147,12 @@ inline void update_and_read(scalar_t* s, scalar_t phi_k, scalar_t phi_q, const s
 }
 
 // qkv (B, H (2 D + M)) laid out [queries | keys | values], each H blocks; joint (B, H, C, M + 1)
-// = [S | Z], updated in place; out (B, H M).
+// = [S | Z] with C = `rows` features, updated in place; out (B, H M).
 template <typename scalar_t>
 void linear_attention_step(const scalar_t* qkv, scalar_t* joint, scalar_t* out, int64_t batch, int64_t heads,
-                           int64_t qdim, int64_t vdim, scalar_t eps, FeatureMap map,
+                           int64_t qdim, int64_t vdim, int64_t rows, scalar_t eps, FeatureMap map,
                            const MapWeights<scalar_t>& learned) {
   const int64_t width = heads * (2 * qdim + vdim), cols = vdim + 1;
-  const int64_t rows = map == FeatureMap::kElu ? qdim : map == FeatureMap::kT2R ? learned.features : 2 * learned.features;
   const int64_t grain = std::max<int64_t>(1, 16384 / (rows * cols));  // a few rows stay on this thread
   at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> acc(cols), phi_q(map == FeatureMap::kElu ? 0 : rows), phi_k(phi_q.size());
@@ -250,7 +249,8 @@ class FusedStack {
                    batch, d_model_, norm_eps_[2 * l]);
         linear<scalar_t>(qkv, normed, w[kQkvWT], w[kQkvB]);
         linear_attention_step(qkv.data_ptr<scalar_t>(), joints[l].data_ptr<scalar_t>(), attended.data_ptr<scalar_t>(),
-                              batch, heads_, qdim_, vdim_, static_cast<scalar_t>(eps_), map_, map_weights<scalar_t>(w));
+                              batch, heads_, qdim_, vdim_, rows_, static_cast<scalar_t>(eps_), map_,
+                              map_weights<scalar_t>(w));
         linear<scalar_t>(added, attended, w[kOutWT], w[kOutB]);
         add_into(xs, added.data_ptr<scalar_t>(), n);
         layer_norm(xs, normed.data_ptr<scalar_t>(), w[kNorm2W].data_ptr<scalar_t>(), w[kNorm2B].data_ptr<scalar_t>(),
