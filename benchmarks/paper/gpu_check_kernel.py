@@ -42,8 +42,9 @@ GRID = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 
         (10, 784, 8, 32), (64, 784, 8, 32)]
 DRY_GRID = [(1, 32, 1, 16)]
 ROOFLINE_SHAPE = (2, 16384, 16, 128)
-#: Seconds fla's first forward and backward take at a new shape, without and with an earlier run's
-#: autotune results restored (H200, fla 0.6: 70-100 s; its backward times dozens of configs).
+#: Seconds planned for fla's first forward and backward at a new shape, without an earlier run's
+#: autotune results (an H200 with fla 0.6 took 70 and 105 s) and with them (not yet measured: a
+#: compile of the chosen configs only).
 FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: Set by gpu_check.py when it restored an earlier run's autotune results.
 RESTORED_TUNING = "LINFORMER_LAB_RESTORED_TUNING"
