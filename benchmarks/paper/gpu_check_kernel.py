@@ -43,7 +43,7 @@ GRID = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 
 DRY_GRID = [(1, 32, 1, 16)]
 ROOFLINE_SHAPE = (2, 16384, 16, 128)
 #: Seconds planned for fla's first forward and backward at a new shape, without an earlier run's
-#: autotune results (an H200 with fla 0.6 took 70 and 105 s) and with them (not yet measured: a
+#: autotune results (an H200 with fla 0.6 took 86 and 105 s, forward then forward and backward) and with them (not yet measured: a
 #: compile of the chosen configs only).
 FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: Set by gpu_check.py when it restored an earlier run's autotune results.
