@@ -42,9 +42,9 @@ GRID = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 
         (10, 784, 8, 32), (64, 784, 8, 32)]
 DRY_GRID = [(1, 32, 1, 16)]
 ROOFLINE_SHAPE = (2, 16384, 16, 128)
-#: Seconds planned for fla's first forward and backward at a new shape, without an earlier run's
-#: autotune results (an H200 with fla 0.6 took 86 and 105 s, forward then forward and backward) and with them (not yet measured: a
-#: compile of the chosen configs only).
+#: Seconds planned for fla's first forward and first forward+backward at a new shape, without an
+#: earlier run's autotune results (an H200 with fla 0.6: 86 s at B8 T1024, 105 s at B2 T16384) and
+#: with them (not yet measured: a compile of the chosen configs only).
 FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: Set by gpu_check.py when it restored an earlier run's autotune results.
 RESTORED_TUNING = "LINFORMER_LAB_RESTORED_TUNING"
