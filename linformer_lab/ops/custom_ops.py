@@ -3,7 +3,9 @@
 An operator the dispatcher knows, with a fake-tensor function (output shapes and dtypes without
 running it) and its gradient registered beside it, is something ``torch.compile`` records in
 its graph as one node; an ``autograd.Function`` calling a pybind function would end the graph
-there (a graph break per layer, an error under ``fullgraph=True``).
+there (a graph break per layer, an error under ``fullgraph=True``). Each CPU operator here is
+defined on a ``torch.library.Library`` with its CPU kernel and fake function; a forward's gradient
+is an ``autograd.Function`` registered as its Autograd kernel (see "registration" below).
 
 CPU, the register recurrence (``ops/cpu/causal_recurrence.cpp``), for float32 / float64 inputs
 whose C and M are multiples of its register width (``ops/linear_attention/cpu_kernel.py`` pads
@@ -58,15 +60,45 @@ def recurrence_block() -> int:
     return cpu.CAUSAL_RECURRENCE.load().block()
 
 
+# ------------------------------------------------------------------------------------------------ registration
+
+# The operators are defined on a plain ``torch.library.Library``, each gradient an ``autograd.Function``
+# registered as the operator's Autograd kernel. ``torch.library.custom_op`` does the same behind a
+# generic wrapper (argument defaults filled in, pytrees, checks per call) whose Python cost per
+# forward+backward was several times the kernels' own at short sequences (benchmarks/NOTES.md).
+_LIBRARY = torch.library.Library("linformer_lab", "FRAGMENT")
+
+
+def _define(schema: str, cpu_function, fake_function):
+    """The operator ``linformer_lab::<schema's name>`` with ``cpu_function`` as its CPU kernel and
+    ``fake_function`` for fake tensors (torch.compile's tracing): its ``OpOverload``."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, cpu_function, "CPU")
+    torch.library.register_fake(f"linformer_lab::{name}", fake_function, lib=_LIBRARY)
+    return getattr(torch.ops.linformer_lab, name).default
+
+
+def _differentiable(name: str, function: type[torch.autograd.Function]) -> None:
+    """``function`` (whose forward calls :func:`_below_autograd`) as the Autograd kernel of the operator ``name``."""
+    _LIBRARY.impl(name, lambda *args: function.apply(*args), "Autograd")
+
+
+def _below_autograd(operator, *args):
+    """``operator(*args)`` past its Autograd kernel, to the kernel of the inputs' device (or the fake one)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return operator(*args)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``(B, H, N, X) -> (B H, N, X)``, contiguous (the kernel reads raw rows)."""
     return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]).contiguous()
 
 
-@torch.library.custom_op("linformer_lab::causal_recurrence_forward", mutates_args=())
-def causal_recurrence_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T) (module docstring for the shapes)."""
+# ------------------------------------------------------------------------------------------------ numerator
+
+
+def _recurrence_forward_cpu(q, k, v, initial_state):
     b, h, n, c = q.shape
     m = v.shape[-1]
     # the kernel converts S_0 to q's dtype and copies it contiguous whatever its strides
@@ -75,20 +107,14 @@ def causal_recurrence_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(b, h, n, m), final.view(b, h, c, m), states.view(b, h, states.shape[1], c, m)
 
 
-@causal_recurrence_forward.register_fake
-def _causal_recurrence_forward_fake(q, k, v, initial_state):
+def _recurrence_forward_fake(q, k, v, initial_state):
     b, h, n, c = q.shape
     m = v.shape[-1]
     blocks = (n + recurrence_block() - 1) // recurrence_block()
     return q.new_empty(b, h, n, m), q.new_empty(b, h, c, m), q.new_empty(b, h, blocks, c, m)
 
 
-@torch.library.custom_op("linformer_lab::causal_recurrence_backward", mutates_args=())
-def causal_recurrence_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                               states: torch.Tensor, grad_final: torch.Tensor | None
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`causal_recurrence_forward` (eq. 13-15) from ``grad_out (B, H, N, M)``,
-    its ``states`` and ``grad_final`` (grad S_N, or None): ``(grad q, grad k, grad v, grad S_0)``."""
+def _recurrence_backward_cpu(q, k, v, grad_out, states, grad_final):
     b, h, n, c = q.shape
     m = v.shape[-1]
     final = None if grad_final is None else grad_final.reshape(b * h, c, m)
@@ -97,29 +123,45 @@ def causal_recurrence_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return gq.view(b, h, n, c), gk.view(b, h, n, c), gv.view(b, h, n, m), g0.view(b, h, c, m)
 
 
-@causal_recurrence_backward.register_fake
-def _causal_recurrence_backward_fake(q, k, v, grad_out, states, grad_final):
+def _recurrence_backward_fake(q, k, v, grad_out, states, grad_final):
     b, h, _, c = q.shape
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(b, h, c, v.shape[-1])
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, initial_state = inputs
-    ctx.save_for_backward(q, k, v, output[2])
-    ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-    ctx.mark_non_differentiable(output[2])
-    ctx.set_materialize_grads(False)  # an unused output sends None, not a fresh zero tensor
+#: ``causal_recurrence_forward(q, k, v, initial_state)``: out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T)
+#: (module docstring for the shapes), differentiable.
+causal_recurrence_forward = _define(
+    "causal_recurrence_forward(Tensor q, Tensor k, Tensor v, Tensor? initial_state) -> (Tensor, Tensor, Tensor)",
+    _recurrence_forward_cpu, _recurrence_forward_fake)
+#: ``causal_recurrence_backward(q, k, v, grad_out, states, grad_final)``: the gradients of the forward
+#: (eq. 13-15) from ``grad_out (B, H, N, M)``, its ``states`` and ``grad_final`` (grad S_N, or None):
+#: ``(grad q, grad k, grad v, grad S_0)``.
+causal_recurrence_backward = _define(
+    "causal_recurrence_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor states, Tensor? grad_final)"
+    " -> (Tensor, Tensor, Tensor, Tensor)", _recurrence_backward_cpu, _recurrence_backward_fake)
 
 
-def _backward(ctx, grad_out, grad_final, _grad_states):
-    q, k, v, states = ctx.saved_tensors
-    if grad_out is None:  # only S_N was used
-        grad_out = torch.zeros_like(v)
-    gq, gk, gv, g0 = causal_recurrence_backward(q, k, v, grad_out, states, grad_final)
-    return gq, gk, gv, None if ctx.initial_dtype is None else g0.to(ctx.initial_dtype)
+class _CausalRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state):
+        out, final, states = _below_autograd(causal_recurrence_forward, q, k, v, initial_state)
+        ctx.save_for_backward(q, k, v, states)
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        ctx.mark_non_differentiable(states)
+        ctx.set_materialize_grads(False)  # an unused output sends None, not a fresh zero tensor
+        return out, final, states
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward operator has no gradient: an error, not a wrong number
+    def backward(ctx, grad_out, grad_final, _grad_states):
+        q, k, v, states = ctx.saved_tensors
+        if grad_out is None:  # only S_N was used
+            grad_out = torch.zeros_like(v)
+        gq, gk, gv, g0 = causal_recurrence_backward(q, k, v, grad_out, states, grad_final)
+        return gq, gk, gv, None if ctx.initial_dtype is None else g0.to(ctx.initial_dtype)
 
 
-torch.library.register_autograd("linformer_lab::causal_recurrence_forward", _backward, setup_context=_setup_context)
+_differentiable("causal_recurrence_forward", _CausalRecurrence)
 
 
 # ------------------------------------------------------------------------------------------------ fused attention
@@ -146,13 +188,7 @@ def _state_rows(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-@torch.library.custom_op("linformer_lab::causal_elu_attention_forward", mutates_args=())
-def causal_elu_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor | None,
-                                 z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                                 key_lengths: torch.Tensor | None, features: int, eps: float
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes)."""
+def _attention_forward_cpu(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
     b, h, n, c = q.shape
     m = v.shape[-1]
     segments = _segments(q, cu_seqlens)
@@ -164,8 +200,7 @@ def causal_elu_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             phi_q.view(b, h, n, c), phi_k.view(b, h, n, c))
 
 
-@causal_elu_attention_forward.register_fake
-def _causal_elu_attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
+def _attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
     b, h, n, c = q.shape
     m, segments = v.shape[-1], _segments(q, cu_seqlens)
     blocks = _saved_blocks(n, 1 if cu_seqlens is None else segments)
@@ -173,15 +208,7 @@ def _causal_elu_attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths,
             q.new_empty(b, h, blocks, c, m), q.new_empty(b, h, blocks, c), q.new_empty(b, h, n, c), q.new_empty(b, h, n, c))
 
 
-@torch.library.custom_op("linformer_lab::causal_elu_attention_backward", mutates_args=())
-def causal_elu_attention_backward(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                                  den: torch.Tensor, grad_out: torch.Tensor, states: torch.Tensor,
-                                  z_states: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                                  grad_s: torch.Tensor | None, grad_z: torch.Tensor | None
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`causal_elu_attention_forward` from ``grad_out (B, H, N, M)``, its maps
-    ``phi_q``, ``phi_k``, ``out``, ``den`` and states, and ``grad_s``, ``grad_z`` (of S_N, z_N, or
-    None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``."""
+def _attention_backward_cpu(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z):
     b, h, n, c = phi_q.shape
     m, segments = v.shape[-1], _segments(phi_q, cu_seqlens)
     gq, gk, gv, gs, gz = cpu.CAUSAL_RECURRENCE.load().attention_backward(
@@ -192,38 +219,53 @@ def causal_elu_attention_backward(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
             gz.view(segments, h, c))
 
 
-@causal_elu_attention_backward.register_fake
-def _causal_elu_attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
-                                        grad_z):
+def _attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z):
     h, c, m, segments = phi_q.shape[1], phi_q.shape[-1], v.shape[-1], _segments(phi_q, cu_seqlens)
     return (torch.empty_like(phi_q), torch.empty_like(phi_k), torch.empty_like(v), phi_q.new_empty(segments, h, c, m),
             phi_q.new_empty(segments, h, c))
 
 
-def _attention_setup_context(ctx, inputs, output):
-    _, _, v, s0, z0, cu_seqlens, _, _, _ = inputs
-    out, den, _, _, states, z_states, phi_q, phi_k = output
-    # the maps in place of q and k: the backward needs phi and phi' = min(phi, 1), not q, k
-    ctx.save_for_backward(phi_q, phi_k, v, out, den, states, z_states, cu_seqlens)
-    ctx.state_dtypes = (None if s0 is None else s0.dtype, None if z0 is None else z0.dtype)
-    ctx.mark_non_differentiable(den, states, z_states, phi_q, phi_k)
-    ctx.set_materialize_grads(False)
+#: ``causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)``:
+#: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes), differentiable.
+causal_elu_attention_forward = _define(
+    "causal_elu_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
+    "Tensor? key_lengths, int features, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _attention_forward_cpu, _attention_forward_fake)
+#: ``causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
+#: grad_z)``: the forward's gradients from ``grad_out (B, H, N, M)``, its maps, ``out``, ``den`` and states, and
+#: ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``.
+causal_elu_attention_backward = _define(
+    "causal_elu_attention_backward(Tensor phi_q, Tensor phi_k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
+    "Tensor states, Tensor z_states, Tensor? cu_seqlens, Tensor? grad_s, Tensor? grad_z) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", _attention_backward_cpu, _attention_backward_fake)
 
 
-def _attention_backward(ctx, grad_out, _grad_den, grad_s, grad_z, _grad_states, _grad_z_states, _grad_phi_q,
-                        _grad_phi_k):
-    phi_q, phi_k, v, out, den, states, z_states, cu_seqlens = ctx.saved_tensors
-    if grad_out is None:  # only the final state was used
-        grad_out = torch.zeros_like(out)
-    gq, gk, gv, gs, gz = causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states,
-                                                       cu_seqlens, grad_s, grad_z)
-    s_dtype, z_dtype = ctx.state_dtypes
-    return (gq, gk, gv, None if s_dtype is None else gs.to(s_dtype), None if z_dtype is None else gz.to(z_dtype),
-            None, None, None, None)
+class _CausalEluAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
+        outputs = _below_autograd(causal_elu_attention_forward, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)
+        out, den, _, _, states, z_states, phi_q, phi_k = outputs
+        # the maps in place of q and k: the backward needs phi and phi' = min(phi, 1), not q, k
+        ctx.save_for_backward(phi_q, phi_k, v, out, den, states, z_states, cu_seqlens)
+        ctx.state_dtypes = (None if s0 is None else s0.dtype, None if z0 is None else z0.dtype)
+        ctx.mark_non_differentiable(den, states, z_states, phi_q, phi_k)
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_den, grad_s, grad_z, _grad_states, _grad_z_states, _grad_phi_q, _grad_phi_k):
+        phi_q, phi_k, v, out, den, states, z_states, cu_seqlens = ctx.saved_tensors
+        if grad_out is None:  # only the final state was used
+            grad_out = torch.zeros_like(out)
+        gq, gk, gv, gs, gz = causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states,
+                                                           cu_seqlens, grad_s, grad_z)
+        s_dtype, z_dtype = ctx.state_dtypes
+        return (gq, gk, gv, None if s_dtype is None else gs.to(s_dtype), None if z_dtype is None else gz.to(z_dtype),
+                None, None, None, None)
 
 
-torch.library.register_autograd("linformer_lab::causal_elu_attention_forward", _attention_backward,
-                                setup_context=_attention_setup_context)
+_differentiable("causal_elu_attention_forward", _CausalEluAttention)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

@@ -116,6 +116,22 @@ def test_a_second_derivative_is_an_error(causal_extension):
         grad_q.sum().backward()
 
 
+@pytest.mark.parametrize("operator", ["recurrence", "fused attention"])
+def test_a_second_derivative_through_the_gradient_is_an_error(causal_extension, operator):
+    """With a grad_out that requires grad (a gradient penalty, say), differentiating grad q again
+    raises: the backward operators have no gradient of their own."""
+    q, k, v, _ = inputs(1, 2, 9, 4, 4)
+    q.requires_grad_(True)
+    if operator == "recurrence":
+        out = custom_ops.causal_recurrence_forward(q, k, v, None)[0]
+    else:
+        out = custom_ops.causal_elu_attention_forward(q, k, v, None, None, None, None, 4, 1e-6)[0]
+    weight = torch.randn_like(out, requires_grad=True)
+    (grad_q,) = torch.autograd.grad(out, q, weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_q.sum().backward()
+
+
 @pytest.fixture
 def cuda_ops_on_cpu():
     """The CUDA library's two operators (binding.cpp's schemas) defined with CPU functions of the
