@@ -65,7 +65,7 @@ def recurrence_block() -> int:
 # The operators are defined on a plain ``torch.library.Library``, each gradient an ``autograd.Function``
 # registered as the operator's Autograd kernel. ``torch.library.custom_op`` does the same behind a
 # generic wrapper (argument defaults filled in, pytrees, checks per call) whose Python cost per
-# forward+backward was several times the kernels' own at short sequences (benchmarks/NOTES.md).
+# forward+backward was several times the kernels' own at short sequences.
 _LIBRARY = torch.library.Library("linformer_lab", "FRAGMENT")
 
 

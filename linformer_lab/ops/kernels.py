@@ -24,7 +24,7 @@ op                    candidates, first to last             called from
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
                                                             CPU: ``ops/cpu/causal_recurrence.cpp``;
-                                                            bf16 on AMX: ``ops/linear_attention/bf16_chunk.py``),
+                                                            bf16, forced: ``ops/linear_attention/bf16_chunk.py``),
                                                             packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
@@ -307,7 +307,7 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
         Candidate("bf16", "bf16 chunked form, oneDNN GEMMs, float32 state (ops/linear_attention/bf16_chunk.py)",
-                  "bfloat16 CPU tensors, the elu map, a CPU with AMX (AVX-512-BF16 alone: forced only)",
+                  "bfloat16 CPU tensors, the elu map, a CPU with AMX or AVX-512-BF16; forced only (it does not pay)",
                   _bf16_accepts, lambda: _bf16().available(), lambda *args, **kwargs: _bf16().causal_attention(*args, **kwargs),
                   lambda: f"matrix units: {_bf16().matrix_units()}"),
         Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",

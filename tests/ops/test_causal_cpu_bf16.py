@@ -6,8 +6,8 @@ Checked: outputs, the final state and the gradients of q, k, v, S_0, z_0 and fro
 within bf16 tolerances, with N a multiple of the chunk and not; key lengths; packed input handed to
 the fused float32 kernel; the relative error of each gradient against that of the PyTorch form of
 the same attention in bf16 (float32 inside, bf16 in and out), with v of mean 0 and 4; the dispatch
-(the candidate unforced only on AMX, forced by the switch where the CPU has bf16 units) and the
-``describe()`` line.
+(the candidate only when forced, and then only where the CPU has bf16 units) and the ``describe()``
+line.
 """
 
 from __future__ import annotations
@@ -78,42 +78,52 @@ def test_packed_input_runs_on_the_fused_float32_kernel(monkeypatch):
     assert len(calls) == 1
 
 
-def half_form_errors(fn, t, mean, seed=0):
-    """Relative errors (out and gradients of q, k, v, S_0, z_0) of ``fn`` on bf16 q, k, v and float32
-    states against the PyTorch form in float64 (the Triton issue's measure, tests/ops/triton_accuracy.py)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, weight = (torch.randn(2, 2, t, 32, generator=gen) for _ in range(4))
-    s0, z0 = torch.rand(2, 2, 32, 32, generator=gen) * 4, torch.rand(2, 2, 32, generator=gen) * 4
-    tensors = [x.requires_grad_() for x in (q.bfloat16(), k.bfloat16(), (v + mean).bfloat16(), s0, z0)]
-    exact = [x.detach().double().requires_grad_() for x in tensors]
-    fn(*tensors).backward(weight.bfloat16())
-    chunk_linear_attention_torch(*exact[:3], initial_state=exact[3:]).backward(weight.double())
-    return {name: ((x.grad.double() - r.grad).norm() / r.grad.norm()).item()
-            for name, x, r in zip(("q", "k", "v", "S0", "z0"), tensors, exact)}
+def half_form_errors(fn, t, mean, seeds=(0,)):
+    """Relative errors (the output, gradients of q, k, v, S_0, z_0) of ``fn`` on bf16 q, k, v and float32
+    states against the PyTorch form in float64 (the Triton issue's measure, tests/ops/triton_accuracy.py),
+    pooled over ``seeds``: ||all errors|| / ||all exact values||."""
+    names = ("out", "q", "k", "v", "S0", "z0")
+    error, size = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v, weight = (torch.randn(2, 2, t, 32, generator=gen) for _ in range(4))
+        s0, z0 = torch.rand(2, 2, 32, 32, generator=gen) * 4, torch.rand(2, 2, 32, generator=gen) * 4
+        tensors = [x.requires_grad_() for x in (q.bfloat16(), k.bfloat16(), (v + mean).bfloat16(), s0, z0)]
+        exact = [x.detach().double().requires_grad_() for x in tensors]
+        out, exact_out = fn(*tensors), chunk_linear_attention_torch(*exact[:3], initial_state=exact[3:])
+        out.backward(weight.bfloat16())
+        exact_out.backward(weight.double())
+        pairs = [(out.detach().double(), exact_out.detach())] + [(x.grad.double(), r.grad) for x, r in zip(tensors, exact)]
+        for name, (got, want) in zip(names, pairs):
+            error[name] += (got - want).norm().item() ** 2
+            size[name] += want.norm().item() ** 2
+    return {name: (error[name] / size[name]) ** 0.5 for name in names}
 
 
+@pytest.mark.parametrize("t", [130, 500])
 @pytest.mark.parametrize("mean", [0.0, 4.0])
-def test_gradient_error_against_the_pytorch_form_in_bf16(mean):
-    """k, v, S_0 within 1.5x the PyTorch form's error (float32 inside, bf16 in and out); q and z_0 within
-    2.5x: a bf16 GEMM on CPU rounds its output to bf16 (ATen has no float32-output bf16 matmul on CPU),
-    and grad q sums the intra-chunk and the state terms of that precision (measured 1.9-2.2x)."""
+def test_gradient_error_against_the_pytorch_form_in_bf16(mean, t):
+    """The output and every gradient within 1.5x the PyTorch form's error (float32 inside, bf16 in and
+    out), pooled over four seeds (z_0's 128 numbers alone swing the ratio 0.6-1.6 from seed to seed at
+    mean 0). All products in bf16 GEMMs gave grad q 1.8-2.1x, grad z_0 up to 1.9x and the output 2.3-5.5x
+    at mean 0: a bf16 GEMM on CPU rounds its output to bf16, hence the float32 products."""
     ours = bf16_chunk.causal_attention
-    got = half_form_errors(lambda q, k, v, s0, z0: ours("elu", q, k, v, initial_state=(s0, z0)), 500, mean)
+    seeds = range(4)
+    got = half_form_errors(lambda q, k, v, s0, z0: ours("elu", q, k, v, initial_state=(s0, z0)), t, mean, seeds)
     want = half_form_errors(lambda q, k, v, s0, z0: chunk_linear_attention_torch(q, k, v, initial_state=(s0, z0)),
-                            500, mean)
-    bound = {"q": 2.5, "z0": 2.5}
-    worse = {name: f"{got[name]:.3g} vs {want[name]:.3g}" for name in got if got[name] > bound.get(name, 1.5) * want[name]}
+                            t, mean, seeds)
+    worse = {name: f"{got[name]:.3g} vs {want[name]:.3g}" for name in got if got[name] > 1.5 * want[name]}
     assert not worse, worse
 
 
-def test_dispatch_takes_bf16_unforced_only_on_amx(monkeypatch):
+def test_dispatch_takes_bf16_only_when_forced(monkeypatch):
     layer = LinearAttention(causal=True, query_dim=16)
     q = torch.randn(1, 1, 4, 16, dtype=torch.bfloat16)
-    monkeypatch.setattr(bf16_chunk, "matrix_units", lambda: "amx")
-    assert kernels.select("causal_attention", layer.feature_map, q, q, q).name == "bf16"
-    assert kernels.select("causal_attention", layer.feature_map, q.float(), q.float(), q.float()).name != "bf16"
-    monkeypatch.setattr(bf16_chunk, "matrix_units", lambda: "avx512_bf16")
-    assert kernels.select("causal_attention", layer.feature_map, q, q, q).name != "bf16"
+    for units in ("amx", "avx512_bf16"):
+        monkeypatch.setattr(bf16_chunk, "matrix_units", lambda units=units: units)
+        assert kernels.select("causal_attention", layer.feature_map, q, q, q).name != "bf16"
+    with kernels.switched("causal_attention=bf16"):
+        assert kernels.select("causal_attention", layer.feature_map, q.float(), q.float(), q.float()).name != "bf16"
     with kernels.switched("causal_attention=bf16"):
         assert kernels.select("causal_attention", layer.feature_map, q, q, q).name == "bf16"
         assert any("bf16 chunked form" in line and "avx512_bf16" in line for line in kernels.describe())

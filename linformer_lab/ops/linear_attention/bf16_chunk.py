@@ -1,26 +1,31 @@
 """Causal linear attention (eq. 9-12, phi = elu + 1) in bfloat16 on CPUs with bf16 matrix units:
-the ``bf16`` candidate of the ``causal_attention`` op (``ops/kernels.py``).
+the ``bf16`` candidate of the ``causal_attention`` op (``ops/kernels.py``), taken only when forced
+(``LINFORMER_LAB_KERNELS=causal_attention=bf16``): composed of ATen operations, it costs several
+times the fused float32 kernel even where its GEMMs were free (:func:`pays_here`).
 
-The chunked form: positions in chunks of L; within a chunk the products are small GEMMs on bf16
-operands, which ATen hands to oneDNN (AMX tiles or AVX-512-BF16 dot products where the CPU has
-them); across chunks the state is carried in float32::
+The chunked form: positions in chunks of L, phi(q), phi(k) rounded to bf16; within a chunk the
+products are small GEMMs, which ATen hands to oneDNN (AMX tiles or AVX-512-BF16 dot products for the
+bf16 ones); across chunks the state is carried in float32::
 
     A_c     = tril(phi(Q_c) phi(K_c)^T)                    (L x L, bf16 GEMM)
-    num_c   = A_c V_c + phi(Q_c) S_{c-1}                   (bf16 GEMMs, summed in float32)
-    S_c     = S_{c-1} + phi(K_c)^T V_c                     (bf16 GEMM, float32 running sum)
+    num_c   = A_c V_c + phi(Q_c) S_{c-1}                   (float32 GEMMs)
+    S_c     = S_{c-1} + phi(K_c)^T V_c                     (float32 GEMM, float32 running sum)
     den_t   = phi(q_t) . (z_0 + sum_{s <= t} phi(k_s))     (float32 throughout)
 
-Accuracy: a bf16 GEMM rounds its output to bf16, so each numerator carries a relative error of
-about 2^-9 of its own size. Where v has a large mean the numerator is mostly ``mean x den`` and its
-gradients nearly cancel against the normaliser's (``ops/linear_attention``'s half-precision note),
-which would magnify that rounding. So v is centred first: with mu the mean of v over positions,
-out = (num(v - mu) + mu den) / (den + eps) exactly (the state S_0 becomes S_0 - z_0 mu^T), and only
-the centred numerator, of the size of v's spread, goes through bf16. The gradients come from
-autograd over these few large operations, in the same dtypes.
+Accuracy: a bf16 GEMM on CPU rounds its output to bf16 (ATen has no float32-output bf16 matmul
+there), so only the products whose outputs nothing sums further are bf16 GEMMs: A_c, and grad K's
+product in the backward (:class:`_ChunkNumerator`). With every product in bf16 the errors of grad
+q and grad z_0 were about twice the PyTorch form's in the same dtype, and the output's grew with N
+at v of mean 0 (the state summed the rounding of the centred v). Where v has a large mean the
+numerator is mostly ``mean x den`` and its gradients nearly cancel against the normaliser's
+(``ops/linear_attention``'s half-precision note), which would magnify any rounding; so v is centred
+first: with mu the mean of v over positions, out = (num(v - mu) + mu den) / (den + eps) exactly (the
+state S_0 becomes S_0 - z_0 mu^T). The gradients come from autograd
+over these few large operations, the numerator's from :class:`_ChunkNumerator`.
 
 Packed sequences (``cu_seqlens``) and float32 / float64 inputs are not this path's: the fused C++
-kernel takes them (:func:`causal_attention` hands packed input over). Whether the CPU has the units
-(:func:`matrix_units`) decides whether the dispatch chooses this path by itself (:func:`pays_here`).
+kernel takes them (:func:`causal_attention` hands packed input over). Forced, it runs where the CPU
+has the units (:func:`matrix_units`).
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ def available() -> bool:
 
 
 def pays_here() -> bool:
-    """Whether the dispatch takes this path unforced: on AMX. With AVX-512-BF16 alone the fused
-    float32 kernel is faster (its bf16 dot products only double the float32 FMA rate, and the chunked
-    form does more arithmetic than the recurrence), so there it runs only when forced
-    (``LINFORMER_LAB_KERNELS=causal_attention=bf16``)."""
-    return matrix_units() == "amx"
+    """Whether the dispatch takes this path unforced: nowhere. Its layer fwd+bwd on AVX-512-BF16 costs
+    several times the fused float32 kernel's, and its GEMMs are about a quarter of that time: the
+    rest (maps, cumsums, casts, masks, autograd's saved tensors) would leave it several times slower
+    on AMX too. What would pay is the chunked form
+    as one C++ kernel on the matrix units, which needs an AMX CPU to write and measure."""
+    return False
 
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -121,20 +127,45 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
         pad = chunks * CHUNK - n
 
         def blocks(x: torch.Tensor) -> torch.Tensor:
-            """(B, H, N, D) float32 -> (B, H, chunks, L, D) bfloat16. Each use of an operand takes a cast
-            of its own, so autograd sums the uses' gradients in float32, not in bfloat16."""
-            return F.pad(x, (0, 0, 0, pad)).to(torch.bfloat16).reshape(b, h, chunks, CHUNK, x.shape[-1])
+            """(B, H, N, D) float32 -> (B, H, chunks, L, D) float32. Each use of an operand rounds it to
+            bf16 itself, so autograd sums the uses' gradients in float32, not in bfloat16."""
+            return F.pad(x, (0, 0, 0, pad)).reshape(b, h, chunks, CHUNK, x.shape[-1])
 
-        # S before each chunk: S_0 plus the float32 running sum of the chunks' bf16 k^T v
-        per_chunk = (blocks(phi_k).transpose(-1, -2) @ blocks(centred)).float()  # (B, H, chunks, C, M)
+        # S before each chunk: S_0 plus the float32 running sum of the chunks' k^T v (k rounded to bf16)
+        per_chunk = blocks(phi_k).to(torch.bfloat16).float().transpose(-1, -2) @ blocks(centred)  # (B, H, chunks, C, M)
         before = torch.cat([s0_centred.unsqueeze(2), s0_centred.unsqueeze(2) + per_chunk.cumsum(dim=2)[:, :, :-1]],
                            dim=2)
-        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-        scores = (blocks(phi_q) @ blocks(phi_k).transpose(-1, -2)).masked_fill(~causal, 0)
-        numerator = (scores @ blocks(centred)).float() + (blocks(phi_q) @ before.to(torch.bfloat16)).float()
+        numerator = _ChunkNumerator.apply(*(blocks(x) for x in (phi_q, phi_k, centred)), before)
         numerator = numerator.reshape(b, h, chunks * CHUNK, m)[:, :, :n]
         out = ((numerator + den * mean) / (den + eps)).to(v.dtype)
         if not return_state:
             return out
         s_n = before[:, :, -1] + per_chunk[:, :, -1] + z[:, :, -1].unsqueeze(-1) * mean.squeeze(2).unsqueeze(-2)
         return out, joint_state(s_n, z[:, :, -1])
+
+
+class _ChunkNumerator(torch.autograd.Function):
+    """``tril(Q K^T) V + Q S`` per chunk: ``Q, K (..., L, C)``, ``V (..., L, M)``, ``S (..., C, M)``
+    float32 -> float32 ``(..., L, M)``, Q and K rounded to bf16. ``Q K^T`` and grad K's ``tril(G
+    V^T)^T Q`` are bf16 GEMMs; the other products are float32 ones, as the module docstring says why
+    (grad q from an intra-chunk and a state term each rounded to bf16 had twice the error)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, state):
+        q, k = (x.to(torch.bfloat16) for x in (q, k))
+        causal = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)  # bf16 GEMM
+        ctx.save_for_backward(q, k, v, state, scores, causal)
+        return scores.float() @ v + q.float() @ state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, state, scores, causal = ctx.saved_tensors
+        q32 = q.float()
+        grad_scores = (grad @ v.transpose(-1, -2)).masked_fill(~causal, 0)
+        grad_q = grad_scores @ k.float() + grad @ state.transpose(-1, -2)
+        grad_k = (grad_scores.to(torch.bfloat16).transpose(-1, -2) @ q).float()  # bf16 GEMM
+        grad_v = scores.float().transpose(-1, -2) @ grad
+        grad_state = q32.transpose(-1, -2) @ grad
+        return grad_q, grad_k, grad_v, grad_state
