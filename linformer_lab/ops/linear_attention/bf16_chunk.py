@@ -13,15 +13,15 @@ bf16 ones); across chunks the state is carried in float32::
     den_t   = phi(q_t) . (z_0 + sum_{s <= t} phi(k_s))     (float32 throughout)
 
 Accuracy: a bf16 GEMM on CPU rounds its output to bf16 (ATen has no float32-output bf16 matmul
-there), so only the products whose outputs nothing sums further are bf16 GEMMs: A_c, and grad K's
-product in the backward (:class:`_ChunkNumerator`). With every product in bf16 the errors of grad
-q and grad z_0 were about twice the PyTorch form's in the same dtype, and the output's grew with N
-at v of mean 0 (the state summed the rounding of the centred v). Where v has a large mean the
-numerator is mostly ``mean x den`` and its gradients nearly cancel against the normaliser's
-(``ops/linear_attention``'s half-precision note), which would magnify any rounding; so v is centred
-first: with mu the mean of v over positions, out = (num(v - mu) + mu den) / (den + eps) exactly (the
-state S_0 becomes S_0 - z_0 mu^T). The gradients come from autograd
-over these few large operations, the numerator's from :class:`_ChunkNumerator`.
+there), so only two products are bf16 GEMMs (:class:`_ChunkNumerator`): A_c, whose rounding moves
+each weight apart as the inputs' rounding does, and grad K's in the backward, a gradient rounded
+once. With every product in bf16 the errors of grad q and grad z_0 were about twice the PyTorch
+form's in the same dtype, and the output's grew with N at v of mean 0 (the state summed the rounding
+of the centred v). Where v has a large mean the numerator is mostly ``mean x den`` and its gradients
+nearly cancel against the normaliser's (``ops/linear_attention``'s half-precision note), which would
+magnify any rounding; so v is centred first: with mu the mean of v over positions, out = (num(v -
+mu) + mu den) / (den + eps) exactly (the state S_0 becomes S_0 - z_0 mu^T). The gradients come from
+autograd over these few large operations, the numerator's from :class:`_ChunkNumerator`.
 
 Packed sequences (``cu_seqlens``) and float32 / float64 inputs are not this path's: the fused C++
 kernel takes them (:func:`causal_attention` hands packed input over). Forced, it runs where the CPU
