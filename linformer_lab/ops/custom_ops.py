@@ -50,8 +50,8 @@ import torch
 
 from linformer_lab.ops import cpu
 
-__all__ = ["causal_elu_attention_backward", "causal_elu_attention_forward", "causal_recurrence_backward",
-           "causal_recurrence_forward", "recurrence_block", "register_cuda_ops"]
+__all__ = ["below_autograd", "causal_elu_attention_backward", "causal_elu_attention_forward", "causal_recurrence_backward",
+           "causal_recurrence_forward", "define", "differentiable", "recurrence_block", "register_cuda_ops"]
 
 
 def recurrence_block() -> int:
@@ -69,22 +69,23 @@ def recurrence_block() -> int:
 _LIBRARY = torch.library.Library("linformer_lab", "FRAGMENT")
 
 
-def _define(schema: str, cpu_function, fake_function):
-    """The operator ``linformer_lab::<schema's name>`` with ``cpu_function`` as its CPU kernel and
-    ``fake_function`` for fake tensors (torch.compile's tracing): its ``OpOverload``."""
+def define(schema: str, kernel, fake_function, dispatch_key: str = "CPU"):
+    """The operator ``linformer_lab::<schema's name>`` with ``kernel`` for ``dispatch_key`` (``"CPU"``;
+    ``"CompositeExplicitAutograd"``: every device) and ``fake_function`` for fake tensors
+    (torch.compile's tracing): its ``OpOverload``."""
     name = schema.split("(", 1)[0]
     _LIBRARY.define(schema)
-    _LIBRARY.impl(name, cpu_function, "CPU")
+    _LIBRARY.impl(name, kernel, dispatch_key)
     torch.library.register_fake(f"linformer_lab::{name}", fake_function, lib=_LIBRARY)
     return getattr(torch.ops.linformer_lab, name).default
 
 
-def _differentiable(name: str, function: type[torch.autograd.Function]) -> None:
-    """``function`` (whose forward calls :func:`_below_autograd`) as the Autograd kernel of the operator ``name``."""
+def differentiable(name: str, function: type[torch.autograd.Function]) -> None:
+    """``function`` (whose forward calls :func:`below_autograd`) as the Autograd kernel of the operator ``name``."""
     _LIBRARY.impl(name, lambda *args: function.apply(*args), "Autograd")
 
 
-def _below_autograd(operator, *args):
+def below_autograd(operator, *args):
     """``operator(*args)`` past its Autograd kernel, to the kernel of the inputs' device (or the fake one)."""
     with torch._C._AutoDispatchBelowAutograd():
         return operator(*args)
@@ -130,13 +131,13 @@ def _recurrence_backward_fake(q, k, v, grad_out, states, grad_final):
 
 #: ``causal_recurrence_forward(q, k, v, initial_state)``: out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T)
 #: (module docstring for the shapes), differentiable.
-causal_recurrence_forward = _define(
+causal_recurrence_forward = define(
     "causal_recurrence_forward(Tensor q, Tensor k, Tensor v, Tensor? initial_state) -> (Tensor, Tensor, Tensor)",
     _recurrence_forward_cpu, _recurrence_forward_fake)
 #: ``causal_recurrence_backward(q, k, v, grad_out, states, grad_final)``: the gradients of the forward
 #: (eq. 13-15) from ``grad_out (B, H, N, M)``, its ``states`` and ``grad_final`` (grad S_N, or None):
 #: ``(grad q, grad k, grad v, grad S_0)``.
-causal_recurrence_backward = _define(
+causal_recurrence_backward = define(
     "causal_recurrence_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor states, Tensor? grad_final)"
     " -> (Tensor, Tensor, Tensor, Tensor)", _recurrence_backward_cpu, _recurrence_backward_fake)
 
@@ -144,7 +145,7 @@ causal_recurrence_backward = _define(
 class _CausalRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial_state):
-        out, final, states = _below_autograd(causal_recurrence_forward, q, k, v, initial_state)
+        out, final, states = below_autograd(causal_recurrence_forward, q, k, v, initial_state)
         ctx.save_for_backward(q, k, v, states)
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.mark_non_differentiable(states)
@@ -161,7 +162,7 @@ class _CausalRecurrence(torch.autograd.Function):
         return gq, gk, gv, None if ctx.initial_dtype is None else g0.to(ctx.initial_dtype)
 
 
-_differentiable("causal_recurrence_forward", _CausalRecurrence)
+differentiable("causal_recurrence_forward", _CausalRecurrence)
 
 
 # ------------------------------------------------------------------------------------------------ fused attention
@@ -227,14 +228,14 @@ def _attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_stat
 
 #: ``causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)``:
 #: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes), differentiable.
-causal_elu_attention_forward = _define(
+causal_elu_attention_forward = define(
     "causal_elu_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
     "Tensor? key_lengths, int features, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _attention_forward_cpu, _attention_forward_fake)
 #: ``causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
 #: grad_z)``: the forward's gradients from ``grad_out (B, H, N, M)``, its maps, ``out``, ``den`` and states, and
 #: ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``.
-causal_elu_attention_backward = _define(
+causal_elu_attention_backward = define(
     "causal_elu_attention_backward(Tensor phi_q, Tensor phi_k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
     "Tensor states, Tensor z_states, Tensor? cu_seqlens, Tensor? grad_s, Tensor? grad_z) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", _attention_backward_cpu, _attention_backward_fake)
@@ -243,7 +244,7 @@ causal_elu_attention_backward = _define(
 class _CausalEluAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
-        outputs = _below_autograd(causal_elu_attention_forward, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)
+        outputs = below_autograd(causal_elu_attention_forward, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)
         out, den, _, _, states, z_states, phi_q, phi_k = outputs
         # the maps in place of q and k: the backward needs phi and phi' = min(phi, 1), not q, k
         ctx.save_for_backward(phi_q, phi_k, v, out, den, states, z_states, cu_seqlens)
@@ -265,7 +266,7 @@ class _CausalEluAttention(torch.autograd.Function):
                 None, None, None, None)
 
 
-_differentiable("causal_elu_attention_forward", _CausalEluAttention)
+differentiable("causal_elu_attention_forward", _CausalEluAttention)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

@@ -277,6 +277,17 @@ def test_opcheck(device):
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
+def test_a_second_derivative_is_an_error(device):
+    """The backward operator has no gradient: differentiating grad q again (a grad_out that requires
+    grad) raises instead of returning a wrong number."""
+    q, k, v = (x.detach().requires_grad_() for x in inputs(1, 1, 18, 4, 4, torch.float32, device=device)[:3])
+    out = chunk_linear_attention(q, k, v, chunk_size=16)
+    weight = torch.randn_like(out, requires_grad=True)
+    (grad_q,) = torch.autograd.grad(out, q, weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_q.sum().backward()
+
+
 def _bad(**changes):
     q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 3)
     args = dict(q=q, k=k, v=v)

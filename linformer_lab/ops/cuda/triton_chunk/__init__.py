@@ -3,7 +3,7 @@
 over (sequence x head, chunk, tile), state in and out, packed sequences.
 
 * :func:`chunk_linear_attention` -- the public function (``op.py``: the ``torch.library``
-  custom ops ``linformer_lab::chunk_linear_attention_fwd`` / ``_bwd`` with fake tensors and
+  operators ``linformer_lab::chunk_linear_attention_fwd`` / ``_bwd`` with fake tensors and
   autograd, so ``torch.compile(fullgraph=True)`` traces through it);
 * :func:`chunk_linear_attention_torch` -- the same algorithm and signature in PyTorch
   (``torch_chunk.py``), for tests and as the readable form;

@@ -1,12 +1,11 @@
-"""The Triton chunk kernels as ``torch.library`` custom ops with fake implementations and a
-registered autograd formula, so ``torch.compile(fullgraph=True)`` traces through them, and the
-public :func:`chunk_linear_attention`.
+"""The Triton chunk kernels as ``torch.library`` operators with fake implementations and a
+registered gradient (defined as ``ops/custom_ops.py`` defines the CPU ones), so
+``torch.compile(fullgraph=True)`` traces through them, and the public :func:`chunk_linear_attention`.
 
 ``linformer_lab::chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps,
 chunk_size, head_first) -> (out, den, S_N, z_N)`` and ``..._bwd`` (the gradients of q, k, v, S_0,
 z_0 from the saved inputs, the output and its denominator: the per-chunk states are
-recomputed, never saved). Annotations are evaluated (no ``from __future__ import annotations``)
-because ``custom_op`` reads the schema from them.
+recomputed, never saved).
 
 No copies and no host reads: q, k, v and the incoming gradient are read through their strides
 (a ``(B, H, N, D)`` view of a layer's ``(B, N, H, D)`` projection included), the output and the
@@ -17,6 +16,8 @@ checked on the device (``torch._assert_async``).
 
 import torch
 from torch import Tensor
+
+from linformer_lab.ops import custom_ops
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FEATURE_MAPS = ("elu", None)
@@ -69,11 +70,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | Non
     return out, den, s_n, z_n
 
 
-#: the forward as a custom op (``forward`` is its implementation, callable as is by tests)
-chunk_linear_attention_fwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_fwd", mutates_args=())(forward)
-
-
-@chunk_linear_attention_fwd.register_fake
 def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
     b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
@@ -105,35 +101,54 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out
         return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
 
 
-chunk_linear_attention_bwd = torch.library.custom_op("linformer_lab::chunk_linear_attention_bwd", mutates_args=())(backward)
-
-
-@chunk_linear_attention_bwd.register_fake
 def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map, chunk_size, head_first):
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, s0, z0, cu_seqlens, feature_map, _, chunk_size, head_first = inputs
-    out, den, _, _ = output
-    ctx.save_for_backward(q, k, v, out, den, s0, z0, cu_seqlens)
-    ctx.options = (feature_map, chunk_size, head_first)
+# ``forward`` and ``backward`` serve every device (CUDA; a CPU under Triton's interpreter): they say
+# themselves where they cannot run
+#: ``chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first)``
+#: -> ``(out, den, S_N, z_N)`` (:func:`forward`), differentiable
+chunk_linear_attention_fwd = custom_ops.define(
+    "chunk_linear_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
+    "str feature_map, float eps, int chunk_size, bool head_first) -> (Tensor, Tensor, Tensor, Tensor)",
+    forward, _fwd_fake, "CompositeExplicitAutograd")
+#: ``chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens,
+#: feature_map, chunk_size, head_first)`` -> ``(dq, dk, dv, dS_0, dz_0)`` (:func:`backward`)
+chunk_linear_attention_bwd = custom_ops.define(
+    "chunk_linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
+    "Tensor? ds_final, Tensor? dz_final, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, str feature_map, "
+    "int chunk_size, bool head_first) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward, _bwd_fake, "CompositeExplicitAutograd")
 
 
-def _backward(ctx, grad_out, grad_den, ds_final, dz_final):
-    q, k, v, out, den, s0, z0, cu_seqlens = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, ds0, dz0 = chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0,
-                                                      cu_seqlens, *ctx.options)
-    ds0 = None if s0 is None else ds0.to(s0.dtype)
-    dz0 = None if z0 is None else dz0.to(z0.dtype)
-    return dq, dk, dv, ds0, dz0, None, None, None, None, None
+class _ChunkLinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
+        out, den, s_n, z_n = custom_ops.below_autograd(chunk_linear_attention_fwd, q, k, v, s0, z0, cu_seqlens,
+                                                       feature_map, eps, chunk_size, head_first)
+        ctx.save_for_backward(q, k, v, out, den, s0, z0, cu_seqlens)
+        ctx.options = (feature_map, chunk_size, head_first)
+        ctx.mark_non_differentiable(den)  # the backward's input, not a result
+        ctx.set_materialize_grads(False)  # an unused output sends None, not a fresh zero tensor
+        return out, den, s_n, z_n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward operator has no gradient: an error, not a wrong number
+    def backward(ctx, grad_out, _grad_den, ds_final, dz_final):
+        q, k, v, out, den, s0, z0, cu_seqlens = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, ds0, dz0 = chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0,
+                                                          cu_seqlens, *ctx.options)
+        ds0 = None if s0 is None else ds0.to(s0.dtype)
+        dz0 = None if z0 is None else dz0.to(z0.dtype)
+        return dq, dk, dv, ds0, dz0, None, None, None, None, None
 
 
-chunk_linear_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+custom_ops.differentiable("chunk_linear_attention_fwd", _ChunkLinearAttention)
 
 
 def _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first):
