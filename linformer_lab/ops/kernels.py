@@ -261,8 +261,8 @@ def _bf16():
 
 
 def _bf16_accepts(feature_map, q, k, v) -> bool:
-    """The bf16 path's inputs, and unforced only where it pays (``ops/linear_attention/bf16_chunk.py``)."""
-    return _bf16().accepts(feature_map, q, k, v) and (_bf16().pays_here() or _forced_name("causal_attention") == "bf16")
+    """The bf16 path's inputs, when forced: it pays nowhere (``ops/linear_attention/bf16_chunk.py``)."""
+    return _forced_name("causal_attention") == "bf16" and _bf16().accepts(feature_map, q, k, v)
 
 
 def _triton_available() -> bool:

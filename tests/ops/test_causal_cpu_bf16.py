@@ -124,7 +124,6 @@ def test_dispatch_takes_bf16_only_when_forced(monkeypatch):
         assert kernels.select("causal_attention", layer.feature_map, q, q, q).name != "bf16"
     with kernels.switched("causal_attention=bf16"):
         assert kernels.select("causal_attention", layer.feature_map, q.float(), q.float(), q.float()).name != "bf16"
-    with kernels.switched("causal_attention=bf16"):
         assert kernels.select("causal_attention", layer.feature_map, q, q, q).name == "bf16"
         assert any("bf16 chunked form" in line and "avx512_bf16" in line for line in kernels.describe())
     monkeypatch.setattr(bf16_chunk, "matrix_units", lambda: None)

@@ -1,7 +1,10 @@
 """Causal linear attention (eq. 9-12, phi = elu + 1) in bfloat16 on CPUs with bf16 matrix units:
 the ``bf16`` candidate of the ``causal_attention`` op (``ops/kernels.py``), taken only when forced
-(``LINFORMER_LAB_KERNELS=causal_attention=bf16``): composed of ATen operations, it costs several
-times the fused float32 kernel even where its GEMMs were free (:func:`pays_here`).
+(``LINFORMER_LAB_KERNELS=causal_attention=bf16``). Composed of ATen operations, its layer fwd+bwd on
+AVX-512-BF16 costs several times the fused float32 kernel's, and its GEMMs are about a quarter of that
+time: the rest (maps, cumsums, casts, masks, autograd's saved tensors) would leave it several times
+slower on AMX too. What would pay is the chunked form as one C++ kernel on the matrix units, which
+needs an AMX CPU to write and measure.
 
 The chunked form: positions in chunks of L, phi(q), phi(k) rounded to bf16; within a chunk the
 products are small GEMMs, which ATen hands to oneDNN (AMX tiles or AVX-512-BF16 dot products for the
@@ -36,7 +39,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK", "accepts", "available", "causal_attention", "matrix_units", "pays_here"]
+__all__ = ["CHUNK", "accepts", "available", "causal_attention", "matrix_units"]
 
 #: Positions per chunk: the intra-chunk GEMMs are (L x C) (C x L) and (L x L) (L x M).
 CHUNK = 64
@@ -67,15 +70,6 @@ def matrix_units() -> str | None:
 def available() -> bool:
     """bf16 matrix units here and oneDNN's bf16 matmul in this torch build."""
     return matrix_units() is not None and torch.backends.mkldnn.is_available()
-
-
-def pays_here() -> bool:
-    """Whether the dispatch takes this path unforced: nowhere. Its layer fwd+bwd on AVX-512-BF16 costs
-    several times the fused float32 kernel's, and its GEMMs are about a quarter of that time: the
-    rest (maps, cumsums, casts, masks, autograd's saved tensors) would leave it several times slower
-    on AMX too. What would pay is the chunked form
-    as one C++ kernel on the matrix units, which needs an AMX CPU to write and measure."""
-    return False
 
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -131,11 +125,12 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
             bf16 itself, so autograd sums the uses' gradients in float32, not in bfloat16."""
             return F.pad(x, (0, 0, 0, pad)).reshape(b, h, chunks, CHUNK, x.shape[-1])
 
+        q_blocks, k_blocks, v_blocks = blocks(phi_q), blocks(phi_k), blocks(centred)
         # S before each chunk: S_0 plus the float32 running sum of the chunks' k^T v (k rounded to bf16)
-        per_chunk = blocks(phi_k).to(torch.bfloat16).float().transpose(-1, -2) @ blocks(centred)  # (B, H, chunks, C, M)
+        per_chunk = k_blocks.to(torch.bfloat16).float().transpose(-1, -2) @ v_blocks  # (B, H, chunks, C, M)
         before = torch.cat([s0_centred.unsqueeze(2), s0_centred.unsqueeze(2) + per_chunk.cumsum(dim=2)[:, :, :-1]],
                            dim=2)
-        numerator = _ChunkNumerator.apply(*(blocks(x) for x in (phi_q, phi_k, centred)), before)
+        numerator = _ChunkNumerator.apply(q_blocks, k_blocks, v_blocks, before)
         numerator = numerator.reshape(b, h, chunks * CHUNK, m)[:, :, :n]
         out = ((numerator + den * mean) / (den + eps)).to(v.dtype)
         if not return_state:
@@ -162,10 +157,9 @@ class _ChunkNumerator(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, state, scores, causal = ctx.saved_tensors
-        q32 = q.float()
         grad_scores = (grad @ v.transpose(-1, -2)).masked_fill(~causal, 0)
         grad_q = grad_scores @ k.float() + grad @ state.transpose(-1, -2)
         grad_k = (grad_scores.to(torch.bfloat16).transpose(-1, -2) @ q).float()  # bf16 GEMM
         grad_v = scores.float().transpose(-1, -2) @ grad
-        grad_state = q32.transpose(-1, -2) @ grad
+        grad_state = q.float().transpose(-1, -2) @ grad
         return grad_q, grad_k, grad_v, grad_state
