@@ -82,7 +82,7 @@ def define(schema: str, kernel, fake_function, dispatch_key: str = "CPU"):
 
 def differentiable(name: str, function: type[torch.autograd.Function]) -> None:
     """``function`` (whose forward calls :func:`below_autograd`) as the Autograd kernel of the operator ``name``."""
-    _LIBRARY.impl(name, lambda *args: function.apply(*args), "Autograd")
+    _LIBRARY.impl(name, function.apply, "Autograd")
 
 
 def below_autograd(operator, *args):
