@@ -65,7 +65,7 @@ GPU_TEST_ENV = {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
 #: plugins --check's 120 s on a bare machine), plugins --check (Triton compiles its kernels for fp32
 #: and bf16, forward and backward), then the GPU tests (each new shape compiles: the interpreter
 #: file, last, may be cut); the kernel grid 200 (the 7 shapes without fla, about 12 s each, then
-#: fla beside ours at the longest shape, whose first call there autotuned for 98 s); training 40
+#: fla beside ours at the longest shape, whose first forward and forward+backward there took 105 s); training 40
 #: (eager); generation 30; Fig. 2 the rest (it needs ~120 s, so only a rerun or a part another left
 #: time to gets it). With the machine's start and the wheels' install, one run leaves about 3.5
 #: minutes of the 15 for a rerun of a part.
@@ -246,11 +246,11 @@ def targets(rows: list[dict]) -> list[list]:
     """The issue's targets table, filled from the rows: ``[what, must, aim, measured, verdict]``."""
     import gpu_check_kernel
 
-    rounds = {"kernel": gpu_check_kernel.by_shape(rows, "kernel"), "kernel_fla": gpu_check_kernel.by_shape(rows, "kernel_fla")}
+    against = gpu_check_kernel.rounds_against(rows)
     out = []
 
-    def ratio(ours, other, key, shapes):  # each ratio within one interleaved round
-        kernel = rounds["kernel_fla" if other == "fla" else "kernel"]
+    def ratio(ours, other, key, shapes):
+        kernel = against(other)
         got = [m[ours][f"{key}_ms"] / m[other][f"{key}_ms"] for s, m in kernel.items() if s in shapes
                and m.get(ours, {}).get(f"{key}_ms") and m.get(other, {}).get(f"{key}_ms")]
         return got

@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
@@ -49,9 +50,9 @@ FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: Set by gpu_check.py when it restored an earlier run's autotune results.
 RESTORED_TUNING = "LINFORMER_LAB_RESTORED_TUNING"
 METHODS = ("ours", "ours_nomap", "fla", "cuda_old", "sdpa")
-#: the comparisons of the issue's targets: (ours, against, pass)
 #: The two interleaved timing rounds, as the report names them.
 ROUND_NAMES = {"kernel": "all but fla", "kernel_fla": "beside fla"}
+#: the comparisons of the issue's targets: (ours, against, pass)
 RATIOS = (("ours", "fla", "fwd_bwd"), ("ours_nomap", "fla", "fwd_bwd"), ("ours", "sdpa", "fwd_bwd"),
           ("ours", "cuda_old", "fwd_bwd"), ("ours", "fla", "fwd"), ("ours", "sdpa", "fwd"))
 
@@ -199,9 +200,10 @@ def kernel_profile(shape, fn, dtype, device: str, steps: int = 3) -> list[dict]:
             torch.cuda.synchronize()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.key_averages() if e.device_type == kind]
-    total = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events)
     rows = [{"part": "kernel_profile", "method": "ours", **dict(zip("BTHD", shape)), "kernel": e.key[:80],
-             "calls": e.count / steps, "ms": total(e) / steps / 1e3} for e in events if total(e) > 0]
+             "calls": e.count / steps, "ms": own(e) / steps / 1e3, "share": own(e) / total} for e in events if own(e) > 0]
     return sorted(rows, key=lambda r: -r["ms"])[:12]
 
 
@@ -268,7 +270,7 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
     bandwidth = copy_bandwidth(device)  # first: the roofline row needs it as soon as its shape is timed
     rows += budget.keep([{"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9}])
     # fla last, beside ours, longest sequences first: its first call at a new shape autotunes for
-    # 70-100 s on an H200 (unless an earlier run's autotune results were restored), so the grid
+    # 86-105 s on an H200 (unless an earlier run's autotune results were restored), so the grid
     # without it comes first and fla gets the shapes that fit
     without_fla = {name: entry for name, entry in found.items() if name != "fla"}
     for shape in sorted(grid, key=lambda s: s != ROOFLINE_SHAPE):  # the roofline's shape first
@@ -324,15 +326,22 @@ def by_shape(rows: list[dict], part: str) -> dict:
     return out
 
 
+def rounds_against(rows: list[dict]) -> Callable[[str], dict]:
+    """``other -> {shape: {method: row}}``: the round a ratio of ours to ``other`` comes from (both
+    timed in one interleaved round): ``kernel_fla`` for fla, ``kernel`` for the rest."""
+    rounds = {part: by_shape(rows, part) for part in ROUND_NAMES}
+    return lambda other: rounds["kernel_fla" if other == "fla" else "kernel"]
+
+
 def ratio_rows(rows: list[dict]) -> list[list]:
     """Per shape: ours / other for each of :data:`RATIOS` (below 1: ours is faster), each ratio
-    from one interleaved round (against fla, the round that timed ours beside it)."""
-    rounds = {"kernel": by_shape(rows, "kernel"), "kernel_fla": by_shape(rows, "kernel_fla")}
+    from one interleaved round (:func:`rounds_against`)."""
+    against = rounds_against(rows)
     out = []
-    for shape in sorted(set(rounds["kernel"]) | set(rounds["kernel_fla"]), key=lambda s: (s[1], s)):
+    for shape in sorted(set(against("sdpa")) | set(against("fla")), key=lambda s: (s[1], s)):
         cells = []
         for ours, other, key in RATIOS:
-            m = rounds["kernel_fla" if other == "fla" else "kernel"].get(shape, {})
+            m = against(other).get(shape, {})
             a, b = m.get(ours, {}).get(f"{key}_ms"), m.get(other, {}).get(f"{key}_ms")
             cells.append(common.fmt(a / b, 2) if a and b else "—")
         out.append(["×".join(map(str, shape)), *cells])
@@ -363,7 +372,7 @@ def report_lines(rows: list[dict]) -> list[str]:
     md += ["## Kernels: where our fwd+bwd spends its time (torch.profiler, per step)", "",
            common.markdown_table(["B×T×H×D", "kernel", "calls", "ms", "share"],
                                  [["×".join(str(r[k]) for k in "BTHD"), r["kernel"], common.fmt(r["calls"], 1),
-                                   common.fmt(r["ms"], 3), f"{r['ms'] / sum(p['ms'] for p in profiled):.0%}"]
+                                   common.fmt(r["ms"], 3), f"{r['share']:.0%}"]
                                   for r in profiled]), ""]
     tunings = [r for r in rows if r["part"] == "tuning"]
     md += ["## Kernels: autotuning (configs timed at each new key), seconds", "",

@@ -253,6 +253,9 @@ def test_the_kernel_profile_says_where_a_step_spends_its_time():
     rows = gpu_check_kernel.kernel_profile((1, 64, 2, 16), attention, torch.float32, "cpu", steps=2)
     assert rows and rows == sorted(rows, key=lambda r: -r["ms"]) and all(r["ms"] > 0 for r in rows)
     assert any("bmm" in r["kernel"] or "mm" in r["kernel"] for r in rows)
+    # each share of the step's whole time, not of the rows kept (the longest 12)
+    assert 0 < sum(r["share"] for r in rows) <= 1 + 1e-9
+    assert all(abs(r["share"] / rows[0]["share"] - r["ms"] / rows[0]["ms"]) < 1e-9 for r in rows)
     report = "\n".join(gpu_check_kernel.report_lines(rows))
     assert "## Kernels: where our fwd+bwd spends its time" in report and "| 1×64×2×16 |" in report
 
