@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_causal_cpu_attention import EPS, NAMES, inputs, naive_attention
+from triton_accuracy import half_errors
 
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
@@ -78,28 +79,6 @@ def test_packed_input_runs_on_the_fused_float32_kernel(monkeypatch):
     assert len(calls) == 1
 
 
-def half_form_errors(fn, t, mean, seeds=(0,)):
-    """Relative errors (the output, gradients of q, k, v, S_0, z_0) of ``fn`` on bf16 q, k, v and float32
-    states against the PyTorch form in float64 (the Triton issue's measure, tests/ops/triton_accuracy.py),
-    pooled over ``seeds``: ||all errors|| / ||all exact values||."""
-    names = ("out", "q", "k", "v", "S0", "z0")
-    error, size = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
-    for seed in seeds:
-        gen = torch.Generator().manual_seed(seed)
-        q, k, v, weight = (torch.randn(2, 2, t, 32, generator=gen) for _ in range(4))
-        s0, z0 = torch.rand(2, 2, 32, 32, generator=gen) * 4, torch.rand(2, 2, 32, generator=gen) * 4
-        tensors = [x.requires_grad_() for x in (q.bfloat16(), k.bfloat16(), (v + mean).bfloat16(), s0, z0)]
-        exact = [x.detach().double().requires_grad_() for x in tensors]
-        out, exact_out = fn(*tensors), chunk_linear_attention_torch(*exact[:3], initial_state=exact[3:])
-        out.backward(weight.bfloat16())
-        exact_out.backward(weight.double())
-        pairs = [(out.detach().double(), exact_out.detach())] + [(x.grad.double(), r.grad) for x, r in zip(tensors, exact)]
-        for name, (got, want) in zip(names, pairs):
-            error[name] += (got - want).norm().item() ** 2
-            size[name] += want.norm().item() ** 2
-    return {name: (error[name] / size[name]) ** 0.5 for name in names}
-
-
 @pytest.mark.parametrize("t", [130, 500])
 @pytest.mark.parametrize("mean", [0.0, 4.0])
 def test_gradient_error_against_the_pytorch_form_in_bf16(mean, t):
@@ -107,11 +86,11 @@ def test_gradient_error_against_the_pytorch_form_in_bf16(mean, t):
     out), pooled over four seeds (z_0's 128 numbers alone swing the ratio 0.6-1.6 from seed to seed at
     mean 0). All products in bf16 GEMMs gave grad q 1.8-2.1x, grad z_0 up to 1.9x and the output 2.3-5.5x
     at mean 0: a bf16 GEMM on CPU rounds its output to bf16, hence the float32 products."""
-    ours = bf16_chunk.causal_attention
-    seeds = range(4)
-    got = half_form_errors(lambda q, k, v, s0, z0: ours("elu", q, k, v, initial_state=(s0, z0)), t, mean, seeds)
-    want = half_form_errors(lambda q, k, v, s0, z0: chunk_linear_attention_torch(q, k, v, initial_state=(s0, z0)),
-                            t, mean, seeds)
+    def ours(q, k, v, initial_state, chunk_size):
+        return bf16_chunk.causal_attention("elu", q, k, v, initial_state=initial_state)
+
+    got, want = (half_errors(fn, torch.bfloat16, t, mean, seeds=range(4), heads=(2, 2))
+                 for fn in (ours, chunk_linear_attention_torch))
     worse = {name: f"{got[name]:.3g} vs {want[name]:.3g}" for name in got if got[name] > 1.5 * want[name]}
     assert not worse, worse
 
