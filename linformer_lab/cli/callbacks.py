@@ -5,9 +5,11 @@ and :class:`BestCheckpoint` (the best ``save_top_k`` by the task's monitored met
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 import warnings
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -15,7 +17,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import linformer_lab.cli.compat as compat
 from linformer_lab.tasks.base import epoch_ran_to_end
 
-__all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved", "interrupted_message"]
+__all__ = ["LastCheckpoint", "BestCheckpoint", "load_unless_moved", "interrupted_message", "INTERRUPTED_EXIT_CODE",
+           "rank_zero_log", "without_interrupt_notice", "init_from_error"]
+
+#: exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it
+INTERRUPTED_EXIT_CODE = 130
+
+#: the logger of Lightning's rank_zero_info (lightning.pytorch.utilities.rank_zero sets it to its own)
+rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -171,3 +180,21 @@ def interrupted_message(trainer: L.Trainer) -> str:
     updates = "nothing is" if lost == 0 else "the 1 update since is" if lost == 1 else f"the {lost} updates since are"
     return (f"interrupted (Ctrl-C) at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
             f"so {updates} lost; --ckpt_path last with the same config resumes from step {saved}.")
+
+
+def without_interrupt_notice(record) -> bool:
+    """Logging filter: drops Lightning's "Detected KeyboardInterrupt, attempting graceful shutdown",
+    which :func:`interrupted_message` replaces."""
+    return "Detected KeyboardInterrupt" not in str(record.msg)
+
+
+def init_from_error(err: Exception, init_from: str) -> str:
+    """The line for a ``--model.init_from`` checkpoint that cannot be used. The loader's message names
+    only a file, which a user resuming a converted run may not connect with init_from; a file that is
+    gone gets the two ways on."""
+    if not Path(init_from).exists():
+        return (f"--model.init_from {init_from}: no such file; init_from names the trained checkpoint a fit starts "
+                f"from: give its path now, or resume the run from its own checkpoint with --ckpt_path last "
+                f"(a resumed run does not read init_from)")
+    message = str(err)
+    return f"--model.{message}" if message.startswith(f"init_from {init_from}") else f"--model.init_from {init_from}: {message}"

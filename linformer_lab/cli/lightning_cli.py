@@ -27,7 +27,6 @@ the wiring:
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import shutil
 import signal
@@ -54,7 +53,13 @@ from linformer_lab.cli.args import (
     parse_error_line,
     with_ckpt_path,
 )
-from linformer_lab.cli.callbacks import interrupted_message
+from linformer_lab.cli.callbacks import (
+    INTERRUPTED_EXIT_CODE,
+    init_from_error,
+    interrupted_message,
+    rank_zero_log,
+    without_interrupt_notice,
+)
 from linformer_lab.cli.checkpoints import (
     CheckpointMismatchError,
     CheckpointSettings,
@@ -261,11 +266,13 @@ class LinformerCLI(LightningCLI):
             except ConfigurationError as err:
                 self._stop(str(err))
             init_from = self.model.hparams.get("init_from")
-            if fitting and init_from:  # a trained model of another attention to start from (tasks/conversion.py)
+            if fitting and init_from and resume:  # the checkpoint holds the weights: init_from is not read (it may be gone)
+                self.model.init_from_applied = True
+            elif fitting and init_from:  # a trained model of another attention to start from (tasks/conversion.py)
                 try:
                     self.model.initialise_from(load_checkpoint_header(init_from), init_from)
                 except (CheckpointMismatchError, ConfigurationError) as err:
-                    self._stop(str(err))
+                    self._stop(init_from_error(err, init_from))
 
         if ours:
             run_dir = trainer.log_dir or str(root)  # None under fast_dev_run (which saves nothing)
@@ -334,7 +341,7 @@ class LinformerCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl-C after the first; ours again after
-        rank_zero_log.addFilter(_without_interrupt_notice)
+        rank_zero_log.addFilter(without_interrupt_notice)
         try:
             super()._run_subcommand(subcommand)
         except SystemExit as stop:
@@ -351,7 +358,7 @@ class LinformerCLI(LightningCLI):
             raise
         finally:  # the checkpoint directory is free for the next run (also one in this process)
             signal.signal(signal.SIGINT, sigint)
-            rank_zero_log.removeFilter(_without_interrupt_notice)
+            rank_zero_log.removeFilter(without_interrupt_notice)
             lock = getattr(self, "_checkpoint_lock", None)
             if lock is not None:
                 lock.close()
@@ -376,21 +383,6 @@ class LinformerCLI(LightningCLI):
         log_dir.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, log_dir / name)
         print(f"saved {len(predictions or [])} batches of predictions to {log_dir / name}")
-
-
-# ---------------------------------------------------------------------- Ctrl-C
-
-#: exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it
-INTERRUPTED_EXIT_CODE = 130
-
-#: the logger of Lightning's rank_zero_info (lightning.pytorch.utilities.rank_zero sets it to its own)
-rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-
-
-def _without_interrupt_notice(record) -> bool:
-    """Logging filter: drops Lightning's "Detected KeyboardInterrupt, attempting graceful shutdown",
-    which :func:`interrupted_message` replaces."""
-    return "Detected KeyboardInterrupt" not in str(record.msg)
 
 
 # ---------------------------------------------------------------------- defaults

@@ -179,10 +179,11 @@ def test_a_checkpoint_file_that_is_not_there_is_not_found_on_every_road(tmp_path
         with pytest.raises(CheckpointNotFoundError, match=f"checkpoint {missing} does not exist") as caught:
             read()
         assert not isinstance(caught.value, UnreadableCheckpointError)
-    for flag in ("--ckpt_path", "--model.init_from"):
+    for flag, error in (("--ckpt_path", f"checkpoint {missing} does not exist."),
+                        ("--model.init_from", f"--model.init_from {missing}: no such file; init_from names")):
         code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--trainer.max_steps=1", flag, missing])
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
-        assert code == 2 and errors == [f"error: checkpoint {missing} does not exist."], err
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {error}"), err
 
 
 def test_an_optimizer_state_saved_in_another_parameter_order_is_refused_with_the_way_out(trained, tmp_path):

@@ -100,3 +100,26 @@ def test_the_copy_conversion_configs_fit_and_test_as_the_report_runs_them(copy_t
     assert code == 0, err
     tested = [row for version in sorted(tmp_path.glob("version_*")) for row in read_metrics(version) if "test/loss" in row]
     assert len(tested) == 1 and tested[0]["test/loss"] > 0
+
+
+def test_a_converted_run_resumes_without_its_init_from_checkpoint(softmax_checkpoint, tmp_path):
+    """``fit --config <run>/config.yaml --ckpt_path last`` of a converted run: the saved config still
+    names init_from, whose file has since gone; the run continues from its own last.ckpt without
+    reading it. A fresh fit naming the gone file is one line that says init_from and the way on."""
+    teacher = tmp_path / "teacher.ckpt"
+    teacher.write_bytes(softmax_checkpoint.read_bytes())
+    args = tiny_copy_args(tmp_path / "run", "linear", "--model.attention.feature_map=hedgehog",
+                          f"--model.init_from={teacher}", "--model.distill_steps=2", "--trainer.max_steps=2")
+    code, out, err = run_cli(["fit", *args])
+    assert code == 0 and "attention distillation: update 2 of 2" in out, err
+    teacher.unlink()
+    saved = tmp_path / "run" / "version_0" / "config.yaml"
+    code, out, err = run_cli(["fit", "--config", str(saved), "--ckpt_path", "last", "--trainer.max_steps=4"])
+    assert code == 0, err
+    assert "init_from" not in out and "attention distillation" not in out, out
+    resumed = torch.load(checkpoint_dir(tmp_path / "run") / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 4
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "fresh", "linear", f"--model.init_from={teacher}")])
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: --model.init_from {teacher}: no such file") and "--ckpt_path last" in lines[0], err
