@@ -60,6 +60,10 @@ HELP_NAMES = {
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
+#: The class whose arguments a plain group of the subcommands sets, for the did-you-mean of a
+#: misspelt key of that group in a config file (the parser reporting it knows only its own options).
+GROUP_CLASSES = {"trainer": "lightning.pytorch.Trainer"}
+
 
 class UsageError(ValueError):
     """A command line :func:`main` refuses: its message is the one line printed, exit code 2."""
@@ -126,10 +130,11 @@ def _classes_in(annotation) -> list[type]:
             ("builtins", "typing", "collections", "torch", "pathlib")]
 
 
-def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> str | None:
+def parse_error_line(message: str, options: typing.Iterable[str], prog: str, argv: typing.Sequence[str] = ()) -> str | None:
     """One line for a jsonargparse error ``message`` about an unknown option, with a
     did-you-mean over ``options`` (the parser's own) and, for ``--model.*`` / ``--data.*``,
-    the arguments of the class the message names; None when the error is of another kind."""
+    the arguments of the class the message names; the config file of ``argv`` that holds the
+    key, when one does. None when the error is of another kind."""
     def tip(flag: str) -> str:
         if flag.startswith(("--model.", "--data.")):
             return f"({prog} --config NAME --help lists the model's and data's options)"
@@ -140,18 +145,50 @@ def parse_error_line(message: str, options: typing.Iterable[str], prog: str) -> 
         flag = next((word for word in unknown.group(1).split() if word.startswith("-")), unknown.group(1).split()[0])
         flag = flag.split("=", 1)[0]
         return f"error: unknown option {flag}{suggest_option(flag, options)} {tip(flag)}"
-    nested = re.findall(JSONARGPARSE_MESSAGES["nested_key"], message)
-    group = re.match(JSONARGPARSE_MESSAGES["group_key"], message)
-    if not (nested and group and re.search(JSONARGPARSE_MESSAGES["not_accepted"], message)):
-        return None
-    flag = f"--{group.group(1)}.{nested[-1]}"
-    class_path = re.search(JSONARGPARSE_MESSAGES["class_path"], message)
     candidates = list(options)
-    if class_path:
-        # jsonargparse found the class a moment ago; without it the parser's own names remain
-        with contextlib.suppress(ImportError, AttributeError):
-            candidates += class_option_names(import_class(class_path.group(1)), group.group(1))
-    return f"error: unknown option {flag}{suggest_option(flag, candidates)} {tip(flag)}"
+    in_group = re.search(JSONARGPARSE_MESSAGES["group_option"], message)  # a config's key of a plain group (trainer)
+    rejected = list(re.finditer(JSONARGPARSE_MESSAGES["not_accepted"], message))
+    if in_group:
+        kind, group, option = in_group.groups()
+        path = [*(group.split(".") if kind == "Group" else []), *option.split(".")]
+        if path[0] in GROUP_CLASSES:  # reported by the top parser, whose options are not the subcommand's
+            with contextlib.suppress(ImportError, AttributeError):
+                candidates += class_option_names(import_class(GROUP_CLASSES[path[0]]), path[0])
+    elif rejected:
+        # the innermost rejection, under the keys that lead to it: 'Parser key "model"' (a group),
+        # then 'Parser key "attention"' (a dataclass argument of the model), then the option
+        before = message[:rejected[-1].start()]
+        path = [*re.findall(JSONARGPARSE_MESSAGES["parser_key"], before), rejected[-1].group(1)]
+        class_path = re.search(JSONARGPARSE_MESSAGES["class_path"], before)
+        if class_path and len(path) > 1:
+            # jsonargparse found the class a moment ago; without it the parser's own names remain
+            with contextlib.suppress(ImportError, AttributeError):
+                candidates += class_option_names(import_class(class_path.group(1)), path[0])
+    else:
+        return None
+    flag = "--" + ".".join(path)
+    source = config_holding(path, config_values(list(argv)))
+    return f"error: unknown option {flag}{f' in {source}' if source else ''}{suggest_option(flag, candidates)} {tip(flag)}"
+
+
+def config_holding(path: list[str], configs: typing.Sequence[str]) -> str | None:
+    """The last of the config files ``configs`` that sets the key ``path`` (``["model", "n_layer"]``
+    is ``model: {init_args: {n_layer: ...}}`` or ``model: {n_layer: ...}``); None when none does
+    (the key came from the command line)."""
+    import yaml
+
+    for config in reversed(configs):
+        try:
+            node = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
+        except (OSError, yaml.YAMLError):
+            continue
+        for key in path:
+            if isinstance(node, dict) and key not in node and isinstance(node.get("init_args"), dict):
+                node = node["init_args"]
+            node = node.get(key, KeyError) if isinstance(node, dict) else KeyError
+        if node is not KeyError:
+            return config
+    return None
 
 
 def condense_parse_error(message: str) -> str:
@@ -197,17 +234,36 @@ def find_config(value: str) -> str:
     raise UsageError(f"error: config file {value!r} not found in ., ./configs or {REPO_CONFIG_DIR}{hint}")
 
 
+def checked_config(value: str) -> str:
+    """:func:`find_config`, and the file (or inline text) parsed as YAML: a syntax error is a
+    :class:`UsageError` naming the file and the line (the parser would name "<unicode string>")."""
+    import yaml
+
+    found = find_config(value)
+    is_file = Path(found).is_file()
+    try:
+        yaml.safe_load(Path(found).read_text() if is_file else found)
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or str(err).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        after = f" ({context} from line {start.line + 1}, column {start.column + 1})" if context and start else ""
+        name = f"config file {found}" if is_file else f"--config {found!r}"
+        raise UsageError(f"error: {name} is not valid YAML: {problem}{where}{after}") from None
+    return found
+
+
 def resolve_config_args(argv: list[str]) -> list[str]:
-    """Rewrite every ``--config X`` / ``-c X`` / ``--config=X`` with :func:`find_config`."""
+    """Rewrite every ``--config X`` / ``-c X`` / ``--config=X`` with :func:`checked_config`."""
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         if arg in ("-c", "--config") and i + 1 < len(argv):
-            out += [arg, find_config(argv[i + 1])]
+            out += [arg, checked_config(argv[i + 1])]
             i += 2
             continue
         if arg.startswith("--config="):
-            arg = "--config=" + find_config(arg[len("--config="):])
+            arg = "--config=" + checked_config(arg[len("--config="):])
         out.append(arg)
         i += 1
     return out

@@ -65,13 +65,16 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
 JSONARGPARSE_MESSAGES: dict[str, str] = {
     # "unrecognized arguments: --trainer.max_step 3" -> the words given
     "unrecognized": r"unrecognized arguments: (.*)",
-    # an option of a subclass-mode group: 'Parser key "model": ... NestedArg(key='n_layer', val='3') ...
-    # ... is not accepted' -> the group (at the start), the option, the class_path it was checked against
-    "group_key": r'Parser key "(\w+)"',
-    "nested_key": r"NestedArg\(key='([^']+)'",
+    # an option of a subclass-mode group, from the command line or a config file: 'Parser key "model":
+    # ... class_path '...CopyTask': ... Option 'n_layer' is not accepted' (a dataclass argument adds its
+    # own 'Parser key "attention"' inside) -> each key (parser_key, below), the class_path it was
+    # checked against, the option; the value given on the command line
     "nested_value": r"NestedArg\(key='[^']*', val=(.*)\)\s*$",
-    "not_accepted": r"is not accepted",
+    "not_accepted": r"Option '([^']+)' is not accepted",
     "class_path": r"class_path '([\w.]+)'",
+    # a config file's key of a plain group: "Group 'trainer' does not accept option 'max_step'", or
+    # (after other options) "Subcommand 'fit' does not accept option 'trainer.max_step'"
+    "group_option": r"(Group|Subcommand) '([\w.]+)' does not accept option '([^']+)'",
     # a value of the wrong type: 'Parser key "trainer.precision": ... Expected a typing.Literal[...]
     # ... Given value: 17' -> each key, the given value, the expected types
     "parser_key": r'Parser key "([^"]+)":',

@@ -9,7 +9,9 @@ config lists every trainer option (LightningCLI's own help)."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -158,3 +160,39 @@ def config_help(subcommand: str, config_paths: list[str]) -> str:
             lines += ["", f"{group} options (defaults: the config's values):",
                       *_section(node["class_path"], group, node.get("init_args") or {})]
     return "\n".join(lines) + "\n"
+
+
+#: where ``--model.attention NAME`` finds the fields it resets (:func:`attention_by_name`)
+ATTENTION_CONFIG = "linformer_lab.attention.config.AttentionConfig"
+
+
+def attention_by_name(argv: list[str]) -> list[str]:
+    """``argv`` with a bare backend name given to ``--model.attention`` (``--model.attention
+    softmax``) read as the Python API reads ``attention="softmax"``: that backend with every other
+    field of the AttentionConfig at its default. Given as the whole mapping, so that nothing of the
+    config's attention (a feature map softmax does not take) carries over; the fields and defaults
+    are read from the class's source, as the help reads them."""
+    named = [i for i, arg in enumerate(argv) if _bare_name(argv, i)]
+    if not named:
+        return argv
+    defaults = {}
+    for name, _, default, _, _ in class_options(ATTENTION_CONFIG) or []:
+        shown = {"dict()": "{}", "list()": "[]"}.get(default or "None", default or "None")
+        with contextlib.suppress(ValueError, SyntaxError):  # a default that is not a literal: the class's own
+            defaults[name] = ast.literal_eval(shown)
+    out = list(argv)
+    for i in named:
+        flag, _, value = out[i].partition("=")
+        if value:
+            out[i] = f"{flag}={json.dumps({**defaults, 'backend': value})}"
+        else:
+            out[i + 1] = json.dumps({**defaults, "backend": out[i + 1]})
+    return out
+
+
+def _bare_name(argv: list[str], i: int) -> bool:
+    flag, eq, value = argv[i].partition("=")
+    if flag != "--model.attention" or not (eq or i + 1 < len(argv)):
+        return False
+    value = value if eq else argv[i + 1]
+    return bool(re.fullmatch(r"[A-Za-z_][\w-]*", value)) and value.lower() not in ("null", "none")

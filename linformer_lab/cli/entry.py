@@ -25,6 +25,7 @@ from linformer_lab.cli.args import (
     prepare_argv,
 )
 from linformer_lab.cli.checks import kernel_switch_error
+from linformer_lab.cli.config_help import attention_by_name
 
 __all__ = ["main", "plugins_command", "top_level_help", "close_process_group"]
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv:
             raise UsageError("error: name a subcommand, e.g. cli.py fit --config copy_linear.yaml (cli.py --help lists them)")
-        argv = prepare_argv(argv)
+        argv = attention_by_name(prepare_argv(argv))
     except UsageError as err:
         sys.stderr.write(f"{err}\n")
         return 2

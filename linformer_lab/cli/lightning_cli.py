@@ -103,10 +103,11 @@ class LinformerArgumentParser(LightningArgumentParser):
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             return super().error(message, ex)  # a parser asked to raise (jsonargparse's own lenient checks)
         parser = getattr(ex, "subcommand_parser", None) or self
-        subcommand = parser.prog.split()[-1]  # "cli.py [options] fit" (the name in sys.argv[0])
-        prog = f"cli.py {subcommand}" if subcommand in SUBCOMMANDS else "cli.py"
+        # "cli.py [options] fit" (the name in sys.argv[0]); a config's key is reported by the top parser
+        subcommand = next((word for word in (parser.prog.split()[-1], *sys.argv[1:2]) if word in SUBCOMMANDS), None)
+        prog = f"cli.py {subcommand}" if subcommand else "cli.py"
         options = [o for o in compat.option_strings(parser) if o.startswith("--")]
-        line = parse_error_line(message, options, prog)
+        line = parse_error_line(message, options, prog, sys.argv)
         if line is None:
             wrong_type = type_error_line(message, sys.argv)
             line = f"error: {wrong_type or condense_parse_error(message)} ({prog} --help lists the options)"

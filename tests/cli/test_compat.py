@@ -109,8 +109,9 @@ def test_a_jsonargparse_member_removed_from_init_is_named_as_jsonargparse_s(monk
 #: jsonargparse's report of them
 MESSAGE_CASES = [
     (["--trainer.max_step", "3"], {"unrecognized": "--trainer.max_step 3"}),
-    (["--model.n_layer", "3"], {"group_key": "model", "nested_key": "n_layer", "not_accepted": "is not accepted",
+    (["--model.n_layer", "3"], {"parser_key": "model", "not_accepted": "n_layer",
                                 "class_path": "linformer_lab.tasks.copy_task.CopyTask"}),
+    (["--config", "trainer: {max_step: 3}"], {"group_option": "Subcommand"}),
     (["--trainer.precision", "17"], {"parser_key": "trainer.precision", "given_value": "17",
                                      "expected": "typing.Literal[64, 32, 16]"}),
     (["--data.batch_size", "abc"], {"parser_key": "batch_size", "nested_value": "'abc'", "expected": "<class 'int'>"}),
