@@ -10,6 +10,7 @@ import functools
 import torch
 
 from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
+from linformer_lab.attention.context_parallel import segment_attention
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import kernels
 from linformer_lab.ops import linear_attention as ops
@@ -92,6 +93,9 @@ class LinearAttention(Attention):
         #: op of :mod:`linformer_lab.ops.kernels` -> the candidate this layer forces for it, as
         #: ``LINFORMER_LAB_KERNELS`` would for this layer alone (empty: chosen by the conditions)
         self.forced_kernels = dict(GPU_KERNELS) if gpu_kernels else {}
+        #: the process group whose ranks hold consecutive segments of one sequence, or None (one
+        #: process holds it all); set by :func:`~linformer_lab.attention.context_parallel.context_parallel`
+        self.context_group = None
 
     @property
     def causal_dot_product(self):
@@ -113,6 +117,14 @@ class LinearAttention(Attention):
             raise RuntimeError(NOT_CUDA.format(where=f"got tensors on {q.device}"))
 
     def forward(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
+        if self.context_group is not None:  # this rank's segment of a sequence split over processes
+            self.check_inputs(q, k, v)
+            return segment_attention(self, self.context_group, q, k, v, key_lengths, state, return_state, cu_seqlens)
+        return self.attend(q, k, v, key_lengths, state, return_state, cu_seqlens)
+
+    def attend(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
+        """:meth:`forward` on inputs held whole by this process (what a context-parallel segment
+        runs, from the prefix of the earlier segments' state)."""
         # The hot path of training: no copy of q, k, v or the output here, and nothing read back
         # from the device (the checks of key_lengths and cu_seqlens assert on it).
         self.check_inputs(q, k, v, key_lengths)
