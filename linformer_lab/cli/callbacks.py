@@ -198,3 +198,34 @@ def init_from_error(err: Exception, init_from: str) -> str:
                 f"(a resumed run does not read init_from)")
     message = str(err)
     return f"--model.{message}" if message.startswith(f"init_from {init_from}") else f"--model.init_from {init_from}: {message}"
+
+
+def finished_fit_lines(trainer: L.Trainer) -> list[str]:
+    """What a finished fit prints last: its run folder, the best checkpoint and its metric (else the
+    resume point), and the commands that evaluate and use it. The commands name the config saved by
+    the run that owns the checkpoints (a resumed fit logs into a new folder but writes the old run's),
+    so that ``--ckpt_path best`` there means these checkpoints."""
+    best = next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
+    last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+    if trainer.log_dir is None or last is None or last.dirpath is None:  # fast_dev_run, or checkpoints of the user's
+        return []
+    lines = [f"fit finished at step {trainer.global_step}: run folder {_shown(trainer.log_dir)}"]
+    keyword = "last"
+    if best is not None and best.best_model_path:
+        score = best.best_model_score
+        metric = f" ({best.monitor} {float(score):.4f})" if score is not None else ""
+        lines.append(f"  best checkpoint {_shown(best.best_model_path)}{metric}")
+        keyword = "best"
+    lines.append(f"  resume point    {_shown(os.path.join(last.dirpath, 'last.ckpt'))}")
+    owner = Path(last.dirpath).parent / "config.yaml"
+    config = owner if owner.is_file() else Path(trainer.log_dir) / "config.yaml"
+    lines.append(f"next: python cli.py test --config {_shown(config)} --ckpt_path {keyword}")
+    lines.append(f"      python cli.py predict --config {_shown(config)} --ckpt_path {keyword}")
+    return lines
+
+
+def _shown(path) -> str:
+    """``path`` relative to the working directory when it lies below it (shorter to read and to
+    copy), else as it is."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative

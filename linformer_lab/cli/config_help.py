@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from linformer_lab.cli.args import SUBCOMMANDS
+
 
 def source_of(module: str) -> Path | None:
     """The file of ``module`` found without importing it or its packages (their ``__init__``
@@ -58,8 +60,13 @@ def _imported(tree: ast.Module, name: str, module: str) -> str:
 def _described(doc: str | None) -> dict[str, str]:
     """``name: text`` entries of a docstring's ``Args:`` / ``Attributes:`` section (``a, b: text``
     describes both; deeper-indented lines continue an entry)."""
-    section = re.search(r"^(?:Args|Attributes):\n((?:[ \t]+\S.*\n?|\n(?=[ \t]{8}))*)", doc or "", re.M)
-    lines = [line for line in (section.group(1) if section else "").splitlines() if line.strip()]
+    # blank lines inside the section too (Lightning's Trainer separates its entries with them)
+    section = re.search(r"^(?:Args|Attributes):\n((?:[ \t]+\S.*\n?|\n(?=[ \t]{4,}\S))*)", doc or "", re.M)
+    # a Sphinx cross-reference (:class:`~linformer_lab.tasks.base.Task`) reads as the name it shows (Task)
+    text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1),
+                  section.group(1) if section else "")
+    text = re.sub(r"``([^`]+)``", r"\1", text)  # literal markup, a terminal shows none
+    lines = [line for line in text.splitlines() if line.strip()]
     indent = min((len(line) - len(line.lstrip()) for line in lines), default=0)
     found: dict[str, str] = {}
     names: list[str] = []
@@ -82,8 +89,9 @@ def class_options(class_path: str) -> list[tuple[str, str, str | None, str, str 
     if found is None:
         return None
     node, tree, module = found
-    described = _described(ast.get_docstring(node))
     init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    # the class's docstring, else its __init__'s (where Lightning's Trainer describes its arguments)
+    described = {**(_described(ast.get_docstring(init)) if init else {}), **_described(ast.get_docstring(node))}
     options = []
     if init is None:  # a dataclass: its annotated fields
         fields = [(f.target.id, f.annotation, f.value) for f in node.body
@@ -196,3 +204,62 @@ def _bare_name(argv: list[str], i: int) -> bool:
         return False
     value = value if eq else argv[i + 1]
     return bool(re.fullmatch(r"[A-Za-z_][\w-]*", value)) and value.lower() not in ("null", "none")
+
+
+#: the classes whose arguments are the plain groups of every subcommand, as LightningCLI adds them
+SUBCOMMAND_GROUPS = (("trainer", "lightning.pytorch.trainer.trainer.Trainer"),
+                     ("checkpoint", "linformer_lab.cli.checkpoints.CheckpointSettings"))
+#: the CLI's meaning of an argument where it is not Lightning's (cli/checkpoints.py: resolve_checkpoint_path)
+OWN_DESCRIPTIONS = {
+    "ckpt_path": "last: the newest last.ckpt of the configured model's runs under the root (a fit without one starts "
+                 "from scratch); best: the best checkpoint that last.ckpt records; or a checkpoint file. Checked against "
+                 "the configured model before anything runs (docs/cli.md, Resume).",
+}
+#: arguments of the Trainer's method of a subcommand that LightningCLI fills itself, not options
+FILLED_BY_THE_CLI = {"self", "model", "train_dataloaders", "val_dataloaders", "dataloaders", "datamodule"}
+
+
+def subcommand_help(subcommand: str) -> str:
+    """``cli.py SUBCOMMAND --help`` without a config, read from the sources as the config's help is
+    (LightningCLI's own help first imports Lightning, most of the command's time): the general
+    options, those of the Trainer's method of the subcommand (``ckpt_path``, ...), every
+    ``--trainer.*`` and ``--checkpoint.*``, and where the model's and data's options are."""
+    lines = [f"usage: cli.py {subcommand} --config NAME.yaml [--group.option VALUE ...]", "",
+             f"{SUBCOMMANDS[subcommand].capitalize()}. Options (later ones win; a config's values: cli.py {subcommand} "
+             f"--config NAME --help):",
+             "  -c CONFIG, --config CONFIG",
+             "      a config file (yaml or json), looked up as given, in ./configs, then in this checkout's configs/;",
+             "      several are merged in order",
+             "  --print_config",
+             "      print the complete resolved configuration and exit",
+             "  --seed_everything SEED_EVERYTHING",
+             "      the seed set before the classes are built; true draws one (type: bool | int, default: 0)",
+             "  --model CLASS_PATH_OR_NAME, --data CLASS_PATH_OR_NAME",
+             "      the task (a LightningModule) and its data (a LightningDataModule), usually from the config",
+             "  --optimizer CLASS_PATH_OR_NAME, --lr_scheduler CLASS_PATH_OR_NAME",
+             "      a torch optimizer and learning-rate scheduler in place of the task's own (configure_optimizers)"]
+    for name, kind, default, text in _method_options("lightning.pytorch.trainer.trainer.Trainer", subcommand):
+        text = OWN_DESCRIPTIONS.get(name, text)
+        about = f"{text} (type: {kind}, default: {'null' if default in (None, 'None') else default})".strip()
+        lines += [f"  --{name} {name.upper()}", *textwrap.wrap(about, width=96, initial_indent="      ",
+                                                                subsequent_indent="      ")]
+    for prefix, class_path in SUBCOMMAND_GROUPS:
+        lines += ["", *_section(class_path, prefix, {})]
+    lines += ["", "The model's and data's options: add --config NAME (or --model.help copy; cli.py --help lists the names)."]
+    return "\n".join(lines) + "\n"
+
+
+def _method_options(class_path: str, method: str) -> list[tuple[str, str, str | None, str]]:
+    """``(name, type, default, description)`` per argument of ``class_path.method`` that is an option
+    of the subcommand (not one LightningCLI fills: the model, the data), read from the source."""
+    module, _, name = class_path.rpartition(".")
+    found = _class_node(module, name)
+    function = next((f for f in found[0].body if isinstance(f, ast.FunctionDef) and f.name == method), None) if found else None
+    if function is None:
+        return []
+    described = _described(ast.get_docstring(function))
+    args = function.args.args
+    defaults = [None] * (len(args) - len(function.args.defaults)) + list(function.args.defaults)
+    return [(a.arg, ast.unparse(a.annotation) if a.annotation is not None else "Any",
+             ast.unparse(d) if d is not None else None, described.get(a.arg, ""))
+            for a, d in zip(args, defaults) if a.arg not in FILLED_BY_THE_CLI]

@@ -25,7 +25,7 @@ from linformer_lab.cli.args import (
     prepare_argv,
 )
 from linformer_lab.cli.checks import kernel_switch_error
-from linformer_lab.cli.config_help import attention_by_name
+from linformer_lab.cli.config_help import attention_by_name, config_help, subcommand_help
 
 __all__ = ["main", "plugins_command", "top_level_help", "close_process_group"]
 
@@ -139,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{err}\n")
         return 2
     configs = config_values(argv)
-    if help_requested(argv) and configs:  # from the config and its classes' sources: no Lightning
-        from linformer_lab.cli.config_help import config_help
-
-        sys.stdout.write(config_help(argv[0], configs))
+    class_help = any(arg.split("=")[0] in ("--model.help", "--data.help") for arg in argv)  # LightningCLI's
+    if help_requested(argv) and (configs or not class_help):  # from the sources: no Lightning
+        sys.stdout.write(config_help(argv[0], configs) if configs else subcommand_help(argv[0]))
         return 0
     from linformer_lab.cli.lightning_cli import run_lightning_cli  # the first import of Lightning
 

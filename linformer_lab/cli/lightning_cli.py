@@ -55,6 +55,7 @@ from linformer_lab.cli.args import (
 )
 from linformer_lab.cli.callbacks import (
     INTERRUPTED_EXIT_CODE,
+    finished_fit_lines,
     init_from_error,
     interrupted_message,
     rank_zero_log,
@@ -363,6 +364,11 @@ class LinformerCLI(LightningCLI):
             lock = getattr(self, "_checkpoint_lock", None)
             if lock is not None:
                 lock.close()
+
+    def after_fit(self) -> None:
+        # where the run and its best checkpoint are, and what to run next (once, from rank 0)
+        for line in finished_fit_lines(self.trainer) if self.trainer.is_global_zero else []:
+            print(line)
 
     def predict(self, model, datamodule=None, ckpt_path=None, return_predictions=None, **kwargs):
         """Runs ``trainer.predict`` and saves the predictions to ``<log_dir>/predictions.pt``.

@@ -70,9 +70,15 @@ class CopyTask(Task):
             segment (:func:`~linformer_lab.models.transformer.segmented_forward`).
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).
-        init_from, distill_steps, distill_lr: start from a checkpoint of this task with another
-            attention, optionally distilling the feature maps first (as
-            :class:`~linformer_lab.tasks.image_generation.ImageGenerationTask`).
+        init_from: a checkpoint of this task with another attention (a trained softmax copy
+            model, ``configs/copy_convert_*.yaml``) to start ``fit`` from: every weight whose name
+            and shape match is loaded and a table of what loaded is printed; the rest (a learned
+            feature map's) keeps its initial values. A run resumed from its own checkpoint does
+            not read it.
+        distill_steps: before the first update, this many updates of attention distillation
+            (Hedgehog's first stage): only the feature maps' weights train, to match the softmax
+            attention weights of the ``init_from`` model on the copy sequences; 0 = none.
+        distill_lr: Adam learning rate of those updates.
         decoupled_weight_decay: RAdam's weight decay applied to the weights directly (AdamW's),
             not added to the gradient.
         clip_per_parameter: clip the gradient of every parameter tensor to this norm on its own

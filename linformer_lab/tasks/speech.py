@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.data.phonemes import NUM_PHONEMES
+from linformer_lab.data.phonemes import NUM_PHONEMES, ids_to_phonemes
 from linformer_lab.models.bilstm import BiLSTMCTC
-from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, greedy_decode
+from linformer_lab.models.ctc import PhonemeErrorRate, TransformerCTC, beam_decode, edit_distance, greedy_decode
 from linformer_lab.tasks.base import Task, WeightedMean, epoch_ran_to_end
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive
 
@@ -234,13 +234,42 @@ class SpeechRecognitionTask(Task):
     def test_step(self, batch, batch_idx):
         return self._evaluate(batch, "test", self.test_per, beam_width=self.hparams.beam_width)
 
+    #: utterances whose decoding ``predict`` prints at its end
+    predict_examples = 3
+
+    def on_predict_epoch_start(self) -> None:
+        self._predict_tally = {"errors": 0, "phonemes": 0, "utterances": 0, "examples": []}
+
     def predict_step(self, batch, batch_idx):
-        """``{"predictions", "references"}``: phoneme-id lists per utterance."""
+        """``{"predictions", "references"}``: phoneme-id lists per utterance. The end of ``predict``
+        prints the phoneme error rate over all batches and a few utterances decoded."""
         log_probs, out_lengths = self(batch["features"], batch["feature_lengths"])
-        return {
-            "predictions": self.decode(log_probs, out_lengths, self.hparams.beam_width),
-            "references": self.references(batch),
-        }
+        predictions, references = self.decode(log_probs, out_lengths, self.hparams.beam_width), self.references(batch)
+        tally = getattr(self, "_predict_tally", None)
+        if tally is not None:
+            tally["errors"] += sum(edit_distance(ref, hyp) for hyp, ref in zip(predictions, references))
+            tally["phonemes"] += sum(len(ref) for ref in references)
+            tally["utterances"] += len(references)
+            for hyp, ref in list(zip(predictions, references))[:self.predict_examples - len(tally["examples"])]:
+                tally["examples"].append(f"  reference {' '.join(ids_to_phonemes(ref))}\n"
+                                         f"  decoded   {' '.join(ids_to_phonemes(hyp))} ({edit_distance(ref, hyp)} edits)")
+        return {"predictions": predictions, "references": references}
+
+    def on_predict_epoch_end(self) -> None:
+        tally = getattr(self, "_predict_tally", None)
+        if not tally:
+            return
+        # under DDP each process predicted its share: the counts are of all of them
+        names = ("errors", "phonemes", "utterances")
+        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
+        tally.update(zip(names, counts.tolist()))
+        if not tally["utterances"]:
+            return
+        decoder = "greedy" if self.hparams.beam_width <= 1 else f"beam search of width {self.hparams.beam_width}"
+        self.print(f"phoneme error rate {tally['errors'] / max(tally['phonemes'], 1):.4f} ({tally['errors']} edits "
+                   f"for {tally['phonemes']} reference phonemes of {tally['utterances']} utterances, {decoder})")
+        for lines in tally["examples"]:
+            self.print(lines)
 
     # Table 3's "time per epoch": wall time of the training batches (data loading included).
     # Measured in the task, not a callback, so every run reports it. Lightning runs the

@@ -51,16 +51,18 @@ with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stder
     codes.append(main(["fit", "--config", "mnist_linaer.yaml"]))
     codes.append(main(["-c", "copy_linear.yaml"]))
     codes.append(main(["fit", "--config", "copy_linear.yaml", "--help"]))
+    codes.append(main(["fit", "--help"]))
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} & {set(HEAVY)!r})
 print(json.dumps({{"codes": codes, "loaded": loaded, "out": out.getvalue(), "err": err.getvalue()}}))
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["codes"] == [0, 0, 0, 0, 2, 2, 0], result
+    assert result["codes"] == [0, 0, 0, 0, 2, 2, 0, 0], result
     assert result["loaded"] == [], f"imported {result['loaded']}"
     assert "subcommands:" in result["out"] and "linear" in result["out"] and "did you mean mnist_linear.yaml?" in result["err"]
     assert "--model.attention.backend BACKEND" in result["out"]  # the config's help, from the sources
+    assert "--trainer.max_steps MAX_STEPS" in result["out"]  # fit --help: the Trainer's, from its source
 
 
 @pytest.mark.slow
@@ -161,9 +163,37 @@ def test_help_with_a_config_lists_its_model_and_data_options():
     assert "--data.* (linformer_lab.data.images.MNISTDataModule)" in out
 
 
-def test_help_without_a_config_says_how_to_see_the_model_options():
+def test_the_conversion_options_are_described_for_each_task_in_plain_text():
+    """``init_from`` / ``distill_steps`` as each task's own docstring says them, without Sphinx markup
+    (a role such as :class:`~...` or ``literal`` quotes is shown as the name it stands for)."""
+    texts = {}
+    for config, task in (("copy_linear.yaml", "copy"), ("mnist_linear.yaml", "image")):
+        code, out, err = run_cli(["fit", "--config", config, "--help"])
+        assert code == 0, err
+        options = out[out.index("--model.init_from"):out.index("--model.distill_lr")]
+        assert ":class:" not in options and ":meth:" not in options and "``" not in options, options
+        texts[task] = options
+    assert "copy" in texts["copy"] and "ImageGenerationTask" not in texts["copy"]
+    assert texts["copy"] != texts["image"]
+    assert "(Task.initialise_from, a table" in " ".join(texts["image"].split())
+
+
+def test_help_without_a_config_lists_every_option_and_says_how_to_see_the_model_options():
+    """Read from the sources (no Lightning): every argument of the Trainer and of the subcommand's
+    Trainer method, the checkpoint settings, each with its description, type and default."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
     code, out, _ = run_cli(["fit", "--help"])
     assert code == 0 and "add --config NAME" in out.splitlines()[-1]
+    for name in inspect.signature(Trainer).parameters:
+        assert f"  --trainer.{name} {name.upper()}\n" in out, name
+    for option in ("--checkpoint.every_n_train_steps", "--ckpt_path CKPT_PATH", "--config CONFIG", "--print_config"):
+        assert option in out, option
+    assert "Stop training after this number of steps." in " ".join(out[out.index("--trainer.max_steps"):].split())
+    code, out, _ = run_cli(["test", "--help"])
+    assert code == 0 and "--verbose VERBOSE" in out and "--trainer.max_steps" in out
 
 
 @pytest.mark.parametrize("name", ["copy", "CopyTask", "copytask", "linformer_lab.tasks.copy_task.CopyTask"])

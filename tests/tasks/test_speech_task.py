@@ -15,8 +15,9 @@ import torch
 from conftest import REPO, read_metrics, run_cli
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.data.phonemes import NUM_PHONEMES
+from linformer_lab.data.phonemes import NUM_PHONEMES, ids_to_phonemes
 from linformer_lab.models.bilstm import BiLSTMCTC
+from linformer_lab.models.ctc import edit_distance
 from linformer_lab.tasks.speech import SpeechRecognitionTask
 
 TINY_HOURS = 0.01
@@ -272,3 +273,25 @@ def test_readme_speech_commands_fit_then_test_best(speech_root, tmp_path):
     assert code == 0, err[-3000:]
     tested = [r for v in tmp_path.glob("version_*") for r in read_metrics(v) if "test/per" in r]
     assert tested and 0.0 <= tested[-1]["test/per"] <= 10.0
+
+
+@pytest.mark.slow
+def test_predict_prints_the_phoneme_error_rate_and_decoded_phonemes(speech_root, tmp_path):
+    """``predict --ckpt_path best`` after a toy fit: the error rate it prints is the one of the
+    predictions it saves (edit distance over reference phonemes), and it shows utterances decoded."""
+    common = [
+        "--config", "speech_cpu_linear.yaml", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}", f"--data.root={speech_root}", f"--data.hours={TINY_HOURS}",
+        "--data.batch_size=2", "--data.progress=false", "--model.d_model=12", "--model.n_heads=2", "--model.n_layers=1",
+    ]
+    code, _, err = run_cli(["fit", *common, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2"])
+    assert code == 0, err[-3000:]
+    code, out, err = run_cli(["predict", *common, "--ckpt_path", "best", "--trainer.limit_predict_batches=2"])
+    assert code == 0, err[-3000:]
+    batches = torch.load(next(tmp_path.glob("version_1/predictions.pt")), weights_only=True)
+    pairs = [(ref, hyp) for batch in batches for hyp, ref in zip(batch["predictions"], batch["references"])]
+    errors, phonemes = sum(edit_distance(ref, hyp) for ref, hyp in pairs), sum(len(ref) for ref, _ in pairs)
+    assert (f"phoneme error rate {errors / phonemes:.4f} ({errors} edits for {phonemes} reference phonemes of "
+            f"{len(pairs)} utterances, greedy)") in out, out
+    reference, decoded = pairs[0][0], pairs[0][1]
+    assert f"  reference {' '.join(ids_to_phonemes(reference))}\n  decoded   {' '.join(ids_to_phonemes(decoded))}" in out, out
