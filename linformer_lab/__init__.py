@@ -15,6 +15,7 @@ Public API::
     mha = ll.MultiHeadAttention(128, 4, attention={"backend": "linear", "feature_map": "favor"})
     out = mha(x, context=memory)                # cross attention: keys and values from memory (B, L, 128)
     kept = ll.clone_state(state)                # any state (a backend's, a stack's) in memory of its own
+    task = ll.from_pretrained("export")         # a folder cli.py export wrote, in eval mode
     ll.context_parallel(stack)                  # each process's input: its consecutive segment of one sequence
 """
 
@@ -39,6 +40,7 @@ _EXPORTS = {
     "context_parallel": "linformer_lab.attention.context_parallel",
     "context_segment": "linformer_lab.attention.context_parallel",
     "detach_state": "linformer_lab.ops.state",
+    "from_pretrained": "linformer_lab.tasks.export",
     "list_attention": "linformer_lab.attention.config",
     "list_feature_maps": "linformer_lab.feature_maps",
 }

@@ -86,7 +86,7 @@ def test_quick_mnist_variant_then_its_saved_config_resumes_tests_and_predicts(tm
     tested = [r for r in read_metrics(root / "version_2") if "test/bits_per_dim" in r]
     assert tested and 0 < tested[0]["test/bits_per_dim"] < 8
 
-    predict = the_command("predict", "version_0/config.yaml")
+    predict = the_command("predict", "version_0/config.yaml", "--ckpt_path best")
     code, out, err = run_cli([*predict, "--model.predict_num_samples", "2"], cwd=tmp_path)
     assert code == 0, err[-3000:]
     assert list((root / "version_3" / "predictions").glob("*.png"))

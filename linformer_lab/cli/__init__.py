@@ -2,8 +2,8 @@
 
 Its modules import one way, bottom to top (``tests/cli/test_cli_imports.py`` keeps it so)::
 
-    compat  <  args  <  checks, config_help  <  callbacks  <  checkpoints  <  kernel_check
-            <  lightning_cli  <  entry
+    compat  <  args  <  checks, config_help  <  callbacks  <  checkpoints  <  export
+            <  kernel_check  <  lightning_cli  <  entry
 
 * :mod:`~linformer_lab.cli.compat`: every private member of Lightning and jsonargparse the CLI
   reads, and the forms of jsonargparse's error messages it reads, checked before any work;
@@ -12,6 +12,7 @@ Its modules import one way, bottom to top (``tests/cli/test_cli_imports.py`` kee
 * :mod:`~linformer_lab.cli.config_help`: ``SUBCOMMAND --config X --help`` read from sources;
 * :mod:`~linformer_lab.cli.callbacks`: the checkpoint callbacks every fit gets;
 * :mod:`~linformer_lab.cli.checkpoints`: run directories, ``--ckpt_path``, the checkpoint check;
+* :mod:`~linformer_lab.cli.export`: ``cli.py export``, and an exported folder as ``--ckpt_path``;
 * :mod:`~linformer_lab.cli.kernel_check`: what ``cli.py plugins --check`` runs on the kernels;
 * :mod:`~linformer_lab.cli.lightning_cli`: :class:`LinformerCLI`, the first import of Lightning;
 * :mod:`~linformer_lab.cli.entry`: :func:`main`, which answers ``--help`` and ``plugins``

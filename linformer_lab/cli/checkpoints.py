@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from linformer_lab.cli.callbacks import BestCheckpoint, LastCheckpoint
 from linformer_lab.tasks.base import task_settings
+from linformer_lab.tasks.export import weight_problems
 
 
 @dataclass
@@ -349,16 +350,16 @@ def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
     )
 
 
-def check_checkpoint(path: str, model: L.LightningModule) -> dict:
+def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = None) -> dict:
     """Raise :class:`CheckpointMismatchError` unless the checkpoint at ``path`` fits ``model``;
-    returns the loaded checkpoint (:func:`load_checkpoint_header`), so a caller need not read it again.
+    returns the loaded checkpoint (:func:`load_checkpoint_header`, or ``ckpt`` when already read).
 
     Checked, in order: the file loads; it was written for the same task class (the
     ``_class_path`` LightningCLI stores in the hyper-parameters); the architecture
     hyper-parameters agree (all but the task's ``hparams_free_to_change``, e.g. the learning rate,
     which may differ when fine-tuning); the state_dict has the model's keys and shapes.
     """
-    ckpt = load_checkpoint_header(path)
+    ckpt = load_checkpoint_header(path) if ckpt is None else ckpt
     hparams = dict(ckpt.get("hyper_parameters") or {})
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"
     saved_class = hparams.pop("_class_path", None)
@@ -383,21 +384,7 @@ def check_checkpoint(path: str, model: L.LightningModule) -> dict:
             problems.append(f"{key}: checkpoint {saved!r}, configuration {ours[key]!r}")
             attention_differs |= key.split(".")[0] == "attention"
 
-    state = ckpt["state_dict"]
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(v.shape)
-    ]
-    if missing:
-        problems.append(f"{len(missing)} weights missing from the checkpoint (e.g. {', '.join(missing[:3])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} weights the model does not have (e.g. {', '.join(unexpected[:3])})")
-    if shapes:
-        problems.append(f"{len(shapes)} weights of another shape (e.g. {'; '.join(shapes[:3])})")
+    problems += weight_problems(model.state_dict(), ckpt["state_dict"], "checkpoint")
     if problems:
         error = OtherAttentionCheckpointError if attention_differs else OtherShapeCheckpointError
         raise error(

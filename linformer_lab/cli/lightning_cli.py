@@ -67,7 +67,6 @@ from linformer_lab.cli.checkpoints import (
     CheckpointSetupError,
     claim_checkpoint_dir,
     default_checkpoint_callbacks,
-    load_checkpoint_header,
     new_run_version,
     resolve_checkpoint_path,
     resumed_run_dir,
@@ -84,6 +83,7 @@ from linformer_lab.cli.checks import (
     trainer_value_error,
     type_error_line,
 )
+from linformer_lab.cli.export import read_checkpoint, use_export
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
 from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
@@ -272,7 +272,7 @@ class LinformerCLI(LightningCLI):
                 self.model.init_from_applied = True
             elif fitting and init_from:  # a trained model of another attention to start from (tasks/conversion.py)
                 try:
-                    self.model.initialise_from(load_checkpoint_header(init_from), init_from)
+                    self.model.initialise_from(read_checkpoint(init_from), init_from)
                 except (CheckpointMismatchError, ConfigurationError) as err:
                     self._stop(init_from_error(err, init_from))
 
@@ -314,6 +314,8 @@ class LinformerCLI(LightningCLI):
         """Resolve and check ``--ckpt_path`` (``last``/``best`` among this root's runs of the
         configured model) and hand Lightning the file; stops with exit code 2 on a mismatch."""
         if not self.subcommand or not self.config_init[self.subcommand].get("ckpt_path"):
+            return None
+        if use_export(self.model, self.config_init[self.subcommand], self.subcommand):  # a folder cli.py export wrote
             return None
         ckpt_path = self.config_init[self.subcommand]["ckpt_path"]
         dirpath = settings.dirpath or self._saved_run_checkpoints()

@@ -26,6 +26,7 @@ from linformer_lab.tasks.conversion import (
     feature_map_parameters,
     transfer_weights,
 )
+from linformer_lab.tasks.export import from_pretrained, save_pretrained
 from linformer_lab.validation import ConfigurationError, check_at_least, check_positive
 
 #: where a checkpoint keeps the sums of the epoch-level training metrics (:attr:`Task.epoch_metrics`)
@@ -108,6 +109,18 @@ class Task(L.LightningModule):
                 f"task.initialise_from(linformer_lab.cli.checkpoints.load_checkpoint_header(path), path) before trainer.fit"
             )
         self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
+
+    # ------------------------------------------------------------------ exported models (tasks/export.py)
+
+    @classmethod
+    def from_pretrained(cls, folder, device: str | torch.device = "cpu") -> Task:
+        """The model ``cli.py export`` wrote to ``folder`` (``model.safetensors``, ``config.json``),
+        in eval mode on ``device``; the folder must hold this class (``Task.from_pretrained``: any task)."""
+        return from_pretrained(folder, None if cls is Task else cls, device)
+
+    def save_pretrained(self, folder) -> None:
+        """Write this model to ``folder`` as ``model.safetensors`` and ``config.json`` (what ``cli.py export`` does)."""
+        save_pretrained(self, folder)
 
     # ------------------------------------------------------------------ converting a trained model
 

@@ -21,7 +21,8 @@ from conftest import REPO
 WING = REPO / "linformer_lab" / "cli"
 
 #: The modules of ``linformer_lab/cli/``, bottom to top.
-ORDER = ["compat", "args", "checks", "config_help", "callbacks", "checkpoints", "kernel_check", "lightning_cli", "entry"]
+ORDER = ["compat", "args", "checks", "config_help", "callbacks", "checkpoints", "export", "kernel_check", "lightning_cli",
+         "entry"]
 
 
 def wing_imports(path: Path, wing: Path = WING) -> list[tuple[int, str]]:
