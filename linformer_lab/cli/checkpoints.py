@@ -343,8 +343,12 @@ def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
         # the safe loader's advice (retry with weights_only=False) is not ours; its finding is
         lines = [line for line in lines[1:] if not line.startswith(("Please file", "Check the documentation"))]
     first_line = lines[0] if lines else ""
+    if os.path.getsize(path) == 0:  # torch says only "EOFError" of a file with no bytes at all
+        return UnreadableCheckpointError(
+            f"checkpoint {path} is empty (0 bytes): a run killed while writing it, or a file never written; "
+            f"use another checkpoint from the same directory.")
     return UnreadableCheckpointError(
-        f"cannot read checkpoint {path}: {type(err).__name__}: {first_line}. "
+        f"cannot read checkpoint {path}: {type(err).__name__}{f': {first_line}' if first_line else ''}. "
         f"The file is truncated, corrupt or not a PyTorch checkpoint (e.g. a run killed while writing it); "
         f"use another checkpoint from the same directory."
     )

