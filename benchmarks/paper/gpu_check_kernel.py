@@ -300,13 +300,14 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
 
 
 def tuning_rows() -> list[dict]:
-    """The Triton kernels' autotunings so far (``launch.tuning_report``): kernel, key, config, seconds."""
+    """The Triton kernels' compilations so far (``launch.compile_report``; nothing is autotuned):
+    kernel, key, config, seconds."""
     try:
         from linformer_lab.ops.cuda.triton_chunk import launch
-    except ImportError:  # no triton: nothing was tuned
+    except ImportError:  # no triton: nothing was compiled
         return []
     return [{"part": "tuning", "method": t["kernel"], "key": str(t["key"]), "config": t["config"],
-             "seconds": float(t["seconds"])} for t in launch.tuning_report()]
+             "seconds": float(t["seconds"])} for t in launch.compile_report()]
 
 
 def first_call_seconds(rows: list[dict], method: str = "ours") -> float:

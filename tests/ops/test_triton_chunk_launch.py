@@ -6,6 +6,8 @@ results: ``test_triton_chunk.py``."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from linformer_lab.ops.cuda.triton_chunk import launch  # noqa: E402
-from linformer_lab.ops.cuda.triton_chunk.forward import base_offset, chunk_program  # noqa: E402
+from linformer_lab.ops.cuda.triton_chunk.forward import base_offset, superchunk_program  # noqa: E402
 
 INTERPRETER = pytest.mark.skipif(not launch.interpreting(), reason="runs on CPU tensors in Triton's interpreter")
 
@@ -77,8 +79,8 @@ def test_forward_and_backward_make_no_copy_and_no_host_read(monkeypatch, packed)
     cu = torch.tensor([0, 5, 5, 40]) if packed else None
     recorder = _Recorder()
     with recorder:
-        out, den, _, _ = op.forward(q, k, v, None, None, cu, "elu", 1e-6, 16, True)
-        op.backward(q, k, v, out, den, grad_out, None, None, None, None, cu, "elu", 16, True)
+        out, den, _, _, deltas_s, deltas_z, out32 = op.forward(q, k, v, None, None, cu, "elu", 1e-6, 16, True)
+        op.backward(q, k, v, out, den, deltas_s, deltas_z, out32, grad_out, None, None, None, None, cu, "elu", 16, True)
     assert len(recorder.ops) > 5, "the dispatch mode saw nothing: the check would pass vacuously"
     copies = [name for name in recorder.ops if name in COPIES]
     syncs = [name for name in recorder.ops if name in HOST_READS]
@@ -94,65 +96,141 @@ def test_grids_are_one_dimensional_past_cudas_y_and_z_limits():
     programs one clear error."""
     many_rows = torch.empty(4096, 16, 128, 64, device="meta")  # (B, H, T, D): 65,536 rows of 2 chunks
     lay = launch.layout(many_rows, many_rows, None, 64, True)
-    assert launch.chunk_grid(lay, lambda meta: 2)({}) == (2 * 2 * 65_536,)
-    assert launch.walk_grid(lay)({"BK": 32, "BV": 64}) == (2 * 1 * 65_536,)
+    assert lay.rows == 65_536 and lay.nsc == 1, "enough rows to fill any GPU: one super-chunk per sequence"
+    assert launch.programs(2, lay.nsc, lay.rows) == (2 * 65_536,)
     long = torch.empty(1, 65_536 * 64, 1, 16, device="meta")  # (B, T, H, D): 65,536 chunks
-    lay = launch.layout(long, long, None, 64, False)
-    assert lay.nt == 65_536 and launch.chunk_grid(lay, lambda meta: 1)({}) == (65_536,)
+    lay = launch.layout(long, long, None, 64, False, ls=64)
+    assert lay.nsc == 65_536 and launch.programs(1, lay.nsc, lay.rows) == (65_536,)
     with pytest.raises(ValueError, match="exceed one launch's 2147483647; split the batch"):
         launch.programs(4, 2**20, 2**10)
 
 
-def _unfold_probe(OUT, pid, T, H, NT, sb, sh, st):
-    """Stores what program ``pid`` of a chunk-parallel kernel addresses: b, h, chunk, state row,
-    and the 64-bit offset of its first position."""
-    _, b, h, start, g, _, _ = chunk_program(pid, 1, OUT, OUT, OUT, T, H, NT, 64, False)
+@pytest.mark.parametrize("chunks, rows, wanted, expected", [
+    (256, 32, 264, 16 * 64),  # 2 x 16384 tokens x 16 heads on an H100/H200: 16 walks of 16 chunks
+    (16, 64, 264, 2 * 64),  # 8 x 1024 x 8 heads: 8 walks of 2 chunks each
+    (13, 512, 264, 13 * 64),  # 64 x 784 x 8 heads: already 512 rows, one walk per sequence
+    (3, 1, 1000, 64),  # fewer chunks than wanted walks: one chunk per walk
+])
+def test_superchunk_length_fills_the_gpu_and_no_more(chunks, rows, wanted, expected):
+    """Walks (super-chunks) per sequence double until rows x walks reaches the programs wanted
+    (two per SM), never past one chunk per walk; each walk a whole number of chunks."""
+    assert launch.superchunk_length(chunks, rows, 64, wanted) == expected
+
+
+def _unfold_probe(OUT, pid, T, H, NSC, sb, sh, st):
+    """Stores what program ``pid`` of a super-chunk kernel addresses: b, h, super-chunk, its first
+    global super-chunk row, and the 64-bit offset of its first position."""
+    _, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(pid, 1, OUT, OUT, OUT, T, H, NSC, 64, False)
     tl.store(OUT + 0, b.to(tl.int64))
     tl.store(OUT + 1, h.to(tl.int64))
-    tl.store(OUT + 2, (start // 64).to(tl.int64))  # the chunk: one sequence per row starts at 0
-    tl.store(OUT + 3, g.to(tl.int64))
-    tl.store(OUT + 4, base_offset(b, h, start, sb, sh, st))
+    tl.store(OUT + 2, s.to(tl.int64))
+    tl.store(OUT + 3, ((g0 + s) * H + h).to(tl.int64))
+    tl.store(OUT + 4, base_offset(b, h, bos + s * 64, sb, sh, st))
 
 
 @INTERPRETER
 def test_offsets_past_two_to_the_31_are_64_bit():
     """A (B, T, H, D) = (2, 2^21, 16, 128) layout: T H D = 2^32 elements per batch row. The last
-    chunk of the last head of the second row is found and addressed exactly (a 32-bit product
-    of position and stride would wrap), by the kernels' own helpers, nothing allocated."""
+    super-chunk (64 positions) of the last head of the second row is found and addressed exactly
+    (a 32-bit product of position and stride would wrap), by the kernels' own helpers, nothing allocated."""
     t, h, d = 2**21, 16, 128
     sb, sh, st = t * h * d, d, h * d  # strides of the (B, T, H, D) layout
-    nt = t // 64
-    pid = (1 * h + (h - 1)) * nt + (nt - 1)  # row (b = 1, head 15), its last chunk
+    nsc = t // 64
+    pid = (1 * h + (h - 1)) * nsc + (nsc - 1)  # row (b = 1, head 15), its last super-chunk
     out = torch.zeros(5, dtype=torch.int64)
-    triton.jit(_unfold_probe)[(1,)](out, pid, t, h, nt, sb, sh, st)
+    triton.jit(_unfold_probe)[(1,)](out, pid, t, h, nsc, sb, sh, st)
     want_offset = 1 * sb + (h - 1) * sh + (t - 64) * st
     assert want_offset > 2**32
-    assert out.tolist() == [1, h - 1, nt - 1, ((1 * nt) + nt - 1) * h + h - 1, want_offset]
+    assert out.tolist() == [1, h - 1, nsc - 1, ((1 * nsc) + nsc - 1) * h + h - 1, want_offset]
 
 
-def test_tuning_report_records_each_new_key_once(monkeypatch):
-    """A launch through an autotuner (a stand-in with Triton's ``cache`` and ``bench_time``)
-    adds one report entry per key it tuned, none when the key was tuned before; untuned kernels
-    (the interpreter's) add none."""
-    monkeypatch.setattr(launch, "_TUNINGS", [])
+# --- the launch path: launches per call, the direct path's cache, host time --------------------------------------------
 
-    class Tuner:
-        cache, bench_time = {}, 0.0
+
+class _Counter:
+    """Stands in for ``launch._launch``: records each launch's kernel and runs it."""
+
+    def __init__(self, stock):
+        self.stock, self.names = stock, []
+
+    def __call__(self, name, *args):
+        self.names.append(name)
+        return self.stock(name, *args)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("programs, forward, backward", [
+    (1, ["superchunk_forward"], ["superchunk_backward_prepare", "superchunk_dq", "superchunk_dk_dv"]),
+    (10**6, ["superchunk_deltas", "superchunk_forward"],
+     ["superchunk_backward_prepare", "superchunk_dq", "superchunk_dk_dv"]),
+], ids=["one-walk-per-sequence", "several-walks"])
+def test_launches_per_forward_and_backward(monkeypatch, programs, forward, backward):
+    """At most 2 launches per forward and 3 per backward (the issue's bound), 1 + 3 when one walk
+    per sequence fills the GPU; nothing else runs a kernel of ours."""
+    from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention
+
+    monkeypatch.setattr(launch, "INTERPRETER_PROGRAMS", programs)
+    counter = _Counter(launch._launch)
+    monkeypatch.setattr(launch, "_launch", counter)
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+    out = chunk_linear_attention(q, k, v, chunk_size=16)
+    assert counter.names == forward
+    counter.names.clear()
+    out.sum().backward()
+    assert counter.names == backward
+
+
+def test_direct_launch_path_compiles_once_per_specialisation(monkeypatch):
+    """The direct path: a launch at a new specialisation goes through the jitted kernel (which
+    compiles and returns the compiled kernel: recorded in ``compile_report``), later ones call
+    the compiled kernel with the constexprs by position, no binding; a new alignment or dtype is
+    a new specialisation; constexprs out of the kernel's order are refused."""
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, args))
+
+    class Jitted:
+        arg_names = ["X", "n", "A", "B"]
 
         def __getitem__(self, grid):
-            def run(key):
-                if key not in self.cache:
-                    self.cache[key], self.bench_time = f"config for {key}", 1.5
+            def run(*args, **kwargs):
+                calls.append(("jit", grid, args, kwargs))
+                return Compiled()
             return run
 
-    class Untuned:
-        def __getitem__(self, grid):
-            return lambda: None
+    monkeypatch.setattr(launch, "kernels", lambda interpret: SimpleNamespace(probe=Jitted()))
+    monkeypatch.setattr(launch, "_direct_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_COMPILES", [])
+    x = torch.zeros(8)
+    for args in [(x, 32), (x, 48), (x, 7), (x[1:], 32), (x.double(), 32)]:
+        launch._launch("probe", (3,), args, dict(A=1, B=True), dict(num_warps=4))
+    kinds = [c[0] for c in calls]
+    # 32 and 48 are both 16-divisible: one specialisation; 7, a misaligned pointer and fp64 are new
+    assert kinds == ["jit", "direct", "jit", "jit", "jit"]
+    assert calls[1] == ("direct", (3,), (x, 48, 1, True))
+    assert [c["kernel"] for c in launch.compile_report()] == ["probe"] * 4
+    with pytest.raises(RuntimeError, match="not in the kernel's order"):
+        launch._launch("probe", (3,), (x, 5), dict(B=True, A=1), dict(num_warps=4))
 
-    tuner = Tuner()
-    for key in [(64, 64, 64, "bf16"), (64, 64, 64, "bf16"), (128, 128, 64, "bf16")]:
-        launch._launch(tuner, "walk", (1,), key)
-    launch._launch(Untuned(), "untuned", (1,))
-    assert launch.tuning_report() == [
-        dict(kernel="walk", key=(64, 64, 64, "bf16"), config="config for (64, 64, 64, 'bf16')", seconds=1.5),
-        dict(kernel="walk", key=(128, 128, 64, "bf16"), config="config for (128, 128, 64, 'bf16')", seconds=1.5)]
+
+@INTERPRETER
+def test_host_python_per_call_is_small(monkeypatch):
+    """The host Python of a forward and backward with the kernels stubbed (what a GPU's launch
+    path adds to its kernels): measured, and bounded loosely enough for a busy CI machine
+    (``benchmarks/dev/triton_host_path.py`` times it against the previous kernel's)."""
+    import time
+
+    from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention
+
+    monkeypatch.setattr(launch, "_launch", lambda *args: None)
+    q, k, v = (torch.randn(1, 8, 256, 32, requires_grad=True) for _ in range(3))
+    for _ in range(3):
+        chunk_linear_attention(q, k, v).sum().backward()
+    began = time.thread_time()
+    for _ in range(20):
+        chunk_linear_attention(q, k, v).sum().backward()
+    per_call = (time.thread_time() - began) / 20
+    assert per_call < 0.05, f"host Python {per_call * 1e6:.0f} us per fwd+bwd"

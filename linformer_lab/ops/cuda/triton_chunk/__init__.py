@@ -10,7 +10,8 @@ over (sequence x head, chunk, tile), state in and out, packed sequences.
 * ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients (and
   why half-precision inputs keep states and products with them in fp32's accuracy);
   ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU),
-  autotuning (``launch.tuning_report()``) and launching, one-dimensional grids and no host reads;
+  one config per shape, no autotuning, a cached direct launch path (``launch.compile_report()``),
+  one-dimensional grids and no host reads;
   ``backend.py`` -- the kernel with the arguments of the ``causal_attention`` op of
   :mod:`linformer_lab.ops.kernels`, whose GPU candidate it is, and of ``linear_cuda``.
 

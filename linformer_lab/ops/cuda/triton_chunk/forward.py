@@ -1,40 +1,44 @@
-"""Forward Triton kernels of chunk-parallel causal linear attention (eq. 9-12).
+"""Forward Triton kernels of chunk-parallel causal linear attention (eq. 9-12), walking super-chunks.
 
-Split the sequence into chunks of BT positions. With S_c, z_c the state of eq. 10-11 before
-chunk c (the initial state S_0, z_0 plus every earlier chunk), a query i of chunk c reads
+Split each sequence into super-chunks of LS positions, each into chunks of BT. With S_c, z_c the
+state of eq. 10-11 before chunk c (the initial state S_0, z_0 plus every earlier chunk), a query i
+of chunk c reads
 
     out_i = (q_i^T S_c + sum_{j in c, j <= i} (q_i . k_j) v_j) / (q_i^T z_c + sum_{j in c, j <= i} q_i . k_j + eps)
 
-where q, k are the feature-mapped queries and keys (phi = elu + 1 applied as they are loaded,
-or the inputs as given). Two kernels:
+where q, k are the feature-mapped queries and keys (phi = elu + 1 applied as they are loaded, or
+the inputs as given). Two kernels:
 
-* ``chunk_states_forward``: one program per (value tile, feature tile, sequence x head) walks
-  the chunks in order, writes S_c, z_c before each chunk and S_N, z_N after the last. Its loop
-  carries only the running state in registers; the loads of the next chunk overlap the product
-  of this one (software pipelining).
-* ``chunk_output_forward``: one program per (value tile, chunk, sequence x head): the masked
-  intra-chunk scores, q^T S_c, and the normaliser from the same scores (their row sums) and
-  q . z_c. It also stores the denominator per position for the backward pass.
+* ``superchunk_deltas`` (only with more than one super-chunk per sequence): one program per
+  (value tile, super-chunk, sequence x head) sums dS_s = sum phi(k_j) v_j^T and dz_s = sum phi(k_j)
+  over its super-chunk. No program waits for another.
+* ``superchunk_forward``: one program per (value tile, super-chunk, sequence x head) starts from
+  S_0 plus the deltas of the super-chunks before its own and walks its chunks in order with the
+  running state in registers: each chunk's output and denominator, then the state moves past the
+  chunk. The program of a sequence's last super-chunk stores S_N, z_N.
 
-The kernels are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first used;
-the helpers they call (``elu_plus_one``; ``chunk_program`` and ``walk_program``, the preambles
-that unfold a program's index, the one of every kernel parallel over chunks and the one of the two
-state walks) are jitted here, in the mode of the import (``TRITON_INTERPRET`` must be set before triton is imported anyway).
+So no per-chunk state ever reaches memory: the state walk that a chunk-parallel kernel runs
+serially over the whole sequence is split into as many independent walks as it takes to fill the
+GPU (``launch.superchunk_length``), and the backward recomputes the states the same way from the
+saved deltas.
 
-Addressing: every grid is one-dimensional (CUDA caps its y and z at 65,535; x holds 2^31 - 1
-programs), each program unfolding its index into (tile, chunk, sequence x head). Every tensor
-comes with its four strides (batch, head, position, feature), so views are read and written in
-place; each program adds a 64-bit offset of its first position (T H D passes 2^31 in a long
-(B, T, H, D) tensor) to 32-bit offsets within its chunk.
+The kernels are plain Python: ``launch.py`` compiles them with ``triton.jit`` when first used; the
+helpers they call (``elu_plus_one``, ``superchunk_program``, the products below) are jitted here,
+in the mode of the import (``TRITON_INTERPRET`` must be set before triton is imported anyway).
 
-Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (exact products,
-fp32 accumulation). The states are fp32, and a product with an fp32 operand (a state, the
-scores) runs at ``PREC``: for half inputs three tf32 products (``tf32x3``), as exact as fp32,
-because one tf32 product would truncate the fp32 operand to 10 bits and the backward's
-cancelling terms (``backward.py``) need the states' full accuracy. Sequences are
-addressed by (batch b, first position bos, length L): one per batch row, or one per entry of
-``cu_seqlens`` in a packed (1, H, T, .) tensor (VARLEN). State rows are indexed by the global
-chunk number g (chunks of all sequences back to back) and the head.
+Addressing: every grid is one-dimensional (CUDA caps its y and z at 65,535), each program
+unfolding its index into (tile, super-chunk, sequence x head). Every tensor comes with its four
+strides (batch, head, position, feature), so views are read and written in place; each program adds
+a 64-bit offset of its first position to 32-bit offsets within a chunk.
+
+Dtypes: ``DT`` is the input dtype; a product of two loaded tiles runs in it (exact products, fp32
+accumulation). States, scores and normalisers are fp32. A product of an input tile with an fp32
+tile (a state, the scores) keeps fp32's accuracy: for bf16 inputs by splitting the fp32 operand into
+``PARTS`` bf16 parts (hi + lo [+ lo2]) and adding their bf16 products, since the other operand is
+already bf16-exact (one bf16 product per part, against six for ``tf32x3``); for fp16 and fp32
+inputs at ``PREC`` (``launch.dot_precision``). Sequences are addressed by (batch row b, first
+position bos, length): one per batch row, or one per entry of ``cu_seqlens`` in a packed
+(1, T, H, .) tensor (VARLEN). Delta rows are indexed by the global super-chunk and the head.
 """
 
 # no ``from __future__ import annotations``: Triton's interpreter reads ``tl.constexpr`` from
@@ -52,70 +56,76 @@ def elu_plus_one(x, mask, tiny, DT: tl.constexpr):
 
 
 @triton.jit
-def chunk_program(pid, TILES, CU, CHUNK_OFF, CHUNK_TABLE, T, H, NT, BT: tl.constexpr, VARLEN: tl.constexpr):
-    """The preamble of the kernels parallel over chunks: a program's index ``pid`` over (tile, chunk,
-    sequence x head), TILES tiles per chunk and NT chunks per row, unfolded -> (tile, b, h, start,
-    g, tt, tmask): the tile, batch row, head, first position of the chunk, its state row (global
-    chunk x H + h), the chunk's offsets 0..BT-1 and which of them lie inside the sequence.
-    VARLEN: the rows are the heads and CHUNK_TABLE ``(NT, 2)`` maps the global chunk to
-    (sequence, chunk in it); NT is an upper bound, chunks past a sequence's end are masked."""
-    tile = pid % TILES
-    rest = pid // TILES
-    i_t = rest % NT
-    i_sh = rest // NT
-    if VARLEN:
-        s = tl.load(CHUNK_TABLE + 2 * i_t)
-        c = tl.load(CHUNK_TABLE + 2 * i_t + 1)
-        h = i_sh
-        bos = tl.load(CU + s).to(tl.int32)
-        length = tl.load(CU + s + 1).to(tl.int32) - bos
-        b = i_sh * 0  # a tensor like the other branch's, so .to() applies
-        g = (tl.load(CHUNK_OFF + s) + c) * H + h
+def dot_exact_fp32(a, b, acc, PREC: tl.constexpr, PARTS: tl.constexpr):
+    """acc + a @ b for ``a`` exact in the input dtype and ``b`` fp32. PARTS > 0 (bf16 inputs):
+    b = hi + lo (+ lo2) in bf16, each an exact bf16 product with a: 2 parts carry 16 of fp32's 24
+    bits, 3 all of them; the smallest part first, so the sum rounds once at the end."""
+    if PARTS == 0:  # (an if / else: Triton's compiler does not stop at a return inside an if)
+        acc = tl.dot(a.to(tl.float32), b, acc, input_precision=PREC)
     else:
-        s = i_sh // H
-        h = i_sh % H
-        c = i_t
-        bos = i_sh * 0
-        length = T
-        b = s
-        g = (s * NT + c) * H + h
-    tt = tl.arange(0, BT)
-    tmask = c * BT + tt < length
-    return tile, b, h, bos + c * BT, g, tt, tmask
+        hi = b.to(tl.bfloat16)
+        rest = b - hi.to(tl.float32)
+        lo = rest.to(tl.bfloat16)
+        if PARTS == 3:
+            acc = tl.dot(a, (rest - lo.to(tl.float32)).to(tl.bfloat16), acc)
+        acc = tl.dot(a, lo, acc)
+        acc = tl.dot(a, hi, acc)
+    return acc
 
 
 @triton.jit
-def walk_program(pid, CU, CHUNK_OFF, T, H, C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, VARLEN: tl.constexpr):
-    """The preamble of the state walks: a program's index ``pid`` over (value tile, feature tile,
-    sequence x head) unfolded -> (i_v, b, h, bos, length, g0, row, ck, cv, kmask, vmask, tt,
-    state_offs, state_mask): the value tile, batch row, head, first position and length of the
-    sequence, its first global chunk, its row of the initial and final states (sequence x H +
-    head), the tile's feature and value indices and masks, the offsets 0..BT-1 within a chunk, and
-    the tile's offsets and mask within one ``(C, M)`` state."""
-    i_v = pid % tl.cdiv(M, BV)
-    i_k = (pid // tl.cdiv(M, BV)) % tl.cdiv(C, BK)
-    i_sh = pid // (tl.cdiv(M, BV) * tl.cdiv(C, BK))
-    s = i_sh // H
-    h = i_sh % H
-    if VARLEN:
-        bos = tl.load(CU + s).to(tl.int32)
-        length = tl.load(CU + s + 1).to(tl.int32) - bos
-        b = i_sh * 0
-        g0 = tl.load(CHUNK_OFF + s)
+def dot_fp32_exact(a, b, acc, PREC: tl.constexpr, PARTS: tl.constexpr):
+    """acc + a @ b for ``a`` fp32 and ``b`` exact in the input dtype (``dot_exact_fp32`` mirrored),
+    at most 2 parts: ``a`` is here always one chunk's scores or B (``backward.py``), numbers
+    without the cancelling terms of the states, and a third part costs registers that spill at
+    C = M = 128 (16 bits pass the accuracy tests)."""
+    if PARTS == 0:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PREC)
     else:
-        bos = i_sh * 0
-        length = T
-        b = s
-        g0 = s * tl.cdiv(T, BT)
-    ck = i_k * BK + tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask = ck < C
-    vmask = cv < M
-    state_offs = ck[:, None] * M + cv[None, :]
-    state_mask = kmask[:, None] & vmask[None, :]
-    return (i_v, b, h, bos, length, g0, i_sh.to(tl.int64), ck, cv, kmask, vmask, tl.arange(0, BT), state_offs,
-            state_mask)
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(lo, b, acc)
+        acc = tl.dot(hi, b, acc)
+    return acc
+
+
+@triton.jit
+def dot_inputs(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b for two tiles exact in the input dtype: one product, exact in any precision but
+    tf32's (fp32 inputs: what ``PREC`` asks)."""
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def superchunk_program(pid, TILES, CU, SC_OFF, SC_TABLE, T, H, NSC, LS: tl.constexpr, VARLEN: tl.constexpr):
+    """The preamble of every kernel: a program's index ``pid`` over (tile, super-chunk slot,
+    row), TILES tiles per super-chunk, NSC slots per row, unfolded -> (tile, b, h, seq, bos,
+    length, s, g0, n_sc): the tile, batch row, head, sequence, its first position and length,
+    the super-chunk within the sequence, the sequence's first global super-chunk and its count
+    of super-chunks. Rows are sequences x heads, or with VARLEN the heads, and SC_TABLE ``(NSC, 2)``
+    maps a global super-chunk to (sequence, super-chunk in it); NSC is then an upper bound, and
+    the slots past a sequence's end find every position masked."""
+    tile = pid % TILES
+    rest = pid // TILES
+    i_s = rest % NSC
+    row = rest // NSC
+    if VARLEN:
+        seq = tl.load(SC_TABLE + 2 * i_s).to(tl.int32)
+        s = tl.load(SC_TABLE + 2 * i_s + 1).to(tl.int32)
+        h = row
+        bos = tl.load(CU + seq).to(tl.int32)
+        length = tl.load(CU + seq + 1).to(tl.int32) - bos
+        b = row * 0  # a tensor like the other branch's, so .to() applies
+        g0 = tl.load(SC_OFF + seq).to(tl.int32)
+    else:
+        seq = row // H
+        h = row % H
+        s = i_s
+        bos = row * 0
+        length = T + row * 0
+        b = seq
+        g0 = seq * NSC
+    return tile, b, h, seq, bos, length, s, g0, tl.cdiv(length, LS)
 
 
 @triton.jit
@@ -124,93 +134,128 @@ def base_offset(b, h, position, sb, sh, st):
     return b.to(tl.int64) * sb + h.to(tl.int64) * sh + position.to(tl.int64) * st
 
 
-def chunk_states_forward(
-    K, V, S0, Z0, STATES, ZSTATES, SN, ZN, CU, CHUNK_OFF,
-    T, H, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, tiny,
-    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-    INTERPRET: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-):
-    """Grid ``(cdiv(M, BV) cdiv(C, BK) sequences H,)``. STATES ``(chunks, H, C, M)``, ZSTATES
-    ``(chunks, H, C)``, SN/ZN and S0/Z0 ``(sequences, H, C, M / -)``, all fp32. MAX_CHUNKS
-    (interpreter only): a bound on any sequence's chunks."""
-    i_v, b, h, bos, length, g0, row, ck, cv, kmask, vmask, tt, state_offs, state_mask = walk_program(
-        tl.program_id(0), CU, CHUNK_OFF, T, H, C, M, BT, BK, BV, VARLEN)
-    DT = K.dtype.element_ty
-    if HAS_INIT:
-        acc = tl.load(S0 + row * (C * M) + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-        z = tl.load(Z0 + row * C + ck, mask=kmask, other=0.0).to(tl.float32)
+@triton.jit
+def load_rows(X, b, h, start, tt, cols, tmask, cmask, sb, sh, st, sd):
+    """The ``(BT, width)`` tile of rows start + tt and columns ``cols`` of a strided tensor; 0 off the masks."""
+    return tl.load(X + base_offset(b, h, start, sb, sh, st) + tt[:, None] * st + cols[None, :] * sd,
+                   mask=tmask[:, None] & cmask[None, :], other=0.0)
+
+
+@triton.jit
+def delta_sum(acc, z, DS, DZ, g0, h, H, lo, hi, ck, cv, kmask, vmask, C: tl.constexpr, M: tl.constexpr,
+              NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc, z plus the deltas ``(C, M)`` / ``(C,)`` of the sequence's super-chunks lo..hi-1 (global
+    super-chunk g0 + p, head h): the state before a super-chunk from S_0 and the ones before it,
+    or the state gradient after one from those after it. NS_MAX (interpreter only) bounds hi."""
+    smask = kmask[:, None] & vmask[None, :]
+    offs = ck[:, None] * M + cv[None, :]
+    # numpy 2 refuses range() over the interpreter's scalars: there a constant bound, masked
+    for p in range(0 if INTERPRET else lo, NS_MAX if INTERPRET else hi):
+        live = (p >= lo) & (p < hi)
+        g = ((g0 + p) * H + h).to(tl.int64)
+        acc += tl.load(DS + g * (C * M) + offs, mask=smask & live, other=0.0)
+        z += tl.load(DZ + g * C + ck, mask=kmask & live, other=0.0)
+    return acc, z
+
+
+@triton.jit
+def initial_state(S0, Z0, row, ck, cv, kmask, vmask, C: tl.constexpr, M: tl.constexpr, HAS: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """The ``(BK, BV)`` tile of a per-sequence state ``(S, H, C, M)`` at ``row`` (sequence x H +
+    head) and its ``(BK,)`` vector ``(S, H, C)``, fp32; zeros when there is none."""
+    if HAS:
+        acc = tl.load(S0 + row.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
+                      mask=kmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        z = tl.load(Z0 + row.to(tl.int64) * C + ck, mask=kmask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         z = tl.zeros([BK], dtype=tl.float32)
-    k_tile = tt[:, None] * sk_t + ck[None, :] * sk_d
-    v_tile = tt[:, None] * sv_t + cv[None, :] * sv_d
-    n_chunks = tl.cdiv(length, BT)
-    # numpy 2 refuses range() over the interpreter's scalars (and the interpreter makes every
-    # assigned value one): there the bound is a constant and the chunks past the end are masked
-    for c in range(0, MAX_CHUNKS if INTERPRET else n_chunks):
-        live = c < n_chunks
-        g = (g0 + c) * H + h
-        tl.store(STATES + g.to(tl.int64) * (C * M) + state_offs, acc, mask=state_mask & live)
-        if i_v == 0:
-            tl.store(ZSTATES + g.to(tl.int64) * C + ck, z, mask=kmask & live)
-        tmask = (c * BT + tt < length) & live
-        x = tl.load(K + base_offset(b, h, bos + c * BT, sk_b, sk_h, sk_t) + k_tile,
-                    mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if ELU:
-            x = elu_plus_one(x, tmask[:, None] & kmask[None, :], tiny, DT)
-        vt = tl.load(V + base_offset(b, h, bos + c * BT, sv_b, sv_h, sv_t) + v_tile,
-                     mask=tmask[:, None] & vmask[None, :], other=0.0)
-        acc += tl.dot(tl.trans(x), vt, input_precision=PREC)
-        z += tl.sum(x.to(tl.float32), axis=0)
-    tl.store(SN + row * (C * M) + state_offs, acc, mask=state_mask)
-    if i_v == 0:
-        tl.store(ZN + row * C + ck, z, mask=kmask)
+    return acc, z
 
 
-def chunk_output_forward(
-    Q, K, V, O, DEN, STATES, ZSTATES, CU, CHUNK_OFF, CHUNK_TABLE,
-    T, H, NT, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    so_b, so_h, so_t, so_d, tiny, eps,
-    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+def superchunk_deltas(
+    K, V, DS, DZ, CU, SC_OFF, SC_TABLE, T, H, NSC, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, tiny,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, LS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid ``(cdiv(M, BV) NT rows,)``: value tile, chunk (NT per row), row (sequence x head,
-    or with VARLEN the head; see ``chunk_program``). O like V; DEN ``(B, H, T)`` fp32: the
-    denominator q_i^T z_i + eps of every position."""
-    i_v, b, h, start, g, tt, tmask = chunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, CHUNK_OFF, CHUNK_TABLE,
-                                                  T, H, NT, BT, VARLEN)
-    DT = Q.dtype.element_ty
+    """Grid ``(cdiv(M, BV) NSC rows,)``: DS ``(slots H, C, M)``, DZ ``(slots H, C)`` fp32, the sums
+    of phi(k_j) v_j^T and phi(k_j) over each super-chunk (row (global super-chunk) H + head)."""
+    i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
+                                                                  SC_TABLE, T, H, NSC, LS, VARLEN)
+    DT = K.dtype.element_ty
+    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    vmask = cv < M
-    q_base = Q + base_offset(b, h, start, sq_b, sq_h, sq_t)
-    k_base = K + base_offset(b, h, start, sk_b, sk_h, sk_t)
-    num = tl.zeros([BT, BV], dtype=tl.float32)
-    scores = tl.zeros([BT, BT], dtype=tl.float32)
-    qz = tl.zeros([BT], dtype=tl.float32)
-    for kk in tl.static_range(0, C, BK):
-        ck = kk + tl.arange(0, BK)
-        kmask = ck < C
-        mask = tmask[:, None] & kmask[None, :]
-        q = tl.load(q_base + tt[:, None] * sq_t + ck[None, :] * sq_d, mask=mask, other=0.0)
-        k = tl.load(k_base + tt[:, None] * sk_t + ck[None, :] * sk_d, mask=mask, other=0.0)
+    kmask, vmask = ck < C, cv < M
+    tt = tl.arange(0, BT)
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    first = s * LS
+    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
+    for c in range(0, LS // BT if INTERPRET else n_chunks):
+        tmask = first + c * BT + tt < length
+        k = load_rows(K, b, h, bos + first + c * BT, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
         if ELU:
-            q = elu_plus_one(q, mask, tiny, DT)
-            k = elu_plus_one(k, mask, tiny, DT)
-        state = tl.load(STATES + g.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :],
-                        mask=kmask[:, None] & vmask[None, :], other=0.0)
-        zc = tl.load(ZSTATES + g.to(tl.int64) * C + ck, mask=kmask, other=0.0)
-        num += tl.dot(q.to(tl.float32), state, input_precision=PREC)
-        scores += tl.dot(q, tl.trans(k), input_precision=PREC)
-        qz += tl.sum(q.to(tl.float32) * zc[None, :], axis=1)
-    scores = tl.where(tt[:, None] >= tt[None, :], scores, 0.0)
-    den = qz + tl.sum(scores, axis=1) + eps
-    vmask2 = tmask[:, None] & vmask[None, :]
-    vt = tl.load(V + base_offset(b, h, start, sv_b, sv_h, sv_t) + tt[:, None] * sv_t + cv[None, :] * sv_d,
-                 mask=vmask2, other=0.0)
-    num += tl.dot(scores, vt.to(tl.float32), input_precision=PREC)
-    out = num / den[:, None]
-    tl.store(O + base_offset(b, h, start, so_b, so_h, so_t) + tt[:, None] * so_t + cv[None, :] * so_d,
-             out.to(O.dtype.element_ty), mask=vmask2)
+            k = elu_plus_one(k, tmask[:, None] & kmask[None, :], tiny, DT)
+        v = load_rows(V, b, h, bos + first + c * BT, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
+        acc = dot_inputs(tl.trans(k), v, acc, PREC)
+        z += tl.sum(k.to(tl.float32), axis=0)
+    g = ((g0 + s) * H + h).to(tl.int64)
+    tl.store(DS + g * (C * M) + ck[:, None] * M + cv[None, :], acc, mask=kmask[:, None] & vmask[None, :])
     if i_v == 0:
-        tl.store(DEN + (b * H + h).to(tl.int64) * T + start + tt, den, mask=tmask)
+        tl.store(DZ + g * C + ck, z, mask=kmask)
+
+
+def superchunk_forward(
+    Q, K, V, O, O32, DEN, S0, Z0, DS, DZ, SN, ZN, CU, SC_OFF, SC_TABLE, T, H, NSC,
+    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d, tiny, eps,
+    C: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, LS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr,
+    NS_MAX: tl.constexpr, INTERPRET: tl.constexpr, STORE_F32: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BV) NSC rows,)``: O like V; STORE_F32 (half inputs): O32 ``(B, H, T, M)``
+    fp32, the output before its rounding, from which the backward takes r (``backward.py``); DEN
+    ``(B, H, T)`` fp32, the denominator of every position; SN, ZN ``(S, H, C, M / -)`` fp32, the
+    state after the last position (from the program of each sequence's last super-chunk). DS, DZ:
+    ``superchunk_deltas``' sums."""
+    i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
+                                                                  SC_TABLE, T, H, NSC, LS, VARLEN)
+    DT = Q.dtype.element_ty
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    kmask, vmask = ck < C, cv < M
+    tt = tl.arange(0, BT)
+    causal = tt[:, None] >= tt[None, :]
+    row = seq * H + h
+    state, z = initial_state(S0, Z0, row, ck, cv, kmask, vmask, C, M, HAS_INIT, BK, BV)
+    state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, s, ck, cv, kmask, vmask, C, M, NS_MAX, INTERPRET)
+    first = s * LS
+    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
+    for c in range(0, LS // BT if INTERPRET else n_chunks):
+        start = bos + first + c * BT
+        tmask = first + c * BT + tt < length
+        kq_mask = tmask[:, None] & kmask[None, :]
+        q = load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d)
+        k = load_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
+        if ELU:
+            q = elu_plus_one(q, kq_mask, tiny, DT)
+            k = elu_plus_one(k, kq_mask, tiny, DT)
+        v = load_rows(V, b, h, start, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
+        scores = tl.where(causal, dot_inputs(q, tl.trans(k), tl.zeros([BT, BT], dtype=tl.float32), PREC), 0.0)
+        num = dot_exact_fp32(q, state, tl.zeros([BT, BV], dtype=tl.float32), PREC, PARTS)
+        num = dot_fp32_exact(scores, v, num, PREC, PARTS)
+        den = tl.sum(q.to(tl.float32) * z[None, :], axis=1) + tl.sum(scores, axis=1) + eps
+        out = num / den[:, None]
+        tl.store(O + base_offset(b, h, start, so_b, so_h, so_t) + tt[:, None] * so_t + cv[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
+        if STORE_F32:
+            tl.store(O32 + ((b * H + h).to(tl.int64) * T + start + tt[:, None]) * M + cv[None, :], out,
+                     mask=tmask[:, None] & vmask[None, :])
+        if i_v == 0:
+            tl.store(DEN + (b * H + h).to(tl.int64) * T + start + tt, den, mask=tmask)
+        state = dot_inputs(tl.trans(k), v, state, PREC)
+        z += tl.sum(k.to(tl.float32), axis=0)
+    if s == n_sc - 1:
+        tl.store(SN + row.to(tl.int64) * (C * M) + ck[:, None] * M + cv[None, :], state,
+                 mask=kmask[:, None] & vmask[None, :])
+        if i_v == 0:
+            tl.store(ZN + row.to(tl.int64) * C + ck, z, mask=kmask)

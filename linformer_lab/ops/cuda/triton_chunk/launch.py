@@ -4,21 +4,31 @@ The kernels are wrapped with ``triton.jit`` on first use, once per mode: under
 ``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU tensors in numpy (fp32, fp16), which
 is how CI tests them. The variable must be set before triton is first imported: triton.language's
 own functions (``tl.sum``) and the kernels' jitted helpers take their mode then
-(``tests/conftest.py`` sets it). On a GPU every kernel but ``backward_prepare`` carries a small
-autotuning space keyed by C, M, the chunk and the dtypes: the value-tile width and warps of the
-kernels parallel over chunks, the tiles, warps and stages of the two state walks;
-:func:`tuning_report` lists what each tuning chose and the seconds it took (compiling included).
-The interpreter runs one fixed config.
+(``tests/conftest.py`` sets it).
+
+One forward is ``superchunk_deltas`` (more than one super-chunk per sequence) and
+``superchunk_forward``; one backward ``superchunk_backward_prepare``, ``superchunk_dq`` and
+``superchunk_dk_dv``: at most 2 + 3 launches, 1 + 3 when one super-chunk per sequence fills the GPU.
+Each kernel has one config chosen from the shape (``config``), not autotuned: nothing is timed on
+a first call, and a run is the same on every GPU of a kind.
+
+The launch path is cached: the first launch of a kernel at a specialisation (constexprs, dtypes,
+the 16-alignments Triton specialises on) goes through ``JITFunction.run``, which compiles and
+returns the compiled kernel; later launches call that kernel directly (``CompiledKernel[grid]``),
+without Triton's per-call argument binding and cache-key hashing. ``LINFORMER_LAB_TRITON_LAUNCH=jit``
+turns the direct path off. :func:`compile_report` lists each compilation and its seconds.
 
 Nothing here reads a device tensor on the host: grids come from shapes alone (packed sequences
-get an upper bound on their chunks), so a launch never waits for the GPU.
+get an upper bound on their super-chunks), so a launch never waits for the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import time
 from types import SimpleNamespace
 
 import torch
@@ -29,6 +39,15 @@ from linformer_lab.ops.cuda.triton_chunk import backward, forward
 _HALF = (torch.float16, torch.bfloat16)
 #: CUDA's limit on a grid's x dimension; the kernels' grids are one-dimensional (y and z stop at 65,535)
 MAX_PROGRAMS = 2**31 - 1
+#: Programs per SM the super-chunk walks aim for: two keep an SM busy while one waits on memory.
+PROGRAMS_PER_SM = 2
+#: Under the interpreter (no SMs): programs wanted, small so that tests walk several super-chunks.
+INTERPRETER_PROGRAMS = 4
+#: bf16 parts of an fp32 operand (``forward.dot_exact_fp32``): three keep fp32's 24 bits, which
+#: the cancelling terms of dq and dk need (``backward.py``)
+BF16_PARTS = 3
+KERNELS = {"superchunk_deltas": forward, "superchunk_forward": forward, "superchunk_backward_prepare": backward,
+           "superchunk_dq": backward, "superchunk_dk_dv": backward}
 
 
 def interpreting() -> bool:
@@ -42,14 +61,19 @@ def on_device(device: torch.device):
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """Triton's precision for the products with an fp32 operand (states, scores, gradients of
-    the numerator): for fp16/bf16 inputs three tf32 products (``tf32x3``), as exact as fp32 (the
-    backward subtracts nearly equal terms built from them; see ``backward.py``); for fp32 inputs
-    what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" ``tf32x3`` too (the
-    plain fp32 product compiles to a register-hungry loop of scalar fused multiply-adds)."""
+    """Triton's precision for the products with an fp32 operand when they are not split into bf16
+    parts (fp16 and fp32 inputs): for fp16 three tf32 products (``tf32x3``), as exact as fp32
+    (the backward subtracts nearly equal terms built from them; see ``backward.py``); for fp32
+    inputs what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" ``tf32x3`` too."""
     if dtype in _HALF or torch.get_float32_matmul_precision() == "highest":
         return "tf32x3"
     return "tf32"
+
+
+def bf16_parts(dtype: torch.dtype) -> int:
+    """bf16 parts per fp32 operand (``forward.dot_exact_fp32``): bf16 inputs only (the other
+    operand is then bf16-exact); 0 elsewhere (``dot_precision``)."""
+    return BF16_PARTS if dtype == torch.bfloat16 else 0
 
 
 def tiny(dtype: torch.dtype) -> float:
@@ -58,88 +82,9 @@ def tiny(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).tiny) if dtype in _HALF else 0.0
 
 
-def pow2(n: int, cap: int = 128) -> int:
+def pow2(n: int, cap: int = 256) -> int:
     """The tile covering n: a power of two, at least 16 (the smallest ``tl.dot`` side), at most cap."""
     return max(16, min(cap, triton.next_power_of_2(n)))
-
-
-def tile(widest: int = 64) -> int:
-    """The widest feature/value tile: on a GPU half of ``widest`` (at least 32), because the
-    products with a state take fp32 operands in three tf32 products, twice the registers of a
-    half-precision tile; under the interpreter ``widest`` itself (fewer programs to run)."""
-    return widest if interpreting() else max(32, widest // 2)
-
-
-def _prune(configs, named_args, **kwargs):
-    """Keep the configs whose value tile is at most the padded M and what the dtype allows (wider
-    ones repeat work or spill registers) and at least min(M, 64); drop the dq/dk kernel's 4-warp
-    configs (its fp32 operands spill there). None left (a small M): one config of that M's width."""
-    widest = min(pow2(kwargs["M"]), tile(128))
-    kept = [cfg for cfg in configs if min(widest, 64) <= cfg.kwargs["BV"] <= widest]
-    if "DQ" in named_args:
-        kept = [cfg for cfg in kept if cfg.num_warps >= 8]
-    return kept or [triton.Config({"BV": min(widest, tile())}, num_warps=8, num_stages=2)]
-
-
-def _prune_walk(configs, named_args, **kwargs):
-    """State walks: keep the tiles no wider than the padded C and M (a wider one is idle work);
-    one config of the padded sizes if none is left."""
-    c, m = pow2(kwargs["C"], 64), pow2(kwargs["M"], 64)
-    kept = [cfg for cfg in configs if cfg.kwargs["BK"] <= c and cfg.kwargs["BV"] <= m]
-    return kept or [triton.Config({"BK": c, "BV": m}, num_warps=4, num_stages=2)]
-
-
-def _tuned(kernel, configs, prune=_prune):
-    pruning = {"early_config_prune": prune} if prune is not None else None
-    return triton.autotune(configs, key=["C", "M", "BT"], prune_configs_by=pruning)(kernel)
-
-
-#: (kernel, key, chosen config, seconds) of every autotuning this process ran
-_TUNINGS: list[dict] = []
-
-
-def tuning_report() -> list[dict]:
-    """Every autotuning so far: ``{"kernel", "key" (C, M, chunk, dtypes), "config", "seconds"}``,
-    the seconds those of compiling and timing all its configs. Empty under the interpreter."""
-    return list(_TUNINGS)
-
-
-def _launch(kern, name: str, grid, *args, **kwargs):
-    """Launch, recording the autotuning a new key set off."""
-    cache = getattr(kern, "cache", None)
-    seen = set(cache) if cache is not None else set()
-    kern[grid](*args, **kwargs)
-    for key in set(cache or ()) - seen:
-        _TUNINGS.append(dict(kernel=name, key=key, config=str(cache[key]), seconds=getattr(kern, "bench_time", 0.0)))
-
-
-@functools.cache
-def kernels(interpret: bool) -> SimpleNamespace:
-    """The kernels compiled for one mode (the interpreter or the GPU)."""
-    jit = {name: triton.jit(getattr(module, name)) for module, name in (
-        (forward, "chunk_states_forward"), (forward, "chunk_output_forward"), (backward, "backward_prepare"),
-        (backward, "chunk_numerator_backward"), (backward, "chunk_states_backward"),
-        (backward, "chunk_dq_dk_backward"), (backward, "chunk_dv_backward"))}
-    if interpret:  # one fixed config: timing configs means nothing in numpy
-        return SimpleNamespace(tuned=False, **jit)
-    out_cfg = [triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2),
-               triton.Config({"BV": 128}, num_warps=8, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
-    grad_cfg = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Config({"BV": 64}, num_warps=4, num_stages=2)]
-    # r's kernel holds two chunk x chunk products: 32-wide value tiles keep it in registers
-    numerator_cfg = [triton.Config({"BV": 32}, num_warps=8, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2)]
-    # the walks' grid is cdiv(M, BV) cdiv(C, BK) S H programs, each serial over the chunks: small
-    # tiles fill the chip when S H is small, large ones read q (or k) fewer times
-    walk_cfg = [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=3),
-                triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=3),
-                triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2),
-                triton.Config({"BK": 64, "BV": 64}, num_warps=8, num_stages=2)]
-    return SimpleNamespace(
-        tuned=True, **{**jit, "chunk_output_forward": _tuned(jit["chunk_output_forward"], out_cfg),
-                       "chunk_numerator_backward": _tuned(jit["chunk_numerator_backward"], numerator_cfg, None),
-                       "chunk_dq_dk_backward": _tuned(jit["chunk_dq_dk_backward"], grad_cfg),
-                       "chunk_dv_backward": _tuned(jit["chunk_dv_backward"], grad_cfg),
-                       "chunk_states_forward": _tuned(jit["chunk_states_forward"], walk_cfg, _prune_walk),
-                       "chunk_states_backward": _tuned(jit["chunk_states_backward"], walk_cfg, _prune_walk)})
 
 
 def programs(*counts: int) -> tuple[int]:
@@ -160,191 +105,278 @@ def strides(x: torch.Tensor, head_first: bool) -> tuple[int, int, int, int]:
     return (sb, s1, s2, sd) if head_first else (sb, s2, s1, sd)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def programs_wanted(device: torch.device) -> int:
+    """How many programs a walk should have: PROGRAMS_PER_SM per SM on a GPU."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def superchunk_length(chunks: int, rows: int, chunk: int, wanted: int) -> int:
+    """Positions per super-chunk: a whole number of chunks, as long as it can be while rows x
+    super-chunks reaches ``wanted`` programs (each walk is serial over its chunks, so more
+    super-chunks only pay until the GPU is full); the super-chunks a power of two per sequence."""
+    split = 1
+    while split * rows < wanted and split < chunks:
+        split *= 2
+    return triton.cdiv(max(chunks, 1), split) * chunk
+
+
 class Layout(SimpleNamespace):
-    """What every launch shares: the sequences and the chunking.
+    """What every launch shares: the sequences, the chunking and the super-chunks.
 
-    ``sequences`` S (B, or len(cu_seqlens) - 1); ``nt`` the chunks per grid row: cdiv(T, chunk),
-    packed an upper bound on all sequences' chunks, cdiv(T, chunk) + S; ``rows`` the grid rows (S
-    H, packed H); ``state_chunks`` the state rows per head; ``max_chunks`` the bound of the
-    interpreter's walk. Packed (VARLEN): ``cu`` the offsets as given, ``offsets`` ``(S + 1,)``
-    the first global chunk of each sequence, ``table`` ``(nt, 2)`` global chunk -> (sequence,
-    chunk in it), all built on the device."""
+    ``sequences`` S (B, or len(cu_seqlens) - 1); ``ls`` positions per super-chunk; ``nsc`` the
+    super-chunk slots per grid row: cdiv(T, ls), packed an upper bound on all sequences'
+    super-chunks, cdiv(T, ls) + S; ``rows`` the grid rows (S H, packed H); ``slots`` the delta rows
+    per head; ``ns_max`` a bound on any sequence's super-chunks (the interpreter's loops).
+    Packed (VARLEN): ``cu`` the offsets as given, ``offsets`` ``(S + 1,)`` the first global
+    super-chunk of each sequence, ``table`` ``(nsc, 2)`` global super-chunk -> (sequence,
+    super-chunk in it), all built on the device."""
 
 
-def layout(q, v, cu_seqlens, chunk: int, head_first: bool) -> Layout:
+def layout(q, v, cu_seqlens, chunk: int, head_first: bool, ls: int | None = None) -> Layout:
     b, t = q.shape[0], q.shape[2] if head_first else q.shape[1]
     h, c, m = q.shape[1] if head_first else q.shape[2], q.shape[-1], v.shape[-1]
-    per_sequence = triton.cdiv(t, chunk)
+    sequences = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    rows = b * h if cu_seqlens is None else h
+    if ls is None:
+        ls = superchunk_length(triton.cdiv(t, chunk), rows, chunk, programs_wanted(q.device))
+    per_sequence = triton.cdiv(t, ls)
+    common = dict(batch=b, heads=h, time=t, c=c, m=m, chunk=chunk, ls=ls, head_first=head_first, sequences=sequences,
+                  rows=rows, ns_max=max(per_sequence, 1), dtype=q.dtype)
     if cu_seqlens is None:
-        return Layout(batch=b, heads=h, time=t, c=c, m=m, chunk=chunk, head_first=head_first, varlen=False, cu=None,
-                      offsets=None, table=None, sequences=b, nt=per_sequence, rows=b * h, state_chunks=b * per_sequence,
-                      max_chunks=per_sequence, dtype=q.dtype)
-    sequences = cu_seqlens.shape[0] - 1
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+        return Layout(varlen=False, cu=None, offsets=None, table=None, nsc=per_sequence, slots=b * per_sequence,
+                      **common)
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + ls - 1) // ls
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    nt = per_sequence + sequences  # each sequence adds at most one partial chunk
-    chunk_ids = torch.arange(nt, device=cu_seqlens.device, dtype=offsets.dtype)
-    # the sequence of each chunk (empty sequences skipped); past the last chunk the last sequence,
-    # at a chunk past its end: those programs find every position masked
-    owner = torch.searchsorted(offsets[1:], chunk_ids, right=True).clamp_(max=sequences - 1)
-    table = torch.stack([owner, chunk_ids - offsets[owner]], dim=1)
-    return Layout(batch=b, heads=h, time=t, c=c, m=m, chunk=chunk, head_first=head_first, varlen=True, cu=cu_seqlens,
-                  offsets=offsets, table=table, sequences=sequences, nt=nt, rows=h, state_chunks=nt,
-                  max_chunks=per_sequence, dtype=q.dtype)
+    nsc = per_sequence + sequences  # each sequence adds at most one partial super-chunk
+    ids = torch.arange(nsc, device=cu_seqlens.device, dtype=offsets.dtype)
+    # the sequence of each super-chunk (empty sequences skipped); past the last one the last
+    # sequence, at a super-chunk past its end: those programs find every position masked
+    owner = torch.searchsorted(offsets[1:], ids, right=True).clamp_(max=sequences - 1)
+    table = torch.stack([owner, ids - offsets[owner]], dim=1)
+    return Layout(varlen=True, cu=cu_seqlens, offsets=offsets, table=table, nsc=nsc, slots=nsc, **common)
 
 
-def _common(lay: Layout, elu: bool):
-    return dict(C=lay.c, M=lay.m, BT=lay.chunk, ELU=elu, VARLEN=lay.varlen, PREC=dot_precision(lay.dtype))
+def config(name: str, lay: Layout) -> dict:
+    """The launch config of kernel ``name`` at a layout. Feature and value tiles (BK, BV) of at most
+    64 x 64 per program's state tile, so that the fp32 state and its bf16 parts stay in registers
+    (at C = M = 128 wider tiles spill: ``tests/ops/test_triton_chunk_gpu.py`` compiles for Hopper
+    and checks); KF, MF the full padded widths a tile's program reads; warps by tile size."""
+    kf, mf = pow2(lay.c), pow2(lay.m)
+    if name == "superchunk_dq":  # rows of the state: a feature tile x all of M
+        bk, bv = min(kf, max(16, 2048 // mf)), mf
+    elif name == "superchunk_dk_dv":  # feature tiles x all of M (dk), all of C x value tiles (dv)
+        bk, bv = min(kf, max(16, 2048 // mf)), min(mf, max(16, 2048 // kf))
+    else:  # all of C x value tiles
+        bk, bv = kf, min(mf, max(16, 4096 // kf))
+    return dict(BK=bk, BV=bv, KF=kf, MF=mf, num_warps=8 if max(kf, mf) >= 128 else 4, num_stages=2)
 
 
-def _walk(lay: Layout, kern):
-    """The state walks' loop bound (under the interpreter a constant, see
-    ``forward.chunk_states_forward``; on a GPU each sequence's own count) and fixed tiles where
-    nothing is tuned."""
-    if not interpreting():
-        return dict(INTERPRET=False, MAX_CHUNKS=0)
-    fixed = {} if kern.tuned else dict(BK=pow2(lay.c, tile()), BV=pow2(lay.m, tile()))
-    return dict(INTERPRET=True, MAX_CHUNKS=lay.max_chunks, **fixed)
+def _direct_launch_enabled() -> bool:
+    return os.environ.get("LINFORMER_LAB_TRITON_LAUNCH", "direct") != "jit" and not interpreting()
 
 
-def walk_grid(lay: Layout):
-    """Programs of the state walks: value tiles x feature tiles x sequences x heads."""
-    return lambda meta: programs(triton.cdiv(lay.m, meta["BV"]), triton.cdiv(lay.c, meta["BK"]), lay.sequences * lay.heads)
+@functools.cache
+def kernels(interpret: bool) -> SimpleNamespace:
+    """The kernels compiled for one mode (the interpreter or the GPU)."""
+    return SimpleNamespace(**{name: triton.jit(getattr(module, name)) for name, module in KERNELS.items()})
 
 
-def chunk_grid(lay: Layout, tiles):
-    """Programs of the kernels parallel over chunks: tiles x nt chunks x rows."""
-    return lambda meta: programs(tiles(meta), lay.nt, lay.rows)
+#: (kernel, key, config, seconds) of every compilation this process ran through ``_launch``
+_COMPILES: list[dict] = []
+#: specialisation -> compiled kernel of the direct launch path
+_COMPILED: dict[tuple, object] = {}
 
 
-def _fixed(kern, bv):
-    """Meta-parameters for an untuned (interpreted) launch of a tuned kernel."""
-    return {} if kern.tuned else {"BV": bv}
+def compile_report() -> list[dict]:
+    """Every compilation so far: ``{"kernel", "key" (C, M, chunk, dtype, ...), "config", "seconds"}``."""
+    return list(_COMPILES)
 
 
-def _packing(lay: Layout, anchor: torch.Tensor, table: bool = True):
-    """CU, CHUNK_OFF (and CHUNK_TABLE) arguments: the packing's tensors, or any pointer unpacked."""
-    names = (lay.cu, lay.offsets, lay.table) if lay.varlen else (anchor, anchor, anchor)
-    return names if table else names[:2]
+def _specialisation(args) -> tuple:
+    """What Triton specialises a launch on, for the runtime arguments: each tensor's dtype and
+    16-byte alignment, each integer's 1 / 16-divisibility / 32-bit range (floats: nothing)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            key.append(None)
+        else:
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+    return tuple(key)
 
 
-def run_states_forward(k, v, s0, z0, lay: Layout, elu: bool):
-    """-> states ``(state chunks, H, C, M)``, zstates ``(state chunks, H, C)``, S_N ``(S, H, C, M)``,
-    z_N ``(S, H, C)``, all fp32."""
-    kern = kernels(interpreting())
-    dev, f32 = k.device, torch.float32
-    # packed: the rows past the last chunk are read (and discarded) by the programs of the chunk
-    # bound's slack; zeros keep them finite
-    alloc = torch.zeros if lay.varlen else torch.empty
-    states = alloc(lay.state_chunks, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
-    zstates = alloc(lay.state_chunks, lay.heads, lay.c, device=dev, dtype=f32)
-    s_final = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=f32)
-    z_final = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=f32)
-    _launch(kern.chunk_states_forward, "chunk_states_forward", walk_grid(lay),
-            k, v, s0 if s0 is not None else s_final, z0 if z0 is not None else z_final, states, zstates, s_final,
-            z_final, *_packing(lay, k, table=False), lay.time, lay.heads, *strides(k, lay.head_first),
-            *strides(v, lay.head_first), tiny(lay.dtype), HAS_INIT=s0 is not None, **_walk(lay, kern),
-            **_common(lay, elu))
-    return states, zstates, s_final, z_final
+def _launch(name: str, grid: tuple[int], args: tuple, constexprs: dict, meta: dict):
+    """Launch kernel ``name`` on ``grid``: the runtime ``args`` in the kernel's order, then its
+    ``constexprs`` (keyword, in the kernel's order after the runtime ones) and ``meta`` (warps, stages)."""
+    kern = getattr(kernels(interpreting()), name)
+    if not _direct_launch_enabled():
+        kern[grid](*args, **constexprs, **({} if interpreting() else meta))
+        return
+    key = (name, tuple(constexprs.items()), tuple(meta.items()), _specialisation(args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        # the direct call passes the constexprs by position: they must come in the kernel's order
+        order = [arg for arg in kern.arg_names if arg in constexprs]
+        if order != list(constexprs):
+            raise RuntimeError(f"{name}: constexprs {list(constexprs)} not in the kernel's order {order}")
+        began = time.perf_counter()
+        compiled = kern[grid](*args, **constexprs, **meta)
+        _COMPILED[key] = compiled
+        _COMPILES.append(dict(kernel=name, key=key[1], config=str(meta), seconds=time.perf_counter() - began))
+        return
+    compiled[grid](*args, *constexprs.values())
 
 
-def run_output_forward(q, k, v, states, zstates, lay: Layout, elu: bool, eps: float):
-    """-> out (like v: ``empty_like`` keeps v's memory order, so a ``(B, H, N, M)`` view of a
-    ``(B, N, H, M)`` tensor gets an output laid out the same way), den ``(B, H, T)`` fp32."""
-    kern = kernels(interpreting())
+def _common(lay: Layout) -> dict:
+    return dict(C=lay.c, M=lay.m, BT=lay.chunk, LS=lay.ls)
+
+
+def _packing(lay: Layout, anchor: torch.Tensor):
+    """CU, SC_OFF, SC_TABLE arguments: the packing's tensors, or any pointer unpacked."""
+    return (lay.cu, lay.offsets, lay.table) if lay.varlen else (anchor, anchor, anchor)
+
+
+def _tiles(cfg: dict, lay: Layout) -> int:
+    return triton.cdiv(lay.m, cfg["BV"])
+
+
+def _sequence_state(lay: Layout, like: torch.Tensor, initial: torch.Tensor | None, vector: bool):
+    """A per-sequence state buffer ``(S, H, C, M)`` (or ``(S, H, C)``) fp32 that the kernels fill:
+    packed, the empty sequences' rows (no program visits them) start as ``initial`` (or 0)."""
+    shape = (lay.sequences, lay.heads, lay.c) if vector else (lay.sequences, lay.heads, lay.c, lay.m)
+    if not lay.varlen:
+        return like.new_empty(shape, dtype=torch.float32)
+    return initial.clone() if initial is not None else like.new_zeros(shape, dtype=torch.float32)
+
+
+def run_forward(q, k, v, s0, z0, lay: Layout, elu: bool, eps: float):
+    """-> out (like v: ``empty_like`` keeps v's memory order), den ``(B, H, T)`` fp32, S_N
+    ``(S, H, C, M)``, z_N ``(S, H, C)`` fp32, the super-chunk deltas ``(slots H, C, M)``,
+    ``(slots H, C)`` fp32 the backward starts its walks from (0 rows with one super-chunk per
+    sequence), and for half inputs the output before rounding ``(B, H, T, M)`` fp32 (else 0 rows)."""
+    hf, f32, dev = lay.head_first, torch.float32, q.device
+    several = lay.ns_max > 1
+    slots = lay.slots if several else 0
+    ds = torch.empty(slots * lay.heads, lay.c, lay.m, device=dev, dtype=f32)
+    dz = torch.empty(slots * lay.heads, lay.c, device=dev, dtype=f32)
+    interp = dict(INTERPRET=interpreting())
+    prec = dot_precision(lay.dtype)
+    if several:
+        cfg = config("superchunk_deltas", lay)
+        _launch("superchunk_deltas", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+                (k, v, ds, dz, *_packing(lay, k), lay.time, lay.heads, lay.nsc, *strides(k, hf), *strides(v, hf),
+                 tiny(lay.dtype)),
+                dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], ELU=elu, VARLEN=lay.varlen, PREC=prec, **interp),
+                _meta(cfg))
     out = torch.empty_like(v)
-    den = torch.empty(lay.batch, lay.heads, lay.time, device=q.device, dtype=torch.float32)
-    hf = lay.head_first
-    _launch(kern.chunk_output_forward, "chunk_output_forward", chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
-            q, k, v, out, den, states, zstates, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
-            *strides(k, hf), *strides(v, hf), *strides(out, hf), tiny(lay.dtype), eps,
-            BK=pow2(lay.c, tile(128)), **_fixed(kern, pow2(lay.m, tile())), **_common(lay, elu))
-    return out, den
+    half = lay.dtype in _HALF
+    out32 = torch.empty(lay.batch if half else 0, lay.heads, lay.time, lay.m, device=dev, dtype=f32)
+    den = torch.empty(lay.batch, lay.heads, lay.time, device=dev, dtype=f32)
+    s_n = _sequence_state(lay, q, s0, vector=False)
+    z_n = _sequence_state(lay, q, z0, vector=True)
+    cfg = config("superchunk_forward", lay)
+    _launch("superchunk_forward", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+            (q, k, v, out, out32, den, s0 if s0 is not None else s_n, z0 if z0 is not None else z_n, ds, dz, s_n, z_n,
+             *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
+             *strides(out, hf), tiny(lay.dtype), eps),
+            dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], ELU=elu, HAS_INIT=s0 is not None, VARLEN=lay.varlen,
+                 PREC=prec, PARTS=bf16_parts(lay.dtype), NS_MAX=lay.ns_max, **interp, STORE_F32=half), _meta(cfg))
+    return out, den, s_n, z_n, ds, dz, out32
 
 
-def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay: Layout, elu: bool):
-    """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)``, dz_0 ``(S, H, C)`` fp32."""
-    kern = kernels(interpreting())
-    dev, hf = q.device, lay.head_first
-    states, zstates, _, _ = run_states_forward(k, v, s0, z0, lay, elu)
+def _meta(cfg: dict) -> dict:
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, ds, dz, out32, lay: Layout, elu: bool):
+    """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)``, dz_0 ``(S, H, C)`` fp32. From the forward:
+    ``out`` and ``den``, the super-chunk deltas ``ds``, ``dz``, ``out32`` (half inputs: the output
+    before rounding, which r is taken from; fp32: ``out`` is)."""
+    hf, f32, dev = lay.head_first, torch.float32, q.device
+    several = lay.ns_max > 1
+    interp = dict(INTERPRET=interpreting())
+    flags = dict(ELU=elu, VARLEN=lay.varlen, PREC=dot_precision(lay.dtype), PARTS=bf16_parts(lay.dtype))
+    exact_out = (out32, strides(out32, True)) if lay.dtype in _HALF else (out, strides(out, hf))
     r = torch.empty_like(den)
-    bv = pow2(lay.m, tile())
-    if lay.dtype == torch.float32:  # the stored output is as exact as a recomputed one
-        kern.backward_prepare[programs(triton.cdiv(lay.time, 64), lay.batch * lay.heads)](
-            grad_out, out, den, r, lay.time, lay.heads, *strides(grad_out, hf), *strides(out, hf), M=lay.m, BT=64, BV=bv)
-    else:
-        _launch(kern.chunk_numerator_backward, "chunk_numerator_backward", chunk_grid(lay, lambda meta: 1),
-                q, k, v, grad_out, den, r, states, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
-                *strides(k, hf), *strides(v, hf), *strides(grad_out, hf), tiny(lay.dtype), BK=pow2(lay.c, tile()),
-                **_fixed(kern, bv), **_common(lay, elu))
-    dstates = torch.zeros_like(states) if lay.varlen else torch.empty_like(states)
-    dzstates = torch.zeros_like(zstates) if lay.varlen else torch.empty_like(zstates)
-    ds0 = torch.empty(lay.sequences, lay.heads, lay.c, lay.m, device=dev, dtype=torch.float32)
-    dz0 = torch.empty(lay.sequences, lay.heads, lay.c, device=dev, dtype=torch.float32)
+    dh = torch.empty(ds.shape, device=dev, dtype=f32)
+    dhz = torch.empty(lay.slots * lay.heads, lay.c, device=dev, dtype=f32)
+    cfg = config("superchunk_backward_prepare", lay)
+    _launch("superchunk_backward_prepare", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+            (q, grad_out, exact_out[0], den, r, dh, dhz, *_packing(lay, q), lay.time, lay.heads, lay.nsc,
+             *strides(q, hf), *strides(grad_out, hf), *exact_out[1], tiny(lay.dtype)),
+            dict(_common(lay), BK=cfg["KF"], BV=cfg["BV"], MF=cfg["MF"], **flags, DELTAS=several, **interp),
+            _meta(cfg))
+    dq = torch.empty_like(q)
+    cfg = config("superchunk_dq", lay)
+    _launch("superchunk_dq", programs(triton.cdiv(lay.c, cfg["BK"]), lay.nsc, lay.rows),
+            (q, k, v, grad_out, den, r, s0 if s0 is not None else dhz, z0 if z0 is not None else dhz, ds, dz, dq,
+             *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
+             *strides(grad_out, hf), *strides(dq, hf), tiny(lay.dtype)),
+            dict(_common(lay), BK=cfg["BK"], MF=cfg["MF"], ELU=elu, HAS_INIT=s0 is not None, VARLEN=lay.varlen,
+                 PREC=flags["PREC"], PARTS=flags["PARTS"], NS_MAX=lay.ns_max, **interp), _meta(cfg))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    ds0 = _sequence_state(lay, q, ds_final, vector=False)
+    dz0 = _sequence_state(lay, q, dz_final, vector=True)
     has_final = ds_final is not None
-    _launch(kern.chunk_states_backward, "chunk_states_backward", walk_grid(lay),
-            q, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dstates, dzstates,
-            ds0, dz0, *_packing(lay, q, table=False), lay.time, lay.heads, *strides(q, hf), *strides(grad_out, hf),
-            tiny(lay.dtype), HAS_DFINAL=has_final, **_walk(lay, kern), **_common(lay, elu))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bk = pow2(lay.c, tile())
-    _launch(kern.chunk_dq_dk_backward, "chunk_dq_dk_backward", chunk_grid(lay, lambda meta: triton.cdiv(lay.c, bk)),
-            q, k, v, grad_out, den, r, states, zstates, dstates, dzstates, dq, dk, *_packing(lay, q), lay.time,
-            lay.heads, lay.nt, *strides(q, hf), *strides(k, hf), *strides(v, hf), *strides(grad_out, hf),
-            *strides(dq, hf), *strides(dk, hf), tiny(lay.dtype), BK=bk, **_fixed(kern, bv), **_common(lay, elu))
-    _launch(kern.chunk_dv_backward, "chunk_dv_backward", chunk_grid(lay, lambda meta: triton.cdiv(lay.m, meta["BV"])),
-            q, k, grad_out, den, dstates, dv, *_packing(lay, q), lay.time, lay.heads, lay.nt, *strides(q, hf),
-            *strides(k, hf), *strides(grad_out, hf), *strides(dv, hf), tiny(lay.dtype), BK=bk, **_fixed(kern, bv),
-            **_common(lay, elu))
+    cfg = config("superchunk_dk_dv", lay)
+    tiles = triton.cdiv(lay.c, cfg["BK"]) + triton.cdiv(lay.m, cfg["BV"])
+    _launch("superchunk_dk_dv", programs(tiles, lay.nsc, lay.rows),
+            (q, k, v, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dh, dhz, dk, dv,
+             ds0, dz0, *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf),
+             *strides(v, hf), *strides(grad_out, hf), *strides(dk, hf), *strides(dv, hf), tiny(lay.dtype)),
+            dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], KF=cfg["KF"], MF=cfg["MF"], ELU=elu, HAS_DFINAL=has_final,
+                 VARLEN=lay.varlen, PREC=flags["PREC"], PARTS=flags["PARTS"], NS_MAX=lay.ns_max, **interp),
+            _meta(cfg))
     return dq, dk, dv, ds0, dz0
 
 
 def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int, chunk: int = 64, varlen: bool = False,
-                elu: bool = True) -> dict:
+                elu: bool = True, ls: int = 1024) -> dict:
     """Compile every kernel for a GPU of ``capability`` (e.g. ``(9, 0)``) without needing one
     (Triton's own ptxas): ``{kernel name: triton CompiledKernel}`` (``.asm["cubin"]``, ``["ptx"]``,
-    ``.metadata.shared``), one config each, pointers and strides 16-divisible as a real launch of
-    contiguous tensors sees them (feature strides 1, the others 16-divisible). For checking
-    compilation, instructions and registers on a CPU."""
+    ``.metadata.shared``), each in the config ``config`` gives it, pointers and strides 16-divisible
+    as a real launch of contiguous tensors sees them (feature strides 1, the others 16-divisible).
+    For checking compilation, instructions and registers on a CPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    dt, sd = name[dtype], "fp32"
-    f32, i32 = "fp32", "i32"
-    pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, DQ=dt, DK=dt, DV=dt, STATES=sd, DSTATES=sd, CU=i32, CHUNK_OFF="i64",
-                    CHUNK_TABLE="i64")
-    base = dict(C=c, M=m, BT=chunk, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype))
-    bk, bv = pow2(c, tile()), pow2(m, tile())
-    walk = dict(BK=pow2(c, 64), BV=pow2(m, 64), INTERPRET=False, MAX_CHUNKS=0)  # the first walk config
-    # (constexprs, (warps, stages)): each kernel in the first config of its autotuning space
-    kernels_meta = {
-        (forward, "chunk_states_forward"): (dict(base, HAS_INIT=True, **walk), (4, 3)),
-        (forward, "chunk_output_forward"): (dict(base, BK=pow2(c, tile(128)), BV=bv), (4, 2)),
-        (backward, "backward_prepare"): (dict(M=m, BT=64, BV=pow2(m, 64)), (4, 3)),
-        (backward, "chunk_numerator_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
-        (backward, "chunk_states_backward"): (dict(base, HAS_DFINAL=True, **walk), (4, 3)),
-        (backward, "chunk_dq_dk_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
-        (backward, "chunk_dv_backward"): (dict(base, BK=bk, BV=bv), (8, 2)),
-    }
+    dt = name[dtype]
+    lay = SimpleNamespace(c=c, m=m)
+    flags = dict(C=c, M=m, BT=chunk, LS=ls, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype), PARTS=bf16_parts(dtype),
+                 HAS_INIT=True, HAS_DFINAL=True, NS_MAX=0, INTERPRET=False)
+    pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, O32="fp32", DQ=dt, DK=dt, DV=dt, CU="i32", SC_OFF="i64", SC_TABLE="i64")
     compiled = {}
-    for (module, kernel), (constexprs, (warps, stages)) in kernels_meta.items():
+    for kernel, module in KERNELS.items():
         fn = triton.jit(getattr(module, kernel))
+        cfg = config(kernel, lay)
+        tiles = dict(BK=cfg["BK"], BV=cfg["BV"], KF=cfg["KF"], MF=cfg["MF"], STORE_F32=dtype in _HALF, DELTAS=True)
+        if kernel == "superchunk_backward_prepare":
+            tiles["BK"] = cfg["KF"]
+        constexprs = {arg: value for arg, value in dict(flags, **tiles).items() if arg in fn.arg_names}
         signature, attrs = {}, {}
         for i, arg in enumerate(fn.arg_names):
             if arg in constexprs:
                 signature[arg] = "constexpr"
             elif arg in ("tiny", "eps"):
-                signature[arg] = f32
-            elif arg in ("T", "H", "NT"):
-                signature[arg] = i32
+                signature[arg] = "fp32"
+            elif arg in ("T", "H", "NSC"):
+                signature[arg] = "i32"
             elif re.fullmatch(r"s[a-z]+_d", arg):  # a feature stride: 1, which Triton makes a constant
                 signature[arg], constexprs = "constexpr", {**constexprs, arg: 1}
             elif re.fullmatch(r"s[a-z]+_[bht]", arg):
-                signature[arg], attrs[(i,)] = i32, [["tt.divisibility", 16]]
+                signature[arg], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
             else:  # a pointer: the tensors above, fp32 for states, normalisers and their gradients
-                signature[arg], attrs[(i,)] = "*" + pointers.get(arg, f32), [["tt.divisibility", 16]]
+                signature[arg], attrs[(i,)] = "*" + pointers.get(arg, "fp32"), [["tt.divisibility", 16]]
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-        compiled[kernel] = triton.compile(source, target=target, options=dict(num_warps=warps, num_stages=stages))
+        compiled[kernel] = triton.compile(source, target=target, options=_meta(cfg))
     return compiled

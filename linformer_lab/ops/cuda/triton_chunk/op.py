@@ -3,8 +3,9 @@ registered gradient (defined as ``ops/custom_ops.py`` defines the CPU ones), so
 ``torch.compile(fullgraph=True)`` traces through them, and the public :func:`chunk_linear_attention`.
 
 ``linformer_lab::chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps,
-chunk_size, head_first) -> (out, den, S_N, z_N)`` and ``..._bwd`` (the gradients of q, k, v, S_0,
-z_0 from the saved inputs, the output and its denominator: the per-chunk states are
+chunk_size, head_first) -> (out, den, S_N, z_N, dS, dz, out32)`` and ``..._bwd`` (the gradients
+of q, k, v, S_0, z_0 from the saved inputs, the output, its denominator, the super-chunk deltas
+dS, dz and, for half inputs, the output before rounding: the states inside a super-chunk are
 recomputed, never saved).
 
 No copies and no host reads: q, k, v and the incoming gradient are read through their strides
@@ -22,6 +23,16 @@ from linformer_lab.ops import custom_ops
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FEATURE_MAPS = ("elu", None)
 _CHUNKS = (16, 32, 64, 128)
+
+
+def default_chunk(c: int, m: int, dtype: torch.dtype) -> int:
+    """The chunk the kernels take when none is asked for: 64 up to 32 features and values; above,
+    the longest whose chunk tiles, state tile and the parts of its products stay in a Hopper
+    program's registers at C = M = 128 (``tests/ops/test_triton_chunk_gpu.py`` compiles and
+    checks): 32 for bf16 (bf16 parts), 16 for fp16 and fp32 (tf32 products take more)."""
+    if max(c, m) <= 32:
+        return 64
+    return 32 if dtype == torch.bfloat16 or max(c, m) <= 64 else 16
 
 
 def _layout(q, v, cu_seqlens, chunk_size, head_first, check_values=True):
@@ -53,35 +64,45 @@ def _heads(q, head_first):
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None,
-            feature_map: str, eps: float, chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            feature_map: str, eps: float, chunk_size: int, head_first: bool) -> tuple[Tensor, ...]:
     """-> out (like v, in v's memory order), den ``(B, H, T)`` fp32, S_N ``(S, H, C, M)`` fp32,
-    z_N ``(S, H, C)`` fp32."""
+    z_N ``(S, H, C)`` fp32, the super-chunk deltas ``(slots H, C, M)``, ``(slots H, C)`` fp32 and
+    the output before rounding (half inputs; ``launch.run_forward``)."""
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first)
     s0 = None if s0 is None else s0.to(torch.float32).contiguous()  # small; the kernels read states densely
     z0 = None if z0 is None else z0.to(torch.float32).contiguous()
     if lay.time == 0 or lay.sequences * lay.heads == 0:
         s_n = s0.clone() if s0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, lay.m, dtype=torch.float32)
         z_n = z0.clone() if z0 is not None else q.new_zeros(lay.sequences, lay.heads, lay.c, dtype=torch.float32)
-        return torch.empty_like(v), q.new_ones(lay.batch, lay.heads, lay.time, dtype=torch.float32), s_n, z_n
-    elu = feature_map == "elu"
+        f32 = dict(dtype=torch.float32)
+        return (torch.empty_like(v), q.new_ones(lay.batch, lay.heads, lay.time, **f32), s_n, z_n,
+                q.new_empty(0, lay.c, lay.m, **f32), q.new_empty(0, lay.c, **f32),
+                q.new_empty(0, lay.heads, lay.time, lay.m, **f32))
     with launch.on_device(q.device):
-        states, zstates, s_n, z_n = launch.run_states_forward(k, v, s0, z0, lay, elu)
-        out, den = launch.run_output_forward(q, k, v, states, zstates, lay, elu, eps)
-    return out, den, s_n, z_n
+        return launch.run_forward(q, k, v, s0, z0, lay, feature_map == "elu", eps)
 
 
 def _fwd_fake(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
-    b, t = q.shape[0], (q.shape[2] if head_first else q.shape[1])
-    s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
+    from linformer_lab.ops.cuda.triton_chunk import launch
+
+    lay = launch.layout(q, v, cu_seqlens, chunk_size, head_first)
+    s, h, c, m = lay.sequences, lay.heads, lay.c, lay.m
+    work = lay.time > 0 and s * h > 0
+    deltas = lay.slots * h if lay.ns_max > 1 and work else 0
+    half = q.dtype in (torch.float16, torch.bfloat16) and work
     f32 = dict(dtype=torch.float32)
-    return (torch.empty_like(v), q.new_empty(b, h, t, **f32), q.new_empty(s, h, c, m, **f32),
-            q.new_empty(s, h, c, **f32))
+    return (torch.empty_like(v), q.new_empty(lay.batch, h, lay.time, **f32), q.new_empty(s, h, c, m, **f32),
+            q.new_empty(s, h, c, **f32), q.new_empty(deltas, c, m, **f32), q.new_empty(deltas, c, **f32),
+            q.new_empty(lay.batch if half else 0, h, lay.time, m, **f32))
 
 
-def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out: Tensor, ds_final: Tensor | None,
-             dz_final: Tensor | None, s0: Tensor | None, z0: Tensor | None, cu_seqlens: Tensor | None, feature_map: str,
-             chunk_size: int, head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)`` fp32, dz_0 ``(S, H, C)`` fp32."""
+def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, deltas_s: Tensor, deltas_z: Tensor,
+             out32: Tensor, grad_out: Tensor,
+             ds_final: Tensor | None, dz_final: Tensor | None, s0: Tensor | None, z0: Tensor | None,
+             cu_seqlens: Tensor | None, feature_map: str, chunk_size: int,
+             head_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> dq, dk, dv (like q, k, v), dS_0 ``(S, H, C, M)`` fp32, dz_0 ``(S, H, C)`` fp32, from the
+    forward's output, denominator, super-chunk deltas and output before rounding."""
     grad_out = grad_out.to(v.dtype)
     launch, lay = _layout(q, v, cu_seqlens, chunk_size, head_first, check_values=False)
     if (ds_final is None) != (dz_final is None):  # one of the final state's parts was used
@@ -98,10 +119,12 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, den: Tensor, grad_out
     s0 = None if s0 is None else s0.to(torch.float32).contiguous()
     z0 = None if z0 is None else z0.to(torch.float32).contiguous()
     with launch.on_device(q.device):
-        return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, lay, feature_map == "elu")
+        return launch.run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, deltas_s, deltas_z, out32,
+                                   lay, feature_map == "elu")
 
 
-def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map, chunk_size, head_first):
+def _bwd_fake(q, k, v, out, den, deltas_s, deltas_z, out32, grad_out, ds_final, dz_final, s0, z0, cu_seqlens, feature_map,
+              chunk_size, head_first):
     s, h, c, m = _sequences(q, cu_seqlens), _heads(q, head_first), q.shape[-1], v.shape[-1]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
@@ -110,15 +133,17 @@ def _bwd_fake(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlen
 # ``forward`` and ``backward`` serve every device (CUDA; a CPU under Triton's interpreter): they say
 # themselves where they cannot run
 #: ``chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first)``
-#: -> ``(out, den, S_N, z_N)`` (:func:`forward`), differentiable
+#: -> ``(out, den, S_N, z_N, dS, dz, out32)`` (:func:`forward`), differentiable in out, S_N, z_N
 chunk_linear_attention_fwd = custom_ops.define(
     "chunk_linear_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
-    "str feature_map, float eps, int chunk_size, bool head_first) -> (Tensor, Tensor, Tensor, Tensor)",
+    "str feature_map, float eps, int chunk_size, bool head_first) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)",
     forward, _fwd_fake, "CompositeExplicitAutograd")
-#: ``chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, cu_seqlens,
+#: ``chunk_linear_attention_bwd(q, k, v, out, den, dS, dz, out32, grad_out, ds_final, dz_final, s0, z0, cu_seqlens,
 #: feature_map, chunk_size, head_first)`` -> ``(dq, dk, dv, dS_0, dz_0)`` (:func:`backward`)
 chunk_linear_attention_bwd = custom_ops.define(
-    "chunk_linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
+    "chunk_linear_attention_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, Tensor deltas_s, "
+    "Tensor deltas_z, Tensor out32, Tensor grad_out, "
     "Tensor? ds_final, Tensor? dz_final, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, str feature_map, "
     "int chunk_size, bool head_first) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     backward, _bwd_fake, "CompositeExplicitAutograd")
@@ -127,22 +152,22 @@ chunk_linear_attention_bwd = custom_ops.define(
 class _ChunkLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first):
-        out, den, s_n, z_n = custom_ops.below_autograd(chunk_linear_attention_fwd, q, k, v, s0, z0, cu_seqlens,
-                                                       feature_map, eps, chunk_size, head_first)
-        ctx.save_for_backward(q, k, v, out, den, s0, z0, cu_seqlens)
+        out, den, s_n, z_n, deltas_s, deltas_z, out32 = custom_ops.below_autograd(
+            chunk_linear_attention_fwd, q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first)
+        ctx.save_for_backward(q, k, v, out, den, deltas_s, deltas_z, out32, s0, z0, cu_seqlens)
         ctx.options = (feature_map, chunk_size, head_first)
-        ctx.mark_non_differentiable(den)  # the backward's input, not a result
+        ctx.mark_non_differentiable(den, deltas_s, deltas_z, out32)  # the backward's inputs, not results
         ctx.set_materialize_grads(False)  # an unused output sends None, not a fresh zero tensor
-        return out, den, s_n, z_n
+        return out, den, s_n, z_n, deltas_s, deltas_z, out32
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the backward operator has no gradient: an error, not a wrong number
-    def backward(ctx, grad_out, _grad_den, ds_final, dz_final):
-        q, k, v, out, den, s0, z0, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_den, ds_final, dz_final, _grad_ds, _grad_dz, _grad_out32):
+        q, k, v, out, den, deltas_s, deltas_z, out32, s0, z0, cu_seqlens = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv, ds0, dz0 = chunk_linear_attention_bwd(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0,
-                                                          cu_seqlens, *ctx.options)
+        dq, dk, dv, ds0, dz0 = chunk_linear_attention_bwd(q, k, v, out, den, deltas_s, deltas_z, out32, grad_out,
+                                                          ds_final, dz_final, s0, z0, cu_seqlens, *ctx.options)
         ds0 = None if s0 is None else ds0.to(s0.dtype)
         dz0 = None if z0 is None else dz0.to(z0.dtype)
         return dq, dk, dv, ds0, dz0, None, None, None, None, None
@@ -168,7 +193,7 @@ def _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_fir
     if feature_map not in _FEATURE_MAPS:
         raise ValueError(f"{name}: feature_map must be 'elu' (applied in the kernel) or None (inputs already "
                          f"feature-mapped); got {feature_map!r}")
-    if chunk_size not in _CHUNKS:
+    if chunk_size is not None and chunk_size not in _CHUNKS:
         raise ValueError(f"{name}: chunk_size must be one of {_CHUNKS}; got {chunk_size!r}")
     if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)
                                    or cu_seqlens.shape[0] < 2 or q.shape[0] != 1):
@@ -186,7 +211,7 @@ def _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_fir
 
 def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str | None = "elu", eps: float = 1e-6,
                            initial_state: tuple[Tensor, Tensor] | None = None, return_final_state: bool = False,
-                           cu_seqlens: Tensor | None = None, chunk_size: int = 64, head_first: bool = True):
+                           cu_seqlens: Tensor | None = None, chunk_size: int | None = None, head_first: bool = True):
     """Causal linear attention (eq. 9-12) with the feature map and the normaliser fused:
     out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), S_i = S_0 + sum_{j <= i} phi(k_j) v_j^T,
     z_i = z_0 + sum_{j <= i} phi(k_j), by Triton kernels parallel over chunks (forward and
@@ -206,8 +231,9 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
             following segment or the RNN step continues from; gradients flow back from it.
         cu_seqlens: int ``[0, n_1, n_1 + n_2, ..., T]``: q, k, v of batch 1 hold packed sequences,
             each attended within itself with its own state row.
-        chunk_size: positions per chunk, 16, 32, 64 or 128 (64: the product shapes of the tensor
-            cores at a state read per 64 positions).
+        chunk_size: positions per chunk, 16, 32, 64 or 128; None: :func:`default_chunk` (64 up to
+            32 features and values, else 32 or 16). Chunks are walked in super-chunks of several, each
+            super-chunk's walk one program (``launch.superchunk_length``).
         head_first: the layout of q, k, v (and of the output).
 
     Returns:
@@ -218,6 +244,7 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
     """
     _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
     s0, z0 = initial_state if initial_state is not None else (None, None)
-    out, _, s_n, z_n = chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map or "none", float(eps),
-                                                  int(chunk_size), bool(head_first))
+    chunk_size = chunk_size or default_chunk(q.shape[-1], v.shape[-1], v.dtype)
+    out, _, s_n, z_n, _, _, _ = chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map or "none",
+                                                        float(eps), int(chunk_size), bool(head_first))
     return (out, (s_n, z_n)) if return_final_state else out
