@@ -59,7 +59,7 @@ def test_init_from_refusals_are_one_line(softmax_checkpoint, tmp_path):
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "garbage", "linear", f"--model.init_from={garbage}")])
-    assert code == 2 and f"error: cannot read checkpoint {garbage}" in err, err
+    assert code == 2 and f"error: --model.init_from {garbage}: cannot read checkpoint {garbage}" in err, err
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "nofile", "linear", "--model.distill_steps=2")])
     assert code == 2 and "distill_steps=2 needs init_from" in err, err
 
