@@ -20,7 +20,7 @@ import re
 import sys
 import typing
 
-from linformer_lab.cli.args import COUNT_OR_FRACTION, help_requested, known_configs
+from linformer_lab.cli.args import COUNT_OR_FRACTION, config_holding, config_values, help_requested, known_configs
 from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES
 
 #: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
@@ -72,10 +72,13 @@ def type_error_line(message: str, argv: typing.Sequence[str] = ()) -> str | None
     expected = re.findall(JSONARGPARSE_MESSAGES["expected"], inner)
     if not (given is not None and expected):
         return None
-    # "batch_size" for --data.batch_size (a subclass-mode group names the bare argument): the flag as typed
-    flag = f"--{key.group(1)}"
+    # "batch_size" for --data.batch_size (a subclass-mode group names the bare argument): the flag as
+    # typed; a value from a config file has none, and its keys from the outermost make the flag
+    path = [part for k in keys for part in k.group(1).split(".")]
     typed = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
-    flag = next((a for a in reversed(typed) if a == flag or a.endswith(f".{key.group(1)}")), flag)
+    flag = next((a for a in reversed(typed) if a == f"--{key.group(1)}" or a.endswith(f".{key.group(1)}")), None)
+    source = None if flag else config_holding(path, config_values(list(argv)))
+    flag = flag or "--" + ".".join(path)
     kinds = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
              "list": "a list", "dict": "a mapping", "NoneType": "null", "dot import path": "a class path",
              "path": "a file"}
@@ -89,7 +92,7 @@ def type_error_line(message: str, argv: typing.Sequence[str] = ()) -> str | None
             choices.append(kinds.get(name, name))
     choices = list(dict.fromkeys(choices))
     wanted = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
-    return f"{flag} {given.strip()}: expected {'one of ' if len(choices) > 2 else ''}{wanted}"
+    return f"{flag} {given.strip()}{f' in {source}' if source else ''}: expected {'one of ' if len(choices) > 2 else ''}{wanted}"
 
 
 def trainer_value_error(trainer: typing.Mapping) -> str | None:

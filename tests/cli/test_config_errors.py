@@ -42,6 +42,17 @@ def test_the_same_typo_on_the_command_line_names_no_file(tmp_path):
     assert " in " not in line.split(";")[0]
 
 
+@pytest.mark.parametrize(("content", "line"), [
+    ({"trainer": {"max_steps": "many"}}, "--trainer.max_steps many in {}: expected an integer"),
+    ({"model": {"init_args": {"attention": "softmax"}}}, "--model.attention softmax in {}: expected"),
+], ids=["trainer", "model.attention"])
+def test_a_value_of_the_wrong_type_in_a_config_file_names_its_option_and_the_file(tmp_path, content, line):
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump(content))
+    code, _, err = run_cli(["fit", "--config", "copy_linear.yaml", "--config", str(wrong), "--print_config"])
+    assert_one_line_error(code, err, line.format(wrong))
+
+
 def test_a_yaml_syntax_error_names_the_file_and_the_line(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("trainer:\n  max_steps: [2\n")
