@@ -32,7 +32,7 @@ from linformer_lab.ops.state import LinearState
 from linformer_lab.registry import ATTENTION, PluginError
 from linformer_lab.validation import ConfigurationError
 
-__all__ = ["ExclusivePrefix", "SumOverRanks", "context_parallel", "context_segment", "segment_attention"]
+__all__ = ["ExclusivePrefix", "SumOverRanks", "context_grid", "context_parallel", "context_segment", "segment_attention"]
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -100,6 +100,19 @@ def context_segment(length: int, group=None) -> tuple[int, int]:
                          f"{length} positions do not divide by {size}")
     n = length // size
     return rank * n, (rank + 1) * n
+
+
+def context_grid(context: int):
+    """The process group of this rank in a (data x context) grid of the whole world: every
+    ``context`` consecutive ranks hold the segments of one batch's sequences. Every rank calls it
+    (``dist.new_group`` is collective), in the same order."""
+    rank, world = _rank_and_size(None)
+    if context < 1 or world % context:
+        raise ValueError(f"context_parallel = {context} must be >= 1 and divide the {world} processes of the run "
+                         f"(a data x context grid); valid choices here: "
+                         f"{', '.join(str(p) for p in range(1, world + 1) if world % p == 0)}")
+    groups = [dist.new_group(list(range(first, first + context))) for first in range(0, world, context)]
+    return groups[rank // context]
 
 
 def _segment_sum(phi_k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

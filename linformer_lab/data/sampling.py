@@ -44,11 +44,15 @@ class PredictsOnTestSplit:
 
 def process_share(datamodule) -> tuple[int, int]:
     """``(num_replicas, rank)`` of the run ``datamodule`` is attached to: the trainer's world size
-    and global rank, or ``(1, 0)`` without a trainer (a data module used on its own)."""
+    and global rank (each divided by the task's ``context_parallel``), or ``(1, 0)`` without a
+    trainer (a data module used on its own)."""
     trainer = getattr(datamodule, "trainer", None)
     if trainer is None:
         return 1, 0
-    return int(trainer.world_size), int(trainer.global_rank)
+    # context parallelism (a task's ``context_parallel``): each run of that many consecutive
+    # processes splits the sequences of one batch, so they share one share of the data
+    context = int(getattr(trainer.lightning_module, "context_parallel", 1) or 1)
+    return int(trainer.world_size) // context, int(trainer.global_rank) // context
 
 
 class EpochSampler(DistributedSampler):

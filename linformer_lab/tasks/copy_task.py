@@ -27,10 +27,12 @@ loss also scores the separator, which ends the random prefix at a random length)
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.attention.context_parallel import context_grid, context_parallel, context_segment
 from linformer_lab.models.transformer import Transformer, segmented_forward
 from linformer_lab.tasks.base import Task, WeightedMean, check_conversion, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
@@ -88,6 +90,12 @@ class CopyTask(Task):
             (:func:`sinusoid` of d_model // 2 dimensions after a token embedding of the rest).
         score_separator: the training loss also scores the separator (its position is the
             random length); validation and test keep to the copy, comparable across recipes.
+        context_parallel: P, the processes that split every sequence of a batch into P
+            consecutive segments (:func:`~linformer_lab.attention.context_parallel.context_parallel`),
+            P consecutive ranks per batch: a (data x context) grid of the run's processes, P
+            dividing their number. 1: each process holds whole sequences. The losses, the metrics
+            and the weights are those of one process on the same global batch; generation
+            (``predict``) runs whole sequences on every process.
 
     Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
     logits (B, n, vocab_size)`` for any n <= sequence_length.
@@ -100,7 +108,7 @@ class CopyTask(Task):
     #: (optimisation only; the CLI's checkpoint check compares all others)
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
                               "detach_state", "init_from", "distill_steps", "distill_lr",
-                              "decoupled_weight_decay", "clip_per_parameter", "score_separator")
+                              "decoupled_weight_decay", "clip_per_parameter", "score_separator", "context_parallel")
 
     def __init__(
         self,
@@ -127,6 +135,7 @@ class CopyTask(Task):
         activation: str = "gelu",
         positions: str = "learned",
         score_separator: bool = False,
+        context_parallel: int = 1,
     ):
         super().__init__()
         check_transformer_shape(d_model, n_heads, n_layers, d_ff, dropout)
@@ -144,7 +153,14 @@ class CopyTask(Task):
         check_positive("lr_decay_factor", lr_decay_factor, "factor applied to the learning rate")
         check_non_negative("weight_decay", weight_decay)
         check_conversion(init_from, distill_steps, distill_lr)
+        check_at_least("context_parallel", context_parallel, 1, "processes that split each sequence")
+        if context_parallel > 1 and segment_length:
+            raise ValueError("context_parallel and segment_length both split a sequence; give one (segment_length "
+                             "within one process, context_parallel over processes)")
         self.save_hyperparameters()
+        #: processes per sequence (the data modules share batches by it: data.sampling.process_share)
+        self.context_parallel = context_parallel
+        self.context_group = None  # this rank's group of context_parallel processes, made in setup
         # the public edge: the user's form becomes a config here, the Transformer takes that
         attention = self.store_attention(AttentionConfig.coerce(attention))
         self.sequence_length = sequence_length
@@ -190,6 +206,13 @@ class CopyTask(Task):
         positions = torch.arange(n, device=tokens.device)
         return self.head(self.transformer(self.embed(tokens, positions)))
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.context_parallel > 1 and self.context_group is None:
+            # every process of the run makes every group, once, in the same order
+            self.context_group = context_grid(self.context_parallel)
+            context_parallel(self.transformer, group=self.context_group)
+
     def segment_logits(self, tokens: torch.Tensor, start: int, stop: int, state=None):
         """Logits of positions ``start..stop-1`` given the state after ``< start``:
         ``((B, stop - start, vocab_size), state)``; chained over segments it equals :meth:`forward`."""
@@ -209,15 +232,24 @@ class CopyTask(Task):
             target_mask = target_mask | (tokens == self.hparams.vocab_size - 1)
         # Predict token t+1 from tokens <= t: the model never needs the last column as input.
         inputs = tokens[:, :-1]
-        if segment_length:
+        targets, mask = tokens[:, 1:], target_mask[:, 1:]
+        if self.context_group is not None:
+            # this process's segment of the positions, with their global position embeddings
+            start, stop = context_segment(inputs.shape[1], self.context_group)
+            positions = torch.arange(start, stop, device=tokens.device)
+            logits = self.head(self.transformer(self.embed(inputs[:, start:stop], positions)))
+            targets, mask = targets[:, start:stop], mask[:, start:stop]
+        elif segment_length:
             pieces = segmented_forward(lambda a, b, state: self.segment_logits(inputs, a, b, state), inputs.shape[1],
                                        segment_length, self.hparams.detach_state)
             logits = torch.cat(pieces, dim=1)
         else:
             logits = self(inputs)  # (B, N-1, V)
-        targets, mask = tokens[:, 1:], target_mask[:, 1:]
         picked_logits, picked_targets = logits[mask].float(), targets[mask]  # (T, V), (T,)
-        loss = F.cross_entropy(picked_logits, picked_targets)
+        if self.context_group is not None:  # a segment may hold no copied token: a loss of 0, not NaN
+            loss = F.cross_entropy(picked_logits, picked_targets, reduction="sum") / max(picked_targets.numel(), 1)
+        else:
+            loss = F.cross_entropy(picked_logits, picked_targets)
         correct = (picked_logits.argmax(-1) == picked_targets).sum()
         return loss, correct, picked_targets.numel()
 
@@ -270,7 +302,8 @@ class CopyTask(Task):
         errors = (predicted != tokens) & target_mask
         exact = ~errors.any(dim=1)
         tally = getattr(self, "_predict_tally", None)
-        if tally is not None:
+        # under context parallelism every process of a group predicts the same batch: one counts it
+        if tally is not None and (self.context_group is None or dist.get_rank(self.context_group) == 0):
             tally["correct"] += int((target_mask & ~errors).sum())
             tally["copied"] += int(target_mask.sum())
             tally["exact"] += int(exact.sum())

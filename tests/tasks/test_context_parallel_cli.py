@@ -1,0 +1,48 @@
+"""``--model.context_parallel 2`` through ``cli.py``: two gloo processes (two torchrun "nodes" of
+one process each, on 127.0.0.1) split every copy sequence in two and train and validate as
+one process given the same batches: the same training losses at every step, the same validation
+loss, the same weights after.
+
+Why equal: the two processes form one context group, so the data module gives both the whole
+batch (data.sampling.process_share) and each its half of the positions; the loss is summed over
+each half's copied tokens and divided by the count of the whole batch (Task.global_mean), and DDP
+averages the two processes' gradients. What differs is the order of float32 sums, hence the
+tolerances. The one-process runs are in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from conftest import run_cli, tiny_copy_args
+from ddp_driver import assert_same_weights, free_port, metrics, only, run_job, save_weights, torchrun, weights
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+]
+
+TWO_NODES = ("--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=2")
+STEPS = "--trainer.max_steps=4"  # an epoch of 3 batches, its validation, and one update more
+
+
+def test_two_context_processes_train_and_validate_as_one_process(tmp_path):
+    split, one = tmp_path / "split", tmp_path / "one"
+    plan = [["fit", *tiny_copy_args(split, "linear", STEPS, "--model.context_parallel=2", *TWO_NODES),
+             save_weights(split / "weights_")]]
+    port = free_port()
+    nodes = [(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
+                       f"--master_port={port}"), {}) for rank in (0, 1)]
+    run_job(plan, tmp_path / "job", nodes)
+    code, _, err = run_cli(["fit", *tiny_copy_args(one, "linear", STEPS), save_weights(one / "weights_")])
+    assert code == 0, err[-3000:]
+
+    losses, want = metrics(split / "version_0", "train/loss"), metrics(one / "version_0", "train/loss")
+    assert sorted(losses) == sorted(want) and len(want) == 4, (losses, want)
+    for step, loss in want.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert only(metrics(split / "version_0", "val/loss")) == pytest.approx(only(metrics(one / "version_0", "val/loss")),
+                                                                          rel=1e-5)
+    rank0, rank1 = weights(split / "weights_rank0.pt"), weights(split / "weights_rank1.pt")
+    assert_same_weights(rank1, rank0)  # one model: DDP summed the halves' gradients
+    assert_same_weights(rank0, weights(one / "weights_rank0.pt"), atol=1e-5)
