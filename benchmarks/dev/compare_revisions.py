@@ -4,6 +4,7 @@
     uv run python benchmarks/dev/compare_revisions.py generate --rev HEAD~1 --batch 64 --rounds 3
     uv run python benchmarks/dev/compare_revisions.py causal --rev HEAD~1
     uv run python benchmarks/dev/compare_revisions.py train --rev HEAD~1 --config mnist_cpu_linear.yaml
+    uv run python benchmarks/dev/compare_revisions.py triton-host --rev 10c4e5b
 
 Its result files are git-ignored: a before/after run belongs to one commit, whose message carries
 its figures (and NOTES.md the ones a decision rests on).
@@ -38,6 +39,13 @@ Results: ``<--out>.{csv,md}`` (default ``benchmarks/dev/results/causal_state_ove
 ``configs/<--config>`` at its batch size, fp32, random images; child processes per variant
 alternating, as ``generate``. Results: ``<--out>_<config stem>.{csv,md}`` (default
 ``benchmarks/dev/results/train_revisions_<config stem>``).
+
+``triton-host``: the Triton chunk operator's host side per forward+backward, its kernel launches
+stubbed (Triton's interpreter runs nothing): the launches counted and the host Python timed
+(thread CPU time, median of ``--calls``), child processes per variant alternating, as ``generate``.
+What a GPU's launch path adds per call beyond this (Triton's argument binding, or the direct path
+that skips it) needs a GPU. Results: ``<--out>.{csv,md}`` (default
+``benchmarks/dev/results/triton_host_revisions``).
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ from common import (  # noqa: E402
 
 RESULTS = results_dir(__file__)
 DEFAULT_OUT = {"generate": RESULTS / "generate_revisions", "causal": RESULTS / "causal_state_overhead",
-               "train": RESULTS / "train_revisions"}
+               "train": RESULTS / "train_revisions", "triton-host": RESULTS / "triton_host_revisions"}
 VARIANTS = ("old", "new")
 MODES = ("prefill", "stepped")
 CHUNK_FILE = "linformer_lab/ops/linear_attention/chunk.py"
@@ -123,6 +131,59 @@ def train_child(config: str, updates: int, threads: int) -> dict:
     import linformer_lab
 
     return {"package": str(Path(linformer_lab.__file__).parents[1]), "update": statistics.median(seconds)}
+
+
+def triton_host_child(calls: int, shape: tuple[int, ...]) -> dict:
+    """Runs in a process whose ``linformer_lab`` is one variant's, under Triton's interpreter with
+    every launch a no-op: launches per forward and backward, and the median host seconds of one."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+    from triton.runtime import interpreter
+
+    from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention
+
+    launches = []
+    interpreter.InterpretedFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: launches.append(1)
+    # the stubbed kernels leave their outputs uninitialised: arithmetic on them (denormals) is no
+    # part of the host path, so nothing reads them (no accumulation into .grad)
+    torch.set_flush_denormal(True)
+    q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+    grad = torch.ones(shape)
+    seconds = []
+    for call in range(calls + 3):  # three warm-up calls
+        launches.clear()
+        began = time.thread_time()
+        out = chunk_linear_attention(q, k, v)
+        forward = len(launches)
+        torch.autograd.grad(out, (q, k, v), grad)
+        if call >= 3:
+            seconds.append(time.thread_time() - began)
+    import linformer_lab
+
+    return {"package": str(Path(linformer_lab.__file__).parents[1]), "host": statistics.median(seconds),
+            "forward_launches": forward, "backward_launches": len(launches) - forward}
+
+
+def run_triton_host(args) -> None:
+    with tempfile.TemporaryDirectory(prefix="compare_revisions_") as folder:
+        runs = run_rounds(args, {"old": export_revision(args.commit, folder), "new": str(REPO)},
+                          ["--calls", str(args.calls), "--shape", args.shape])
+    median = {v: statistics.median(r["host"] for r in runs[v]) for v in VARIANTS}
+    launches = {v: f"{runs[v][-1]['forward_launches']} + {runs[v][-1]['backward_launches']}" for v in VARIANTS}
+    info = machine_info()
+    write_csv(f"{args.out}.csv", [{"variant": v, "host_us": median[v] * 1e6, "launches": launches[v]} for v in VARIANTS])
+    lines = [
+        f"# Host side of the Triton chunk operator at {args.rev} = {args.commit} (old) and the working tree (new)", "",
+        command_line(args, f" --rounds {args.rounds} --calls {args.calls} --shape {args.shape}")
+        + f" ({time.strftime('%Y-%m-%d')}); {info['cpu']}, 1 thread; (B, H, T, D) = ({args.shape}), fp32, launches "
+        "stubbed under Triton's interpreter; thread CPU time per forward+backward (median over rounds of each "
+        "child's median).", "",
+        markdown_table(["variant", "host us per fwd+bwd", "launches fwd + bwd"],
+                       [[v, f"{median[v] * 1e6:.0f}", launches[v]] for v in VARIANTS]), "",
+        f"new / old: {median['new'] / median['old']:.3f}", "",
+    ]
+    Path(f"{args.out}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 def run_generate(args) -> None:
@@ -287,18 +348,30 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--out", default=str(DEFAULT_OUT["train"]), help="prefix of the result files (_<config>.{csv,md})")
     train.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    host = sub.add_parser("triton-host", help="the Triton chunk operator's host side, launches stubbed, alternating")
+    host.add_argument("--rev", default="HEAD", help="git revision of the 'old' variant")
+    host.add_argument("--rounds", type=int, default=5, help="child processes per variant, alternating")
+    host.add_argument("--calls", type=int, default=50, help="timed forward+backward calls in each child")
+    host.add_argument("--shape", default="1,8,256,32", help="B,H,T,D")
+    host.add_argument("--threads", type=int, default=1)
+    host.add_argument("--out", default=str(DEFAULT_OUT["triton-host"]), help="prefix of the result files (.{csv,md})")
+    host.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if getattr(args, "child", False):
-        child = (generate_child(args.batch, args.calls, args.threads) if args.what == "generate"
-                 else train_child(args.config, args.updates, args.threads))
+        if args.what == "triton-host":
+            child = triton_host_child(args.calls, tuple(int(n) for n in args.shape.split(",")))
+        elif args.what == "generate":
+            child = generate_child(args.batch, args.calls, args.threads)
+        else:
+            child = train_child(args.config, args.updates, args.threads)
         print(json.dumps(child))
         return
     args.commit = resolve_commit(args.rev)
-    {"generate": run_generate, "causal": run_causal, "train": run_train}[args.what](args)
+    {"generate": run_generate, "causal": run_causal, "train": run_train, "triton-host": run_triton_host}[args.what](args)
 
 
 if __name__ == "__main__":

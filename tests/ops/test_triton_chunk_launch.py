@@ -201,7 +201,7 @@ def test_direct_launch_path_compiles_once_per_specialisation(monkeypatch):
             return run
 
     monkeypatch.setattr(launch, "kernels", lambda interpret: SimpleNamespace(probe=Jitted()))
-    monkeypatch.setattr(launch, "_direct_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "_COMPILED", {})
     monkeypatch.setattr(launch, "_COMPILES", [])
     x = torch.zeros(8)

@@ -82,9 +82,14 @@ def tiny(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).tiny) if dtype in _HALF else 0.0
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python (``triton.cdiv`` is a jitted function: a slow call on the host)."""
+    return -(-a // b)
+
+
 def pow2(n: int, cap: int = 256) -> int:
     """The tile covering n: a power of two, at least 16 (the smallest ``tl.dot`` side), at most cap."""
-    return max(16, min(cap, triton.next_power_of_2(n)))
+    return max(16, min(cap, 1 << max(n - 1, 0).bit_length()))
 
 
 def programs(*counts: int) -> tuple[int]:
@@ -124,7 +129,7 @@ def superchunk_length(chunks: int, rows: int, chunk: int, wanted: int) -> int:
     split = 1
     while split * rows < wanted and split < chunks:
         split *= 2
-    return triton.cdiv(max(chunks, 1), split) * chunk
+    return cdiv(max(chunks, 1), split) * chunk
 
 
 class Layout(SimpleNamespace):
@@ -145,8 +150,8 @@ def layout(q, v, cu_seqlens, chunk: int, head_first: bool, ls: int | None = None
     sequences = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     rows = b * h if cu_seqlens is None else h
     if ls is None:
-        ls = superchunk_length(triton.cdiv(t, chunk), rows, chunk, programs_wanted(q.device))
-    per_sequence = triton.cdiv(t, ls)
+        ls = superchunk_length(cdiv(t, chunk), rows, chunk, programs_wanted(q.device))
+    per_sequence = cdiv(t, ls)
     common = dict(batch=b, heads=h, time=t, c=c, m=m, chunk=chunk, ls=ls, head_first=head_first, sequences=sequences,
                   rows=rows, ns_max=max(per_sequence, 1), dtype=q.dtype)
     if cu_seqlens is None:
@@ -163,12 +168,13 @@ def layout(q, v, cu_seqlens, chunk: int, head_first: bool, ls: int | None = None
     return Layout(varlen=True, cu=cu_seqlens, offsets=offsets, table=table, nsc=nsc, slots=nsc, **common)
 
 
-def config(name: str, lay: Layout) -> dict:
+@functools.cache
+def config(name: str, c: int, m: int) -> dict:
     """The launch config of kernel ``name`` at a layout. Feature and value tiles (BK, BV) of at most
     64 x 64 per program's state tile, so that the fp32 state and its bf16 parts stay in registers
     (at C = M = 128 wider tiles spill: ``tests/ops/test_triton_chunk_gpu.py`` compiles for Hopper
     and checks); KF, MF the full padded widths a tile's program reads; warps by tile size."""
-    kf, mf = pow2(lay.c), pow2(lay.m)
+    kf, mf = pow2(c), pow2(m)
     if name == "superchunk_dq":  # rows of the state: a feature tile x all of M
         bk, bv = min(kf, max(16, 2048 // mf)), mf
     elif name == "superchunk_dk_dv":  # feature tiles x all of M (dk), all of C x value tiles (dv)
@@ -178,8 +184,8 @@ def config(name: str, lay: Layout) -> dict:
     return dict(BK=bk, BV=bv, KF=kf, MF=mf, num_warps=8 if max(kf, mf) >= 128 else 4, num_stages=2)
 
 
-def _direct_launch_enabled() -> bool:
-    return os.environ.get("LINFORMER_LAB_TRITON_LAUNCH", "direct") != "jit" and not interpreting()
+#: ``LINFORMER_LAB_TRITON_LAUNCH=jit``: every launch through Triton's JITFunction.run (read once)
+_DIRECT = os.environ.get("LINFORMER_LAB_TRITON_LAUNCH", "direct") != "jit"
 
 
 @functools.cache
@@ -216,9 +222,10 @@ def _specialisation(args) -> tuple:
 def _launch(name: str, grid: tuple[int], args: tuple, constexprs: dict, meta: dict):
     """Launch kernel ``name`` on ``grid``: the runtime ``args`` in the kernel's order, then its
     ``constexprs`` (keyword, in the kernel's order after the runtime ones) and ``meta`` (warps, stages)."""
-    kern = getattr(kernels(interpreting()), name)
-    if not _direct_launch_enabled():
-        kern[grid](*args, **constexprs, **({} if interpreting() else meta))
+    interpret = interpreting()
+    kern = getattr(kernels(interpret), name)
+    if interpret or not _DIRECT:
+        kern[grid](*args, **constexprs, **({} if interpret else meta))
         return
     key = (name, tuple(constexprs.items()), tuple(meta.items()), _specialisation(args))
     compiled = _COMPILED.get(key)
@@ -245,7 +252,7 @@ def _packing(lay: Layout, anchor: torch.Tensor):
 
 
 def _tiles(cfg: dict, lay: Layout) -> int:
-    return triton.cdiv(lay.m, cfg["BV"])
+    return cdiv(lay.m, cfg["BV"])
 
 
 def _sequence_state(lay: Layout, like: torch.Tensor, initial: torch.Tensor | None, vector: bool):
@@ -270,8 +277,8 @@ def run_forward(q, k, v, s0, z0, lay: Layout, elu: bool, eps: float):
     interp = dict(INTERPRET=interpreting())
     prec = dot_precision(lay.dtype)
     if several:
-        cfg = config("superchunk_deltas", lay)
-        _launch("superchunk_deltas", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+        cfg = config("superchunk_deltas", lay.c, lay.m)
+        _launch("superchunk_deltas", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
                 (k, v, ds, dz, *_packing(lay, k), lay.time, lay.heads, lay.nsc, *strides(k, hf), *strides(v, hf),
                  tiny(lay.dtype)),
                 dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], ELU=elu, VARLEN=lay.varlen, PREC=prec, **interp),
@@ -282,8 +289,8 @@ def run_forward(q, k, v, s0, z0, lay: Layout, elu: bool, eps: float):
     den = torch.empty(lay.batch, lay.heads, lay.time, device=dev, dtype=f32)
     s_n = _sequence_state(lay, q, s0, vector=False)
     z_n = _sequence_state(lay, q, z0, vector=True)
-    cfg = config("superchunk_forward", lay)
-    _launch("superchunk_forward", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+    cfg = config("superchunk_forward", lay.c, lay.m)
+    _launch("superchunk_forward", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
             (q, k, v, out, out32, den, s0 if s0 is not None else s_n, z0 if z0 is not None else z_n, ds, dz, s_n, z_n,
              *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
              *strides(out, hf), tiny(lay.dtype), eps),
@@ -308,15 +315,15 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, ds, dz
     r = torch.empty_like(den)
     dh = torch.empty(ds.shape, device=dev, dtype=f32)
     dhz = torch.empty(lay.slots * lay.heads, lay.c, device=dev, dtype=f32)
-    cfg = config("superchunk_backward_prepare", lay)
-    _launch("superchunk_backward_prepare", programs(triton.cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+    cfg = config("superchunk_backward_prepare", lay.c, lay.m)
+    _launch("superchunk_backward_prepare", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
             (q, grad_out, exact_out[0], den, r, dh, dhz, *_packing(lay, q), lay.time, lay.heads, lay.nsc,
              *strides(q, hf), *strides(grad_out, hf), *exact_out[1], tiny(lay.dtype)),
             dict(_common(lay), BK=cfg["KF"], BV=cfg["BV"], MF=cfg["MF"], **flags, DELTAS=several, **interp),
             _meta(cfg))
     dq = torch.empty_like(q)
-    cfg = config("superchunk_dq", lay)
-    _launch("superchunk_dq", programs(triton.cdiv(lay.c, cfg["BK"]), lay.nsc, lay.rows),
+    cfg = config("superchunk_dq", lay.c, lay.m)
+    _launch("superchunk_dq", programs(cdiv(lay.c, cfg["BK"]), lay.nsc, lay.rows),
             (q, k, v, grad_out, den, r, s0 if s0 is not None else dhz, z0 if z0 is not None else dhz, ds, dz, dq,
              *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
              *strides(grad_out, hf), *strides(dq, hf), tiny(lay.dtype)),
@@ -326,8 +333,8 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, ds, dz
     ds0 = _sequence_state(lay, q, ds_final, vector=False)
     dz0 = _sequence_state(lay, q, dz_final, vector=True)
     has_final = ds_final is not None
-    cfg = config("superchunk_dk_dv", lay)
-    tiles = triton.cdiv(lay.c, cfg["BK"]) + triton.cdiv(lay.m, cfg["BV"])
+    cfg = config("superchunk_dk_dv", lay.c, lay.m)
+    tiles = cdiv(lay.c, cfg["BK"]) + cdiv(lay.m, cfg["BV"])
     _launch("superchunk_dk_dv", programs(tiles, lay.nsc, lay.rows),
             (q, k, v, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dh, dhz, dk, dv,
              ds0, dz0, *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf),
@@ -350,14 +357,13 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
 
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     dt = name[dtype]
-    lay = SimpleNamespace(c=c, m=m)
     flags = dict(C=c, M=m, BT=chunk, LS=ls, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype), PARTS=bf16_parts(dtype),
                  HAS_INIT=True, HAS_DFINAL=True, NS_MAX=0, INTERPRET=False)
     pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, O32="fp32", DQ=dt, DK=dt, DV=dt, CU="i32", SC_OFF="i64", SC_TABLE="i64")
     compiled = {}
     for kernel, module in KERNELS.items():
         fn = triton.jit(getattr(module, kernel))
-        cfg = config(kernel, lay)
+        cfg = config(kernel, c, m)
         tiles = dict(BK=cfg["BK"], BV=cfg["BV"], KF=cfg["KF"], MF=cfg["MF"], STORE_F32=dtype in _HALF, DELTAS=True)
         if kernel == "superchunk_backward_prepare":
             tiles["BK"] = cfg["KF"]
