@@ -176,12 +176,15 @@ ATTENTION_CONFIG = "linformer_lab.attention.config.AttentionConfig"
 
 def attention_by_name(argv: list[str]) -> list[str]:
     """``argv`` with a bare backend name given to ``--model.attention`` (``--model.attention
-    softmax``) read as the Python API reads ``attention="softmax"``: that backend with every other
-    field of the AttentionConfig at its default. Given as the whole mapping, so that nothing of the
-    config's attention (a feature map softmax does not take) carries over; the fields and defaults
-    are read from the class's source, as the help reads them."""
+    softmax``), or set in a config file (``attention: softmax``), read as the Python API reads
+    ``attention="softmax"``: that backend with every other field of the AttentionConfig at its
+    default. Given as the whole mapping (the file's, right after the file), so that nothing of an
+    earlier config's attention (a feature map softmax does not take) carries over, and options of
+    the attention given later start from that backend, not from the class's default one; the fields
+    and defaults are read from the class's source, as the help reads them."""
     named = [i for i, arg in enumerate(argv) if _bare_name(argv, i)]
-    if not named:
+    in_files = _configs_naming_a_backend(argv)
+    if not (named or in_files):
         return argv
     defaults = {}
     for name, _, default, _, _ in class_options(ATTENTION_CONFIG) or []:
@@ -195,15 +198,37 @@ def attention_by_name(argv: list[str]) -> list[str]:
             out[i] = f"{flag}={json.dumps({**defaults, 'backend': value})}"
         else:
             out[i + 1] = json.dumps({**defaults, "backend": out[i + 1]})
+    for i, backend in reversed(in_files):  # from the end, so that the earlier places stay where they are
+        out.insert(i + 1, f"--model.attention={json.dumps({**defaults, 'backend': backend})}")
     return out
+
+
+def _configs_naming_a_backend(argv: list[str]) -> list[tuple[int, str]]:
+    """(place in ``argv`` of a config file's path, the backend name) for each config file that sets
+    the model's attention to a bare name."""
+    found = []
+    for i, arg in enumerate(argv):
+        value, at = (argv[i + 1], i + 1) if arg in ("-c", "--config") and i + 1 < len(argv) else (arg[9:], i)
+        if not (arg in ("-c", "--config") or arg.startswith("--config=")) or not Path(value).is_file():
+            continue
+        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):  # not a mapping: the parser says so
+            model = (yaml.safe_load(Path(value).read_text()) or {}).get("model")
+            if isinstance(model, dict):
+                attention = (model.get("init_args") if isinstance(model.get("init_args"), dict) else model).get("attention")
+                if isinstance(attention, str) and _is_a_name(attention):
+                    found.append((at, attention))
+    return found
+
+
+def _is_a_name(value: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z_][\w-]*", value)) and value.lower() not in ("null", "none")
 
 
 def _bare_name(argv: list[str], i: int) -> bool:
     flag, eq, value = argv[i].partition("=")
     if flag != "--model.attention" or not (eq or i + 1 < len(argv)):
         return False
-    value = value if eq else argv[i + 1]
-    return bool(re.fullmatch(r"[A-Za-z_][\w-]*", value)) and value.lower() not in ("null", "none")
+    return _is_a_name(value if eq else argv[i + 1])
 
 
 #: the classes whose arguments are the plain groups of every subcommand, as LightningCLI adds them

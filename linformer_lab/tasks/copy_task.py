@@ -57,7 +57,8 @@ class CopyTask(Task):
     """Causal transformer on the copy task.
 
     Args:
-        attention: which attention every layer uses (``backend``, ``feature_map``, ``kwargs``).
+        attention: which attention every layer uses (``backend``, ``feature_map``, ``kwargs``), or a
+            backend name alone (``softmax``: that backend, the other fields at their defaults).
         vocab_size: number of token ids: padding 0, symbols, separator (CopyDataModule.vocab_size;
             the CLI links it from the data module).
         sequence_length: width N of the batches (CopyDataModule.sequence_length, linked by the CLI);
@@ -112,7 +113,7 @@ class CopyTask(Task):
 
     def __init__(
         self,
-        attention: AttentionConfig | None = None,
+        attention: AttentionConfig | str | None = None,
         vocab_size: int = 12,
         sequence_length: int = 257,
         d_model: int = 256,

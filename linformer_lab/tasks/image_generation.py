@@ -70,7 +70,8 @@ class ImageGenerationTask(Task):
 
     Args:
         attention: which attention (see :class:`AttentionConfig`; YAML:
-            ``attention: {backend: lsh, kwargs: {n_hashes: 4, bucket_size: 29}}``).
+            ``attention: {backend: lsh, kwargs: {n_hashes: 4, bucket_size: 29}}``), or a backend
+            name alone (``attention: softmax``: that backend, the other fields at their defaults).
         image_shape: ``(C, H, W)`` of the data: MNIST ``[1, 28, 28]``, CIFAR-10 ``[3, 32, 32]``.
         n_layers, n_heads, d_model, d_ff, num_mixtures, dropout, position_embedding: :class:`PixelTransformer`.
         lr: RAdam learning rate (paper: 1e-4).
@@ -129,7 +130,7 @@ class ImageGenerationTask(Task):
 
     def __init__(
         self,
-        attention: AttentionConfig | None = None,
+        attention: AttentionConfig | str | None = None,
         image_shape: Sequence[int] = (1, 28, 28),
         n_layers: int = 8,
         n_heads: int = 8,

@@ -37,8 +37,9 @@ class SpeechRecognitionTask(Task):
 
     Args:
         encoder: ``"transformer"`` or ``"bilstm"``.
-        attention: the transformer's attention (``backend``, ``feature_map``, ``kwargs``);
-            None = linear attention with the elu feature map. Must stay None for ``bilstm``.
+        attention: the transformer's attention (``backend``, ``feature_map``, ``kwargs``), or a
+            backend name alone (that backend, the other fields at their defaults); None = linear
+            attention with the elu feature map. Must stay None for ``bilstm``.
         num_phonemes: output classes including the CTC blank (id 0), i.e. the data module's
             ``num_phonemes``. The default is the project's inventory
             (``linformer_lab.data.phonemes.NUM_PHONEMES``), which every SpeechDataModule corpus
@@ -89,7 +90,7 @@ class SpeechRecognitionTask(Task):
     def __init__(
         self,
         encoder: str = "transformer",
-        attention: AttentionConfig | None = None,
+        attention: AttentionConfig | str | None = None,
         num_phonemes: int = NUM_PHONEMES,
         feature_dim: int = 40,
         d_model: int = 192,

@@ -44,8 +44,8 @@ def test_the_same_typo_on_the_command_line_names_no_file(tmp_path):
 
 @pytest.mark.parametrize(("content", "line"), [
     ({"trainer": {"max_steps": "many"}}, "--trainer.max_steps many in {}: expected an integer"),
-    ({"model": {"init_args": {"attention": "softmax"}}}, "--model.attention softmax in {}: expected"),
-], ids=["trainer", "model.attention"])
+    ({"model": {"init_args": {"d_model": "wide"}}}, "--model.d_model wide in {}: expected an integer"),
+], ids=["trainer", "model"])
 def test_a_value_of_the_wrong_type_in_a_config_file_names_its_option_and_the_file(tmp_path, content, line):
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(yaml.safe_dump(content))
@@ -83,12 +83,35 @@ def test_a_bare_backend_name_is_the_whole_attention_as_the_api_reads_it(form):
     assert attention == {"backend": "softmax", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}
 
 
+def test_a_bare_backend_name_in_a_config_file_is_read_as_the_api_reads_it(tmp_path):
+    """``attention: softmax`` in a file; options of the attention given after it start from that
+    backend's defaults."""
+    named = tmp_path / "named.yaml"
+    named.write_text("model:\n  init_args:\n    attention: softmax\n")
+    code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--config", str(named), "--print_config"])
+    assert code == 0, err
+    softmax = {"backend": "softmax", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}
+    assert yaml.safe_load(out)["model"]["init_args"]["attention"] == softmax
+    code, out, err = run_cli(["fit", "--config", "copy_linear.yaml", "--config", str(named),
+                              "--model.attention.kwargs={dropout: 0.1}", "--print_config"])
+    assert code == 0, err
+    attention = yaml.safe_load(out)["model"]["init_args"]["attention"]
+    assert attention == {"backend": "softmax", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {"dropout": 0.1}}
+
+
 @pytest.mark.slow
 def test_a_bare_backend_name_trains_that_backend(tmp_path):
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, "linear", "--model.attention.feature_map=favor",
                                                    "--model.attention", "softmax", "--trainer.max_steps=1")])
     assert code == 0, err
     saved = torch.load(checkpoint_dir(tmp_path) / "last.ckpt", weights_only=True)["hyper_parameters"]["attention"]
+    assert saved["backend"] == "softmax" and saved["feature_map"] is None
+    named = tmp_path / "named.yaml"  # the same from a config file: the task coerces the name
+    named.write_text("model:\n  init_args:\n    attention: softmax\n")
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "file", "linear", "--config", str(named),
+                                                   "--trainer.max_steps=1")])
+    assert code == 0, err
+    saved = torch.load(checkpoint_dir(tmp_path / "file") / "last.ckpt", weights_only=True)["hyper_parameters"]["attention"]
     assert saved["backend"] == "softmax" and saved["feature_map"] is None
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "typo", "linear", "--model.attention", "softmx")])
     assert_one_line_error(code, err, "Unknown attention backend 'softmx'. Did you mean 'softmax'?")
