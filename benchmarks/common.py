@@ -352,10 +352,10 @@ def newest_best_checkpoint(run_dir: str | Path) -> Path | None:
 def metric_rows(root: str | Path) -> Iterator[dict[str, str]]:
     """Every row of a run root's ``version_N/metrics.csv`` files, versions in numeric order
     (version_10 after version_9): a resumed version's rows come after those its killed one logged
-    past the checkpoint, and win where read last."""
-    for metrics in sorted(Path(root).glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
-        with open(metrics) as f:
-            yield from csv.DictReader(f)
+    past the checkpoint, and win where read last. The library's reader, which ``cli.py plot`` uses."""
+    from linformer_lab.cli.plot import metric_rows as run_rows  # imported here: the package imports torch
+
+    return run_rows(root)
 
 
 def test_metrics(root: str | Path) -> dict[str, float]:

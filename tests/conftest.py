@@ -25,6 +25,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # its interpreter runs the Triton kernels on CPU tensors (tests/ops/test_triton_chunk.py).
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
 
+# The CLI runs a bf16 precision in fp32 on a CPU without bf16 units (cli/checks.py: resolve_precision).
+# The tests that train bf16 on a CPU mean bf16 on any CPU, so they run as on one with AMX; the tests
+# of that rule set the variable themselves (tests/cli/test_precision_rule.py).
+os.environ.setdefault("LINFORMER_LAB_CPU_BF16", "amx")
+
 import lightning as L
 import pytest
 import torch

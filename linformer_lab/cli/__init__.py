@@ -3,7 +3,7 @@
 Its modules import one way, bottom to top (``tests/cli/test_cli_imports.py`` keeps it so)::
 
     compat  <  args  <  checks, config_help  <  callbacks  <  checkpoints  <  export
-            <  kernel_check  <  lightning_cli  <  entry
+            <  kernel_check  <  lightning_cli  <  plot  <  entry
 
 * :mod:`~linformer_lab.cli.compat`: every private member of Lightning and jsonargparse the CLI
   reads, and the forms of jsonargparse's error messages it reads, checked before any work;
@@ -15,6 +15,7 @@ Its modules import one way, bottom to top (``tests/cli/test_cli_imports.py`` kee
 * :mod:`~linformer_lab.cli.export`: ``cli.py export``, and an exported folder as ``--ckpt_path``;
 * :mod:`~linformer_lab.cli.kernel_check`: what ``cli.py plugins --check`` runs on the kernels;
 * :mod:`~linformer_lab.cli.lightning_cli`: :class:`LinformerCLI`, the first import of Lightning;
+* :mod:`~linformer_lab.cli.plot`: ``cli.py plot``, runs' curves from their ``metrics.csv`` into a PNG;
 * :mod:`~linformer_lab.cli.entry`: :func:`main`, which answers ``--help`` and ``plugins``
   without importing Lightning and hands the rest to :mod:`~linformer_lab.cli.lightning_cli`.
 

@@ -7,7 +7,7 @@ line (exit code 2) before anything is written, and the precision fallback:
   Lightning finds only while building the Trainer, after the run's folder exists;
 * :func:`kernel_switch_error`: an unknown ``LINFORMER_LAB_KERNELS`` value, which the first
   kernel call would find inside the run;
-* :func:`resolve_precision`: a precision the device cannot run -> the closest one it can;
+* :func:`resolve_precision`: a precision the device cannot run (well) -> the closest one it can;
 * :func:`exit_with_error`: how every such check stops a command (one line, exit code 2).
 
 Nothing at module level imports torch or Lightning (``cli.py --help`` and ``plugins`` load neither).
@@ -135,26 +135,58 @@ def accelerator_is_cpu(accelerator) -> bool:
     return type(accelerator).__name__ == "CPUAccelerator"
 
 
+#: Overrides what :func:`cpu_bf16_units` reports (a test's, or a user's who wants bf16 emulated):
+#: "amx", "avx512_bf16" or "none".
+CPU_BF16_VARIABLE = "LINFORMER_LAB_CPU_BF16"
+CPU_BF16_CHOICES = ("amx", "avx512_bf16", "none")
+
+
+def cpu_bf16_units() -> str | None:
+    """The CPU's bf16 units as the precision rule reads them: ``"amx"``, ``"avx512_bf16"`` or None
+    (``LINFORMER_LAB_CPU_BF16`` if set, else torch's CPU probe or ``/proc/cpuinfo``)."""
+    value = os.environ.get(CPU_BF16_VARIABLE)
+    if value:
+        if value not in CPU_BF16_CHOICES:
+            exit_with_error(f"{CPU_BF16_VARIABLE}={value!r}: expected one of {', '.join(CPU_BF16_CHOICES)}")
+        return None if value == "none" else value
+    from linformer_lab.ops.linear_attention import bf16_chunk
+
+    return bf16_chunk.matrix_units()
+
+
 def resolve_precision(precision, accelerator):
-    """Map a precision the chosen device cannot run to the closest one it can (with a warning).
+    """Map a precision the chosen device cannot run well to the closest one it can (one line each).
 
     * fp16 AMP (``16-mixed``/``16``) on CPU -> ``bf16-mixed``: autocast on CPU exists for bf16
-      only; bf16 keeps the intent (mixed precision, half-size activations), while 32 would
-      silently change memory and speed by 2x.
+      only; bf16 keeps the intent (mixed precision, half-size activations).
+    * bf16 (``bf16-mixed``/``bf16-true``/``bf16``, or fp16 AMP mapped to it) on a CPU without bf16
+      units (AVX512-BF16 or AMX) -> ``32-true``: emulated bf16 is slower than fp32 there, while
+      with the units it is faster (docs/cli.md, "Precision").
+    * ``16-true`` on CPU: refused (exit 2): fp16 weights without loss scaling train to NaN.
     * bf16 (``bf16-mixed``/``bf16``) on a CUDA GPU without bf16 support (pre-Ampere) -> ``16-mixed``.
     Anything else is returned unchanged (Lightning validates it).
     """
     import torch
-    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
     if precision is None:
         return None
     value = str(precision)
-    if accelerator_is_cpu(accelerator) and value in ("16", "16-mixed"):
-        rank_zero_warn(f"precision={value!r} (fp16 AMP) is not available on CPU; using 'bf16-mixed' instead")
-        return "bf16-mixed"
+    cpu = accelerator_is_cpu(accelerator)
+    if cpu and value == "16-true":
+        exit_with_error("--trainer.precision 16-true: fp16 weights on a CPU train to NaN within a few updates "
+                        "(no loss scaling); use 32-true, or bf16-mixed on a CPU with bf16 units")
+    if cpu and value in ("16", "16-mixed", "bf16", "bf16-mixed", "bf16-true"):
+        if cpu_bf16_units() is None:
+            if rank_zero_only.rank == 0:
+                sys.stderr.write(f"precision {value}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
+                                 f"is slower than fp32: training in fp32 (32-true; docs/cli.md, Precision)\n")
+            return "32-true"
+        if value in ("16", "16-mixed"):
+            rank_zero_warn(f"precision={value!r} (fp16 AMP) is not available on CPU; using 'bf16-mixed' instead")
+            return "bf16-mixed"
     if (
-        not accelerator_is_cpu(accelerator)
+        not cpu
         and value in ("bf16", "bf16-mixed")
         and torch.cuda.is_available()
         and not torch.cuda.is_bf16_supported()

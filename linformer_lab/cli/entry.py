@@ -33,11 +33,13 @@ __all__ = ["main", "plugins_command", "top_level_help", "close_process_group"]
 def top_level_help() -> str:
     """``cli.py --help``: the subcommands, where their options are listed, and the configs."""
     rows = [*SUBCOMMANDS.items(), ("export", "write a trained model as model.safetensors + config.json"),
+            ("plot", "draw runs' training and validation curves into a PNG"),
             ("plugins", "list the attention backends and feature maps (--check, --json)")]
     configs = known_configs()
     return "\n".join([
         "usage: cli.py {fit,validate,test,predict} --config NAME.yaml [--group.option VALUE ...]",
         "       cli.py export RUN_FOLDER|CHECKPOINT [--ckpt_path best|last] [--output DIR]",
+        "       cli.py plot RUN [RUN ...] [--output FILE.png]",
         "       cli.py plugins [--check] [--json]",
         "",
         "subcommands:",
@@ -134,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         from linformer_lab.cli.export import export_command
 
         return export_command(argv[1:])
+    if argv[:1] == ["plot"]:  # reads metrics.csv files: neither torch nor Lightning
+        from linformer_lab.cli.plot import plot_command
+
+        return plot_command(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(top_level_help())
         return 0

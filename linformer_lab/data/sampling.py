@@ -38,7 +38,11 @@ class PredictsOnTestSplit:
     ``trainer.predict(datamodule=...)``) runs on its test split, and says so once per run."""
 
     def predict_dataloader(self) -> DataLoader:
-        rank_zero_info(f"{type(self).__name__} has no predict split: predicting on its test split")
+        # said only when a trainer predicts: Lightning's str() of a data module calls every loader
+        # method (jsonargparse formats one for each link the data module has no attribute for)
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.predicting:
+            rank_zero_info(f"{type(self).__name__} has no predict split: predicting on its test split")
         return self.test_dataloader()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -286,24 +287,45 @@ def validations_within(batches: int, epoch: int, batch_in_epoch: int, epoch_batc
 class RunTimeEstimate(L.Callback):
     """Says once, when the rate has settled, how long the whole run takes on this machine: the
     updates ``max_steps`` / ``max_epochs`` allow and the validations among them, at the time per
-    update measured over ``measure`` updates after ``warmup`` (first calls build kernels and fill
-    caches; a ``max_wait_s`` past the warm-up ends the measurement early for slow updates). A
-    validation batch costs what this run's validations measured, or, before any, a third of an
-    update (a forward pass of the same batch). Over an hour on a CPU, the line also names
-    ``cpu_recipe``, the config sized for a CPU. Rank 0 only; printed above the progress bar."""
+    update measured over ``measure`` updates after a warm-up (first calls build kernels and fill
+    caches). Both are counted in updates and bounded in seconds, so that slow updates are heard of
+    within a minute: the warm-up ends after ``warmup`` updates or, past its first update, after
+    ``warmup_s`` seconds; the measurement after ``measure`` updates or, past its first, after
+    ``max_wait_s`` seconds. A validation batch costs what this run's validations measured, or,
+    before any, a third of an update (a forward pass of the same batch). Over an hour on a CPU,
+    the line also names ``cpu_recipe``, the config sized for a CPU. Rank 0 only; printed above
+    the progress bar. ``clock``: seconds, monotonic (a test's fake one). A sanity check still
+    running after ``notice_s`` seconds is announced in one line (:func:`sanity_check_notice`)."""
 
-    def __init__(self, warmup: int = 10, measure: int = 30, max_wait_s: float = 30.0, cpu_recipe: str | None = None):
+    def __init__(self, warmup: int = 10, measure: int = 30, max_wait_s: float = 15.0, cpu_recipe: str | None = None,
+                 warmup_s: float = 15.0, clock=time.perf_counter, notice_s: float | None = 5.0):
         self.warmup, self.measure, self.max_wait_s, self.cpu_recipe = warmup, measure, max_wait_s, cpu_recipe
+        self.warmup_s, self.clock, self.notice_s = warmup_s, clock, notice_s
+        self.notice_timer: threading.Timer | None = None
         self.line: str | None = None
-        self._start_step = 0
+        self._start_step, self._started = 0, 0.0
         self._measure_from: tuple[int, float, float] | None = None  # (step, time, validation time) at the warm-up's end
         self._val_time, self._val_batches, self._val_started = 0.0, 0, None
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        # Lightning's bar alone says nothing of why nothing trains yet, for long on a CPU with a
+        # GPU-sized model: a line after notice_s, unless the check is done by then
+        if trainer.is_global_zero and self.notice_s is not None:
+            self.notice_timer = threading.Timer(self.notice_s, sanity_check_notice, (trainer,))
+            self.notice_timer.daemon = True
+            self.notice_timer.start()
+
+    def on_sanity_check_end(self, trainer, pl_module) -> None:
+        if self.notice_timer is not None:
+            self.notice_timer.cancel()
+            self.notice_timer = None
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._start_step, self._measure_from, self.line = trainer.global_step, None, None
+        self._started = self.clock()
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._val_started = None if trainer.sanity_checking else time.perf_counter()
+        self._val_started = None if trainer.sanity_checking else self.clock()
 
     def on_validation_batch_end(self, trainer, *args) -> None:
         if self._val_started is not None:
@@ -311,21 +333,21 @@ class RunTimeEstimate(L.Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._val_started is not None:
-            self._val_time += time.perf_counter() - self._val_started
+            self._val_time += self.clock() - self._val_started
             self._val_started = None
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if self.line is not None or not trainer.is_global_zero:
             return
         done = trainer.global_step - self._start_step
-        now = time.perf_counter()
+        now = self.clock()
         if self._measure_from is None:
-            if done >= self.warmup:
+            if done >= self.warmup or (done >= 1 and now - self._started - self._val_time >= self.warmup_s):
                 self._measure_from = (done, now, self._val_time)
             return
         start, since, val_time = self._measure_from
         measured = done - start
-        if measured >= self.measure or (measured >= 3 and now - since >= self.max_wait_s):
+        if measured >= self.measure or (measured >= 1 and now - since - (self._val_time - val_time) >= self.max_wait_s):
             per_update = (now - since - (self._val_time - val_time)) / measured
             self.line = self.describe(trainer, per_update)
             bar = trainer.progress_bar_callback
@@ -368,6 +390,17 @@ class RunTimeEstimate(L.Callback):
         if self.cpu_recipe and in_all > 3600 and trainer.strategy.root_device.type == "cpu":
             line += f"; this config is sized for a GPU, its CPU recipe: python cli.py fit --config {self.cpu_recipe}"
         return line + "."
+
+
+def sanity_check_notice(trainer) -> str:
+    """Prints (and returns) the line that says what a slow sanity check is doing (its batches are
+    counted once its loader is set up, else the ``num_sanity_val_steps`` asked for)."""
+    batches = int(sum(b for b in trainer.num_sanity_val_batches if not math.isinf(b))) or trainer.num_sanity_val_steps
+    line = (f"sanity check: {batches} validation batch{'es' * (batches != 1)} before the first update, "
+            f"to find a fault in validation before hours of training (--trainer.num_sanity_val_steps 0 skips it)")
+    bar = trainer.progress_bar_callback
+    (bar.print if bar is not None else print)(line)
+    return line
 
 
 def validation_batches(trainer) -> int:

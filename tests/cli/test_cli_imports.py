@@ -22,7 +22,7 @@ WING = REPO / "linformer_lab" / "cli"
 
 #: The modules of ``linformer_lab/cli/``, bottom to top.
 ORDER = ["compat", "args", "checks", "config_help", "callbacks", "checkpoints", "export", "kernel_check", "lightning_cli",
-         "entry"]
+         "plot", "entry"]
 
 
 def wing_imports(path: Path, wing: Path = WING) -> list[tuple[int, str]]:

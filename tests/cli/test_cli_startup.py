@@ -77,7 +77,7 @@ def test_cli_py_plugins_as_a_process():
 def test_top_level_help_lists_subcommands_configs_and_task_names():
     code, out, _ = run_cli(["--help"])
     assert code == 0
-    for word in ("fit", "validate", "test", "predict", "plugins", "copy_linear.yaml", "mnist_cpu_lsh4.yaml",
+    for word in ("fit", "validate", "test", "predict", "plugins", "plot RUN", "copy_linear.yaml", "mnist_cpu_lsh4.yaml",
                  "--model.help copy", "--config copy_linear.yaml --help"):
         assert word in out, word
     code, _, err = run_cli([])

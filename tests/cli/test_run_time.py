@@ -76,3 +76,67 @@ def test_validations_within_counts_as_lightning_validates():
     assert validations_within(12, 0, 0, 5, 2, 1) == 2 + 2 + 1
     assert validations_within(10, 0, 0, 5, 5, 2) == 1  # at the end of every 2nd epoch only
     assert validations_within(4, 1, 3, 5, 5, 1) == 1  # resumed 3 batches into epoch 1: its end, then 2 more
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def updates_until_the_line(seconds_per_update: float, build_s: float = 20.0, **kwargs) -> tuple[int, float, float]:
+    """(updates, seconds) a fake run at ``seconds_per_update`` runs before RunTimeEstimate speaks,
+    and the time per update it reports; the first update also builds kernels (``build_s`` more)."""
+    from types import SimpleNamespace
+
+    from linformer_lab.tasks.callbacks import RunTimeEstimate
+
+    clock = FakeClock()
+    estimate = RunTimeEstimate(clock=clock, **kwargs)
+    estimate.describe = lambda trainer, per_update: f"{per_update:.6g}"
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, progress_bar_callback=None)
+    estimate.on_train_start(trainer, None)
+    while estimate.line is None and trainer.global_step < 1000:
+        clock.now += seconds_per_update + (build_s if trainer.global_step == 0 else 0.0)
+        trainer.global_step += 1
+        estimate.on_train_batch_end(trainer)
+    return trainer.global_step, clock.now, float(estimate.line)
+
+
+def test_slow_updates_get_the_projection_within_a_minute_by_seconds(capsys):
+    # 25 s an update (the paper's MNIST model on a 2-core CPU): the warm-up ends with the first
+    # update (45 s with its build), the second is measured: a line at 70 s, not after 13 updates
+    updates, seconds, per_update = updates_until_the_line(25.0)
+    assert (updates, seconds, per_update) == (2, 70.0, 25.0)
+    assert capsys.readouterr().out == "25\n"
+    # 4 s an update: warm-up until 15 s have passed (the first, at 24 s), then 15 s of measurement
+    assert updates_until_the_line(4.0) == (5, 40.0, 4.0)
+
+
+def test_fast_updates_are_measured_by_count():
+    # 0.1 s an update: 10 updates of warm-up, then 30 measured, far within the time bounds
+    assert updates_until_the_line(0.1, build_s=0.0) == (40, pytest.approx(4.0), pytest.approx(0.1))
+    # a slow first update (a kernel build) ends the warm-up by itself
+    assert updates_until_the_line(0.1, build_s=20.0) == (31, pytest.approx(23.1), pytest.approx(0.1))
+    # the old count-only rule, for contrast: 13 updates of 25 s before a word
+    assert updates_until_the_line(25.0, warmup_s=float("inf"), max_wait_s=float("inf"), measure=3)[:2] == (13, 345.0)
+
+
+def test_a_slow_sanity_check_says_what_it_does(capsys):
+    from types import SimpleNamespace
+
+    from linformer_lab.tasks.callbacks import RunTimeEstimate
+
+    trainer = SimpleNamespace(is_global_zero=True, progress_bar_callback=None, num_sanity_val_batches=[2],
+                              num_sanity_val_steps=2)
+    quick = RunTimeEstimate(notice_s=60.0)
+    quick.on_sanity_check_start(trainer, None)
+    quick.on_sanity_check_end(trainer, None)  # done within the notice's delay: no line
+    slow = RunTimeEstimate(notice_s=0.0)
+    slow.on_sanity_check_start(trainer, None)
+    slow.notice_timer.join(timeout=10)
+    slow.on_sanity_check_end(trainer, None)
+    assert capsys.readouterr().out == ("sanity check: 2 validation batches before the first update, to find a fault in "
+                                       "validation before hours of training (--trainer.num_sanity_val_steps 0 skips it)\n")

@@ -39,7 +39,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK", "accepts", "available", "causal_attention", "matrix_units"]
+__all__ = ["CHUNK", "accepts", "available", "causal_attention", "cpuinfo_flags", "matrix_units", "units_of"]
 
 #: Positions per chunk: the intra-chunk GEMMs are (L x C) (C x L) and (L x L) (L x M).
 CHUNK = 64
@@ -56,10 +56,20 @@ def matrix_units() -> str | None:
     except (AttributeError, RuntimeError):
         try:
             with open("/proc/cpuinfo") as info:
-                match = re.search(r"^flags\s*:(.*)$", info.read(), re.MULTILINE)
-            flags = set(match.group(1).split()) if match else set()
+                flags = cpuinfo_flags(info.read())
         except OSError:
             pass
+    return units_of(flags)
+
+
+def cpuinfo_flags(text: str) -> set[str]:
+    """The CPU flags of the first ``flags`` line of a ``/proc/cpuinfo`` text (empty without one)."""
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def units_of(flags: set[str]) -> str | None:
+    """:func:`matrix_units`'s answer for a set of CPU flags (torch's or ``/proc/cpuinfo``'s names)."""
     if "amx_bf16" in flags:
         return "amx"
     if "avx512_bf16" in flags:

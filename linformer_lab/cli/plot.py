@@ -1,0 +1,133 @@
+"""``python cli.py plot RUN [RUN ...] [--output FILE.png]``: the training and validation curves of
+one or several runs in one PNG, for a machine without a browser (TensorBoard reads the same runs:
+``tensorboard --logdir logs``).
+
+A RUN is what ``fit`` writes: a run root (``logs/NAME``, its ``version_N/metrics.csv`` files read
+as one run in numeric order, so that a resumed fit continues the curve of the run it resumes, a
+later version's value winning at the same update) or one ``version_N`` folder. One panel per
+metric that validation logs (bits/dim, loss, accuracy, PER), the training values of the same name
+beside it; each run one colour, named in the legend.
+
+Imports neither torch nor Lightning: matplotlib's file-only Agg backend draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["metric_rows", "metrics_files", "run_curves", "plot_runs", "plot_command"]
+
+#: the splits drawn, with their line style: training values logged every few updates are noisy
+SPLITS = {"train": {"linewidth": 0.8, "alpha": 0.45}, "val": {"linewidth": 1.8, "marker": "o", "markersize": 3}}
+
+
+class PlotError(Exception):
+    """A run that cannot be drawn: the one line ``cli.py plot`` prints."""
+
+
+def metrics_files(run: str | Path) -> list[Path]:
+    """The ``metrics.csv`` files of a run folder: its own, else its ``version_*/metrics.csv`` in
+    numeric order (version_10 after version_9)."""
+    run = Path(run)
+    if (run / "metrics.csv").is_file():
+        return [run / "metrics.csv"]
+    versions = [p for p in run.glob("version_*/metrics.csv") if p.parent.name.split("_", 1)[1].isdigit()]
+    return sorted(versions, key=lambda p: int(p.parent.name.split("_", 1)[1]))
+
+
+def metric_rows(run: str | Path) -> Iterator[dict[str, str]]:
+    """Every row of a run's ``metrics.csv`` files (:func:`metrics_files`), as CSV strings: a
+    resumed version's rows come after those its stopped one logged past the checkpoint."""
+    for path in metrics_files(run):
+        with open(path, newline="") as f:
+            yield from csv.DictReader(f)
+
+
+def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
+    """``{"train/bits_per_dim": {update: value}, "val/...": ...}``: every ``train/`` and ``val/``
+    metric of a run by update (the logged ``step`` + 1, the updates done), the last value logged
+    at an update winning."""
+    curves: dict[str, dict[int, float]] = {}
+    for row in metric_rows(run):
+        if not row.get("step"):
+            continue
+        for name, value in row.items():
+            if name and name.split("/", 1)[0] in SPLITS and value not in ("", None):
+                number = float(value)
+                if math.isfinite(number):
+                    curves.setdefault(name, {})[int(float(row["step"])) + 1] = number
+    return {name: dict(sorted(points.items())) for name, points in curves.items()}
+
+
+def run_name(run: Path) -> str:
+    """The legend's name of a run: its folder, with the run root's name for a ``version_N``."""
+    run = run.resolve()
+    return f"{run.parent.name}/{run.name}" if run.name.startswith("version_") else run.name
+
+
+def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = None) -> tuple[list[str], list[str]]:
+    """Draw the curves of ``runs`` into the PNG ``output``; returns the metrics drawn (one panel
+    each) and the runs' names in the legend. Raises :class:`PlotError` for a run without metrics."""
+    curves = {}
+    for run in runs:
+        path = Path(run)
+        if not path.is_dir():
+            raise PlotError(f"{run}: no such run folder (a run root such as logs/NAME, or one of its version_N)")
+        if not metrics_files(path):
+            raise PlotError(f"{run}: no metrics.csv in it or in its version_N folders (fit writes them)")
+        found = run_curves(path)
+        if not found:
+            raise PlotError(f"{run}: its metrics.csv holds no train/ or val/ values yet")
+        name = run_name(path)
+        curves[name if name not in curves else str(run)] = found
+    metrics = sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("val/")}) or \
+        sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("train/")})
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for index, (name, found) in enumerate(curves.items()):
+            colour = f"C{index % 10}"
+            for split, style in SPLITS.items():
+                points = found.get(f"{split}/{metric}")
+                if points:
+                    ax.plot(list(points), list(points.values()), color=colour, label=f"{name} ({split})", **style)
+        ax.set_xlabel("update")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+    return metrics, list(curves)
+
+
+def plot_command(argv: list[str]) -> int:
+    """``cli.py plot RUN [RUN ...] [--output FILE.png] [--title TEXT]``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="cli.py plot", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run root (logs/NAME) or one of its version_N folders")
+    parser.add_argument("--output", "-o", default="curves.png", help="the PNG to write (default: curves.png)")
+    parser.add_argument("--title", default=None, help="a line above the panels")
+    args = parser.parse_args(argv)
+    if not args.output.lower().endswith(".png"):
+        sys.stderr.write(f"error: --output {args.output}: the picture is a PNG; name a file ending in .png\n")
+        return 2
+    try:
+        metrics, names = plot_runs(args.runs, args.output, args.title)
+    except PlotError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    print(f"wrote {args.output}: {', '.join(metrics)} of {len(names)} run{'s' * (len(names) != 1)} ({', '.join(names)})")
+    return 0
