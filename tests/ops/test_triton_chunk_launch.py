@@ -201,19 +201,18 @@ def test_direct_launch_path_compiles_once_per_specialisation(monkeypatch):
             return run
 
     monkeypatch.setattr(launch, "kernels", lambda interpret: SimpleNamespace(probe=Jitted()))
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "_COMPILED", {})
     monkeypatch.setattr(launch, "_COMPILES", [])
     x = torch.zeros(8)
     for args in [(x, 32), (x, 48), (x, 7), (x[1:], 32), (x.double(), 32)]:
-        launch._launch("probe", (3,), args, dict(A=1, B=True), dict(num_warps=4))
+        launch._launch("probe", ((3,), dict(A=1, B=True), dict(num_warps=4)), args, False)
     kinds = [c[0] for c in calls]
     # 32 and 48 are both 16-divisible: one specialisation; 7, a misaligned pointer and fp64 are new
     assert kinds == ["jit", "direct", "jit", "jit", "jit"]
     assert calls[1] == ("direct", (3,), (x, 48, 1, True))
     assert [c["kernel"] for c in launch.compile_report()] == ["probe"] * 4
     with pytest.raises(RuntimeError, match="not in the kernel's order"):
-        launch._launch("probe", (3,), (x, 5), dict(B=True, A=1), dict(num_warps=4))
+        launch._launch("probe", ((3,), dict(B=True, A=1), dict(num_warps=4)), (x, 5), False)
 
 
 @INTERPRETER

@@ -219,10 +219,11 @@ def _specialisation(args) -> tuple:
     return tuple(key)
 
 
-def _launch(name: str, grid: tuple[int], args: tuple, constexprs: dict, meta: dict):
-    """Launch kernel ``name`` on ``grid``: the runtime ``args`` in the kernel's order, then its
-    ``constexprs`` (keyword, in the kernel's order after the runtime ones) and ``meta`` (warps, stages)."""
-    interpret = interpreting()
+def _launch(name: str, launch: tuple, args: tuple, interpret: bool):
+    """Launch kernel ``name`` with its ``plan`` entry ``(grid, constexprs, meta)``: the runtime
+    ``args`` in the kernel's order, then the constexprs (keyword, in the kernel's order after the
+    runtime ones) and ``meta`` (warps, stages)."""
+    grid, constexprs, meta = launch
     kern = getattr(kernels(interpret), name)
     if interpret or not _DIRECT:
         kern[grid](*args, **constexprs, **({} if interpret else meta))
@@ -242,17 +243,9 @@ def _launch(name: str, grid: tuple[int], args: tuple, constexprs: dict, meta: di
     compiled[grid](*args, *constexprs.values())
 
 
-def _common(lay: Layout) -> dict:
-    return dict(C=lay.c, M=lay.m, BT=lay.chunk, LS=lay.ls)
-
-
 def _packing(lay: Layout, anchor: torch.Tensor):
     """CU, SC_OFF, SC_TABLE arguments: the packing's tensors, or any pointer unpacked."""
     return (lay.cu, lay.offsets, lay.table) if lay.varlen else (anchor, anchor, anchor)
-
-
-def _tiles(cfg: dict, lay: Layout) -> int:
-    return cdiv(lay.m, cfg["BV"])
 
 
 def _sequence_state(lay: Layout, like: torch.Tensor, initial: torch.Tensor | None, vector: bool):
@@ -264,43 +257,76 @@ def _sequence_state(lay: Layout, like: torch.Tensor, initial: torch.Tensor | Non
     return initial.clone() if initial is not None else like.new_zeros(shape, dtype=torch.float32)
 
 
+def _meta(cfg: dict) -> dict:
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(lay_key: tuple, elu: bool, with_state: bool, prec: str, interpret: bool) -> dict:
+    """Every launch decision of a shape, made once: ``{kernel: (grid, constexprs, meta)}`` of the
+    forward's and the backward's kernels. ``lay_key``: :func:`plan_key`; ``with_state``: an initial
+    state (forward and the dq walk) or a final state's gradient (the dk/dv walk)."""
+    c, m, chunk, ls, nsc, rows, ns_max, dtype, varlen = lay_key
+    common = dict(C=c, M=m, BT=chunk, LS=ls)
+    parts, several, walks = bf16_parts(dtype), ns_max > 1, dict(NS_MAX=ns_max, INTERPRET=interpret)
+    cfg = {name: config(name, c, m) for name in KERNELS}
+    return {
+        "superchunk_deltas": (programs(cdiv(m, cfg["superchunk_deltas"]["BV"]), nsc, rows),
+                              dict(common, BK=cfg["superchunk_deltas"]["BK"], BV=cfg["superchunk_deltas"]["BV"], ELU=elu,
+                                   VARLEN=varlen, PREC=prec, INTERPRET=interpret), _meta(cfg["superchunk_deltas"])),
+        "superchunk_forward": (programs(cdiv(m, cfg["superchunk_forward"]["BV"]), nsc, rows),
+                               dict(common, BK=cfg["superchunk_forward"]["BK"], BV=cfg["superchunk_forward"]["BV"],
+                                    ELU=elu, HAS_INIT=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks,
+                                    STORE_F32=dtype in _HALF), _meta(cfg["superchunk_forward"])),
+        "superchunk_backward_prepare": (
+            programs(cdiv(m, cfg["superchunk_backward_prepare"]["BV"]), nsc, rows),
+            dict(common, BK=cfg["superchunk_backward_prepare"]["KF"], BV=cfg["superchunk_backward_prepare"]["BV"],
+                 MF=cfg["superchunk_backward_prepare"]["MF"], ELU=elu, VARLEN=varlen, PREC=prec, PARTS=parts,
+                 DELTAS=several, INTERPRET=interpret), _meta(cfg["superchunk_backward_prepare"])),
+        "superchunk_dq": (programs(cdiv(c, cfg["superchunk_dq"]["BK"]), nsc, rows),
+                          dict(common, BK=cfg["superchunk_dq"]["BK"], MF=cfg["superchunk_dq"]["MF"], ELU=elu,
+                               HAS_INIT=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks),
+                          _meta(cfg["superchunk_dq"])),
+        "superchunk_dk_dv": (programs(cdiv(c, cfg["superchunk_dk_dv"]["BK"]) + cdiv(m, cfg["superchunk_dk_dv"]["BV"]),
+                                      nsc, rows),
+                             dict(common, BK=cfg["superchunk_dk_dv"]["BK"], BV=cfg["superchunk_dk_dv"]["BV"],
+                                  KF=cfg["superchunk_dk_dv"]["KF"], MF=cfg["superchunk_dk_dv"]["MF"], ELU=elu,
+                                  HAS_DFINAL=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks),
+                             _meta(cfg["superchunk_dk_dv"])),
+    }
+
+
+def plan_key(lay: Layout) -> tuple:
+    """What of a layout its launches depend on (not its tensors)."""
+    return (lay.c, lay.m, lay.chunk, lay.ls, lay.nsc, lay.rows, lay.ns_max, lay.dtype, lay.varlen)
+
+
 def run_forward(q, k, v, s0, z0, lay: Layout, elu: bool, eps: float):
     """-> out (like v: ``empty_like`` keeps v's memory order), den ``(B, H, T)`` fp32, S_N
     ``(S, H, C, M)``, z_N ``(S, H, C)`` fp32, the super-chunk deltas ``(slots H, C, M)``,
     ``(slots H, C)`` fp32 the backward starts its walks from (0 rows with one super-chunk per
     sequence), and for half inputs the output before rounding ``(B, H, T, M)`` fp32 (else 0 rows)."""
     hf, f32, dev = lay.head_first, torch.float32, q.device
-    several = lay.ns_max > 1
-    slots = lay.slots if several else 0
+    interpret = interpreting()
+    launches = plan(plan_key(lay), elu, s0 is not None, dot_precision(lay.dtype), interpret)
+    slots = lay.slots if lay.ns_max > 1 else 0
     ds = torch.empty(slots * lay.heads, lay.c, lay.m, device=dev, dtype=f32)
     dz = torch.empty(slots * lay.heads, lay.c, device=dev, dtype=f32)
-    interp = dict(INTERPRET=interpreting())
-    prec = dot_precision(lay.dtype)
-    if several:
-        cfg = config("superchunk_deltas", lay.c, lay.m)
-        _launch("superchunk_deltas", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
-                (k, v, ds, dz, *_packing(lay, k), lay.time, lay.heads, lay.nsc, *strides(k, hf), *strides(v, hf),
-                 tiny(lay.dtype)),
-                dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], ELU=elu, VARLEN=lay.varlen, PREC=prec, **interp),
-                _meta(cfg))
+    packing, small = _packing(lay, q), tiny(lay.dtype)
+    if slots:
+        _launch("superchunk_deltas", launches["superchunk_deltas"],
+                (k, v, ds, dz, *packing, lay.time, lay.heads, lay.nsc, *strides(k, hf), *strides(v, hf), small),
+                interpret)
     out = torch.empty_like(v)
-    half = lay.dtype in _HALF
-    out32 = torch.empty(lay.batch if half else 0, lay.heads, lay.time, lay.m, device=dev, dtype=f32)
+    out32 = torch.empty(lay.batch if lay.dtype in _HALF else 0, lay.heads, lay.time, lay.m, device=dev, dtype=f32)
     den = torch.empty(lay.batch, lay.heads, lay.time, device=dev, dtype=f32)
     s_n = _sequence_state(lay, q, s0, vector=False)
     z_n = _sequence_state(lay, q, z0, vector=True)
-    cfg = config("superchunk_forward", lay.c, lay.m)
-    _launch("superchunk_forward", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
+    _launch("superchunk_forward", launches["superchunk_forward"],
             (q, k, v, out, out32, den, s0 if s0 is not None else s_n, z0 if z0 is not None else z_n, ds, dz, s_n, z_n,
-             *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
-             *strides(out, hf), tiny(lay.dtype), eps),
-            dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], ELU=elu, HAS_INIT=s0 is not None, VARLEN=lay.varlen,
-                 PREC=prec, PARTS=bf16_parts(lay.dtype), NS_MAX=lay.ns_max, **interp, STORE_F32=half), _meta(cfg))
+             *packing, lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
+             *strides(out, hf), small, eps), interpret)
     return out, den, s_n, z_n, ds, dz, out32
-
-
-def _meta(cfg: dict) -> dict:
-    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, ds, dz, out32, lay: Layout, elu: bool):
@@ -308,40 +334,29 @@ def run_backward(q, k, v, out, den, grad_out, ds_final, dz_final, s0, z0, ds, dz
     ``out`` and ``den``, the super-chunk deltas ``ds``, ``dz``, ``out32`` (half inputs: the output
     before rounding, which r is taken from; fp32: ``out`` is)."""
     hf, f32, dev = lay.head_first, torch.float32, q.device
-    several = lay.ns_max > 1
-    interp = dict(INTERPRET=interpreting())
-    flags = dict(ELU=elu, VARLEN=lay.varlen, PREC=dot_precision(lay.dtype), PARTS=bf16_parts(lay.dtype))
+    interpret = interpreting()
+    key, prec = plan_key(lay), dot_precision(lay.dtype)
+    packing, small = _packing(lay, q), tiny(lay.dtype)
     exact_out = (out32, strides(out32, True)) if lay.dtype in _HALF else (out, strides(out, hf))
     r = torch.empty_like(den)
     dh = torch.empty(ds.shape, device=dev, dtype=f32)
     dhz = torch.empty(lay.slots * lay.heads, lay.c, device=dev, dtype=f32)
-    cfg = config("superchunk_backward_prepare", lay.c, lay.m)
-    _launch("superchunk_backward_prepare", programs(cdiv(lay.m, cfg["BV"]), lay.nsc, lay.rows),
-            (q, grad_out, exact_out[0], den, r, dh, dhz, *_packing(lay, q), lay.time, lay.heads, lay.nsc,
-             *strides(q, hf), *strides(grad_out, hf), *exact_out[1], tiny(lay.dtype)),
-            dict(_common(lay), BK=cfg["KF"], BV=cfg["BV"], MF=cfg["MF"], **flags, DELTAS=several, **interp),
-            _meta(cfg))
+    _launch("superchunk_backward_prepare", plan(key, elu, False, prec, interpret)["superchunk_backward_prepare"],
+            (q, grad_out, exact_out[0], den, r, dh, dhz, *packing, lay.time, lay.heads, lay.nsc, *strides(q, hf),
+             *strides(grad_out, hf), *exact_out[1], small), interpret)
     dq = torch.empty_like(q)
-    cfg = config("superchunk_dq", lay.c, lay.m)
-    _launch("superchunk_dq", programs(cdiv(lay.c, cfg["BK"]), lay.nsc, lay.rows),
+    _launch("superchunk_dq", plan(key, elu, s0 is not None, prec, interpret)["superchunk_dq"],
             (q, k, v, grad_out, den, r, s0 if s0 is not None else dhz, z0 if z0 is not None else dhz, ds, dz, dq,
-             *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
-             *strides(grad_out, hf), *strides(dq, hf), tiny(lay.dtype)),
-            dict(_common(lay), BK=cfg["BK"], MF=cfg["MF"], ELU=elu, HAS_INIT=s0 is not None, VARLEN=lay.varlen,
-                 PREC=flags["PREC"], PARTS=flags["PARTS"], NS_MAX=lay.ns_max, **interp), _meta(cfg))
+             *packing, lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
+             *strides(grad_out, hf), *strides(dq, hf), small), interpret)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     ds0 = _sequence_state(lay, q, ds_final, vector=False)
     dz0 = _sequence_state(lay, q, dz_final, vector=True)
     has_final = ds_final is not None
-    cfg = config("superchunk_dk_dv", lay.c, lay.m)
-    tiles = cdiv(lay.c, cfg["BK"]) + cdiv(lay.m, cfg["BV"])
-    _launch("superchunk_dk_dv", programs(tiles, lay.nsc, lay.rows),
+    _launch("superchunk_dk_dv", plan(key, elu, has_final, prec, interpret)["superchunk_dk_dv"],
             (q, k, v, grad_out, den, r, ds_final if has_final else ds0, dz_final if has_final else dz0, dh, dhz, dk, dv,
-             ds0, dz0, *_packing(lay, q), lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf),
-             *strides(v, hf), *strides(grad_out, hf), *strides(dk, hf), *strides(dv, hf), tiny(lay.dtype)),
-            dict(_common(lay), BK=cfg["BK"], BV=cfg["BV"], KF=cfg["KF"], MF=cfg["MF"], ELU=elu, HAS_DFINAL=has_final,
-                 VARLEN=lay.varlen, PREC=flags["PREC"], PARTS=flags["PARTS"], NS_MAX=lay.ns_max, **interp),
-            _meta(cfg))
+             ds0, dz0, *packing, lay.time, lay.heads, lay.nsc, *strides(q, hf), *strides(k, hf), *strides(v, hf),
+             *strides(grad_out, hf), *strides(dk, hf), *strides(dv, hf), small), interpret)
     return dq, dk, dv, ds0, dz0
 
 
