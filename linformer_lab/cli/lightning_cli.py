@@ -368,9 +368,11 @@ class LinformerCLI(LightningCLI):
                 lock.close()
 
     def after_fit(self) -> None:
-        # where the run and its best checkpoint are, and what to run next (once, from rank 0)
-        for line in finished_fit_lines(self.trainer) if self.trainer.is_global_zero else []:
-            print(line)
+        # where the run and its best checkpoint are, and what to run next, printed by rank 0; every
+        # rank reads them, as trainer.log_dir is a broadcast under DDP (rank 0 alone would wait forever)
+        lines = finished_fit_lines(self.trainer)
+        if lines and self.trainer.is_global_zero:
+            print("\n".join(lines))
 
     def predict(self, model, datamodule=None, ckpt_path=None, return_predictions=None, **kwargs):
         """Runs ``trainer.predict`` and saves the predictions to ``<log_dir>/predictions.pt``.
