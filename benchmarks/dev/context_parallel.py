@@ -4,6 +4,7 @@ Transformer, against T for P = 1, 2, 4.
 
     uv run python benchmarks/dev/context_parallel.py                        # T = 4K, 16K, 64K
     uv run python benchmarks/dev/context_parallel.py --lengths 1024 --processes 1 2 --repeats 1
+    uv run python benchmarks/dev/context_parallel.py --lengths 1048576 --processes 1 4 --repeats 1 --name context_parallel_1m
 
 Per (P, T), every process measures its own step: the bytes it hands to collectives per layer
 (forward and backward; ``torch.distributed.all_gather`` / ``all_reduce`` counted by wrapping them:
@@ -14,7 +15,7 @@ the ranks. P = 1 runs the same model without a process group: the one-process ba
 On a machine with fewer cores than P the processes share cores, so the time is not a speed-up
 measure there; the bytes and the memory are.
 
-Results: ``benchmarks/dev/results/context_parallel.{csv,md}``.
+Results: ``benchmarks/dev/results/context_parallel.{csv,md}`` (``--name``: another file name).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
-    p.add_argument("--out", default=str(common.results_dir(__file__)), help="folder of context_parallel.{csv,md}")
+    p.add_argument("--out", default=str(common.results_dir(__file__)), help="folder of NAME.{csv,md}")
+    p.add_argument("--name", default="context_parallel", help="file name of the results (without suffix)")
     return p
 
 
@@ -142,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
              table, ""]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common.write_csv(str(out / "context_parallel.csv"), rows)
-    (out / "context_parallel.md").write_text("\n".join(lines))
+    common.write_csv(str(out / f"{args.name}.csv"), rows)
+    (out / f"{args.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -197,14 +197,17 @@ class CopyTask(Task):
         return torch.cat([embedded.expand(*shape, -1), code.to(embedded.dtype).expand(*shape, -1)], dim=-1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i."""
+        """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i (under context
+        parallelism: tokens is this rank's segment, and it sees the earlier ranks' too)."""
         n = tokens.shape[1]
         if n > self.sequence_length:
             raise ValueError(
                 f"CopyTask was built for sequences of at most sequence_length={self.sequence_length} "
                 f"tokens, got {n}; set model.sequence_length (the data module's sequence_length)"
             )
-        positions = torch.arange(n, device=tokens.device)
+        # under context parallelism tokens are this rank's segment: its positions are the global ones
+        start = 0 if self.context_group is None else dist.get_rank(self.context_group) * n
+        positions = torch.arange(start, start + n, device=tokens.device)
         return self.head(self.transformer(self.embed(tokens, positions)))
 
     def setup(self, stage: str) -> None:
@@ -235,10 +238,8 @@ class CopyTask(Task):
         inputs = tokens[:, :-1]
         targets, mask = tokens[:, 1:], target_mask[:, 1:]
         if self.context_group is not None:
-            # this process's segment of the positions, with their global position embeddings
-            start, stop = context_segment(inputs.shape[1], self.context_group)
-            positions = torch.arange(start, stop, device=tokens.device)
-            logits = self.head(self.transformer(self.embed(inputs[:, start:stop], positions)))
+            start, stop = context_segment(inputs.shape[1], self.context_group)  # this process's positions
+            logits = self(inputs[:, start:stop])
             targets, mask = targets[:, start:stop], mask[:, start:stop]
         elif segment_length:
             pieces = segmented_forward(lambda a, b, state: self.segment_logits(inputs, a, b, state), inputs.shape[1],
