@@ -41,6 +41,9 @@ from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.models.generation.dynamic_step import split_heads
 from linformer_lab.models.generation.form import LINEAR_OR_SOFTMAX, why_not_paper_form
 from linformer_lab.models.generation.weights import step_linear
+from linformer_lab.ops.cuda import triton_chunk
+from linformer_lab.ops.cuda.triton_chunk import backend as triton_backend
+from linformer_lab.ops.cuda.triton_chunk.step import linear_attention_step_
 from linformer_lab.ops.state import KVCache
 
 __all__ = ["SPAN_BLOCK", "StaticDecoder", "capture", "decode"]
@@ -55,11 +58,18 @@ _WARMUP_RUNS = 2
 class _LinearBuffers:
     """Linear attention's ``[S | Z]`` ``(B, H, C, M + 1)``, fp32 (fp64 for fp64 models)."""
 
-    def __init__(self, backend: LinearAttention, batch: int, heads: int, value_dim: int, dtype, device):
+    def __init__(self, backend: LinearAttention, batch: int, heads: int, value_dim: int, dtype, device,
+                 fused: bool | None = None):
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.backend = backend
         self.joint = torch.zeros(batch, heads, backend.feature_map.output_dim, value_dim + 1, dtype=state_dtype,
                                  device=device)
+        # one Triton kernel for maps, state update and readout where it runs (a GPU; None: there)
+        self.fused = fused if fused is not None else (dtype != torch.float64 and device.type == "cuda"
+                                                      and triton_chunk.is_available())
+        if self.fused and state_dtype != torch.float32:
+            raise ValueError("the fused attention step keeps an fp32 state: not for float64 models")
+        self.mapped_in_kernel = triton_backend.fuses(backend.feature_map)
 
     def load(self, state) -> None:
         self.joint.zero_()
@@ -71,6 +81,11 @@ class _LinearBuffers:
     def attend(self, q, k, v, position, span):
         """Eq. 18-20 in place: q, k ``(B, H, D)``, v ``(B, H, M)`` -> ``(B, H, M)`` in v's dtype."""
         joint, feature_map = self.joint, self.backend.feature_map
+        if self.fused:
+            if self.mapped_in_kernel:
+                return linear_attention_step_(q, k, v, joint, "elu", self.backend.eps)
+            mapped_q, mapped_k = feature_map.forward_queries(q), feature_map.forward_keys(k)
+            return linear_attention_step_(mapped_q, mapped_k, v, joint, "none", self.backend.eps)
         phi_q = feature_map.forward_queries(q).to(joint.dtype)
         phi_k = feature_map.forward_keys(k).to(joint.dtype)
         m = joint.shape[-1] - 1
@@ -122,6 +137,8 @@ class StaticDecoder:
         noise: ``(gumbel (B, N - P, K), logistic (B, N - P))`` for the sampled positions (see
             ``sampling.whole_image_noise``); None at temperature 0.
         span_block: softmax's spans grow by this many positions (:data:`SPAN_BLOCK`).
+        fused_attention: linear attention's step in one Triton kernel per layer (maps, state
+            update, readout: ``ops/cuda/triton_chunk/step.py``); None: where it runs (a CUDA GPU).
 
     :meth:`load` sets the state, input and position; each :meth:`step` then predicts and
     samples the position held in :attr:`position` (a device tensor, int64 ``(1,)``), writes it
@@ -130,7 +147,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model, values: torch.Tensor, known: int, temperature: float, noise,
-                 span_block: int = SPAN_BLOCK):
+                 span_block: int = SPAN_BLOCK, fused_attention: bool | None = None):
         why = why_not_paper_form(model.transformer, LINEAR_OR_SOFTMAX)
         if why is not None:
             raise ValueError(f"StaticDecoder: {why}")
@@ -148,7 +165,8 @@ class StaticDecoder:
             attention = layer.attention
             backend = attention.attention
             if isinstance(backend, LinearAttention):
-                buffers = _LinearBuffers(backend, batch, attention.n_heads, attention.value_dim, dtype, device)
+                buffers = _LinearBuffers(backend, batch, attention.n_heads, attention.value_dim, dtype, device,
+                                         fused_attention)
             else:
                 buffers = _SoftmaxBuffers(batch, attention.n_heads, attention.query_dim, attention.value_dim, length,
                                           dtype, device)

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 import triton
 
-from linformer_lab.ops.cuda.triton_chunk import backward, forward
+from linformer_lab.ops.cuda.triton_chunk import backward, forward, step_kernel
 
 _HALF = (torch.float16, torch.bfloat16)
 #: CUDA's limit on a grid's x dimension; the kernels' grids are one-dimensional (y and z stop at 65,535)
@@ -190,8 +190,9 @@ _DIRECT = os.environ.get("LINFORMER_LAB_TRITON_LAUNCH", "direct") != "jit"
 
 @functools.cache
 def kernels(interpret: bool) -> SimpleNamespace:
-    """The kernels compiled for one mode (the interpreter or the GPU)."""
-    return SimpleNamespace(**{name: triton.jit(getattr(module, name)) for name, module in KERNELS.items()})
+    """The kernels compiled for one mode (the interpreter or the GPU), the generation step's included."""
+    return SimpleNamespace(**{name: triton.jit(getattr(module, name)) for name, module in KERNELS.items()},
+                           linear_attention_step=triton.jit(step_kernel.linear_attention_step))
 
 
 #: (kernel, key, config, seconds) of every compilation this process ran through ``_launch``

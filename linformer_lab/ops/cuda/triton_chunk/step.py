@@ -1,0 +1,57 @@
+"""One generation step of causal linear attention in one Triton kernel (eq. 18-20 for every
+(batch row, head) at once): phi = elu + 1 of the query and key (or the mapped inputs as given), the
+state update S += phi(k) v^T, Z += phi(k) in place, and the readout
+phi(q)^T S / (phi(q)^T Z + eps).
+
+PyTorch spends about a dozen kernels on this per layer (the two maps, the two state updates, the
+product, the normaliser and the division); in a batch-1 generation step on a GPU each of those is
+a launch of almost no work, so the step's time is their count. Here it is one launch per layer.
+
+``linformer_lab::linear_attention_step_`` is a ``torch.library`` operator (fake function included)
+that writes the state in place, so ``torch.compile`` traces the graph step through it; the kernel
+is ``step_kernel.py``'s, compiled with the chunk kernels (``launch.kernels``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from linformer_lab.ops import custom_ops
+
+
+def _step(q: Tensor, k: Tensor, v: Tensor, joint: Tensor, feature_map: str, eps: float) -> Tensor:
+    from linformer_lab.ops.cuda.triton_chunk import launch
+
+    b, h, c = q.shape
+    m = v.shape[-1]
+    out = torch.empty_like(v)
+    if b * h == 0:
+        return out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    with launch.on_device(q.device):
+        launch.kernels(launch.interpreting()).linear_attention_step[(b * h,)](
+            q, k, v, joint, out, h, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), float(eps), launch.tiny(q.dtype), C=c, M=m, BC=launch.pow2(c),
+            BM=launch.pow2(m), ELU=feature_map == "elu")
+    return out
+
+
+def _step_fake(q, k, v, joint, feature_map, eps):
+    return torch.empty_like(v)
+
+
+#: ``linear_attention_step_(q, k, v, joint, feature_map, eps)``: q, k ``(B, H, C)``, v ``(B, H, M)``
+#: -> ``(B, H, M)`` in v's dtype; ``joint`` ``(B, H, C, M + 1)`` fp32 contiguous, [S | Z], updated in place
+linear_attention_step_ = custom_ops.define(
+    "linear_attention_step_(Tensor q, Tensor k, Tensor v, Tensor(a!) joint, str feature_map, float eps) -> Tensor",
+    _step, _step_fake, "CompositeExplicitAutograd")
+
+
+def accepts(q: Tensor, joint: Tensor) -> bool:
+    """Where the kernel runs: a CUDA GPU with Triton (the interpreter on a CPU in tests), and the
+    fp32 contiguous joint state of a non-fp64 model."""
+    from linformer_lab.ops.cuda import triton_chunk
+
+    return (joint.dtype == torch.float32 and joint.is_contiguous() and q.dtype != torch.float64
+            and q.device.type == "cuda" and triton_chunk.is_available())

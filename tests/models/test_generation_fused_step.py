@@ -1,0 +1,106 @@
+"""The fused attention step of the graph decoder (``linformer_lab/ops/cuda/triton_chunk/step.py``:
+elu + 1, the state update and the readout of eq. 18-20 in one Triton kernel per layer) against the
+PyTorch step it replaces, run by Triton's interpreter on a CPU; and the count of operations a
+generation step of the paper's MNIST model dispatches, with and without it (on a GPU each is a
+kernel launch)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton")
+
+from linformer_lab.attention.linear import LinearAttention  # noqa: E402
+from linformer_lab.models.generation.graph_step import StaticDecoder, _LinearBuffers  # noqa: E402
+from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
+from linformer_lab.ops.cuda.triton_chunk import launch  # noqa: E402
+
+INTERPRETER = pytest.mark.skipif(not launch.interpreting(), reason="runs on CPU tensors in Triton's interpreter")
+
+
+@INTERPRETER
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "favor"])
+def test_fused_step_equals_the_pytorch_step(feature_map):
+    """Ten positions of the fused step (the elu map inside the kernel; others mapped by PyTorch
+    first) against the PyTorch step on the same state: outputs and the [S | Z] state, fp32; a
+    state loaded from earlier positions included."""
+    backend = LinearAttention(causal=True, query_dim=6, feature_map=feature_map)
+    c = backend.feature_map.output_dim
+    fused, plain = (_LinearBuffers(backend, 3, 2, 5, torch.float32, torch.device("cpu"), fused=f) for f in (True, False))
+    gen = torch.Generator().manual_seed(0)
+    start = (torch.rand(3, 2, c, 5, generator=gen), torch.rand(3, 2, c, generator=gen) + 1)
+    fused.load(start)
+    plain.load(start)
+    for _ in range(10):
+        q, k, v = (torch.randn(3, 2, d, generator=gen) for d in (6, 6, 5))
+        torch.testing.assert_close(fused.attend(q, k, v, None, None), plain.attend(q, k, v, None, None),
+                                   rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(fused.joint, plain.joint, rtol=1e-6, atol=1e-6)
+
+
+@INTERPRETER
+def test_fused_step_reads_strided_views_and_refuses_float64():
+    """q, k, v as the step makes them (views into one fused projection) read in place; a float64
+    model's state cannot take the fp32 kernel: one line."""
+    backend = LinearAttention(causal=True, query_dim=4, feature_map="elu")
+    fused, plain = (_LinearBuffers(backend, 2, 3, 4, torch.float32, torch.device("cpu"), fused=f) for f in (True, False))
+    qkv = torch.randn(2, 3, 3, 4, generator=torch.Generator().manual_seed(1)).unbind(1)  # each (B, H, D), strided
+    torch.testing.assert_close(fused.attend(*qkv, None, None), plain.attend(*qkv, None, None), rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="fp32 state: not for float64 models"):
+        _LinearBuffers(backend, 2, 3, 4, torch.float64, torch.device("cpu"), fused=True)
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the operations that compute something (views and metadata left out)."""
+
+    VIEWS = {"view", "_unsafe_view", "unsqueeze", "squeeze", "t", "transpose", "expand", "slice", "select", "permute",
+             "unflatten", "flatten", "split", "split_with_sizes", "alias", "detach", "as_strided", "unbind", "reshape"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).split(".")[-1]
+        if name not in self.VIEWS:
+            self.count[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@INTERPRETER
+def test_generation_step_operations_of_the_paper_model():
+    """The paper's MNIST model (8 layers, 8 heads, d_model 256): one graph-decoder step dispatches
+    about 210 operations with the PyTorch attention step, under 115 with the fused one (one per
+    layer for maps, state and readout), and both sample the same value."""
+    torch.manual_seed(0)
+    model = PixelTransformer("linear", n_layers=8, n_heads=8, d_model=256, d_ff=1024, num_mixtures=10).eval()
+    counts, sampled = {}, {}
+    for fused in (False, True):
+        values = torch.zeros(1, 784, dtype=torch.long)
+        noise = (torch.rand(1, 784, 10, generator=torch.Generator().manual_seed(2)),
+                 torch.rand(1, 784, generator=torch.Generator().manual_seed(3)))
+        static = StaticDecoder(model, values, 0, 1.0, noise, fused_attention=fused)
+        static.load(None, torch.randn(1, 256, generator=torch.Generator().manual_seed(4)), 0)
+        with torch.no_grad():
+            static.step(784)
+            operations = _Operations()
+            with operations:
+                static.step(784)
+        counts[fused], sampled[fused] = sum(operations.count.values()), values[:, :2].clone()
+        assert not fused or operations.count["linformer_lab.linear_attention_step_"] == 8
+    assert counts[False] > 180 and counts[True] <= 115, counts
+    assert torch.equal(sampled[True], sampled[False])
+
+
+@INTERPRETER
+def test_opcheck():
+    """torch.library's checks of the operator: schema (the state written in place), fake tensors."""
+    from linformer_lab.ops.cuda.triton_chunk.step import linear_attention_step_
+
+    q, k, v = (torch.randn(2, 3, 4) for _ in range(3))
+    joint = torch.rand(2, 3, 4, 5)
+    torch.library.opcheck(linear_attention_step_, (q, k, v, joint, "elu", 1e-6), test_utils=("test_schema", "test_faketensor"))
