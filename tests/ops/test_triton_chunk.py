@@ -31,7 +31,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.float64: 1e-12}
 @pytest.fixture
 def device() -> str:
     """The CPU, under Triton's interpreter. With a GPU, ``LINFORMER_LAB_TRITON_TESTS=cuda`` runs
-    these tests compiled there too (each new shape compiles and autotunes: minutes of device
+    these tests compiled there too (each new shape compiles: minutes of device
     time, so the GPU checks proper are ``test_triton_chunk_gpu.py``)."""
     from linformer_lab.ops.cuda.triton_chunk import launch
 
