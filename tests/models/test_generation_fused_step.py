@@ -126,3 +126,19 @@ def test_graph_step_traces_whole_for_torch_compile():
                 step(30)
         images.append(values[:, :4].clone())
     assert torch.equal(images[0], images[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_step_on_a_gpu_equals_the_pytorch_step(dtype):
+    """Compiled for the GPU: the fused step (the default there) against the PyTorch step over
+    twenty positions of the paper's head shapes (8 heads, D = M = 32)."""
+    backend = LinearAttention(causal=True, query_dim=32, feature_map="elu").cuda()
+    fused, plain = (_LinearBuffers(backend, 4, 8, 32, dtype, torch.device("cuda"), fused=f) for f in (None, False))
+    assert fused.fused, "the fused step is the default on a GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tolerance = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for _ in range(20):
+        q, k, v = (torch.randn(4, 8, 32, device="cuda", generator=gen).to(dtype) for _ in range(3))
+        torch.testing.assert_close(fused.attend(q, k, v, None, None), plain.attend(q, k, v, None, None), **tolerance)
+    torch.testing.assert_close(fused.joint, plain.joint, rtol=1e-4, atol=1e-4)
