@@ -1,7 +1,8 @@
 """``--model.context_parallel 2`` through ``cli.py``: two gloo processes (two torchrun "nodes" of
-one process each, on 127.0.0.1) split every copy sequence in two and train and validate as
+one process each, on 127.0.0.1) split every copy sequence in two and train, validate and test as
 one process given the same batches: the same training losses at every step, the same validation
-loss, the same weights after.
+loss, the same weights after, the same test loss from the checkpoint written, and the same copy
+accuracy of ``predict``.
 
 Why equal: the two processes form one context group, so the data module gives both the whole
 batch (data.sampling.process_share) and each its half of the positions; the loss is summed over
@@ -29,16 +30,22 @@ TWO_NODES = ("--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.d
 STEPS = "--trainer.max_steps=4"  # an epoch of 3 batches, its validation, and one update more
 
 
-def test_two_context_processes_train_and_validate_as_one_process(tmp_path):
+def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
     split, one = tmp_path / "split", tmp_path / "one"
-    plan = [["fit", *tiny_copy_args(split, "linear", STEPS, "--model.context_parallel=2", *TWO_NODES),
-             save_weights(split / "weights_")]]
+    args = tiny_copy_args(split, "linear", STEPS, "--model.context_parallel=2", *TWO_NODES)
+    plan = [["fit", *args, save_weights(split / "weights_")], ["test", *args, "--ckpt_path", "last"],
+            ["predict", *args, "--ckpt_path", "last"]]
     port = free_port()
     nodes = [(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"), {}) for rank in (0, 1)]
     run_job(plan, tmp_path / "job", nodes)
-    code, _, err = run_cli(["fit", *tiny_copy_args(one, "linear", STEPS), save_weights(one / "weights_")])
-    assert code == 0, err[-3000:]
+    printed = []
+    for command in (["fit", *tiny_copy_args(one, "linear", STEPS), save_weights(one / "weights_")],
+                    ["test", *tiny_copy_args(one, "linear", STEPS), "--ckpt_path", "last"],
+                    ["predict", *tiny_copy_args(one, "linear", STEPS), "--ckpt_path", "last"]):
+        code, out, err = run_cli(command)
+        assert code == 0, err[-3000:]
+        printed.append(out)
 
     losses, want = metrics(split / "version_0", "train/loss"), metrics(one / "version_0", "train/loss")
     assert sorted(losses) == sorted(want) and len(want) == 4, (losses, want)
@@ -46,6 +53,13 @@ def test_two_context_processes_train_and_validate_as_one_process(tmp_path):
         assert losses[step] == pytest.approx(loss, rel=1e-5), step
     assert only(metrics(split / "version_0", "val/loss")) == pytest.approx(only(metrics(one / "version_0", "val/loss")),
                                                                           rel=1e-5)
+    # the checkpoint written under context parallelism tests as the one process's
+    assert only(metrics(split / "version_1", "test/loss")) == pytest.approx(
+        only(metrics(one / "version_1", "test/loss")), rel=1e-5)
+    # predict runs whole sequences on both processes (the RNN step); one of them counts each batch
+    accuracy = [line for line in (tmp_path / "job" / "process0.log").read_text().splitlines()
+                if line.startswith("copy accuracy")]
+    assert accuracy and accuracy == [line for line in printed[2].splitlines() if line.startswith("copy accuracy")]
     rank0, rank1 = weights(split / "weights_rank0.pt"), weights(split / "weights_rank1.pt")
     assert_same_weights(rank1, rank0)  # one model: DDP summed the halves' gradients
     assert_same_weights(rank0, weights(one / "weights_rank0.pt"), atol=1e-5)
