@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import linformer_lab as ll
+from linformer_lab.attention.context_parallel import context_grid
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.ops.state import LinearState
@@ -32,17 +33,18 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
-def summed(grad: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
+def summed(grad: torch.Tensor | None, like: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """A replicated tensor's gradient share summed over the ranks (what DDP's all-reduce forms);
     None (a weight this rank's positions do not reach, like the start vector) is a zero share."""
     grad = torch.zeros_like(like) if grad is None else grad.clone()
-    dist.all_reduce(grad)
+    dist.all_reduce(grad, group=group)
     return grad
 
 
-def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu") -> None:
-    """One layer, state in and out, padded lengths: outputs, q/k/v, state and weight gradients."""
-    torch.manual_seed(0)
+def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu", group=None, seed: int = 0) -> None:
+    """One layer, state in and out, padded lengths: outputs, q/k/v, state and weight gradients;
+    ``rank`` and ``size`` are this process's in ``group``."""
+    torch.manual_seed(seed)
     b, h, n, d, m = 3, 2, 5, 4, 3
     t = n * size
     layer = LinearAttention(causal=causal, query_dim=d, feature_map=feature_map).double()
@@ -68,7 +70,7 @@ def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu") ->
     ref_out, ref_state, ref_params = run(*leaves, weight_out, True)
     ref_grads = [x.grad for x in leaves]
 
-    ll.context_parallel(layer)
+    ll.context_parallel(layer, group=group)
     part = slice(rank * n, (rank + 1) * n)
     mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)] + [x.clone().requires_grad_() for x in (s0, z0)]
     # the final state is the same on every rank: one rank's loss reads it, as the one process's does
@@ -80,9 +82,9 @@ def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu") ->
     for label, got, want in zip("qkv", mine[:3], ref_grads[:3]):
         assert_close(got.grad, want[:, :, part], f"grad {label}")
     for label, got, want in zip(("S0", "Z0"), mine[3:], ref_grads[3:]):
-        assert_close(summed(got.grad), want, f"grad {label}")
+        assert_close(summed(got.grad, group=group), want, f"grad {label}")
     for name, grad in params.items():
-        assert_close(summed(grad), ref_params[name], f"grad {name}")
+        assert_close(summed(grad, group=group), ref_params[name], f"grad {name}")
 
 
 def check_stack(causal: bool, rank: int, size: int) -> None:
@@ -194,6 +196,12 @@ def worker(rank: int, size: int, store: str) -> None:
         check_layer(True, rank, size, feature_map="hedgehog")  # a map with weights of its own
         check_training_step(rank, size)
         check_pixel_model(rank, size)
+        if size == 4:  # a (data x context) grid: two groups of two, each its own sequences
+            group = context_grid(2)
+            check_layer(True, dist.get_rank(group), 2, group=group, seed=rank // 2)
+            check_layer(False, dist.get_rank(group), 2, group=group, seed=rank // 2)
+            with pytest.raises(ValueError, match="divide the 4 processes of the run"):
+                context_grid(3)
         assert ll.context_segment(4 * size) == (4 * rank, 4 * rank + 4)
         with pytest.raises(ValueError, match=f"do not divide by {size}"):
             ll.context_segment(4 * size + 1)
