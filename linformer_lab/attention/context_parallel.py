@@ -201,7 +201,7 @@ def context_parallel(model: nn.Module, group=None) -> nn.Module:
         if not hasattr(module, "context_group"):  # the backends that run a segment set it (linear)
             raise ConfigurationError(
                 f"context_parallel: attention backend {_backend_name(module)!r} cannot split a sequence over processes "
-                "(its state is every earlier key, not a fixed-size sum); use 'linear' or 'linear_cuda'")
+                "(its state is every earlier key, not a fixed-size sum); use 'linear'")
     if group is not False:
         _rank_and_size(group)
     for module in layers:
