@@ -53,6 +53,7 @@ from linformer_lab.tasks.callbacks import (
     save_png,
     top_half_rows,
 )
+from linformer_lab.tasks.graphed_update import GraphedTraining
 from linformer_lab.validation import ConfigurationError, check_at_least, check_non_negative, check_positive
 
 __all__ = ["ImageGenerationTask"]
@@ -65,7 +66,7 @@ COMPILE_CHOICES = ("none", "loss", "model")
 _GRID_LIMIT = 64
 
 
-class ImageGenerationTask(Task):
+class ImageGenerationTask(GraphedTraining, Task):
     """Autoregressive image model trained by maximum likelihood (bits/dim).
 
     Args:
@@ -102,6 +103,12 @@ class ImageGenerationTask(Task):
             per-batch loss (embedding, transformer, head, loss) compiled in ``configure_model``,
             for GPUs, where an eager step is many small kernel launches. The first batches
             compile (seconds to minutes); the weights and checkpoints are the eager model's.
+        cuda_graph: run each training update (forward, backward, RAdam step) as one CUDA graph,
+            captured after a few eager updates and replayed (:mod:`~linformer_lab.tasks.graphed_update`):
+            the GPU no longer waits on Python's launches. Needs one CUDA device and a fixed batch
+            shape (a batch of another shape runs eagerly); with ``compile`` the compiled loss is
+            what is captured. On a CPU, or with what the graph cannot hold (several processes,
+            gradient accumulation or clipping, 16-mixed), the run stops at its start saying why.
         decoder: how predict's generation steps (``PixelTransformer.generate(decoder=...)``):
             ``"auto"`` a CUDA graph on a GPU, the ``fast_step`` loop on CPU.
         init_from: a checkpoint of this task with another attention (a trained softmax model) to
@@ -125,7 +132,7 @@ class ImageGenerationTask(Task):
     #: (the CLI's checkpoint check compares all the others): training and generation settings.
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
-                              "segment_length", "detach_state", "compile", "decoder",
+                              "segment_length", "detach_state", "compile", "cuda_graph", "decoder",
                               "init_from", "distill_steps", "distill_lr")
 
     def __init__(
@@ -152,6 +159,7 @@ class ImageGenerationTask(Task):
         segment_length: int | None = None,
         detach_state: bool = False,
         compile: str = "none",
+        cuda_graph: bool = False,
         decoder: str = "auto",
         init_from: str | None = None,
         distill_steps: int = 0,
@@ -173,6 +181,9 @@ class ImageGenerationTask(Task):
         if decoder not in DECODERS:
             raise ConfigurationError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}")
         check_conversion(init_from, distill_steps, distill_lr)
+        if cuda_graph and segment_length:
+            raise ConfigurationError("cuda_graph captures one pass over the whole sequence; segment_length trains "
+                                     "in checkpointed segments, which it does not capture: set one of them")
         self.save_hyperparameters()
         self.model = PixelTransformer(  # coerces the attention argument: the one place on this path
             attention=attention, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
@@ -220,7 +231,20 @@ class ImageGenerationTask(Task):
         """The training loss's forward pass on ``batch``: ``(B, N)`` nats (attention distillation runs the teacher on it)."""
         return self.model.nll(self._images(batch))
 
+    def update_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The loss of one process's update on ``images`` (bits/dim, the scalar to differentiate)
+        and what ``training_step`` logs, ``(that loss, (B, N) nats)``: what ``cuda_graph`` captures,
+        built from shapes alone (no number read or made on the host)."""
+        nll = self._batch_nll(images)
+        loss = nll.sum() / (math.log(2.0) * nll.numel())
+        return loss, (loss, nll)
+
     def training_step(self, batch, batch_idx):
+        if self.uses_cuda_graph():  # forward, backward and RAdam's step: one replay (check_run made sure it can)
+            loss, nll = self.graphed_update(self._images(batch))
+            self.train_bpd.update(nll)
+            self.log("train/bits_per_dim", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=nll.shape[0])
+            return loss
         if self.hparams.get("segment_length"):
             sequence = self.model.to_sequence(self._images(batch))
             pieces = segmented_forward(
