@@ -10,7 +10,7 @@ Variants of ``EluFeatureMap.forward`` (fp32, the same values bit for bit; each s
 * ``function``: an ``autograd.Function`` whose forward is ``elu_plus_one`` and whose backward is
   ``grad * min(phi, 1)`` from the saved output (``EluPlusOne``, copied here so the script times it
   whatever the library holds);
-* ``autograd``: :func:`linformer_lab.feature_maps.elu.elu_plus_one` through autograd,
+* ``autograd``: :func:`linformer_lab.ops.linear_attention.elu_plus_one` through autograd,
   ``where(x > 0, x + 1, exp(min(x, 0)))``.
 
 Cases (forward + backward; the layers on random inputs, the updates with clipping and the config's
@@ -53,7 +53,8 @@ from common import (  # noqa: E402
 )
 
 from linformer_lab.attention.linear import LinearAttention  # noqa: E402
-from linformer_lab.feature_maps.elu import EluFeatureMap, elu_plus_one  # noqa: E402
+from linformer_lab.feature_maps.elu import EluFeatureMap  # noqa: E402
+from linformer_lab.ops.linear_attention import elu_plus_one  # noqa: E402
 from linformer_lab.tasks.speech import SpeechRecognitionTask  # noqa: E402
 
 

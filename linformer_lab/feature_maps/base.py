@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+from typing import ClassVar, NamedTuple
+
 import torch
 from torch import nn
+
+
+class KernelForm(NamedTuple):
+    """How compiled kernels compute a feature map themselves, in one place for every one of them.
+
+    ``name``: the map's name in the kernels' code (``fused_step.cpp`` takes it); ``kernels``: the
+    kernels that apply it, by the names ``ops.linear_attention.computed_in`` is asked with:
+    ``"triton"`` (the Triton chunk and step kernels), ``"cpp"`` (the fused C++ causal attention),
+    ``"fused_step"`` (generation's C++ step); ``projections``: the map's ``nn.Linear`` attributes
+    whose ``[W, b]`` those kernels read, in the order they take them."""
+
+    name: str
+    kernels: tuple[str, ...]
+    projections: tuple[str, ...] = ()
 
 
 class FeatureMap(nn.Module):
@@ -14,6 +30,17 @@ class FeatureMap(nn.Module):
     queries differently (e.g. by a per-query constant that cancels in the attention ratio)
     overrides :meth:`forward_queries`.
     """
+
+    #: The kernels that compute this map themselves (:class:`KernelForm`); None: PyTorch applies it
+    #: and the kernels take the mapped inputs.
+    kernel_form: ClassVar[KernelForm | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        # A subclass may change the map (its forward, its parameters), which a kernel would skip:
+        # the kernels compute only the classes that state their form themselves.
+        super().__init_subclass__(**kwargs)
+        if "kernel_form" not in cls.__dict__:
+            cls.kernel_form = None
 
     def __init__(self, query_dim: int):
         super().__init__()

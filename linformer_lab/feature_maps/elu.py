@@ -4,21 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.feature_maps.base import FeatureMap
-
-
-def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """``phi(x) = elu(x) + 1`` (eq. 7) elementwise, the one Python phi: ``exp(min(x, 0)) + max(x, 0)``,
-    which is ``x + 1`` for x > 0 and ``exp(x)`` otherwise, without the cancellation of
-    ``(exp(x) - 1) + 1`` that rounds phi to 0 for x below about -17 in fp32 (about -9 in bf16) and
-    makes the normaliser 0/0. In fp16 even exp(x) underflows below about -17, so half-precision
-    outputs are clamped at the dtype's smallest normal number: phi stays > 0. The clamps keep the
-    unused branch finite, so autograd's zero gradient there stays zero. The kernels that apply the
-    map themselves keep an inline copy each, tested against this one."""
-    out = torch.exp(x.clamp_max(0.0)) + x.clamp_min(0.0)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        out = out.clamp_min(torch.finfo(x.dtype).tiny)
-    return out
+from linformer_lab.feature_maps.base import FeatureMap, KernelForm
+from linformer_lab.ops.linear_attention import elu_plus_one
 
 
 class EluPlusOne(torch.autograd.Function):
@@ -47,8 +34,10 @@ class EluFeatureMap(FeatureMap):
 
     Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, which is the same function
     without the cancellation of ``(exp(x) - 1) + 1``, half-precision outputs clamped above 0
-    (:func:`elu_plus_one`).
+    (:func:`~linformer_lab.ops.linear_attention.elu_plus_one`).
     """
+
+    kernel_form = KernelForm("elu", kernels=("triton", "cpp", "fused_step"))
 
     def __init__(self, query_dim: int):
         super().__init__(query_dim)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from linformer_lab.feature_maps.base import FeatureMap
+from linformer_lab.feature_maps.base import FeatureMap, KernelForm
 
 
 def _check_num_features(num_features: int | None, query_dim: int) -> int:
@@ -29,6 +29,8 @@ class T2RFeatureMap(FeatureMap):
     Args:
         num_features: ``output_dim`` (default: D).
     """
+
+    kernel_form = KernelForm("t2r", kernels=("fused_step",), projections=("projection",))
 
     def __init__(self, query_dim: int, num_features: int | None = None):
         super().__init__(query_dim)
@@ -61,6 +63,8 @@ class HedgehogFeatureMap(FeatureMap):
         num_features: rows of W (default: D); W starts as the first ``num_features`` rows of an
             identity (padded with zero rows past D).
     """
+
+    kernel_form = KernelForm("hedgehog", kernels=("fused_step",), projections=("query_map", "key_map"))
 
     def __init__(self, query_dim: int, num_features: int | None = None):
         super().__init__(query_dim)

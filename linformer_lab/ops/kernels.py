@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from linformer_lab.registry import FEATURE_MAPS
+
 __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "SWITCH", "Candidate", "causal_dot_product",
            "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "select", "switched"]
 
@@ -428,12 +430,14 @@ _PROBES = {  # op -> (what the line says the probe is, its arguments on a device
     "causal": ("float32, C = M = 32", lambda d: (torch.zeros(1, 1, 1, 32, device=d),) * 3),
     "lsh_window": ("float32", lambda d: (torch.zeros(1, 1, 1, 1, 32, device=d),) * 3),
     "fused_step": ("float32, batch 1", lambda d: (torch.zeros(1, 256, device=d),)),
-    # the elu map by its registered name: ops sits below feature_maps (docs/ARCHITECTURE.md)
-    "causal_attention": ("float32, elu map", lambda d: ("elu", *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
+    # the elu map built through the registry: ops sits below feature_maps (docs/ARCHITECTURE.md)
+    "causal_attention": ("float32, elu map",
+                         lambda d: (FEATURE_MAPS.get("elu")(32), *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
 }
 #: probes of a second dtype: (op, (what the line says, its arguments)); bf16 has a CPU path of its own
 _DTYPE_PROBES = [("causal_attention", ("bfloat16, elu map",
-                                       lambda d: ("elu", *(torch.zeros(1, 1, 1, 32, device=d, dtype=torch.bfloat16),) * 3)))]
+                                       lambda d: (FEATURE_MAPS.get("elu")(32),
+                                                 *(torch.zeros(1, 1, 1, 32, device=d, dtype=torch.bfloat16),) * 3)))]
 
 
 def describe() -> list[str]:

@@ -8,8 +8,9 @@ from conftest import assert_close
 
 import linformer_lab as ll
 from linformer_lab.feature_maps import FeatureMap
-from linformer_lab.feature_maps.elu import elu_plus_one
-from linformer_lab.ops.linear_attention import naive
+from linformer_lab.feature_maps.base import KernelForm
+from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.ops.linear_attention import computed_in, elu_plus_one, naive
 from linformer_lab.ops.reference import polynomial_similarity
 
 
@@ -70,6 +71,34 @@ def test_elu_gradients_are_autograds_of_the_definition_to_second_order():
     assert torch.autograd.gradcheck(fm, (x,)) and torch.autograd.gradgradcheck(fm, (x,))
     x = torch.cat([torch.randn(999) * 10, torch.tensor([-1e4, -100.0, -0.0, 0.0, 100.0, 1e4])]).reshape(-1, 5)
     assert torch.equal(elu_plus_one(x), fm(x))
+
+
+@pytest.mark.parametrize("name", ll.list_feature_maps())
+def test_each_map_names_the_kernels_that_compute_it(name):
+    """One attribute per map class says which kernels apply it themselves: elu in every kernel, the
+    learned t2r and hedgehog (with their projections) in generation's C++ step, the others in none."""
+    want = {"elu": ("triton", "cpp", "fused_step"), "t2r": ("fused_step",), "hedgehog": ("fused_step",)}
+    fm = ll.build_feature_map(name, query_dim=4)
+    assert [k for k in ("triton", "cpp", "fused_step") if computed_in(k, fm)] == list(want.get(name, ()))
+    if fm.kernel_form is not None:
+        assert fm.kernel_form.name == name
+        for projection in fm.kernel_form.projections:
+            assert isinstance(getattr(fm, projection), torch.nn.Linear)
+
+
+def test_a_subclass_is_computed_by_no_kernel_unless_it_says_so():
+    """A subclass may change the map, which a kernel would skip: it states its own form or has none."""
+
+    class Scaled(EluFeatureMap):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Restated(EluFeatureMap):
+        kernel_form = KernelForm("elu", kernels=("cpp",))
+
+    assert not any(computed_in(k, Scaled(4)) for k in ("triton", "cpp", "fused_step"))
+    assert computed_in("cpp", Restated(4)) and not computed_in("triton", Restated(4))
+    assert not computed_in("cpp", "elu")  # a name is not a map
 
 
 def test_poly2_is_exactly_the_degree_two_polynomial_kernel():

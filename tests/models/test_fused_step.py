@@ -165,7 +165,7 @@ def test_the_cpp_learned_maps_are_the_python_maps(extension, taken, feature_map,
 
 def test_the_inline_phi_of_the_cpp_step_is_the_python_phi(extension, taken, monkeypatch):
     """fused_step.cpp writes phi = elu + 1 inline; the Python step reads the one Python phi,
-    ``feature_maps.elu.elu_plus_one``. With queries and keys spread over both branches of phi
+    ``ops.linear_attention.elu_plus_one``. With queries and keys spread over both branches of phi
     and far into exp's tail, the fused step equals the Python step, and a Python step with
     another phi (exp on both branches) does not."""
     model = _model()

@@ -14,19 +14,23 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.multihead import MultiHeadAttention
-from linformer_lab.feature_maps.elu import EluFeatureMap, elu_plus_one
+from linformer_lab.feature_maps import list_feature_maps
+from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.feature_maps.learned import T2RFeatureMap
 from linformer_lab.models.generation import fast_step, sampling, weight_copies_for_steps, weights
 from linformer_lab.models.generation.form import (
     ATTENTION_FORMS,
-    FUSED_FEATURE_MAPS,
     LINEAR_FUSED,
     LINEAR_OR_SOFTMAX,
     why_not_paper_form,
 )
 from linformer_lab.models.transformer import Transformer, TransformerLayer
+from linformer_lab.ops.linear_attention import computed_in, elu_plus_one
+from linformer_lab.registry import FEATURE_MAPS
 
 D_MODEL, HEADS, D_FF = 16, 4, 32
+#: the maps the C++ step computes: those whose class's kernel_form names it
+FUSED_STEP_MAPS = [name for name in list_feature_maps() if computed_in("fused_step", FEATURE_MAPS.get(name))]
 
 
 def _stack(attention="linear", **kwargs) -> Transformer:
@@ -113,7 +117,7 @@ def _set(model, change):
 def test_the_papers_stack_passes_every_form():
     for attention in ATTENTION_FORMS:
         assert why_not_paper_form(_stack(), attention) is None
-        for feature_map in FUSED_FEATURE_MAPS.values():  # the maps the C++ step computes, learned ones too
+        for feature_map in FUSED_STEP_MAPS:  # learned ones too
             assert why_not_paper_form(_stack(_learned(feature_map, num_features=3)), attention) is None
     assert why_not_paper_form(_stack("softmax"), LINEAR_OR_SOFTMAX) is None
 
@@ -152,7 +156,11 @@ def test_the_fused_plan_builds_no_stack_for_a_refused_stack(case):
     assert len(built) == 1
 
 
-@pytest.mark.parametrize("feature_map", list(FUSED_FEATURE_MAPS.values()))
+def test_the_fused_step_computes_elu_t2r_and_hedgehog():
+    assert sorted(FUSED_STEP_MAPS) == ["elu", "hedgehog", "t2r"]
+
+
+@pytest.mark.parametrize("feature_map", FUSED_STEP_MAPS)
 def test_the_fused_plan_passes_the_map_by_name_and_its_weights_after_each_layers(feature_map):
     """``FusedStack`` takes the map's name and, after each layer's twelve tensors, the map's
     ``W (F, D)``, ``b (F)`` as the map holds them (t2r: one pair; hedgehog: queries', then keys')."""
@@ -224,6 +232,17 @@ def test_elu_plus_one_makes_no_autograd_graph_and_leaves_its_input():
         before = x.clone()
         out = elu_plus_one(x)
     assert out.grad_fn is None and torch.equal(x, before)
+
+
+def test_the_triton_kernels_pytorch_form_reads_the_one_phi(monkeypatch):
+    """The Triton kernel's PyTorch form maps with :func:`elu_plus_one`: replaced by a wrong phi, its
+    output changes (the Triton and C++ device code keep their own copies, tested against it)."""
+    from linformer_lab.ops.cuda.triton_chunk import torch_chunk
+
+    q, k, v = torch.randn(3, 1, 2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).unbind(0)
+    right = torch_chunk.chunk_linear_attention_torch(q, k, v, chunk_size=2)
+    monkeypatch.setattr(torch_chunk, "elu_plus_one", lambda t: elu_plus_one(t) ** 2)
+    assert not torch.allclose(right, torch_chunk.chunk_linear_attention_torch(q, k, v, chunk_size=2))
 
 
 def test_the_python_step_reads_the_one_phi(monkeypatch):

@@ -87,7 +87,7 @@ def test_gradient_error_against_the_pytorch_form_in_bf16(mean, t):
     mean 0). All products in bf16 GEMMs gave grad q 1.8-2.1x, grad z_0 up to 1.9x and the output 2.3-5.5x
     at mean 0: a bf16 GEMM on CPU rounds its output to bf16, hence the float32 products."""
     def ours(q, k, v, initial_state, chunk_size):
-        return bf16_chunk.causal_attention("elu", q, k, v, initial_state=initial_state)
+        return bf16_chunk.causal_attention(EluFeatureMap(q.shape[-1]), q, k, v, initial_state=initial_state)
 
     got, want = (half_errors(fn, torch.bfloat16, t, mean, seeds=range(4), heads=(2, 2))
                  for fn in (ours, chunk_linear_attention_torch))

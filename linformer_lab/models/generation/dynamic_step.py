@@ -26,12 +26,12 @@ from torch import nn
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.feature_maps import FeatureMap
-from linformer_lab.feature_maps.elu import EluFeatureMap, elu_plus_one
+from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models.generation import cpu_step
 from linformer_lab.models.generation.form import ANY_ATTENTION, has_linear_step, why_not_paper_layer
 from linformer_lab.models.generation.weights import step_linear
 from linformer_lab.models.transformer import Transformer, TransformerLayer
-from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state
+from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state, elu_plus_one
 from linformer_lab.ops.state import LinearState, SequenceBuffer, StackState
 
 __all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "split_heads"]
@@ -165,7 +165,7 @@ def _linear_attention_step(backend: LinearAttention, q_t: torch.Tensor, k_t: tor
 
 def _features(feature_map: FeatureMap, q_t: torch.Tensor, k_t: torch.Tensor):
     """``(feature_map.forward_queries(q_t), feature_map.forward_keys(k_t))``; the paper's elu map
-    through :func:`~linformer_lab.feature_maps.elu.elu_plus_one` (the same values as its
+    through :func:`~linformer_lab.ops.linear_attention.elu_plus_one` (the same values as its
     ``forward`` in fewer tensor operations, without autograd), and where a map keeps the base
     class's versions (which are ``self(x)``), ``forward`` is called without the module-call
     machinery."""

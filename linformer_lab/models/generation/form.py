@@ -11,12 +11,13 @@ fast paths differ only in the attention they can compute (``attention`` below):
 * :data:`LINEAR_OR_SOFTMAX`: the graph step (``graph_step``) keeps state buffers for causal
   linear attention and causal softmax attention;
 * :data:`LINEAR_FUSED`: the C++ step (``cpu_step``) computes eq. 18-20 with the feature maps it
-  has written in (:data:`FUSED_FEATURE_MAPS`: elu + 1, t2r, hedgehog), separate keys, and one
-  feature map (kind and size), set of head sizes, attention eps and GELU form for the whole stack.
+  has written in (those whose ``kernel_form`` names ``"fused_step"``: elu + 1, t2r, hedgehog),
+  separate keys, and one feature map (kind and size), set of head sizes, attention eps and GELU
+  form for the whole stack.
 
 A subclass that overrides a part's computation is not the paper's form (the fast paths would
 bypass the override), so types are checked exactly: feature maps too (a subclass of
-``T2RFeatureMap`` is not computed by the C++ step).
+``T2RFeatureMap`` has no ``kernel_form`` unless it states one).
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from torch import nn
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.attention.softmax import SoftmaxAttention
-from linformer_lab.feature_maps.elu import EluFeatureMap
-from linformer_lab.feature_maps.learned import HedgehogFeatureMap, T2RFeatureMap
 from linformer_lab.models.transformer import Transformer, TransformerLayer
+from linformer_lab.ops.linear_attention import computed_in
 
-__all__ = ["ANY_ATTENTION", "ATTENTION_FORMS", "FUSED_FEATURE_MAPS", "LINEAR_FUSED", "LINEAR_OR_SOFTMAX",
+__all__ = ["ANY_ATTENTION", "ATTENTION_FORMS", "LINEAR_FUSED", "LINEAR_OR_SOFTMAX",
            "has_linear_step", "why_not_paper_form", "why_not_paper_layer"]
 
 ANY_ATTENTION = "any"
@@ -38,8 +38,6 @@ LINEAR_OR_SOFTMAX = "linear-or-softmax"
 LINEAR_FUSED = "linear-fused"
 #: The ``attention`` argument's choices, from the loosest to the strictest.
 ATTENTION_FORMS = (ANY_ATTENTION, LINEAR_OR_SOFTMAX, LINEAR_FUSED)
-#: The feature maps the C++ step computes (exact types), by the name ``fused_step.cpp`` takes.
-FUSED_FEATURE_MAPS = {EluFeatureMap: "elu", T2RFeatureMap: "t2r", HedgehogFeatureMap: "hedgehog"}
 
 
 def has_linear_step(backend) -> bool:
@@ -82,9 +80,9 @@ def why_not_paper_layer(layer, attention: str = LINEAR_FUSED) -> str | None:
     elif attention == LINEAR_FUSED:
         if not has_linear_step(backend):
             return f"it uses {type(backend).__name__}, not linear attention with LinearAttention's step"
-        if type(backend.feature_map) not in FUSED_FEATURE_MAPS:
+        if not computed_in("fused_step", backend.feature_map):
             return (f"its feature map is {type(backend.feature_map).__name__}, not one the fused step computes "
-                    f"({', '.join(cls.__name__ for cls in FUSED_FEATURE_MAPS)})")
+                    "(its kernel_form does not name fused_step)")
         if layer.attention.shares_query_key:
             return "its queries are its keys (shared QK); the fused step takes separate keys"
     return None

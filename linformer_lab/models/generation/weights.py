@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_lab.models.generation.form import FUSED_FEATURE_MAPS, LINEAR_FUSED, why_not_paper_form
+from linformer_lab.models.generation.form import LINEAR_FUSED, why_not_paper_form
 from linformer_lab.models.transformer import Transformer
 
 __all__ = [
@@ -296,15 +296,11 @@ def _fused_weights(transformer: Transformer):
     sizes = (first.attention.n_heads, first.attention.query_dim, first.attention.value_dim)
     backend = first.attention.attention
     return (weights, norm_eps, sizes, float(backend.eps), first.feedforward[1].approximate,
-            FUSED_FEATURE_MAPS[type(backend.feature_map)])
-
-
-#: The projections of each map the fused step computes (by its name in ``FUSED_FEATURE_MAPS``), in
-#: the order ``FusedStack`` takes their ``[W (F, D), b (F)]`` after a layer's other tensors.
-_MAP_PROJECTIONS = {"elu": (), "t2r": ("projection",), "hedgehog": ("query_map", "key_map")}
+            backend.feature_map.kernel_form.name)
 
 
 def _map_weights(feature_map) -> list[torch.Tensor]:
-    """A fused map's ``[W, b]`` per projection: t2r's one, hedgehog's query map then key map; none for elu."""
-    projections = (getattr(feature_map, name) for name in _MAP_PROJECTIONS[FUSED_FEATURE_MAPS[type(feature_map)]])
+    """A fused map's ``[W, b]`` per projection of its ``kernel_form``, in the order ``FusedStack`` takes
+    them after a layer's other tensors: t2r's one, hedgehog's query map then key map; none for elu."""
+    projections = (getattr(feature_map, name) for name in feature_map.kernel_form.projections)
     return [tensor.detach() for linear in projections for tensor in (linear.weight, linear.bias)]

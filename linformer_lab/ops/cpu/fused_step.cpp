@@ -1,6 +1,6 @@
 // One RNN step (paper §3.4, eq. 16-20) of a whole stack of pre-norm transformer layers with
 // causal linear attention, on CPU, in one call. The feature map phi is one of three, the same in
-// every layer (models/generation/form.py: FUSED_FEATURE_MAPS):
+// every layer (the feature maps whose kernel_form names fused_step: feature_maps/base.py):
 //   elu       phi(x) = elu(x) + 1 = exp(min(x, 0)) + max(x, 0)          (the paper's, eq. 7; C = D)
 //   t2r       phi(x) = relu(W x + b), one W (F, D) for queries and keys  (C = F)
 //   hedgehog  phi(x) = [softmax(W x + b), softmax(-(W x + b))], W and b apart for queries and

@@ -15,7 +15,9 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
   pass, the sequences' offsets never read on the host.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs; :func:`causal_attention`, the PyTorch
-  candidate of the ``causal_attention`` op (feature map, numerator, normaliser).
+  candidate of the ``causal_attention`` op (feature map, numerator, normaliser); phi = elu + 1
+  (eq. 7, :func:`elu_plus_one`), the one Python definition that the elu map and the kernels'
+  PyTorch forms share, and :func:`computed_in`, which asks a map which kernels compute it.
 
 Nothing here chooses a kernel: :mod:`linformer_lab.ops.kernels` imports these forms and chooses,
 and the causal numerator is an argument (``dot_product``; by default the chunked PyTorch one), so
@@ -48,7 +50,9 @@ __all__ = [
     "causal_linear_attention",
     "check_linear_state",
     "check_step_fits_state",
+    "computed_in",
     "dot_product_with_state",
+    "elu_plus_one",
     "joint_state",
     "linear_attention",
     "linear_attention_step",
@@ -56,6 +60,30 @@ __all__ = [
     "packed_linear_attention",
     "reference_chunk_size",
 ]
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """``phi(x) = elu(x) + 1`` (eq. 7) elementwise: ``exp(min(x, 0)) + max(x, 0)``, which is ``x + 1``
+    for x > 0 and ``exp(x)`` otherwise, without the cancellation of ``(exp(x) - 1) + 1`` that rounds
+    phi to 0 for x below about -17 in fp32 (about -9 in bf16) and makes the normaliser 0/0. In fp16
+    even exp(x) underflows below about -17, so half-precision outputs are clamped at the dtype's
+    smallest normal number: phi stays > 0. The clamps keep the unused branch finite, so autograd's
+    zero gradient there stays zero. Each branch rounds once, so half inputs get the values of the
+    fp32 computation rounded to their dtype, as the kernels compute them. The kernels' device code
+    keeps an inline copy each, tested against this one."""
+    out = torch.exp(x.clamp_max(0.0)) + x.clamp_min(0.0)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        out = out.clamp_min(torch.finfo(x.dtype).tiny)
+    return out
+
+
+def computed_in(kernel: str, feature_map) -> bool:
+    """True when ``kernel`` applies ``feature_map`` itself: its class's ``kernel_form``
+    (:class:`~linformer_lab.feature_maps.base.KernelForm`) names it. Read duck-typed, since the
+    maps sit above ops; a class without one (a subclass that did not restate it) is applied by
+    PyTorch before the kernel."""
+    form = getattr(feature_map, "kernel_form", None)
+    return form is not None and kernel in form.kernels
 
 
 def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.ops import cpu, custom_ops
+from linformer_lab.ops.linear_attention import computed_in
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
 from linformer_lab.ops.state import LinearState
 
@@ -67,7 +68,7 @@ def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tup
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
                        initial_state: torch.Tensor | None = None, return_final_state: bool = False):
-    """:func:`~linformer_lab.ops.linear_attention.causal_dot_product` on the recurrence:
+    """:func:`~linformer_lab.ops.linear_attention.chunk.causal_dot_product` on the recurrence:
     ``q, k (B, H, N, C), v (B, H, N, M)`` of one dtype on CPU, ``initial_state`` S_0
     ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in that dtype, with ``return_final_state``
     ``(out, S_N)``, S_N in the compute dtype (float32 for float16 / bfloat16 inputs, module
@@ -111,18 +112,13 @@ def _recurrence(q, k, v, initial_state):
     return out, final
 
 
-#: The feature map the fused attention computes itself, by its exact class (a subclass may change it).
-FUSED_MAP = "linformer_lab.feature_maps.elu.EluFeatureMap"
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def fuses(feature_map) -> bool:
-    """True for the elu + 1 map (eq. 7), which the fused kernel applies itself, or its registered
-    name ``"elu"`` (what ``kernels.describe`` asks about)."""
-    if isinstance(feature_map, str):
-        return feature_map == "elu"
-    kind = type(feature_map)
-    return f"{kind.__module__}.{kind.__qualname__}" == FUSED_MAP
+    """True when the fused kernel applies ``feature_map`` itself: its ``kernel_form`` names ``"cpp"``
+    (the elu + 1 map of eq. 7)."""
+    return computed_in("cpp", feature_map)
 
 
 def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

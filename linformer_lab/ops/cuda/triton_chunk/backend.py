@@ -13,18 +13,16 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
-from linformer_lab.ops.linear_attention import joint_state
+from linformer_lab.ops.linear_attention import computed_in, joint_state
 from linformer_lab.ops.masks import length_mask
 
-#: The feature map computed inside the kernels, by its exact class (a subclass may change it).
-FUSED_MAP = "linformer_lab.feature_maps.elu.EluFeatureMap"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fuses(feature_map) -> bool:
-    """True when the kernels apply ``feature_map`` themselves (the elu map of eq. 7)."""
-    kind = type(feature_map)
-    return f"{kind.__module__}.{kind.__qualname__}" == FUSED_MAP
+    """True when the kernels apply ``feature_map`` themselves: its ``kernel_form`` names
+    ``"triton"`` (the elu map of eq. 7)."""
+    return computed_in("triton", feature_map)
 
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -8,17 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from linformer_lab.ops.linear_attention import elu_plus_one
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
-
-
-def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """phi(x) = elu(x) + 1 as the kernels compute it: x + 1 for x > 0, exp(x) otherwise, in fp32
-    for half inputs, clamped at the dtype's smallest normal and rounded back to the dtype."""
-    y = x.to(compute_dtype(x.dtype))
-    y = torch.where(y > 0, y + 1, torch.exp(y))
-    if x.dtype in (torch.float16, torch.bfloat16):
-        y = y.clamp_min(torch.finfo(x.dtype).tiny)
-    return y.to(x.dtype)
 
 
 def _one_sequence(q, k, v, s0, z0, chunk: int, eps: float):
