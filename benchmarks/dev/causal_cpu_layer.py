@@ -25,13 +25,12 @@ venv"); without it the others still run::
 
     PYTHONPATH=. .bench_env/bin/python benchmarks/dev/causal_cpu_layer.py [--quick]
 
-``--bf16``: also the layer on bf16 inputs, on the bf16 chunked path (``ops/linear_attention/bf16_chunk.py``,
-forced) and on the fused kernel (which runs them as float32), over the float32 layer.
+``--bf16``: also the layer on bf16 inputs, on the fused kernel (which runs them as float32), over the
+float32 layer.
 
 End to end, ``--train mnist_cpu_linear.yaml``: one training update of the config's image model
-(or ``copy_linear.yaml``'s copy task, under bf16 autocast as it trains, with the bf16 path forced
-as a third variant) before and after, alternating in one process, CPU time
-(``causal_cpu_layer_train_<config>.{csv,md}``);
+(or ``copy_linear.yaml``'s copy task, under bf16 autocast as it trains) before and after,
+alternating in one process, CPU time (``causal_cpu_layer_train_<config>.{csv,md}``);
 ``--generate``: batch-1 MNIST completion, prefilled and stepped, before and after
 (``causal_cpu_layer_generate.{csv,md}``).
 
@@ -132,11 +131,8 @@ def measure(torch, shape, args) -> dict:
                                                 lambda: switched("causal_attention=pytorch")),
     }
     if args.bf16:
-        # the layer on bf16 inputs: the bf16 chunked path (forced; unforced only on AMX), and the
-        # fused kernel, which runs them as float32 (the default on CPUs without AMX)
+        # the layer on bf16 inputs: the fused kernel runs them as float32
         qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
-        cases["bf16_path"] = common.forward_backward(lambda: layer(qb, kb, vb), (qb, kb, vb), grad.bfloat16(),
-                                                     lambda: switched("causal_attention=bf16"))
         cases["bf16_as_fp32"] = common.forward_backward(lambda: layer(qb, kb, vb), (qb, kb, vb), grad.bfloat16(),
                                                         lambda: switched("causal_attention=cpp"))
     ft = ft_layer(torch, d)
@@ -159,8 +155,7 @@ def measure(torch, shape, args) -> dict:
     row["after_over_kernel"] = round(ms["layer_after"] / ms["kernel"], 3)
     row["before_over_kernel"] = round(ms["layer_before"] / ms["kernel"], 3)
     row["before_over_after"] = round(ms["layer_before"] / ms["layer_after"], 3)
-    if "bf16_path" in ms:
-        row["bf16_path_over_after"] = round(ms["bf16_path"] / ms["layer_after"], 3)
+    if "bf16_as_fp32" in ms:
         row["bf16_as_fp32_over_after"] = round(ms["bf16_as_fp32"] / ms["layer_after"], 3)
     if "ft_layer" in ms:
         row["ft_over_after"] = round(ms["ft_layer"] / ms["layer_after"], 3)
@@ -195,21 +190,15 @@ def cpu_medians(cases: dict, repeats: int) -> tuple[dict, dict]:
 def train(args, env) -> str:
     """``--train CONFIG``: one training update of the config's image model (``common.image_training_update``)
     or copy task (``copy_*.yaml``) before (``causal_attention=pytorch``) and after the fused kernel,
-    interleaved, CPU time; under bf16 autocast (a ``bf16-mixed`` config) also the bf16 path, forced."""
+    interleaved, CPU time."""
     update, batch = (copy_training_update(args.train) if args.train.startswith("copy")
                      else common.image_training_update(args.train)[:2])
     cases = {"after": update, "before": lambda: _switched_update(update)}
-    if getattr(update, "autocast", False):
-        cases["bf16_path"] = lambda: _switched_update(update, "causal_attention=bf16")
     median, samples = cpu_medians(cases, args.updates)
     row = {"config": args.train, "batch": batch, "updates_each": len(samples["after"]),
            "before_cpu_s": round(median["before"], 4), "after_cpu_s": round(median["after"], 4),
            "before_updates_per_s": round(1 / median["before"], 3), "after_updates_per_s": round(1 / median["after"], 3),
            "after_over_before_updates_per_s": round(median["before"] / median["after"], 3)}
-    if "bf16_path" in median:
-        row["bf16_path_cpu_s"] = round(median["bf16_path"], 4)
-        row["bf16_path_over_after_s"] = round(median["bf16_path"] / median["after"], 3)
-        print(f"bf16 path (forced): {median['bf16_path']:.4f} s per update, {row['bf16_path_over_after_s']} x after")
     stem = os.path.join(args.out, f"causal_cpu_layer_train_{Path(args.train).stem}{args.tag}")
     common.write_csv(stem + ".csv", [row])
     text = "\n".join([
@@ -300,7 +289,6 @@ def copy_training_update(config: str):
         torch.nn.utils.clip_grad_norm_(task.parameters(), 1.0)
         optimizer.step()
 
-    update.autocast = autocast
     return update, tokens.shape[0]
 
 
@@ -356,11 +344,8 @@ def write_report(args, rows, skipped, env, path_md) -> str:
               "", f"FT layer / layer after: {summary(rows, 'ft_over_after')}; FT layer / layer before: "
                   f"{summary(rows, 'ft_over_before')}."]
     if args.bf16:
-        lines += ["", "bf16 inputs (`--bf16`), the layer's fwd+bwd over the float32 layer after: on the bf16 chunked "
-                      "path (forced): " + ", ".join(f"{r['B']}x{r['H']}x{r['N']}x{r['D']} {r['bf16_path_over_after']:.2f}"
-                                                     for r in rows)
-                  + f" ({summary(rows, 'bf16_path_over_after')}); on the fused kernel as float32: "
-                  f"{summary(rows, 'bf16_as_fp32_over_after')}."]
+        lines += ["", "bf16 inputs (`--bf16`), the layer's fwd+bwd on the fused kernel (as float32) over the "
+                      f"float32 layer after: {summary(rows, 'bf16_as_fp32_over_after')}."]
     if skipped:
         shapes = ", ".join("x".join(map(str, s)) for s in skipped)
         lines += ["", f"Not run (B x H x N x D; over {args.max_elements:,} numbers per input tensor): {shapes}."]
@@ -387,8 +372,8 @@ def main(argv=None):
     p.add_argument("--generate", action="store_true", help="instead of the layers: batch-1 MNIST completion before "
                    "and after, --calls each")
     p.add_argument("--calls", type=int, default=5, help="timed completions per variant and mode with --generate")
-    p.add_argument("--bf16", action="store_true", help="also the layer on bf16 inputs: the bf16 chunked path "
-                   "(ops/linear_attention/bf16_chunk.py, forced) and the fused kernel running them as float32")
+    p.add_argument("--bf16", action="store_true", help="also the layer on bf16 inputs, on the fused kernel running "
+                   "them as float32")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)

@@ -149,9 +149,9 @@ def cpu_bf16_units() -> str | None:
         if value not in CPU_BF16_CHOICES:
             exit_with_error(f"{CPU_BF16_VARIABLE}={value!r}: expected one of {', '.join(CPU_BF16_CHOICES)}")
         return None if value == "none" else value
-    from linformer_lab.ops.linear_attention import bf16_chunk
+    from linformer_lab.ops.cpu import isa
 
-    return bf16_chunk.matrix_units()
+    return isa.matrix_units()
 
 
 def resolve_precision(precision, accelerator):

@@ -20,11 +20,10 @@ op                    candidates, first to last             called from
                                                             ``ops.linear_attention`` as its argument
 ``lsh_window``        cpp, pytorch                          :func:`lsh_window` (``attention/lsh.py``)
 ``fused_step``        cpp, pytorch                          ``models/generation/cpu_step.py``
-``causal_attention``  triton, bf16, cpp, pytorch            ``attention/linear.py``: eq. 9-12 with
+``causal_attention``  triton, cpp, pytorch                  ``attention/linear.py``: eq. 9-12 with
                                                             the feature map, numerator and normaliser
                                                             in one kernel (GPU: ``ops/cuda/triton_chunk``;
-                                                            CPU: ``ops/cpu/causal_recurrence.cpp``;
-                                                            bf16, forced: ``ops/linear_attention/bf16_chunk.py``),
+                                                            CPU: ``ops/cpu/causal_recurrence.cpp``),
                                                             packed sequences (``cu_seqlens``) included
 ====================  ====================================  =========================================
 
@@ -256,17 +255,6 @@ def _causal_attention_cpu_run(*args, **kwargs):
     return cpu_kernel.causal_attention(*args, **kwargs)
 
 
-def _bf16():
-    from linformer_lab.ops.linear_attention import bf16_chunk
-
-    return bf16_chunk
-
-
-def _bf16_accepts(feature_map, q, k, v) -> bool:
-    """The bf16 path's inputs, when forced: it pays nowhere (``ops/linear_attention/bf16_chunk.py``)."""
-    return _forced_name("causal_attention") == "bf16" and _bf16().accepts(feature_map, q, k, v)
-
-
 def _triton_available() -> bool:
     from linformer_lab.ops.cuda import triton_chunk
 
@@ -308,10 +296,6 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
-        Candidate("bf16", "bf16 chunked form, oneDNN GEMMs, float32 state (ops/linear_attention/bf16_chunk.py)",
-                  "bfloat16 CPU tensors, the elu map, a CPU with AMX or AVX-512-BF16; forced only (it does not pay)",
-                  _bf16_accepts, lambda: _bf16().available(), lambda *args, **kwargs: _bf16().causal_attention(*args, **kwargs),
-                  lambda: f"matrix units: {_bf16().matrix_units()}"),
         Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), the elu map "
                   "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
@@ -434,10 +418,6 @@ _PROBES = {  # op -> (what the line says the probe is, its arguments on a device
     "causal_attention": ("float32, elu map",
                          lambda d: (FEATURE_MAPS.get("elu")(32), *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
 }
-#: probes of a second dtype: (op, (what the line says, its arguments)); bf16 has a CPU path of its own
-_DTYPE_PROBES = [("causal_attention", ("bfloat16, elu map",
-                                       lambda d: (FEATURE_MAPS.get("elu")(32),
-                                                 *(torch.zeros(1, 1, 1, 32, device=d, dtype=torch.bfloat16),) * 3)))]
 
 
 def describe() -> list[str]:
@@ -446,7 +426,7 @@ def describe() -> list[str]:
     the switch. Builds the C++ extensions that are not built yet."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     lines = []
-    for op, (probe, make) in [*_PROBES.items(), *_DTYPE_PROBES]:
+    for op, (probe, make) in _PROBES.items():
         for device in devices:
             chosen = select(op, *make(device))
             detail = f", {chosen.detail()}" if chosen.detail is not None else ""

@@ -15,7 +15,7 @@ import yaml
 from conftest import run_cli, tiny_copy_args
 
 from linformer_lab.cli.checks import CPU_BF16_VARIABLE, cpu_bf16_units, resolve_precision
-from linformer_lab.ops.linear_attention.bf16_chunk import cpuinfo_flags, matrix_units, units_of
+from linformer_lab.ops.cpu.isa import cpuinfo_flags, matrix_units, units_of
 
 
 class RecordPrecision(L.Callback):

@@ -235,7 +235,7 @@ def test_dispatch_lists_the_kernel_first_for_cuda_only(monkeypatch):
     from linformer_lab.feature_maps import build_feature_map
     from linformer_lab.ops import kernels
 
-    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", "bf16", "cpp", kernels.PYTORCH]
+    assert [c.name for c in kernels.CANDIDATES["causal_attention"]] == ["triton", "cpp", kernels.PYTORCH]
     feature_map = build_feature_map("elu", query_dim=4)
     q = torch.randn(1, 2, 8, 4)
     assert kernels.select("causal_attention", feature_map, q, q, q).name != "triton"

@@ -1,8 +1,7 @@
 """The half-precision accuracy check of the Triton chunk kernel, shared by the interpreter tests
-(``test_triton_chunk.py``) and the GPU tests (``test_triton_chunk_gpu.py``; ``half_errors`` also
-by the CPU bf16 path's, ``test_causal_cpu_bf16.py``): the kernel's
-relative error, output and every gradient, against that of the PyTorch form of the same algorithm
-in the same dtype, both measured against the PyTorch form in float64."""
+(``test_triton_chunk.py``) and the GPU tests (``test_triton_chunk_gpu.py``): the kernel's relative
+error, output and every gradient, against that of the PyTorch form of the same algorithm in the
+same dtype, both measured against the PyTorch form in float64."""
 
 from __future__ import annotations
 
