@@ -7,6 +7,11 @@ so there is a single discovery mechanism for everyone:
     [project.entry-points."linformer_lab.feature_maps"]
     my_map = "my_package.module:MyFeatureMap"
 
+One class may be registered under several names: an alias fixes some of its arguments (the class's
+``aliases``, ``{name: {argument: value}}``, read by :meth:`Registry.arguments`), so one class and
+one code path serve a setting users ask for by name (``linear_cuda``: ``linear`` with
+``gpu_kernels=True``).
+
 Discovery is lazy: entry points are listed (cheap metadata reads) the first time a name is
 asked for, and a plugin's module is imported only when that plugin is built. A plugin that
 fails to import breaks only itself.
@@ -47,6 +52,11 @@ class Registry:
         self.kind = kind
         self._entry_points: dict[str, list[metadata.EntryPoint]] | None = None
         self._loaded: dict[str, Any] = {}
+
+    def arguments(self, name: str) -> dict[str, Any]:
+        """The arguments the registered name ``name`` fixes (its class's ``aliases``; empty for a
+        class's own name), which the builder passes to the class."""
+        return dict(getattr(self.get(name), "aliases", {}).get(name, {}))
 
     def _discover(self) -> dict[str, list[metadata.EntryPoint]]:
         if self._entry_points is None:

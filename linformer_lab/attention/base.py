@@ -6,11 +6,9 @@ import torch
 from torch import nn
 
 from linformer_lab.ops.masks import check_on_device
-from linformer_lab.ops.state import AttentionState, KVCache, LinearState, SequenceBuffer, StackState, check_state  # noqa: F401
+from linformer_lab.ops.state import KVCache, LinearState, SequenceBuffer, StackState
 from linformer_lab.registry import ATTENTION, PluginError
 
-# The state types and their contract live in linformer_lab.ops.state; AttentionState, KVCache,
-# SequenceBuffer and check_state are importable from here too, for code written before they moved.
 __all__ = ["Attention", "backends_with", "check_cu_seqlens", "check_key_lengths", "state_type_error"]
 
 
@@ -34,7 +32,7 @@ class Attention(nn.Module):
     positions >= ``key_lengths`` do not enter it. Causal linear: ``(S, Z)``; softmax: a
     :class:`KVCache`; lsh: the :class:`KVCache` of its prefix.
 
-    Every state (from ``forward`` and from ``step``) meets :class:`AttentionState`: it has
+    Every state (from ``forward`` and from ``step``) meets :class:`~linformer_lab.ops.state.AttentionState`: it has
     ``detach()`` (the same state cut from the autograd graph) and ``nbytes`` (the bytes it
     holds), which is all the code around the backends uses (segmented training with a detached
     state, state-size reports). A tensor meets it as it is; plain lists and tuples of states (a

@@ -40,7 +40,7 @@ def build_attention(name: str, causal: bool = False, query_dim: int | None = Non
             f"attention backend {name!r} is registered as {cls!r}, which is not a "
             f"linformer_lab.attention.Attention subclass"
         )
-    return cls(causal=causal, query_dim=query_dim, feature_map=feature_map, **kwargs)
+    return cls(causal=causal, query_dim=query_dim, feature_map=feature_map, **ATTENTION.arguments(name), **kwargs)
 
 
 @dataclass

@@ -28,8 +28,7 @@ NOT_CUDA = (
 
 
 def gpu_kernels_unavailable() -> str | None:
-    """Why the GPU kernels cannot run on this machine, or None (``cli.py plugins --check`` asks
-    ``linear_cuda``)."""
+    """Why the GPU kernels cannot run on this machine, or None."""
     from linformer_lab.ops import cuda as cuda_ops
     from linformer_lab.ops.cuda import triton_chunk
 
@@ -70,6 +69,9 @@ class LinearAttention(Attention):
     attention takes it too: the state's keys are attended to alongside the new ones.
     """
 
+    #: The registry's second name of this layer (pyproject's entry points, ``registry.py``): ``linear_cuda``
+    #: is ``linear`` with the GPU kernels forced.
+    aliases = {"linear_cuda": {"gpu_kernels": True}}
     uses_feature_map = True
     supports_state = True
     supports_packed = True
@@ -104,6 +106,12 @@ class LinearAttention(Attention):
         chunk size and forced kernel (what the PyTorch candidates of ``causal_attention`` call)."""
         return functools.partial(kernels.causal_dot_product, chunk_size=self.chunk_size,
                                  force=self.forced_kernels.get("causal"))
+
+    @staticmethod
+    def unavailable_reason(gpu_kernels: bool = False) -> str | None:
+        """Why the layer cannot run on this machine, or None (``cli.py plugins --check`` asks, with
+        the arguments of the name it checks): only the GPU kernels can be missing."""
+        return gpu_kernels_unavailable() if gpu_kernels else None
 
     def check_device(self, device: torch.device | str) -> None:
         """With ``gpu_kernels``, a :class:`~linformer_lab.validation.ConfigurationError` unless

@@ -86,7 +86,7 @@ def plugins_command(argv: list[str]) -> int:
                 except PluginError as err:
                     entry["status"], failed = f"broken: {err}", True
                 else:  # a plugin may say it cannot run on this machine (linear_cuda without a GPU)
-                    reason = getattr(plugin, "unavailable_reason", lambda: None)()
+                    reason = getattr(plugin, "unavailable_reason", lambda **_: None)(**registry.arguments(name))
                     if reason:
                         entry["status"] = f"unavailable here: {reason}"
             failed |= len(dists) > 1

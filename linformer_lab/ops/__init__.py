@@ -1,1 +1,2 @@
-"""Pure tensor functions (no module state) behind the attention backends."""
+"""Tensor functions behind the attention backends; module state only for the compiled kernels
+(docs/ARCHITECTURE.md, "Layers")."""

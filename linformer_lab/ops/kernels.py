@@ -32,7 +32,6 @@ unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTor
 ``op=name`` forces one op's candidate, comma-separated for several (``causal=recurrence``,
 ``causal=pytorch,lsh_window=pytorch``): the forced candidate runs wherever its condition holds,
 ``pytorch`` elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
-The older name ``reference`` (for ``pytorch``) is still read, with a FutureWarning.
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
 switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
@@ -64,9 +63,6 @@ __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "SWITCH", "Candidate", "c
 SWITCH = "LINFORMER_LAB_KERNELS"
 #: The name of every op's last candidate, the op in PyTorch, which runs anywhere.
 PYTORCH = "pytorch"
-#: Older names of candidates, still read by the switch and ``force`` (with a FutureWarning): "reference"
-#: named the ``pytorch`` candidates, although the float64 oracle of the tests is the naive form.
-RENAMED = {"reference": PYTORCH}
 #: The fused C++ step runs batches of at most this many rows: its gain, the per-operation cost,
 #: shrinks as a batch spreads it over more arithmetic, and its plain loops are not vectorized as
 #: ATen's kernels are.
@@ -336,28 +332,18 @@ def _parse_switch(value: str) -> dict[str, str]:
     for item in (part.strip() for part in value.split(",")):
         if item in ("", "auto"):
             continue
-        if _current_name(item, f"{SWITCH}={value!r}") == PYTORCH:
+        if item == PYTORCH:
             choice.update({op: PYTORCH for op in CANDIDATES})
             continue
         op, equals, name = (part.strip() for part in item.partition("="))
         if not equals or op not in CANDIDATES:
             raise ValueError(f"{SWITCH}={value!r}: {item!r} is not 'auto', {PYTORCH!r} or op=kernel with an op among "
                              f"{', '.join(CANDIDATES)}")
-        name = _current_name(name, f"{SWITCH}={value!r}")
         names = [candidate.name for candidate in CANDIDATES[op]]
         if name not in names:
             raise ValueError(f"{SWITCH}={value!r}: op {op!r} has no kernel {name!r}; its kernels: {', '.join(names)}")
         choice[op] = name
     return choice
-
-
-def _current_name(name: str, where: str) -> str:
-    """``name``, or the name a renamed candidate has now (warned: the switch is parsed once per value)."""
-    if name not in RENAMED:
-        return name
-    warnings.warn(f"{where}: {name!r} is now called {RENAMED[name]!r} (the PyTorch candidates); the old name "
-                  "will go", FutureWarning, stacklevel=3)
-    return RENAMED[name]
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the switch when it traces, as its value
@@ -372,10 +358,8 @@ def select(op: str, *args, force: str | None = None) -> Candidate:
     switch (``linear_cuda`` forces the GPU kernels this way)."""
     if op not in CANDIDATES:
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(CANDIDATES)}")
-    if force is not None:
-        force = _current_name(force, f"force={force!r}")
-        if force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
-            raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
+    if force is not None and force not in (names := [candidate.name for candidate in CANDIDATES[op]]):
+        raise ValueError(f"op {op!r} has no kernel {force!r} to force; its kernels: {', '.join(names)}")
     want = force or _forced_name(op)
     for candidate in CANDIDATES[op]:
         if (want is None or candidate.name in (want, PYTORCH)) and candidate.applies(*args):

@@ -10,8 +10,7 @@ state-size reports) calls the members of :class:`AttentionState` and nothing els
 and tuples of states. A tensor meets the contract as it is.
 
 Every built-in state copies, pickles and saves; ``torch.load(..., weights_only=True)`` reads it
-back (the classes are registered safe globals, under their earlier module paths too, so states
-saved before they moved here still load). The module is in ops/, the lowest layer that makes a
+back (the classes are registered safe globals). The module is in ops/, the lowest layer that makes a
 state; ``linformer_lab.attention`` (``AttentionState``, ``KVCache``) and the package root
 (``clone_state``, ``detach_state``) re-export names from it.
 """
@@ -437,8 +436,5 @@ class StackState(list):
         return f"StackState({list.__repr__(self)})"
 
 
-# a saved state loads with torch.load(..., weights_only=True): the classes are all it needs beyond tensors. States
-# saved before the classes moved here name their earlier modules (which keep the names for plain pickle)
-torch.serialization.add_safe_globals([
-    LinearState, SequenceBuffer, KVCache, StackState, (LinearState, "linformer_lab.ops.linear_attention.recurrent.LinearState"),
-    (SequenceBuffer, "linformer_lab.attention.kv_cache.SequenceBuffer"), (KVCache, "linformer_lab.attention.kv_cache.KVCache")])
+# a saved state loads with torch.load(..., weights_only=True): the classes are all it needs beyond tensors
+torch.serialization.add_safe_globals([LinearState, SequenceBuffer, KVCache, StackState])

@@ -1,6 +1,6 @@
 """What every task gives the command line: :class:`Task`.
 
-A task is a LightningModule; the CLI (``linformer_lab/cli.py``) reads three class attributes
+A task is a LightningModule; the CLI (``linformer_lab/cli/``) reads three class attributes
 from it to set up checkpointing and to check a ``--ckpt_path`` against the configuration.
 A LightningModule that is not a :class:`Task` still runs under the CLI with the defaults
 written here (no best-checkpoint tracking, every hyper-parameter compared).

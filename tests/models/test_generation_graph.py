@@ -113,9 +113,6 @@ def test_decoder_choice_and_refusals():
     assert choose_decoder("graph", linear.transformer, cpu) == "graph"  # eager off CUDA
     with pytest.raises(ValueError, match="unknown decoder 'fast'; valid choices: auto, dynamic, graph$"):
         linear.generate(1, decoder="fast")
-    for old in ("static", "compiled"):  # the earlier names, refused with the one to use
-        with pytest.raises(ValueError, match=f"decoder '{old}' is gone: use 'graph'.*valid choices: auto, dynamic, graph$"):
-            linear.generate(1, decoder=old)
     with pytest.raises(ValueError, match="layer 0: it uses LSHAttention, which has no static-buffer step"):
         lsh.generate(1, decoder="graph")
 

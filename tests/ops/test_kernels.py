@@ -10,8 +10,6 @@ The fast tests stand in for the builds (each candidate's ``available``); the one
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,24 +114,6 @@ def test_switch_values(monkeypatch, value, expected):
     assert kernels.forced() == expected
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("reference", {op: "pytorch" for op in kernels.CANDIDATES}),
-    ("lsh_window=cpp,causal=reference", {"causal": "pytorch", "lsh_window": "cpp"}),
-])
-def test_the_old_name_of_the_pytorch_candidates_is_read_with_a_warning(monkeypatch, value, expected):
-    """Scripts written before the rename keep working: ``reference`` is read as ``pytorch``, and
-    says so once per value (the switch is parsed once per value)."""
-    kernels._parse_switch.cache_clear()
-    monkeypatch.setenv(kernels.SWITCH, value)
-    with pytest.warns(FutureWarning, match="'reference' is now called 'pytorch'"):
-        assert kernels.forced() == expected
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert kernels.forced() == expected
-    with pytest.warns(FutureWarning, match="force='reference'"):
-        assert kernels.select("causal", *qkv(), force="reference").name == "pytorch"
-
-
 def test_switch_forces_a_candidate_where_it_applies_and_pytorch_elsewhere(builds, monkeypatch):
     builds(recurrence=True, lsh=True, fused=True, cuda=True)
     monkeypatch.setenv(kernels.SWITCH, "causal=recurrence")
@@ -150,6 +130,7 @@ def test_switch_forces_a_candidate_where_it_applies_and_pytorch_elsewhere(builds
     ("causal=fast", "its kernels: cuda, recurrence, pytorch"),
     ("attention=pytorch", "an op among causal, lsh_window, fused_step, causal_attention"),
     ("0", "is not 'auto', 'pytorch' or op=kernel"),
+    ("reference", "is not 'auto', 'pytorch' or op=kernel"),  # the pytorch candidates' earlier name
 ])
 def test_a_bad_switch_value_is_one_line_naming_the_choices(monkeypatch, value, names):
     monkeypatch.setenv(kernels.SWITCH, value)
@@ -257,17 +238,18 @@ def test_force_picks_the_named_candidate_where_it_applies_over_the_switch(builds
 
 
 def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):
-    """``linear_cuda`` is no class of its own: it builds the ``linear`` layer with ``gpu_kernels``,
-    whose ``forced_kernels`` name the GPU kernels; here on fake CUDA tensors without Triton, so the
-    ``causal_attention`` op falls to its PyTorch candidate and the numerator goes to the CUDA
-    kernel, although the switch says ``pytorch``; ``linear`` under the same switch keeps to the
-    PyTorch candidates."""
+    """``linear_cuda`` is no class of its own: the registry's second name of ``LinearAttention``,
+    built with ``gpu_kernels``, whose ``forced_kernels`` name the GPU kernels; here on fake CUDA
+    tensors without Triton, so the ``causal_attention`` op falls to its PyTorch candidate and the
+    numerator goes to the CUDA kernel, although the switch says ``pytorch``; ``linear`` under the
+    same switch keeps to the PyTorch candidates."""
     from linformer_lab.attention.linear import LinearAttention
-    from linformer_lab.attention.linear_cuda import LinearCudaAttention
+    from linformer_lab.registry import ATTENTION
 
     builds(cuda=True)
     monkeypatch.setenv(kernels.SWITCH, "pytorch")
-    assert not issubclass(LinearCudaAttention, LinearAttention)
+    assert ATTENTION.get("linear_cuda") is ATTENTION.get("linear") is LinearAttention
+    assert ATTENTION.arguments("linear_cuda") == {"gpu_kernels": True} and ATTENTION.arguments("linear") == {}
     built = ll.build_attention("linear_cuda", causal=True, query_dim=4, eps=1e-5)
     assert type(built) is LinearAttention and built.gpu_kernels and built.eps == 1e-5
     assert built.forced_kernels == {"causal_attention": "triton", "causal": "cuda"}

@@ -30,15 +30,8 @@ __all__ = ["DECODERS", "NOISE_BLOCK", "SINGLE_THREAD_MAX_BATCH", "choose_decoder
 #: graph step takes, else ``"dynamic"`` (the ``fast_step`` loop); ``"graph"`` runs eagerly off CUDA.
 DECODERS = ("auto", "dynamic", "graph")
 
-#: Earlier names of the decoders, refused with the name to use instead.
-_RENAMED = {"static": "'graph' (the same static-buffer step: a CUDA graph on CUDA, eager elsewhere)",
-            "compiled": "'graph' (torch.compile of the graph step is no longer offered)"}
-
-
 def choose_decoder(decoder: str, transformer, device: torch.device) -> str:
     """``decoder`` checked against :data:`DECODERS` and ``"auto"`` resolved (see there)."""
-    if decoder in _RENAMED:
-        raise ValueError(f"decoder {decoder!r} is gone: use {_RENAMED[decoder]}; valid choices: {', '.join(DECODERS)}")
     if decoder not in DECODERS:
         raise ValueError(f"unknown decoder {decoder!r}; valid choices: {', '.join(DECODERS)}")
     why = why_not_paper_form(transformer, LINEAR_OR_SOFTMAX)

@@ -32,7 +32,7 @@ constexpr int64_t kMaxFeatureDim = 256;  // sizes the register-resident state in
 void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK(t.is_cuda(), "causal_dot_product (linear_cuda backend): expected CUDA tensors, but ", name,
               " is on ", t.device(),
-              ". For CPU tensors use the `linear` backend (linformer_lab.ops.linear_attention.causal_dot_product).");
+              ". For CPU tensors use the `linear` backend.");
   TORCH_CHECK(t.device() == q.device(), "causal_dot_product: all inputs must be on one device, but q is on ",
               q.device(), " and ", name, " on ", t.device());
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "causal_dot_product: q, k, v (and grad_out) must share one dtype, ",

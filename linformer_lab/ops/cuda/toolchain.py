@@ -30,8 +30,7 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 _SOURCES = ("binding.cpp", "causal_linear_attention.cu")
 MIN_CAPABILITY = (7, 0)  # WMMA-free FMA path needs Volta; tensor cores need 8.0
 CPU_HINT = (
-    "Use the `linear` backend (linformer_lab.ops.linear_attention.causal_dot_product), "
-    "which runs on CPU and GPU without compiling anything."
+    "Use the `linear` backend, which runs on CPU and GPU without compiling anything."
 )
 
 lock = threading.RLock()  # serialises building and loading within this process
