@@ -138,7 +138,7 @@ def superchunk_dq(
     kmask, mmask = ck < C, cm < M
     tt = tl.arange(0, BT)
     state, z = initial_state(S0, Z0, seq * H + h, ck, cm, kmask, mmask, C, M, HAS_INIT, BK, MF)
-    state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, s, ck, cm, kmask, mmask, C, M, NS_MAX, INTERPRET)
+    state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, tl.where(s < n_sc, s, 0), ck, cm, kmask, mmask, C, M, NS_MAX, INTERPRET)
     first = s * LS
     n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
     for c in range(0, LS // BT if INTERPRET else n_chunks):

@@ -227,7 +227,7 @@ def superchunk_forward(
     causal = tt[:, None] >= tt[None, :]
     row = seq * H + h
     state, z = initial_state(S0, Z0, row, ck, cv, kmask, vmask, C, M, HAS_INIT, BK, BV)
-    state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, s, ck, cv, kmask, vmask, C, M, NS_MAX, INTERPRET)
+    state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, tl.where(s < n_sc, s, 0), ck, cv, kmask, vmask, C, M, NS_MAX, INTERPRET)
     first = s * LS
     n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
     for c in range(0, LS // BT if INTERPRET else n_chunks):
