@@ -2,55 +2,67 @@
 the machine's start included), every target of the project's GPU issue measured, tables written to
 ``--out``.
 
-    PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --out DIR           # on a GPU node
-    uv run python benchmarks/paper/gpu_check.py --dry-run --out DIR         # every code path, toy sizes, CPU
+    uv run python benchmarks/paper/gpu_check.py --export-previous REV    # here: the kernel to time beside ours
+    PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --out DIR --cache .gpu_cache    # on a GPU node
+    uv run python benchmarks/paper/gpu_check.py --dry-run --out DIR [--cache .gpu_cache]    # every code path, CPU
 
-Parts, in order, each run as a child process with its share of ``--budget-s`` (:data:`PARTS`;
-time a part leaves unused passes on, and the last, Fig. 2, gets all that is left). A part checks
-its budget before every step (a step that would not fit is skipped and listed under "Skipped"),
-and a part still running :data:`GRACE_S` after its budget is stopped: every row it measured is
-already in its journal, so the report keeps them.
+Parts, in the order of what they decide, each run as a child process with its share of
+``--budget-s`` (:data:`PARTS`; time a part leaves unused passes on, and the last, Fig. 2, gets all
+that is left). A part checks its budget before every step (a step that would not fit is skipped
+and listed under "Skipped"), and a part still running :data:`GRACE_S` after its budget is
+stopped: every row it measured is already in its journal, so the report keeps them.
 
-1. ``tests``: ``cli.py plugins --check`` (every kernel compiled and compared with its reference),
-   then the GPU tests through pytest: the Triton kernel's GPU file, the graph-decoder tests, the
-   CUDA numerator's GPU file, and the Triton interpreter tests run on the GPU
-   (``LINFORMER_LAB_TRITON_TESTS=cuda``), in that order;
-2. ``kernel``: ours (Triton, fused elu and normaliser), the earlier CUDA kernel, fla's
-   ``chunk_linear_attn(normalize=True)`` and SDPA, fwd and fwd+bwd, bf16, interleaved, on the
-   issue's grid; the first call of each (Triton's compilation and autotuning); the HBM roofline
-   fraction of our forward at B2 T16384 H16 D128 (``gpu_check_kernel.py``);
-3. ``train``: ``mnist_linear.yaml`` against ``mnist_softmax.yaml`` training images/s, eager and
-   compiled (``gpu_check_model.py``);
-4. ``generation``: MNIST batch-1 seconds per image, linear against stateful softmax at batch
+1. ``kernel``: ours (Triton, fused elu and normaliser) beside its previous revision and SDPA over
+   the issue's grid, then beside fla, then beside the ``.cu`` numerator, fwd and fwd+bwd, bf16,
+   interleaved; each kernel's share of our fwd+bwd and the launches per call at B2 T16384 H16
+   D128 (torch.profiler); the HBM roofline fraction of our forward there (``gpu_check_kernel.py``);
+2. ``train``: ``mnist_linear.yaml`` against ``mnist_softmax.yaml`` training images/s and GPU-busy
+   ms per update (``gpu_check_model.py``);
+3. ``generation``: MNIST batch-1 seconds per image, linear against stateful softmax at batch
    1,000 (both graphed), the largest linear batch;
-5. ``figure2``: ``figure2_copy.py --paper`` (the paper's copy-task model, our and the authors'
-   recipe, fp32 and bf16) for the time left.
+4. ``tests``: ``cli.py plugins --check`` (every kernel compiled and compared with its reference),
+   then the GPU tests through pytest (:data:`GPU_TESTS`), with a junit file;
+5. ``figure2``: ``figure2_copy.py --paper`` (the paper's copy task) for the time left.
 
-Writes ``gpu_check_<device>.md`` (device, versions, date, command, the targets table, every table),
-``gpu_check_<device>.csv`` (all rows) and ``gpu_check_logs.tar.gz`` (each part's log and journal,
-``plugins_check.json``, ``pytest.log``, Fig. 2's reports): three files, inside the device tool's
-limit of eight. ``--dry-run`` runs all parts at toy sizes on the CPU (Triton interpreted; the graph
-step run eagerly; no compilation; pytest only collects the GPU tests), which
-``tests/benchmarks/test_gpu_check.py`` runs.
+The compiled extensions (three C++ ones, the ``.cu`` numerator) are built at the start, one
+process each, beside the first parts (:class:`Prebuild`): the kernel part times the ``.cu``
+numerator last, once it is built, and the tests wait for the builds. ``--cache DIR`` (the
+git-ignored ``.gpu_cache``) brings what an earlier run compiled (Triton's cache: ours, fla's,
+their autotune results; the extensions' builds) and the previous revision of our kernel
+(``--export-previous``); ``gpu_check_cache.py`` says what each holds.
+
+Writes to ``--out``: ``gpu_check_<device>.md`` (device, versions, date, command, the targets table,
+every table), ``gpu_check_<device>.csv`` (all rows), ``gpu_check_<device>_pytest.txt`` (pytest's
+summary) and ``_junit.xml``, ``gpu_check_logs.tar.gz`` (each part's log and journal,
+``plugins_check.json``, ``pytest.log``, ``prebuild.log``, Fig. 2's reports) and, on a GPU,
+``triton_cache.tar.gz`` and ``extensions.tar.gz`` for the next run's ``--cache``: seven files,
+inside the device tool's limit of eight. ``--dry-run`` runs all parts at toy sizes on the CPU
+(Triton interpreted; the graph step run eagerly; no compilation; pytest only collects the GPU
+tests), which ``tests/benchmarks/test_gpu_check.py`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py (the parts sit beside this script)
 import common  # noqa: E402
+import gpu_check_cache  # noqa: E402
+import gpu_check_kernel  # noqa: E402
+import gpu_check_model  # noqa: E402
+import gpu_check_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 #: The GPU test files, in the order they run (the most important first: a part stopped at its
@@ -60,22 +72,34 @@ GPU_TESTS = ["tests/ops/test_triton_chunk_gpu.py", "tests/models/test_generation
 #: What makes tests/ops/test_triton_chunk.py run on the GPU instead of skipping there.
 GPU_TEST_ENV = {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
 #: Seconds of each part at the default budget (shares of ``--budget-s``), in the order they run,
-#: planned from the first run on an H200 (benchmarks/NOTES.md, "What the GPU sessions found"):
-#: tests 140, the extensions built at once (built one after another they took all of
-#: plugins --check's 120 s on a bare machine), plugins --check (Triton compiles its kernels for fp32
-#: and bf16, forward and backward), then the GPU tests (each new shape compiles: the interpreter
-#: file, last, may be cut); the kernel grid 200 (the 7 shapes without fla, about 12 s each, then
-#: fla beside ours at the longest shape, whose first forward and forward+backward there took 105 s); training 40
-#: (eager); generation 30; Fig. 2 the rest (it needs ~120 s, so only a rerun or a part another left
-#: time to gets it). With the machine's start and the wheels' install, one run leaves about 3.5
-#: minutes of the 15 for a rerun of a part.
-PARTS = {"tests": 140, "kernel": 200, "train": 40, "generation": 30, "figure2": 10}
+#: planned from the first run on an H200 (benchmarks/NOTES.md, "What the GPU sessions found"), a
+#: bare machine: the kernel grid 240 (ours beside its previous revision and SDPA at the 7 shapes,
+#: ~12 s each with the first calls' compilations, the previous revision's autotuning 13.2 s over
+#: two widths; then fla, whose first forward and forward+backward at a new shape took 70-98 s
+#: without its autotune results, so without a carried cache one or two shapes; then the .cu
+#: numerator, ~8 s a shape); training 70 (eager and graphed rows of both configs at batch 10 and
+#: 64, ~8 s each: the eager batch-10 row's warm-up took 6 s; compiled rows where time is left);
+#: generation 40 (30 s held 7 of its 14 rows); the tests 90 (plugins --check
+#: compiles every Triton kernel in fp32 and bf16; pytest gets the rest, 50 s ran one test of a
+#: bare machine, so with nothing carried the later files are cut, and the junit file says where);
+#: Fig. 2 the rest (it needs ~120 s: only a rerun or a part that left time gets it). With the
+#: machine's start (~3 min) and the wheels' install, one run leaves about 3.5 minutes of the 15
+#: for a rerun of a part.
+PARTS = {"kernel": 240, "train": 70, "generation": 40, "tests": 90, "figure2": 10}
 #: A part still running this long after its budget is stopped (its own checks should stop it first).
 GRACE_S = 20
-#: The C++ extensions of ``linformer_lab.ops.cpu`` that :func:`prebuild` builds (the .cu one too on a GPU).
+#: The C++ extensions of ``linformer_lab.ops.cpu`` that :class:`Prebuild` builds (the .cu one too on a GPU).
 CPU_EXTENSIONS = ("CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW")
-#: Longest the extensions' builds may take together.
-PREBUILD_S = 100
+#: Longest the extensions' builds may take together (one after another, two of the three C++ ones
+#: took 120 s on a bare H200 machine; at once, beside the kernel part, on its 16 cores).
+PREBUILD_S = 150
+#: pytest is interrupted (SIGINT: it still writes its junit file and summary) this long before the
+#: tests part's budget ends.
+PYTEST_STOP_S = 10
+#: What the tests part leaves in its folder, copied beside the report as gpu_check_<device>_...
+PYTEST_SUMMARY, JUNIT = "pytest_summary.txt", "junit.xml"
+#: The Triton cache folders the parts compiled or loaded (``gpu_check_cache.record_compilations``).
+USED_KERNELS = "triton_used.txt"
 
 
 class Journal(list):
@@ -129,10 +153,11 @@ def read_journal(path: Path) -> tuple[list[dict], list[str]]:
     return rows, skipped
 
 
-def run_part(command: list[str], seconds: float, log: Path, env: dict | None = None) -> tuple[int | None, float]:
+def run_part(command: list[str], seconds: float, log: Path, env: dict | None = None,
+             first: int = signal.SIGTERM) -> tuple[int | None, float]:
     """Run ``command`` (a part's child, or any command) with output to ``log``, in its own process
-    group, stopped with everything it started (pytest, training runs) after ``seconds``: ``(exit
-    code or None when stopped, seconds taken)``."""
+    group, stopped with everything it started (pytest, training runs) after ``seconds``, by
+    ``first`` then SIGTERM and SIGKILL: ``(exit code or None when stopped, seconds taken)``."""
     start = time.monotonic()
     with open(log, "a") as out:
         child = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -140,7 +165,7 @@ def run_part(command: list[str], seconds: float, log: Path, env: dict | None = N
         try:
             return child.wait(timeout=max(seconds, 1)), time.monotonic() - start
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            for sig, wait in ((first, 15), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
                 try:
                     os.killpg(child.pid, sig)
                     child.wait(timeout=wait)
@@ -162,56 +187,62 @@ def device_label(device: str) -> str:
     return (found.group(1) if found else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def header(title: str, script: str, argv: list[str], device: str) -> list[str]:
-    import torch
-
-    info = common.machine_info()
-    where = f"GPU {torch.cuda.get_device_name()}" if device == "cuda" else "CPU (dry run, toy sizes)"
-    return [f"# {title}", "",
-            f"Date {time.strftime('%Y-%m-%d %H:%M')} UTC; {where}; host {info.get('cpu')}; torch {torch.__version__} "
-            f"(CUDA {torch.version.cuda}); Triton {_version('triton')}; fla {_version('flash-linear-attention')}; "
-            f"command: `{common.command_line(script, argv)}`", ""]
-
-
 def _env() -> dict:
     return {**os.environ, **GPU_TEST_ENV, "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def prebuild(device: str, budget: Budget, out: Path) -> None:
-    """Build every compiled extension at once, one process each, into the build cache that
-    ``plugins --check`` then loads from (a failed build is no failure here: the check reports it)."""
-    commands = [["-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"] for name in CPU_EXTENSIONS]
-    commands += [["-m", "linformer_lab.ops.cuda", "build"]] if device == "cuda" else []
-    start, codes = time.monotonic(), []
-    with open(out / "prebuild.log", "a") as log:
-        children = [subprocess.Popen([sys.executable, *c], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                     start_new_session=True) for c in commands]
-        for child in children:
+class Prebuild:
+    """Every compiled extension built at once, one process each, into the build cache that the
+    parts then load from (a failed build is no failure here: ``plugins --check`` reports it). In
+    the background: the parts run meanwhile; when all are done, :data:`gpu_check_kernel.PREBUILD_FILE`
+    appears in ``work`` (the kernel part and the tests wait for it). :meth:`row` waits."""
+
+    def __init__(self, device: str, work: Path):
+        names = [f"cpu.{name}" for name in CPU_EXTENSIONS] + (["linear_cuda"] if device == "cuda" else [])
+        commands = [["-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"] for name in CPU_EXTENSIONS]
+        commands += [["-m", "linformer_lab.ops.cuda", "build"]] if device == "cuda" else []
+        self.work, self.start, self.names = work, time.monotonic(), names
+        with open(work / "prebuild.log", "a") as log:
+            self.children = [subprocess.Popen([sys.executable, *c], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                              env=_env(), start_new_session=True) for c in commands]
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self) -> None:
+        codes = []
+        for child in self.children:
             try:
-                codes.append(child.wait(timeout=max(start + min(PREBUILD_S, budget.left()) - time.monotonic(), 1)))
+                codes.append(child.wait(timeout=max(self.start + PREBUILD_S - time.monotonic(), 1)))
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 codes.append(None)
-    budget.keep([{"part": "tests", "method": f"build {len(commands)} extensions at once", "seconds": time.monotonic() - start,
-                  "exit": next((c for c in codes if c != 0), 0),
-                  "result": f"{codes.count(0)} of {len(commands)} built or cached"}])
+        self.result = {"part": "build", "method": f"build {len(codes)} extensions at once",
+                       "seconds": time.monotonic() - self.start, "exit": next((c for c in codes if c != 0), 0),
+                       "result": f"{codes.count(0)} of {len(codes)} built or cached", **dict(zip(self.names, codes))}
+        (self.work / gpu_check_kernel.PREBUILD_FILE).write_text(json.dumps(self.result))
+
+    def row(self) -> dict:
+        self.thread.join()
+        return self.result
+
+
+def wait_for(path: Path, budget: Budget) -> bool:
+    """Wait until ``path`` exists, within the budget: whether it does."""
+    while not path.exists() and budget.left() > 1:
+        time.sleep(1)
+    return path.exists()
 
 
 def part_tests(device: str, budget: Budget, out: Path, dry_run: bool) -> list[dict]:
-    """The extensions built at once (:func:`prebuild`), ``cli.py plugins --check --json`` (a row
-    per kernel, device and dtype), then pytest on :data:`GPU_TESTS` with :data:`GPU_TEST_ENV`
-    (collection only in a dry run)."""
-    prebuild(device, budget, out)
-    log = out / "pytest.log"
+    """Once the extensions are built (:class:`Prebuild`): ``cli.py plugins --check --json`` (a row
+    per kernel, device and dtype), then pytest on :data:`GPU_TESTS` with :data:`GPU_TEST_ENV` and a
+    junit file (collection only in a dry run), interrupted before the budget ends so that it still
+    writes the junit file and its summary (:data:`PYTEST_SUMMARY`)."""
+    if not wait_for(out / gpu_check_kernel.PREBUILD_FILE, budget):
+        budget.skipped.append("the tests: the extensions' builds were not done within the part's budget")
+        return []
     check = out / "plugins_check.json"
     code, seconds = run_part([sys.executable, "cli.py", "plugins", "--check", "--json"], min(120, budget.left()),
                              check, env=_env())
@@ -226,9 +257,12 @@ def part_tests(device: str, budget: Budget, out: Path, dry_run: bool) -> list[di
                   "result": ", ".join(f"{sum(r['status'] == s for r in results)} {s}"
                                       for s in ("pass", "FAIL", "error", "not here"))}])
     files = [f for f in GPU_TESTS if (REPO / f).exists()]
-    command = [sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
-    code, seconds = run_part(command + (["--collect-only", "-q"] if dry_run else []), budget.left(), log, env=_env())
+    command = [sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider", "-rfE", "--durations=15",
+               f"--junitxml={out / JUNIT}"] + (["--collect-only", "-q"] if dry_run else [])
+    log = out / "pytest.log"
+    code, seconds = run_part(command, budget.left() - PYTEST_STOP_S, log, env=_env(), first=signal.SIGINT)
     text = log.read_text()
+    (out / PYTEST_SUMMARY).write_text(pytest_summary(text, files, code))
     counts = {word: len(re.findall(rf" {word}\b", text)) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
     last = ([line for line in text.splitlines() if line.strip()] or ["(no output)"])[-1]
     result = last if code is not None else f"stopped at its budget: {counts}"
@@ -237,150 +271,24 @@ def part_tests(device: str, budget: Budget, out: Path, dry_run: bool) -> list[di
                                                                           GPU_TEST_ENV.items())}])
 
 
-def _best(rows, part, key, **match):
-    values = [r[key] for r in rows if r["part"] == part and r.get(key) and all(r.get(k) == v for k, v in match.items())]
-    return values
-
-
-def targets(rows: list[dict]) -> list[list]:
-    """The issue's targets table, filled from the rows: ``[what, must, aim, measured, verdict]``."""
-    import gpu_check_kernel
-
-    against = gpu_check_kernel.rounds_against(rows)
-    out = []
-
-    def ratio(ours, other, key, shapes):
-        kernel = against(other)
-        got = [m[ours][f"{key}_ms"] / m[other][f"{key}_ms"] for s, m in kernel.items() if s in shapes
-               and m.get(ours, {}).get(f"{key}_ms") and m.get(other, {}).get(f"{key}_ms")]
-        return got
-
-    grid = set(gpu_check_kernel.GRID)
-    vs_fla = ratio("ours", "fla", "fwd_bwd", grid)
-    long = ratio("ours", "fla", "fwd_bwd", {s for s in grid if s[1] >= 8192})
-    timed = len(vs_fla) == len(grid)
-    out.append(["causal fwd+bwd vs fla (ours / fla)", "≤ 1 at every shape", "≤ 0.6 at T ≥ 8,192",
-                f"max {max(vs_fla):.2f} over {len(vs_fla)} of {len(grid)} shapes, at T ≥ 8,192 max {max(long):.2f}"
-                if vs_fla and long else "not measured",
-                "met where timed" if vs_fla and max(vs_fla) <= 1 and not timed
-                else _verdict(vs_fla and max(vs_fla) <= 1, long and max(long) <= 0.6)])
-    from_4k = ratio("ours", "sdpa", "fwd_bwd", {s for s in grid if s[1] >= 4096})
-    from_2k = ratio("ours", "sdpa", "fwd_bwd", {s for s in grid if s[1] >= 2048})
-    out.append(["vs SDPA causal fwd+bwd (ours / sdpa)", "< 1 from T = 4,096", "< 1 from T = 2,048",
-                f"max from 4,096: {max(from_4k):.2f}; from 2,048: {max(from_2k):.2f}" if from_4k and from_2k else "not measured",
-                _verdict(from_4k and max(from_4k) < 1, from_2k and max(from_2k) < 1)])
-    roof = [r["fraction"] for r in rows if r["part"] == "roofline"]
-    out.append(["B2 T16384 H16 D128 fwd, HBM roofline fraction", "≥ 25 %", "≥ 50 %",
-                f"{roof[0]:.1%}" if roof else "not measured", _verdict(roof and roof[0] >= 0.25, roof and roof[0] >= 0.5)])
-    train = {(r["config"], r["compile"], r["batch"]): r["images_per_s"] for r in rows if r["part"] == "train"}
-    pairs = [(c, b) for (cfg, c, b) in train if cfg == "mnist_linear.yaml" and ("mnist_softmax.yaml", c, b) in train]
-    best = max(pairs, key=lambda p: train[("mnist_linear.yaml", *p)], default=None)
-    if best:
-        lin, soft = train[("mnist_linear.yaml", *best)], train[("mnist_softmax.yaml", *best)]
-        out.append(["mnist_linear vs mnist_softmax training images/s", "≥ 1.0×", "≥ 1,500 images/s",
-                    f"{lin / soft:.2f}× ({lin:.0f} vs {soft:.0f}; compile={best[0]}, batch {best[1]})",
-                    _verdict(lin / soft >= 1.0, lin >= 1500)])
-    else:
-        out.append(["mnist_linear vs mnist_softmax training images/s", "≥ 1.0×", "≥ 1,500 images/s", "not measured", "—"])
-    latency = _best(rows, "generation", "seconds_per_image", method="linear", role="latency")
-    out.append(["MNIST batch-1 generation, s per image (linear, best decoder)", "≤ 0.15", "≤ 0.05",
-                f"{min(latency):.3f}" if latency else "not measured", _verdict(latency and min(latency) <= 0.15,
-                                                                             latency and min(latency) <= 0.05)])
-    big = [r for r in rows if r["part"] == "generation" and r["role"] == "largest"]
-    top = max(big, key=lambda r: r["images_per_s"], default=None)
-    out.append(["MNIST generation at the largest batch, images/s", "≥ 5,000", "≥ 20,000",
-                f"{top['images_per_s']:.0f} (batch {top['batch']}, {top['step_weights']})" if top else "not measured",
-                _verdict(top and top["images_per_s"] >= 5000, top and top["images_per_s"] >= 20000)])
-    mid = {(r["method"], r["step_weights"]): r["images_per_s"] for r in rows
-           if r["part"] == "generation" and r["role"] == "batch 1,000" and r["decoder"] == "graph"}
-    ratios = [(w, mid["linear", w] / mid["stateful-softmax", w]) for w in ("model", "bfloat16")
-              if ("linear", w) in mid and ("stateful-softmax", w) in mid]
-    out.append(["linear ÷ stateful-softmax images/s at batch 1,000 (both graphed)", "≥ 5×", "≥ 19×",
-                "; ".join(f"{r:.2f}× ({w})" for w, r in ratios) if ratios else "not measured",
-                _verdict(ratios and max(r for _, r in ratios) >= 5, ratios and max(r for _, r in ratios) >= 19)])
-    return out
-
-
-def _verdict(must, aim) -> str:
-    """``must``/``aim``: booleans, or an empty value where nothing was measured."""
-    if not isinstance(must, bool):
-        return "—"
-    return "aim met" if aim is True else "met" if must else "NOT met"
-
-
-def report(rows: list[dict], skipped: list[str], args, device: str) -> list[str]:
-    import gpu_check_kernel
-    import gpu_check_model
-
-    md = header("GPU check", "benchmarks/paper/gpu_check.py", args.argv, device)
-    if getattr(args, "restored", 0):
-        md += [f"Autotune results of an earlier run restored ({args.restored}, `--autotune-cache`): first calls "
-               "at their shapes compile the chosen configs without timing the others.", ""]
-    md += ["## Targets (the GPU-speed issue; ratios from this run)", "",
-           common.markdown_table(["what", "must", "aim", "measured", "verdict"], targets(rows)), ""]
-    md += ["## Tests", ""] + [f"- `{r['method']}`: {r['result']} (exit {r['exit']}, {r.get('seconds', 0):.0f} s)"
-                              for r in rows if r["part"] == "tests"]
-    md += ["", "## Kernel check (`cli.py plugins --check`: each kernel against its float64 reference)", "",
-           common.markdown_table(["op", "kernel", "device", "dtype", "status", "rel. error", "allowed", "detail"],
-                                 [[r["op"], r["candidate"], r["device"], r["dtype"], r["status"],
-                                   _sci(r.get("error")), _sci(r.get("allowed")), r["detail"][:120]]
-                                  for r in rows if r["part"] == "kernel_check"]), ""]
-    md += [""] + gpu_check_kernel.report_lines(rows)
-    md += ["## Training (images/s; an update = training_step, backward, RAdam; bf16 autocast on a GPU)", "",
-           common.markdown_table(["config", "compile", "batch", "updates", "ms/update", "images/s", "warm-up s",
-                                  "GPU kernels per update", "GPU busy ms/update"],
-                                 gpu_check_model.training_table(rows)), "",
-           "## Generation (MNIST model, random weights; one whole generate call per sample, median)", "",
-           common.markdown_table(["role", "method", "batch", "decoder", "step weights", "s per call", "s per image", "images/s"],
-                                 gpu_check_model.generation_table(rows)), ""]
-    md += gpu_check_model.figure2_lines(rows)
-    return md + ["## Skipped", ""] + [f"- {s}" for s in skipped or ["nothing"]]
-
-
-def _triton_cache() -> Path:
-    import triton
-
-    return Path(triton.knobs.cache.dir)
-
-
-def restore_tuning(archive: Path | None) -> int:
-    """Unpack an earlier run's autotune results (:func:`save_tuning`'s archive) into Triton's
-    cache, where Triton looks them up by kernel source, configs, key and GPU architecture: the
-    number of results restored (0 without an archive)."""
-    if archive is None or not archive.is_file():
-        return 0
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".autotune.json")]
-        tar.extractall(_triton_cache(), members=members, filter="data")
-    return len(members)
-
-
-def save_tuning(archive: Path) -> int:
-    """Every autotune result in Triton's cache (ours and fla's, saved there because the parts run
-    with ``TRITON_CACHE_AUTOTUNING=1``) into ``archive``, for the next run's
-    ``--autotune-cache``: the number saved (no archive when none)."""
-    root = _triton_cache()
-    found = sorted(root.glob("*/*.autotune.json")) if root.is_dir() else []
-    if found:
-        with tarfile.open(archive, "w:gz") as tar:
-            for path in found:
-                tar.add(path, arcname=str(path.relative_to(root)))
-    return len(found)
-
-
-def _sci(value) -> str:
-    return "—" if value is None else f"{value:.1e}"
+def pytest_summary(log: str, files: list[str], code: int | None) -> str:
+    """What pytest's log says in the end: the command's files and exit, then its sections from
+    the slowest durations or the short summary on (failures' tracebacks stay in the log)."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"=+ (slowest|short test summary)", line)),
+                 max(len(lines) - 40, 0))
+    return "\n".join([f"pytest {' '.join(files)} ({' '.join(f'{k}={v}' for k, v in GPU_TEST_ENV.items())}): "
+                      f"exit {'stopped at its budget' if code is None else code}", "", *lines[start:]]) + "\n"
 
 
 def run_child(args) -> int:
     """One part in this process (``--child PART``), its rows and skips journaled as they come."""
-    import gpu_check_kernel
-    import gpu_check_model
-
     device = "cpu" if args.dry_run else "cuda"
     budget = Budget(args.budget_s, journal=args.journal)
+    gpu_check_cache.record_compilations(args.out / USED_KERNELS)
+    previous = args.cache / gpu_check_cache.PREVIOUS_DIR if args.cache else None
     parts = {"tests": lambda: part_tests(device, budget, args.out, args.dry_run),
-             "kernel": lambda: gpu_check_kernel.measure(device, budget, args.dry_run),
+             "kernel": lambda: gpu_check_kernel.measure(device, budget, args.dry_run, args.out, previous),
              "train": lambda: gpu_check_model.training(device, budget, args.dry_run),
              "generation": lambda: gpu_check_model.generation(device, budget, args.dry_run),
              "figure2": lambda: gpu_check_model.figure2(device, budget, args.out, args.dry_run)}
@@ -388,36 +296,61 @@ def run_child(args) -> int:
     return 0
 
 
+def carried(args, device: str) -> list[str]:
+    """Restore what ``--cache`` carries (on a GPU: a dry run leaves this machine's caches alone),
+    and say what it brought."""
+    if args.cache is None:
+        return ["Nothing carried (no `--cache`): every first call compiles, fla's autotunes."]
+    lines = []
+    if device == "cuda":
+        triton = gpu_check_cache.restore_triton_cache(args.cache / gpu_check_cache.TRITON_ARCHIVE)
+        builds = gpu_check_cache.restore_extensions(args.cache / gpu_check_cache.EXTENSIONS_ARCHIVE)
+        lines.append(f"Carried from an earlier run (`--cache`): {triton['kernels']} compiled Triton kernels, "
+                     f"{triton['autotune']} autotune results, {builds} extension builds.")
+    revision = gpu_check_cache.exported_revision(args.cache / gpu_check_cache.PREVIOUS_DIR)
+    lines.append(f"Previous revision of our kernel (`ours_prev`): {revision or 'none exported'}.")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the result files")
+    parser.add_argument("--out", type=Path, help="folder for the result files")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on CPU (what the tests run)")
     parser.add_argument("--budget-s", type=float, default=float(sum(PARTS.values())),
                         help=f"seconds for all parts (default {sum(PARTS.values())})")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
-    parser.add_argument("--autotune-cache", type=Path, metavar="TAR_GZ",
-                        help="an earlier run's triton_autotune.tar.gz on the same kind of GPU: its autotune "
-                             "results are reused (fla's first call at a new shape otherwise times configs for minutes)")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help=f"what an earlier run on the same kind of GPU compiled ({gpu_check_cache.TRITON_ARCHIVE}, "
+                             f"{gpu_check_cache.EXTENSIONS_ARCHIVE}) and the previous kernel "
+                             f"({gpu_check_cache.PREVIOUS_DIR}/); the device command's is {gpu_check_cache.CACHE_DIR}")
+    parser.add_argument("--export-previous", metavar="REV",
+                        help="write the Triton chunk kernel of git revision REV into the --cache folder (default "
+                             f"{gpu_check_cache.CACHE_DIR}) for timing beside the working tree's, and exit")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in a child process
     parser.add_argument("--journal", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.export_previous:
+        folder = (args.cache or REPO / gpu_check_cache.CACHE_DIR) / gpu_check_cache.PREVIOUS_DIR
+        commit = gpu_check_cache.export_previous(args.export_previous, folder)
+        print(f"exported the Triton chunk kernel of {commit} to {folder}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --export-previous REV)")
     if args.dry_run:  # before anything imports Triton: the kernels run in its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.child:
         return run_child(args)
-    import gpu_check_kernel
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible: run on a GPU node, or add --dry-run for the CPU toy run")
     device = "cpu" if args.dry_run else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # the parts' autotune results land in Triton's cache for save_tuning
-    args.restored = restore_tuning(args.autotune_cache)
-    if args.restored:
-        os.environ[gpu_check_kernel.RESTORED_TUNING] = "1"
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # the parts' autotune results land in Triton's cache, then the archive
+    notes = carried(args, device)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    prebuild = Prebuild(device, work)
     end, skipped, rows = time.monotonic() + args.budget_s, [], []
     names = [p for p in PARTS if p in args.parts]
     for i, name in enumerate(names):
@@ -425,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         share = max(left * PARTS[name] / sum(PARTS[p] for p in names[i:]), 0)
         journal, log = work / f"{name}.jsonl", work / f"{name}.log"
         command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--journal", str(journal),
-                   "--budget-s", f"{share:.1f}", "--out", str(work), *(["--dry-run"] if args.dry_run else [])]
+                   "--budget-s", f"{share:.1f}", "--out", str(work), *(["--dry-run"] if args.dry_run else []),
+                   *(["--cache", str(args.cache.resolve())] if args.cache else [])]
         code, seconds = run_part(command, share + GRACE_S, log)
         got, skips = read_journal(journal)
         rows += got
@@ -437,18 +371,28 @@ def main(argv: list[str] | None = None) -> int:
             tail = " | ".join(log.read_text().strip().splitlines()[-3:])[-400:]
             skipped.append(f"part {name} failed (exit {code}): {tail}")
         print(f"== {name}: {seconds:.0f} s of {share:.0f} s, {len(got)} rows ==", flush=True)
+    rows.insert(0, prebuild.row())
     stem = args.out / f"gpu_check_{device_label(device)}"
-    md = report(rows, skipped, args, device)
+    for name, suffix in ((PYTEST_SUMMARY, "_pytest.txt"), (JUNIT, "_junit.xml")):
+        if (work / name).is_file():
+            shutil.copy(work / name, f"{stem}{suffix}")
+    if device == "cuda":  # for the next run's --cache
+        used = set((work / USED_KERNELS).read_text().split()) if (work / USED_KERNELS).is_file() else set()
+        triton = gpu_check_cache.save_triton_cache(args.out / gpu_check_cache.TRITON_ARCHIVE, used)
+        builds = gpu_check_cache.save_extensions(args.out / gpu_check_cache.EXTENSIONS_ARCHIVE)
+        notes.append(f"Saved for the next run's `--cache`: {triton['kernels']} compiled Triton kernels ({triton['used']} "
+                     f"of them used by the timed parts, {triton['left_out']} left out at the size cap), "
+                     f"{triton['autotune']} autotune results, {triton['bytes'] / 2**20:.1f} MiB; {builds} extension builds.")
+    md = gpu_check_report.report(rows, skipped, args.argv, device, notes)
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     common.write_csv(str(stem.with_suffix(".csv")), rows)
     with tarfile.open(args.out / "gpu_check_logs.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="gpu_check_logs")
-    saved = save_tuning(args.out / "triton_autotune.tar.gz") if device == "cuda" else 0
     table = md.index("## Targets (the GPU-speed issue; ratios from this run)")
-    print("\n".join(md[table:table + 11]))
+    print("\n".join(md[table:table + 12]))
     print("\n".join(f"skipped: {s}" for s in skipped))
-    print(f"wrote {stem}.md, {stem}.csv and {args.out / 'gpu_check_logs.tar.gz'}"
-          + (f"; {saved} autotune results to {args.out / 'triton_autotune.tar.gz'}" if saved else ""))
+    print(f"wrote {', '.join(sorted(p.name for p in args.out.iterdir()))} to {args.out}"
+          + ("; copy the two cache archives into .gpu_cache/ for the next run" if device == "cuda" else ""))
     return 0
 
 

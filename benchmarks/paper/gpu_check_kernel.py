@@ -1,25 +1,33 @@
 """The GPU kernel benchmark: causal attention kernels against kernels, forward and forward+backward,
-on the grid of the project's GPU issue, bf16, interleaved; the HBM roofline fraction of our
-forward at B2 T16384 H16 D128. The kernel part of ``gpu_check.py``, which also runs it alone
-(``--parts kernel``).
+on the grid of the project's GPU issue, bf16, interleaved; where our fwd+bwd spends its time,
+kernel by kernel, and how many kernels it launches; the HBM roofline fraction of our forward at
+B2 T16384 H16 D128. The kernel part of ``gpu_check.py``, which also runs it alone (``--parts kernel``).
 
 Methods, each on inputs already in its own layout (the layout change is not timed):
 
 * ``ours``: ``linformer_lab.ops.cuda.triton_chunk.chunk_linear_attention`` on contiguous
   ``(B, T, H, D)`` (``head_first=False``), elu + 1 and the normaliser fused;
-* ``ours_nomap``: the same with ``feature_map=None`` (inputs taken as mapped), fla's function;
+* ``ours_prev``: the same kernel at an earlier revision (``gpu_check.py --export-previous REV``
+  writes it into the cache folder; ``gpu_check_cache.previous_kernel``), called through its launch
+  functions under a plain ``autograd.Function``: without the ``torch.library`` operator layer of
+  ``ours`` (its operators would clash with the working tree's), so at host-bound shapes it is
+  charged a little less host time than ``ours``;
+* ``ours_nomap``: ``ours`` with ``feature_map=None`` (inputs taken as mapped), fla's function;
 * ``fla``: flash-linear-attention's ``chunk_linear_attn(normalize=True, scale=1)`` on contiguous
   ``(B, T, H, D)``, its own layout (its normaliser is a separate PyTorch pass);
-* ``cuda_old``: the earlier ``linear_cuda`` numerator kernel (``ops.cuda.causal_dot_product``)
-  with elu and the normaliser in PyTorch, ``(B, H, T, D)``, as the module ran it before;
+* ``cuda_old``: the ``.cu`` numerator kernel (``ops.cuda.causal_dot_product``) with elu and the
+  normaliser in PyTorch, ``(B, H, T, D)``, as the module ran it before;
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` (FlashAttention), ``(B, H, T, D)``.
 
-Each cell is the median over rounds of CUDA-event times, the methods interleaved within a round
-(A B C, C B A, ...). Two rounds per shape: every method but fla over the whole grid first, then
-ours beside fla, longest sequences first, at the shapes the budget still holds (fla's first call
-at a new shape autotunes for minutes); a ratio against fla comes from the second round.
-``--dry-run`` runs the same code on the CPU at toy sizes in fp32, with Triton's interpreter for
-ours (``TRITON_INTERPRET=1``, set before Triton is imported).
+Each cell is the median over rounds of CUDA-event times, the methods of a round interleaved
+(A B C, C B A, ...). Three rounds (:data:`ROUNDS`), each a comparison of its own, in the order of
+what they decide: ours beside its previous revision and SDPA over the whole grid (the 10 % rule
+applied to what this run shows), the roofline shape first; ours beside fla, longest sequences
+first, at the shapes the budget still holds (fla's first call at a new shape autotunes for
+minutes without an earlier run's Triton cache); ours beside the ``.cu`` numerator, once its build
+(started by ``gpu_check.py`` beside this part) is done. ``--dry-run`` runs the same code on the
+CPU at toy sizes in fp32, with Triton's interpreter for ours (``TRITON_INTERPRET=1``, set before
+Triton is imported).
 
     PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --parts kernel --out DIR [--budget-s 200]
     uv run python benchmarks/paper/gpu_check.py --parts kernel --dry-run --out DIR
@@ -28,33 +36,40 @@ ours (``TRITON_INTERPRET=1``, set before Triton is imported).
 from __future__ import annotations
 
 import inspect
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 import common  # noqa: E402
+import gpu_check_cache  # noqa: E402
 
 #: (B, T, H, D) of the issue's grid; the last two are the MNIST model's attention.
 GRID = [(8, 1024, 8, 64), (4, 2048, 16, 128), (4, 4096, 64, 128), (1, 8192, 96, 128), (2, 16384, 16, 128),
         (10, 784, 8, 32), (64, 784, 8, 32)]
 DRY_GRID = [(1, 32, 1, 16)]
 ROOFLINE_SHAPE = (2, 16384, 16, 128)
-#: Seconds planned for fla's first forward and first forward+backward at a new shape, without an
-#: earlier run's autotune results (an H200 with fla 0.6: 86 s at B8 T1024, 105 s at B2 T16384) and
-#: with them (not yet measured: a compile of the chosen configs only).
+#: Seconds planned for fla's first forward and first forward+backward at the first new shape,
+#: without autotune results in Triton's cache (an H200 with fla 0.6: 70 s at B8 T1024, 98 s at B2
+#: T16384) and with them (not yet measured); each later shape plans what the one before took.
 FLA_FIRST_CALL_S = {False: 110, True: 25}
-#: Set by gpu_check.py when it restored an earlier run's autotune results.
-RESTORED_TUNING = "LINFORMER_LAB_RESTORED_TUNING"
-METHODS = ("ours", "ours_nomap", "fla", "cuda_old", "sdpa")
-#: The two interleaved timing rounds, as the report names them.
-ROUND_NAMES = {"kernel": "all but fla", "kernel_fla": "beside fla"}
-#: the comparisons of the issue's targets: (ours, against, pass)
-RATIOS = (("ours", "fla", "fwd_bwd"), ("ours_nomap", "fla", "fwd_bwd"), ("ours", "sdpa", "fwd_bwd"),
-          ("ours", "cuda_old", "fwd_bwd"), ("ours", "fla", "fwd"), ("ours", "sdpa", "fwd"))
+#: Seconds planned per shape of a round without fla: the first calls of ours at a new width
+#: (compilation; the previous revision also autotunes: 13.2 s over two widths on an H200) and 7
+#: rounds of 3 calls of each method (at most ~0.2 s each at the grid's largest shapes).
+SHAPE_S = 12
+#: The interleaved timing rounds in the order they run: the methods each times together (those
+#: found here), and its name in the report.
+ROUNDS = {"kernel": ("ours", "ours_prev", "sdpa"), "kernel_fla": ("ours", "ours_nomap", "fla"),
+          "kernel_cu": ("ours", "cuda_old")}
+ROUND_NAMES = {"kernel": "beside the previous revision, SDPA", "kernel_fla": "beside fla",
+               "kernel_cu": "beside the .cu numerator"}
+#: the comparisons of the issue's targets and of the 10 % rule: (ours, against, pass)
+RATIOS = (("ours", "ours_prev", "fwd_bwd"), ("ours", "fla", "fwd_bwd"), ("ours_nomap", "fla", "fwd_bwd"),
+          ("ours", "sdpa", "fwd_bwd"), ("ours", "cuda_old", "fwd_bwd"), ("ours", "ours_prev", "fwd"),
+          ("ours", "fla", "fwd"), ("ours", "sdpa", "fwd"))
+#: Where the orchestrator's builds of the compiled extensions report they are done (in the work folder).
+PREBUILD_FILE = "prebuild.json"
 
 
 def _fla():
@@ -75,9 +90,10 @@ def _fla():
     return run, None
 
 
-def methods(device: str) -> tuple[dict, dict]:
-    """``({name: (fn(q, k, v), layout)}, {name: why not})``; layout ``"bthd"`` or ``"bhtd"``."""
-    import torch
+def methods(device: str, previous: Path | None = None) -> tuple[dict, dict]:
+    """``({name: (fn(q, k, v), layout)}, {name: why not})``; layout ``"bthd"`` or ``"bhtd"``.
+    ``previous``: the folder of an exported earlier revision of our kernel (``ours_prev``). The
+    ``.cu`` numerator is not among them: :func:`cuda_numerator` loads it once it is built."""
     import torch.nn.functional as F
 
     found, missing = {}, {}
@@ -93,30 +109,58 @@ def methods(device: str) -> tuple[dict, dict]:
             missing["ours"] = missing["ours_nomap"] = why
     except ImportError as err:
         missing["ours"] = missing["ours_nomap"] = f"linformer_lab.ops.cuda.triton_chunk not importable ({err})"
+    if "ours" in found and previous is not None and (Path(previous) / "__init__.py").is_file():
+        try:
+            found["ours_prev"] = (gpu_check_cache.previous_kernel(Path(previous))[0], "bthd")
+        except Exception as err:  # noqa: BLE001 - an export that does not load: reported, the others go on
+            missing["ours_prev"] = f"the exported kernel in {Path(previous).name} does not load: {type(err).__name__}: {err}"
+    elif "ours" in found:
+        missing["ours_prev"] = "no earlier revision exported (gpu_check.py --export-previous REV, then --cache)"
     if device == "cuda":
         fla, why = _fla()
         if fla is None:
             missing["fla"] = why
         else:
             found["fla"] = (fla, "bthd")
-        from linformer_lab.ops import cuda as cuda_ops
-
-        if cuda_ops.is_available():
-            cuda_ops.load()
-
-            def cuda_old(q, k, v, eps=1e-6):
-                phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
-                numerator = cuda_ops.causal_dot_product(phi_q, phi_k, v)
-                den = torch.einsum("bhtd,bhtd->bht", phi_q.float(), phi_k.float().cumsum(2))
-                return (numerator.float() / (den.unsqueeze(-1) + eps)).to(v.dtype)
-
-            found["cuda_old"] = (cuda_old, "bhtd")
-        else:
-            missing["cuda_old"] = "linear_cuda cannot be built here (no nvcc or GPU)"
     else:
         missing["fla"] = missing["cuda_old"] = "needs a CUDA GPU (dry run)"
     found["sdpa"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd")
     return found, missing
+
+
+def cuda_numerator(device: str, work: Path | None, budget) -> tuple | None:
+    """The ``.cu`` numerator as a method ``(fn, "bhtd")``, once ``gpu_check.py``'s build of it is done
+    (waited for within the budget; building it here too would race that build), or None with the
+    reason among the budget's skips (a CPU's: :func:`methods` gave it)."""
+    import torch
+    import torch.nn.functional as F
+
+    from linformer_lab.ops import cuda as cuda_ops
+
+    if device != "cuda":
+        return None
+    if not cuda_ops.is_available():
+        budget.skipped.append("kernel method cuda_old: linear_cuda cannot be built here (no nvcc or GPU)")
+        return None
+    done = Path(work or ".") / PREBUILD_FILE
+    while not done.exists() and budget.left() > SHAPE_S:
+        time.sleep(1)
+    if not done.exists():
+        budget.skipped.append("kernel method cuda_old: its build was not done within the part's budget")
+        return None
+    try:
+        cuda_ops.load()  # built: loaded from the build cache
+    except RuntimeError as err:
+        budget.skipped.append(f"kernel method cuda_old: {str(err)[:200]}")
+        return None
+
+    def cuda_old(q, k, v, eps=1e-6):
+        phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+        numerator = cuda_ops.causal_dot_product(phi_q, phi_k, v)
+        den = torch.einsum("bhtd,bhtd->bht", phi_q.float(), phi_k.float().cumsum(2))
+        return (numerator.float() / (den.unsqueeze(-1) + eps)).to(v.dtype)
+
+    return cuda_old, "bhtd"
 
 
 def _inputs(shape, layout: str, dtype, device: str, seed: int):
@@ -150,14 +194,15 @@ def _calls(fn, inputs, grad):
     return {"fwd": forward, "fwd_bwd": forward_backward}
 
 
-def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int) -> list[dict]:
-    """Median ms of every method and pass at one shape, interleaved; a failing method gets a note."""
+def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int, part: str = "kernel") -> list[dict]:
+    """Median ms of every method and pass at one shape, interleaved (rows of ``part``, the round);
+    a failing method gets a note."""
     import torch
 
     timer = common.Timer(device)
     calls, rows = {}, {}
     for name, (fn, layout) in found.items():
-        row = rows[name] = {"part": "kernel", "method": name, "B": shape[0], "T": shape[1], "H": shape[2], "D": shape[3],
+        row = rows[name] = {"part": part, "method": name, "B": shape[0], "T": shape[1], "H": shape[2], "D": shape[3],
                             "dtype": str(dtype).split(".")[-1], "layout": layout}
         try:
             inputs, grad = _inputs(shape, layout, dtype, device, seed=hash(shape) % 1000)
@@ -183,28 +228,40 @@ def time_shape(shape, found: dict, dtype, device: str, rounds: int, inner: int) 
     return list(rows.values())
 
 
-def kernel_profile(shape, fn, dtype, device: str, steps: int = 3) -> list[dict]:
+def kernel_profile(shape, fn, dtype, device: str, method: str = "ours", steps: int = 3) -> list[dict]:
     """Where one fwd+bwd of ``fn`` at ``shape`` spends its time, kernel by kernel (torch.profiler;
-    on a CPU, the operators): ``{kernel, calls, ms}`` per step, the longest first."""
+    on a CPU, the operators): ``{kernel, calls, ms, share}`` per step, the longest 12 first; then a
+    row of part ``launches``: the kernels (on a CPU, operators) one forward and one backward run."""
+    inputs, grad = _inputs(shape, "bthd", dtype, device, seed=3)
+    calls = _calls(fn, inputs, grad)
+    calls["fwd_bwd"]()  # compiled and tuned already, but its allocations are not profiled either
+    counts, rows = {}, []
+    for key in ("fwd", "fwd_bwd"):
+        events, own = _profile(calls[key], device, steps)
+        counts[key] = sum(e.count for e in events) / steps
+        total = sum(own(e) for e in events)
+        rows = [{"part": "kernel_profile", "method": method, **dict(zip("BTHD", shape)), "kernel": e.key[:80],
+                 "calls": e.count / steps, "ms": own(e) / steps / 1e3, "share": own(e) / total}
+                for e in events if own(e) > 0]
+    return sorted(rows, key=lambda r: -r["ms"])[:12] + [
+        {"part": "launches", "method": method, **dict(zip("BTHD", shape)), "fwd": counts["fwd"],
+         "bwd": counts["fwd_bwd"] - counts["fwd"], "unit": "kernels" if device == "cuda" else "operators"}]
+
+
+def _profile(call, device: str, steps: int):
+    """``(events, own time of an event)`` of ``steps`` calls: the GPU's kernels, or a CPU's operators."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    inputs, grad = _inputs(shape, "bthd", dtype, device, seed=3)
-    step = _calls(fn, inputs, grad)["fwd_bwd"]
-    step()  # compiled and tuned already, but its allocations are not profiled either
     cuda = device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            step()
+            call()
         if cuda:
             torch.cuda.synchronize()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    events = [e for e in prof.key_averages() if e.device_type == kind]
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    total = sum(own(e) for e in events)
-    rows = [{"part": "kernel_profile", "method": "ours", **dict(zip("BTHD", shape)), "kernel": e.key[:80],
-             "calls": e.count / steps, "ms": own(e) / steps / 1e3, "share": own(e) / total} for e in events if own(e) > 0]
-    return sorted(rows, key=lambda r: -r["ms"])[:12]
+    return [e for e in prof.key_averages() if e.device_type == kind], own
 
 
 def copy_bandwidth(device: str) -> float:
@@ -231,66 +288,98 @@ def roofline(rows: list[dict], bandwidth: float) -> dict | None:
 
 
 def agreement(found: dict, device: str) -> list[dict]:
-    """Ours without a map against fla (the same function) and ours against float64 PyTorch, one
-    small shape: normwise relative error of the forward."""
+    """One small shape, normwise relative errors: ours and its previous revision against float64
+    PyTorch (forward), the previous revision against ours (forward, and the largest of the three
+    gradients'), ours without a map against fla (the same function)."""
     import torch
     import torch.nn.functional as F
 
-    shape = (2, 256, 4, 64) if device == "cuda" else (1, 24, 1, 8)
+    # on a CPU, chunks of both revisions' kernels (64 positions) and several super-chunks
+    shape = (2, 256, 4, 64) if device == "cuda" else (1, 136, 2, 8)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
-    (q, k, v), _ = _inputs(shape, "bthd", dtype, device, seed=11)
+    (q, k, v), grad = _inputs(shape, "bthd", dtype, device, seed=11)
     phi_q, phi_k = (F.elu(x.double()) + 1 for x in (q, k))
-    v64 = v.double()
     scores = torch.einsum("bthd,bshd->bhts", phi_q, phi_k).tril()
-    want = torch.einsum("bhts,bshd->bthd", scores, v64) / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + 1e-6)
+    want = torch.einsum("bhts,bshd->bthd", scores, v.double()) / (scores.sum(-1).transpose(1, 2).unsqueeze(-1) + 1e-6)
+
+    def error(got, reference):
+        got, reference = got.detach().double(), reference.detach().double()
+        return float((got - reference).norm() / reference.norm())
+
     with torch.no_grad():
-        if "ours" in found:
-            got = found["ours"][0](q, k, v).double()
-            rows.append({"part": "agreement", "method": "ours vs float64 definition",
-                         "rel_err": float((got - want).norm() / want.norm())})
+        for name in ("ours", "ours_prev"):
+            if name in found:
+                rows.append({"part": "agreement", "method": f"{name} vs float64 definition",
+                             "rel_err": error(found[name][0](q, k, v), want)})
         if "ours_nomap" in found and "fla" in found:
-            a, b = found["ours_nomap"][0](q, k, v).double(), found["fla"][0](q, k, v).double()
             rows.append({"part": "agreement", "method": "ours_nomap vs fla (normalize, scale 1)",
-                         "rel_err": float((a - b).norm() / b.norm())})
+                         "rel_err": error(found["ours_nomap"][0](q, k, v), found["fla"][0](q, k, v))})
+    if "ours" in found and "ours_prev" in found:
+        out, grads = {}, {}
+        for name in ("ours", "ours_prev"):
+            out[name] = found[name][0](q, k, v)
+            grads[name] = torch.autograd.grad(out[name], (q, k, v), grad)
+        rows.append({"part": "agreement", "method": "ours_prev vs ours", "rel_err": error(out["ours_prev"], out["ours"])})
+        rows.append({"part": "agreement", "method": "ours_prev vs ours, gradients of q, k, v (the largest)",
+                     "rel_err": max(error(a, b) for a, b in zip(grads["ours_prev"], grads["ours"]))})
     return rows
 
 
-def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
-    """The kernel part: ``(summary lines, rows)``; rows of parts ``kernel``, ``roofline``, ``agreement``."""
+def measure(device: str, budget, dry_run: bool, work: Path | None = None,
+            previous: Path | None = None) -> tuple[list[str], list[dict]]:
+    """The kernel part: ``(summary lines, rows)``; rows of parts ``agreement``, ``previous``,
+    ``bandwidth``, the rounds of :data:`ROUNDS`, ``roofline``, ``kernel_profile``, ``launches``,
+    ``compile``. ``work``: the folder of ``gpu_check.py``'s builds (:data:`PREBUILD_FILE`);
+    ``previous``: an exported earlier revision of our kernel."""
     import torch
 
-    found, missing = methods(device)
+    found, missing = methods(device, previous)
     for name, why in missing.items():
         budget.skipped.append(f"kernel method {name}: {why}")
     rows = budget.keep(agreement(found, device))
+    if "ours_prev" in found and previous is not None:
+        rows += budget.keep([{"part": "previous", "method": "ours_prev",
+                              "revision": gpu_check_cache.exported_revision(previous)}])
     grid = DRY_GRID if dry_run else GRID
     dtype = torch.float32 if dry_run else torch.bfloat16
     rounds, inner = (1, 1) if dry_run else (7, 3)
     bandwidth = copy_bandwidth(device)  # first: the roofline row needs it as soon as its shape is timed
     rows += budget.keep([{"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9}])
-    # fla last, beside ours, longest sequences first: its first call at a new shape autotunes for
-    # 86-105 s on an H200 (unless an earlier run's autotune results were restored), so the grid
-    # without it comes first and fla gets the shapes that fit
-    without_fla = {name: entry for name, entry in found.items() if name != "fla"}
-    for shape in sorted(grid, key=lambda s: s != ROOFLINE_SHAPE):  # the roofline's shape first
-        if budget.allows(2 if dry_run else 12, f"kernel timings at {shape}"):
-            rows += budget.keep(time_shape(shape, without_fla, dtype, device, rounds, inner))
-            if shape == ROOFLINE_SHAPE and (top := roofline(rows, bandwidth)):
+
+    compiled = set()  # compile rows kept so far: after each round, the new ones (a part stopped later keeps them)
+
+    def run_round(part, members, shapes, need, profiled=()):
+        nonlocal rows
+        members = {name: entry for name, entry in members.items() if name in ROUNDS[part]}
+        for shape in shapes:
+            if not budget.allows(2 if dry_run else need, f"{ROUND_NAMES[part]}: timings at {shape}"):
+                continue
+            got = budget.keep(time_shape(shape, members, dtype, device, rounds, inner, part))
+            rows += got
+            if part == "kernel" and shape == ROOFLINE_SHAPE and (top := roofline(rows, bandwidth)):
                 rows += budget.keep([top])
-            if "ours" in found and (shape == ROOFLINE_SHAPE or dry_run):  # which of our kernels the time goes to
-                try:
-                    rows += budget.keep(kernel_profile(shape, found["ours"][0], dtype, device))
-                except Exception as err:  # noqa: BLE001 - a profiler that cannot run here: the table stays empty
-                    budget.skipped.append(f"kernel profile at {shape}: {type(err).__name__}: {str(err)[:160]}")
-    beside_fla = {name: found[name] for name in ("ours", "ours_nomap", "fla") if name in found}
-    if "fla" in beside_fla:
-        need = 2 if dry_run else FLA_FIRST_CALL_S[bool(os.environ.get(RESTORED_TUNING))]
-        for shape in sorted(grid, key=lambda s: -s[1]):
-            if budget.allows(need, f"fla beside ours at {shape}"):
-                rows += budget.keep([{**r, "part": "kernel_fla"}
-                                     for r in time_shape(shape, beside_fla, dtype, device, rounds, inner)])
-    rows += budget.keep(tuning_rows())
+            for name in profiled if shape == ROOFLINE_SHAPE or dry_run else ():  # which kernels the time goes to
+                if name in members:
+                    try:
+                        rows += budget.keep(kernel_profile(shape, members[name][0], dtype, device, name))
+                    except Exception as err:  # noqa: BLE001 - a profiler that cannot run here: no rows
+                        budget.skipped.append(f"kernel profile of {name} at {shape}: {type(err).__name__}: {str(err)[:160]}")
+            # fla's first call at the next shape: planned at what it took at this one
+            first = [r.get("first_fwd_s", 0) + r.get("first_fwd_bwd_s", 0) for r in got if r["method"] == "fla"]
+            need = max(first[0] + SHAPE_S, SHAPE_S) if first and first[0] else need
+        new = [r for r in compile_rows() if tuple(r.values()) not in compiled]
+        compiled.update(tuple(r.values()) for r in new)
+        rows += budget.keep(new)
+
+    # every method but fla and the .cu numerator, the roofline's shape first: nothing here waits
+    # on a compiler for long, so the whole grid comes before fla's first calls
+    run_round("kernel", found, sorted(grid, key=lambda s: s != ROOFLINE_SHAPE), SHAPE_S, ("ours", "ours_prev"))
+    if "fla" in found:  # longest sequences first: fla's first call at a new shape may autotune for minutes
+        run_round("kernel_fla", found, sorted(grid, key=lambda s: -s[1]),
+                  FLA_FIRST_CALL_S[gpu_check_cache.autotune_results() > 0], ("fla",))
+    if "ours" in found and (numerator := cuda_numerator(device, work, budget)):
+        run_round("kernel_cu", {**found, "cuda_old": numerator}, sorted(grid, key=lambda s: -s[1]), SHAPE_S)
     top = roofline(rows, bandwidth)
     summary = [f"kernel timings at {len([r for r in rows if r['part'] == 'kernel' and r['method'] == 'sdpa'])} shapes, "
                f"methods {', '.join(found)}"]
@@ -299,90 +388,17 @@ def measure(device: str, budget, dry_run: bool) -> tuple[list[str], list[dict]]:
     return summary, rows
 
 
-def tuning_rows() -> list[dict]:
-    """The Triton kernels' compilations so far (``launch.compile_report``; nothing is autotuned):
-    kernel, key, config, seconds."""
+def compile_rows() -> list[dict]:
+    """Our kernels' compilations in this process (``launch.compile_report``: each kernel's first
+    launch at a specialisation; nothing is autotuned) and those of the previous revision's
+    (its ``tuning_report`` where it autotuned): method, kernel, key, config, seconds."""
     try:
         from linformer_lab.ops.cuda.triton_chunk import launch
     except ImportError:  # no triton: nothing was compiled
         return []
-    return [{"part": "tuning", "method": t["kernel"], "key": str(t["key"]), "config": t["config"],
-             "seconds": float(t["seconds"])} for t in launch.compile_report()]
-
-
-def first_call_seconds(rows: list[dict], method: str = "ours") -> float:
-    """Seconds the first calls of ``method`` took beyond their steady-state time, over every shape
-    and pass: Triton's compilation and autotuning."""
-    return sum(r.get(f"first_{key}_s", 0) - r.get(f"{key}_ms", 0) / 1e3 for r in rows
-               if r["part"] == "kernel" and r["method"] == method for key in ("fwd", "fwd_bwd"))
-
-
-def by_shape(rows: list[dict], part: str) -> dict:
-    """``{(B, T, H, D): {method: row}}`` of one timing round: ``kernel`` (every method but fla)
-    or ``kernel_fla`` (ours beside fla)."""
-    out: dict = {}
-    for r in rows:
-        if r["part"] == part:
-            out.setdefault((r["B"], r["T"], r["H"], r["D"]), {})[r["method"]] = r
-    return out
-
-
-def rounds_against(rows: list[dict]) -> Callable[[str], dict]:
-    """``other -> {shape: {method: row}}``: the round a ratio of ours to ``other`` comes from (both
-    timed in one interleaved round): ``kernel_fla`` for fla, ``kernel`` for the rest."""
-    rounds = {part: by_shape(rows, part) for part in ROUND_NAMES}
-    return lambda other: rounds["kernel_fla" if other == "fla" else "kernel"]
-
-
-def ratio_rows(rows: list[dict]) -> list[list]:
-    """Per shape: ours / other for each of :data:`RATIOS` (below 1: ours is faster), each ratio
-    from one interleaved round (:func:`rounds_against`)."""
-    against = rounds_against(rows)
-    out = []
-    for shape in sorted(set(against("sdpa")) | set(against("fla")), key=lambda s: (s[1], s)):
-        cells = []
-        for ours, other, key in RATIOS:
-            m = against(other).get(shape, {})
-            a, b = m.get(ours, {}).get(f"{key}_ms"), m.get(other, {}).get(f"{key}_ms")
-            cells.append(common.fmt(a / b, 2) if a and b else "—")
-        out.append(["×".join(map(str, shape)), *cells])
-    return out
-
-
-def report_lines(rows: list[dict]) -> list[str]:
-    """Markdown of the kernel part: agreement, timings, ratios, roofline."""
-    md = ["## Kernels: agreement (normwise relative error of the forward)", "",
-          common.markdown_table(["check", "rel. error"], [[r["method"], f"{r['rel_err']:.2e}"] for r in rows
-                                                         if r["part"] == "agreement"]), "",
-          "## Kernels: median ms (interleaved rounds, CUDA events)", "",
-          common.markdown_table(["round", "method", "B", "T", "H", "D", "dtype", "layout", "fwd", "fwd+bwd", "note"],
-                                [[ROUND_NAMES[r["part"]], r["method"], r["B"], r["T"], r["H"], r["D"], r["dtype"], r["layout"],
-                                  common.fmt(r.get("fwd_ms"), 3), common.fmt(r.get("fwd_bwd_ms"), 3), r.get("note", "")]
-                                 for r in rows if r["part"] in ROUND_NAMES]), "",
-          "## Kernels: ratios (time of ours / time of the other; below 1 ours is faster)", "",
-          common.markdown_table(["B×T×H×D", *[f"{a}/{b} {k.replace('_', '+')}" for a, b, k in RATIOS]], ratio_rows(rows)), ""]
-    md += ["## Kernels: first call (compilation and, for Triton, autotuning at each new shape), seconds", "",
-           common.markdown_table(["method", "B×T×H×D", "fwd first", "fwd+bwd first", "fwd steady ms", "fwd+bwd steady ms"],
-                                 [[r["method"], "×".join(str(r[k]) for k in "BTHD"), common.fmt(r.get("first_fwd_s"), 2),
-                                   common.fmt(r.get("first_fwd_bwd_s"), 2), common.fmt(r.get("fwd_ms"), 3),
-                                   common.fmt(r.get("fwd_bwd_ms"), 3)] for r in rows
-                                  if r["part"] == "kernel" or (r["part"] == "kernel_fla" and r["method"] == "fla")]), "",
-           f"First calls of ours, all shapes: {first_call_seconds(rows):.1f} s (the compile and autotune time, "
-           "less the calls' own time).", ""]
-    profiled = [r for r in rows if r["part"] == "kernel_profile"]
-    md += ["## Kernels: where our fwd+bwd spends its time (torch.profiler, per step)", "",
-           common.markdown_table(["B×T×H×D", "kernel", "calls", "ms", "share"],
-                                 [["×".join(str(r[k]) for k in "BTHD"), r["kernel"], common.fmt(r["calls"], 1),
-                                   common.fmt(r["ms"], 3), f"{r['share']:.0%}"]
-                                  for r in profiled]), ""]
-    tunings = [r for r in rows if r["part"] == "tuning"]
-    md += ["## Kernels: autotuning (configs timed at each new key), seconds", "",
-           common.markdown_table(["kernel", "key", "chosen config", "seconds"],
-                                 [[r["method"], r["key"], r["config"], common.fmt(r["seconds"], 2)] for r in tunings]), "",
-           f"Autotuning in all: {sum(r['seconds'] for r in tunings):.1f} s over {len(tunings)} keys.", ""]
-    for r in rows:
-        if r["part"] == "roofline":
-            md += [f"Roofline: ours forward at B2 T16384 H16 D128 {r['fwd_ms']:.3f} ms against {r['floor_ms']:.3f} ms for "
-                   f"reading q, k, v and writing the output once at the measured copy bandwidth "
-                   f"({r['bandwidth_gb_s']:.0f} GB/s): **{r['fraction']:.1%}** of the roofline.", ""]
-    return md
+    previous = sys.modules.get(f"{gpu_check_cache.PREVIOUS_PACKAGE}.launch")
+    reports = {"ours": launch.compile_report()}
+    if previous is not None:
+        reports["ours_prev"] = (getattr(previous, "compile_report", None) or previous.tuning_report)()
+    return [{"part": "compile", "method": method, "kernel": t["kernel"], "key": str(t["key"]), "config": t["config"],
+             "seconds": float(t["seconds"])} for method, report in reports.items() for t in report]
