@@ -1,5 +1,5 @@
 """The model parts of ``gpu_check.py``: MNIST training images/s (``configs/mnist_linear.yaml``
-against ``configs/mnist_softmax.yaml``, eager and compiled), MNIST generation speed (batch 1,
+against ``configs/mnist_softmax.yaml``, eager and as one CUDA graph, then compiled), MNIST generation speed (batch 1,
 batch 1,000 linear against stateful softmax, the largest batch), each step checked against the
 part's time budget, and Fig. 2 at the paper's shape for the time left (``figure2_copy.py --paper``;
 ``--quick``'s toy matrix, reduced to one run of each recipe, in a dry run).
@@ -7,7 +7,10 @@ part's time budget, and Fig. 2 at the paper's shape for the time left (``figure2
 Training: the configs' model on random images at the config's batch (the paper's 10) and at
 :data:`BIG_BATCH`, bf16 autocast on a GPU as ``precision: bf16-mixed``; an update is
 ``training_step`` (the task's loss and its bits/dim metric), ``backward`` and RAdam, without
-the Lightning loop around it (data loading and logging are not timed). Generation: random
+the Lightning loop around it (data loading and logging are not timed); a graphed row runs the
+task's own ``cuda_graph`` path (``training_step`` replaying forward, backward and a capturable
+RAdam's step as one CUDA graph, ``linformer_lab/tasks/graphed_update.py``), its capture in the
+warm-up. Generation: random
 weights (the time per image does not depend on training), ``PixelTransformer.generate`` with
 the decoder and step weights of each row; a row's time is one whole ``generate`` call (graph
 capture included), the median of its repeats.
@@ -52,25 +55,35 @@ def _task(config: str, device: str, dry_run: bool, **overrides):
     return task, spec["data"]["init_args"]["batch_size"]
 
 
-def train_rate(config: str, device: str, compile: str, batch: int | None, seconds: float, dry_run: bool) -> dict:
-    """Images/s of training updates of ``config``'s model (see the module docstring)."""
+def train_rate(config: str, device: str, compile: str, batch: int | None, seconds: float, dry_run: bool,
+               graph: bool = False) -> dict:
+    """Images/s of training updates of ``config``'s model (see the module docstring); ``graph``:
+    the update as one CUDA graph (a CUDA device only)."""
     import torch
 
-    task, config_batch = _task(config, device, dry_run, compile=compile)
+    from linformer_lab.tasks.graphed_update import WARMUP_UPDATES, CudaGraphUpdate
+
+    task, config_batch = _task(config, device, dry_run, compile=compile, cuda_graph=graph)
     batch = batch or config_batch
     images = torch.randint(0, 256, (batch, *task.model.image_shape), dtype=torch.uint8, device=device)
     labels = torch.zeros(batch, dtype=torch.long, device=device)
     optimizer = torch.optim.RAdam(task.parameters(), lr=1e-4)
+    if graph:  # what Lightning's loop hands the task (GraphedTraining.graphed_update) made here
+        task.cuda_graph_update = CudaGraphUpdate(task.update_loss, optimizer)
 
     def update(i: int):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        # Lightning's bf16-mixed autocast: no cast cache, which a graph would replay stale
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=False):
+            if graph:
+                task.training_step((images, labels), i)  # forward, backward and the step: one replay
+                return
+            optimizer.zero_grad(set_to_none=True)
             loss = task.training_step((images, labels), i)
         loss.backward()
         optimizer.step()
 
     start = time.perf_counter()
-    for i in range(3):  # warm-up; with compile, the compilation
+    for i in range(WARMUP_UPDATES + 2 if graph else 3):  # warm-up; the compilation, the capture
         update(i)
     _sync(device)
     warmup = time.perf_counter() - start
@@ -82,7 +95,10 @@ def train_rate(config: str, device: str, compile: str, batch: int | None, second
             _sync(device)
     _sync(device)
     elapsed = time.perf_counter() - start
-    return {"part": "train", "config": config, "compile": compile, "batch": batch, "updates": done,
+    if graph:
+        assert task.cuda_graph_update.replays >= done, "the timed updates were not replays"
+    return {"part": "train", "config": config, "compile": compile, "graph": "cuda_graph" if graph else "",
+            "batch": batch, "updates": done,
             "ms_per_update": elapsed / done * 1e3, "images_per_s": done * batch / elapsed, "warmup_s": warmup,
             **gpu_work(lambda: update(done), device)}
 
@@ -108,21 +124,27 @@ def gpu_work(call, device: str) -> dict:
 
 
 def training(device: str, budget, dry_run: bool) -> list[dict]:
-    """Eager and compiled at the config batch (the paper's), then eager at :data:`BIG_BATCH`."""
+    """Eager and graphed at the config batch (the paper's), the same at :data:`BIG_BATCH`, then
+    compiled (eager and graphed) at the config batch: each pair eager / graphed, softmax beside linear."""
     rows = []
-    seconds = 0.5 if dry_run else 8.0
-    plan = [(c, "none", None) for c in CONFIGS] + ([(c, "model", None) for c in CONFIGS] if not dry_run else [])
-    plan += [(c, "none", BIG_BATCH) for c in CONFIGS]
-    for config, compile, batch in plan:
-        need = (5 if dry_run else 15) + (0 if compile == "none" else 50)
-        if not budget.allows(need, f"training {config} compile={compile} batch={batch or 'config'}"):
+    seconds = 0.5 if dry_run else 3.0
+    graphs = (False, True) if device == "cuda" else (False,)
+    plan = [(c, "none", batch, g) for batch in (None, BIG_BATCH) for g in graphs for c in CONFIGS]
+    plan += [] if dry_run else [(c, "model", None, g) for g in graphs for c in CONFIGS]
+    for config, compile, batch, graph in plan:
+        need = (5 if dry_run else 8) + (0 if compile == "none" else 50)
+        what = f"training {config} compile={compile}{' cuda_graph' if graph else ''} batch={batch or 'config'}"
+        if not budget.allows(need, what):
             continue
         try:
-            rows += budget.keep([train_rate(config, device, compile, batch, seconds, dry_run)])
+            rows += budget.keep([train_rate(config, device, compile, batch, seconds, dry_run, graph)])
         except Exception as err:  # noqa: BLE001 - reported, the other rows go on
-            budget.skipped.append(f"training {config} compile={compile}: {type(err).__name__}: {str(err)[:200]}")
+            budget.skipped.append(f"{what}: {type(err).__name__}: {str(err)[:200]}")
     if dry_run:
         budget.skipped.append("compiled training (torch.compile takes minutes on a CPU; tests/tasks/test_compiled_training.py)")
+    if device != "cuda":
+        budget.skipped.append("graphed training (a CUDA graph needs a GPU; tests/tasks/test_graphed_update.py checks on "
+                              "CPU that the update traces whole and reads nothing on the host)")
     return rows
 
 
@@ -198,7 +220,8 @@ def generation(device: str, budget, dry_run: bool) -> list[dict]:
 
 
 def training_table(rows: list[dict]) -> list[list]:
-    return [[r["config"], r["compile"], r["batch"], r["updates"], f"{r['ms_per_update']:.1f}", f"{r['images_per_s']:.0f}",
+    return [[r["config"], r["compile"] + (" + CUDA graph" if r.get("graph") else ""), r["batch"], r["updates"],
+             f"{r['ms_per_update']:.1f}", f"{r['images_per_s']:.0f}",
              f"{r['warmup_s']:.1f}", r.get("kernels_per_update") or "—",
              f"{r['gpu_busy_ms']:.1f}" if r.get("gpu_busy_ms") else "—"] for r in rows if r["part"] == "train"]
 

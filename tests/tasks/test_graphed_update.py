@@ -277,3 +277,20 @@ def test_the_task_keeps_what_an_update_returned_past_the_next_replay(capturable_
     later = task.graphed_update(images(seed=2))  # the buffers now hold this update's values
     assert task.cuda_graph_update.replays == 2 and not torch.equal(later[1], kept[1])
     assert torch.equal(loss, kept[0]) and torch.equal(nll, kept[1])
+
+
+def test_the_gpu_commands_graphed_row_times_replays(monkeypatch, capturable_on_cpu):
+    """``benchmarks/paper/gpu_check_model.py``'s graphed training row on CPU, the graph replaced by
+    the eager stand-in: the task's own cuda_graph path runs, and every timed update is a replay."""
+    from conftest import REPO
+
+    for folder in ("benchmarks", "benchmarks/paper"):
+        monkeypatch.syspath_prepend(str(REPO / folder))
+    gpu_check_model = importlib.import_module("gpu_check_model")
+    monkeypatch.setattr(graphed_update, "CudaGraphUpdate", EagerStandIn)
+    EagerStandIn.instances = []
+    row = gpu_check_model.train_rate("mnist_linear.yaml", "cpu", "none", 4, 0.2, dry_run=True, graph=True)
+    [update] = EagerStandIn.instances
+    assert update.eager_updates == WARMUP_UPDATES and update.replays >= row["updates"] + 1
+    assert row["graph"] == "cuda_graph" and gpu_check_model.training_table([row])[0][:3] == [
+        "mnist_linear.yaml", "none + CUDA graph", 4]
