@@ -138,8 +138,10 @@ class CudaGraphUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         autocast = torch.is_autocast_enabled("cuda")
+        # thread_local: only this thread's calls are checked while capturing; a data loader's
+        # pin-memory thread may allocate pinned memory meanwhile, which is no part of the update
         with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=autocast, cache_enabled=False), \
-                torch.cuda.graph(graph):
+                torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss, outputs = self.loss_fn(*self.static_inputs)
             loss.backward()
             self.optimizer.step()

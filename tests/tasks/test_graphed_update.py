@@ -196,7 +196,7 @@ class EagerStandIn(CudaGraphUpdate):
         self.graph = Graph()
 
 
-def fit(task: ImageGenerationTask, root, steps: int) -> list[float]:
+def fit(task: ImageGenerationTask, root, steps: int, accelerator: str = "cpu", precision: str = "32-true") -> list[float]:
     """``steps`` updates on 9 random images in batches of 4 (a last batch of 1), returning the
     logged training bits/dim of each update."""
     data = TensorDataset(images(9, seed=3), torch.zeros(9, dtype=torch.long))
@@ -206,7 +206,8 @@ def fit(task: ImageGenerationTask, root, steps: int) -> list[float]:
         def on_train_batch_end(self, trainer, *args):
             logged.append(float(trainer.callback_metrics["train/bits_per_dim"]))
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=steps, logger=False,
+                        enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=root, callbacks=[Log()],
                         enable_checkpointing=False)
     trainer.fit(task, DataLoader(data, batch_size=4))
@@ -294,3 +295,24 @@ def test_the_gpu_commands_graphed_row_times_replays(monkeypatch, capturable_on_c
     assert update.eager_updates == WARMUP_UPDATES and update.replays >= row["updates"] + 1
     assert row["graph"] == "cuda_graph" and gpu_check_model.training_table([row])[0][:3] == [
         "mnist_linear.yaml", "none + CUDA graph", 4]
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+
+
+@GPU
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_on_a_gpu_a_graphed_fit_trains_as_the_eager_one(tmp_path, precision):
+    """The real capture and replays in Lightning's loop (the Triton attention kernel, a capturable
+    RAdam, the schedule, the last batch of another shape eager) against the eager loop."""
+    settings = dict(lr=3e-3, warmup_steps=3, lr_schedule="cosine")
+    eager, graphed = tiny_task(**settings), tiny_task(**settings, cuda_graph=True)
+    steps = 10
+    want = fit(eager, tmp_path / "eager", steps, "gpu", precision)
+    got = fit(graphed, tmp_path / "graphed", steps, "gpu", precision)
+    update = graphed.cuda_graph_update
+    assert update.graph is not None and update.replays == steps - WARMUP_UPDATES - 2  # two batches of 1 eager
+    tolerance = 1e-4 if precision == "32-true" else 2e-2
+    assert got == pytest.approx(want, rel=tolerance)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(q, p, rtol=tolerance, atol=tolerance * 1e-2, msg=lambda text, name=name: f"{name}: {text}")
