@@ -172,9 +172,15 @@ class GraphedTraining:
 
     def graphed_update(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One update on ``inputs`` through the task's :class:`CudaGraphUpdate` (made on the first
-        call, with the run's optimizer); its outputs cloned, so a logged value outlives the next replay."""
-        if self.cuda_graph_update is None:
-            optimizers = self.trainer.optimizers
+        call of a fit, with its optimizer; outside a Trainer, the one set as ``cuda_graph_update``);
+        its outputs cloned, so a logged value outlives the next replay."""
+        trainer = attached_trainer(self)
+        optimizers = trainer.optimizers if trainer is not None else ()
+        if trainer is None and self.cuda_graph_update is None:
+            raise ConfigurationError("outside a Trainer, set task.cuda_graph_update = CudaGraphUpdate(task.update_loss, "
+                                     "optimizer) before the first graphed update")
+        # a new fit makes a new optimizer: a graph of the old one would step that one instead
+        if trainer is not None and (self.cuda_graph_update is None or self.cuda_graph_update.optimizer not in optimizers):
             if len(optimizers) != 1:
                 raise ConfigurationError(f"model.cuda_graph true captures the update of one optimizer; "
                                          f"configure_optimizers gave {len(optimizers)}")

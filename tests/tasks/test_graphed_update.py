@@ -297,6 +297,26 @@ def test_the_gpu_commands_graphed_row_times_replays(monkeypatch, capturable_on_c
         "mnist_linear.yaml", "none + CUDA graph", 4]
 
 
+
+def test_a_new_fit_captures_its_own_optimizer(monkeypatch, capturable_on_cpu):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(graphed_update, "CudaGraphUpdate", EagerStandIn)
+    task = tiny_task(cuda_graph=True)
+    with pytest.raises(ConfigurationError, match="outside a Trainer, set task.cuda_graph_update"):
+        task.graphed_update(images())
+    runs = [SimpleNamespace(optimizers=[torch.optim.RAdam(task.parameters(), lr=1e-3)]) for _ in range(2)]
+    for run in runs:
+        monkeypatch.setattr(ImageGenerationTask, "trainer", property(lambda self, run=run: run))
+        for seed in range(WARMUP_UPDATES + 2):
+            task.graphed_update(images(seed=seed))
+        assert task.cuda_graph_update.optimizer is run.optimizers[0] and task.cuda_graph_update.replays == 2
+    with pytest.raises(ConfigurationError, match="captures the update of one optimizer; configure_optimizers gave 2"):
+        monkeypatch.setattr(ImageGenerationTask, "trainer", property(lambda self: SimpleNamespace(optimizers=[
+            torch.optim.RAdam(task.parameters()), torch.optim.RAdam(task.parameters())])))
+        task.graphed_update(images())
+
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
 
 
