@@ -40,7 +40,8 @@ candidate's beside it in this file says it) and a condition on the op's argument
 :class:`Candidate` into the op's list in :data:`CANDIDATES`, before the candidates it should win
 over; ``pytorch`` stays last. Import the kernel's module inside the functions, as the others do:
 building or importing a kernel costs only where it may run. ``describe()`` and
-``cli.py plugins --check`` then name it, and the switch can force it by its name.
+``cli.py plugins --check`` then name it, and the switch can force it by its name. A GPU kernel
+has more places that must know it: docs/ARCHITECTURE.md, "Where to add", lists them all.
 """
 
 from __future__ import annotations

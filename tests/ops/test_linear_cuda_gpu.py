@@ -1,5 +1,6 @@
-"""linear_cuda on a GPU (skipped without CUDA): values and gradients against a float64 reference,
-long sequences, many heads, streams, devices, error messages, segments with the state carried.
+"""linear_cuda's numerator (``causal=cuda``) on a GPU (skipped without CUDA): values and gradients
+against a float64 reference, long sequences, many heads, streams, devices, error messages, segments
+with the state carried.
 The other linear_cuda tests and how to run them all: ``tests/ops/linear_cuda_reference.py``.
 """
 

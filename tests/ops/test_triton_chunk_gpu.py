@@ -1,7 +1,8 @@
-"""The Triton chunk kernels compiled for a GPU: for Hopper on any machine (Triton's own ptxas and
-cuobjdump; no GPU needed), and run on a CUDA GPU at N = 65,536 in fp32, fp16 and bf16 against
-the float64 chunked reference of the library (``ops.linear_attention.causal_linear_attention``,
-an independent implementation: PyTorch matmuls per chunk and a cumulative sum).
+"""The Triton kernels (``causal_attention=triton`` and the graph decoder's step) compiled for a GPU:
+for Hopper on any machine (Triton's own ptxas and cuobjdump; no GPU needed), and the chunk kernels run
+on a CUDA GPU at N = 65,536 in fp32, fp16 and bf16 against the float64 chunked reference of the
+library (``ops.linear_attention.causal_linear_attention``, an independent implementation: PyTorch
+matmuls per chunk and a cumulative sum).
 
 The interpreter tests (``test_triton_chunk.py``, with a GPU's roundings emulated) run the same
 kernels' arithmetic, but not Triton's compiler: a kernel can be right in numpy and not compile,
@@ -25,7 +26,7 @@ triton = pytest.importorskip("triton")
 
 from triton_accuracy import assert_as_exact_as_the_pytorch_form  # noqa: E402
 
-from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention  # noqa: E402
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, launch  # noqa: E402
 from linformer_lab.ops.linear_attention import causal_linear_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +57,8 @@ chunk = op.default_chunk(width, width, dtype)
 for name, kernel in launch.compile_for(capability, dtype, width, width, chunk, varlen=sys.argv[4] == "1").items():
     open(f"{sys.argv[5]}/{name}.cubin", "wb").write(kernel.asm["cubin"])
 """
-KERNEL_NAMES = {"superchunk_deltas", "superchunk_forward", "superchunk_backward_prepare", "superchunk_dq",
-                "superchunk_dk_dv"}
+#: every Triton kernel, the graph decoder's step included: one added to launch.KERNELS is compiled and checked here
+KERNEL_NAMES = set(launch.KERNELS)
 
 
 def _compile(tmp_path: Path, capability: str, dtype: str, width: int, varlen: bool) -> dict[str, tuple[str, int]]:
@@ -136,8 +137,6 @@ def test_half_precision_as_exact_as_the_pytorch_form_at_65536(dtype, mean):
 def test_compilations_are_reported():
     """A forward and backward at a shape not compiled before: ``launch.compile_report()`` names
     each kernel compiled, with its config and seconds (printed with -s); a second call compiles nothing."""
-    from linformer_lab.ops.cuda.triton_chunk import launch
-
     q, k, v = (torch.randn(1, 2, 1000, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     before = len(launch.compile_report())
     chunk_linear_attention(q, k, v, chunk_size=32).sum().backward()

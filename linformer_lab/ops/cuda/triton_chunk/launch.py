@@ -46,8 +46,10 @@ INTERPRETER_PROGRAMS = 4
 #: bf16 parts of an fp32 operand (``forward.dot_exact_fp32``): three keep fp32's 24 bits, which
 #: the cancelling terms of dq and dk need (``backward.py``)
 BF16_PARTS = 3
+#: Every Triton kernel (name -> its module): :func:`kernels` jits these and :func:`compile_for` compiles
+#: them for a GPU without one (docs/ARCHITECTURE.md, "Where to add": a GPU kernel)
 KERNELS = {"superchunk_deltas": forward, "superchunk_forward": forward, "superchunk_backward_prepare": backward,
-           "superchunk_dq": backward, "superchunk_dk_dv": backward}
+           "superchunk_dq": backward, "superchunk_dk_dv": backward, "linear_attention_step": step_kernel}
 
 
 def interpreting() -> bool:
@@ -175,6 +177,8 @@ def config(name: str, c: int, m: int) -> dict:
     (at C = M = 128 wider tiles spill: ``tests/ops/test_triton_chunk_gpu.py`` compiles for Hopper
     and checks); KF, MF the full padded widths a tile's program reads; warps by tile size."""
     kf, mf = pow2(c), pow2(m)
+    if name == "linear_attention_step":  # whole C x M tiles, in the warps step.py launches with (Triton's default)
+        return dict(BC=kf, BM=mf, num_warps=4, num_stages=3)
     if name == "superchunk_dq":  # rows of the state: a feature tile x all of M
         bk, bv = min(kf, max(16, 2048 // mf)), mf
     elif name == "superchunk_dk_dv":  # feature tiles x all of M (dk), all of C x value tiles (dv)
@@ -191,8 +195,7 @@ _DIRECT = os.environ.get("LINFORMER_LAB_TRITON_LAUNCH", "direct") != "jit"
 @functools.cache
 def kernels(interpret: bool) -> SimpleNamespace:
     """The kernels compiled for one mode (the interpreter or the GPU), the generation step's included."""
-    return SimpleNamespace(**{name: triton.jit(getattr(module, name)) for name, module in KERNELS.items()},
-                           linear_attention_step=triton.jit(step_kernel.linear_attention_step))
+    return SimpleNamespace(**{name: triton.jit(getattr(module, name)) for name, module in KERNELS.items()})
 
 
 #: (kernel, key, config, seconds) of every compilation this process ran through ``_launch``
@@ -375,12 +378,15 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
     dt = name[dtype]
     flags = dict(C=c, M=m, BT=chunk, LS=ls, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype), PARTS=bf16_parts(dtype),
                  HAS_INIT=True, HAS_DFINAL=True, NS_MAX=0, INTERPRET=False)
-    pointers = dict(Q=dt, K=dt, V=dt, O=dt, DO=dt, O32="fp32", DQ=dt, DK=dt, DV=dt, CU="i32", SC_OFF="i64", SC_TABLE="i64")
+    pointers = dict(Q=dt, K=dt, V=dt, O=dt, OUT=dt, DO=dt, O32="fp32", DQ=dt, DK=dt, DV=dt, CU="i32", SC_OFF="i64",
+                    SC_TABLE="i64")
     compiled = {}
     for kernel, module in KERNELS.items():
         fn = triton.jit(getattr(module, kernel))
         cfg = config(kernel, c, m)
-        tiles = dict(BK=cfg["BK"], BV=cfg["BV"], KF=cfg["KF"], MF=cfg["MF"], STORE_F32=dtype in _HALF, DELTAS=True)
+        # every constexpr of the kernel's config (a new kernel's own included), less the launch options
+        tiles = dict({key: value for key, value in cfg.items() if key not in ("num_warps", "num_stages")},
+                     STORE_F32=dtype in _HALF, DELTAS=True)
         if kernel == "superchunk_backward_prepare":
             tiles["BK"] = cfg["KF"]
         constexprs = {arg: value for arg, value in dict(flags, **tiles).items() if arg in fn.arg_names}
