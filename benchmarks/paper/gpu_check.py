@@ -68,8 +68,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: The GPU test files, in the order they run (the most important first: a part stopped at its
 #: budget loses the last). Their CPU tests run too; a GPU-less machine skips the rest.
 GPU_TESTS = ["tests/ops/test_triton_chunk_gpu.py", "tests/models/test_generation_graph.py",
-             "tests/models/test_generation_fused_step.py", "tests/ops/test_linear_cuda_gpu.py",
-             "tests/ops/test_triton_chunk.py"]
+             "tests/models/test_generation_fused_step.py", "tests/tasks/test_graphed_update.py",
+             "tests/ops/test_linear_cuda_gpu.py", "tests/ops/test_triton_chunk.py"]
 #: What makes tests/ops/test_triton_chunk.py run on the GPU instead of skipping there.
 GPU_TEST_ENV = {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
 #: Seconds of each part at the default budget (shares of ``--budget-s``), in the order they run,
