@@ -55,7 +55,7 @@ def process_share(datamodule) -> tuple[int, int]:
         return 1, 0
     # context parallelism (a task's ``context_parallel``): each run of that many consecutive
     # processes splits the sequences of one batch, so they share one share of the data
-    context = int(getattr(trainer.lightning_module, "context_parallel", 1) or 1)
+    context = int(getattr(getattr(trainer, "lightning_module", None), "context_parallel", 1) or 1)
     return int(trainer.world_size) // context, int(trainer.global_rank) // context
 
 

@@ -89,9 +89,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pow2(n: int, cap: int = 256) -> int:
-    """The tile covering n: a power of two, at least 16 (the smallest ``tl.dot`` side), at most cap."""
-    return max(16, min(cap, 1 << max(n - 1, 0).bit_length()))
+def pow2(n: int) -> int:
+    """The tile covering n: a power of two, at least 16 (the smallest ``tl.dot`` side). Whole
+    widths are read by one program (a map of 512 features too: random_fourier's)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 def programs(*counts: int) -> tuple[int]:
