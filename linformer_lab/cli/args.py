@@ -306,11 +306,11 @@ def prepare_argv(argv: list[str]) -> list[str]:
         (leading if argv[i].startswith("--config=") else other).append(argv[i])
         i += 1
     if i >= len(argv):
-        raise UsageError(f"error: name a subcommand ({', '.join(SUBCOMMANDS)}, export or plugins), e.g. "
+        raise UsageError(f"error: name a subcommand ({', '.join(SUBCOMMANDS)}, export, plot or plugins), e.g. "
                          f"cli.py fit {' '.join(leading) or '--config copy_linear.yaml'}")
     subcommand = argv[i]
     if subcommand not in SUBCOMMANDS:
-        ours = ["export", "plugins"]  # answered by entry.py before Lightning
+        ours = ["export", "plot", "plugins"]  # answered by entry.py before Lightning
         raise UsageError(f"error: unknown subcommand {subcommand!r}{did_you_mean(subcommand, [*SUBCOMMANDS, *ours])} "
                          f"(choices: {', '.join([*SUBCOMMANDS, *ours])})")
     if other:

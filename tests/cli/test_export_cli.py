@@ -136,7 +136,7 @@ def test_refusals_are_one_line(workdir, tmp_path):
         ("export", str(bare)): "does not name its task class (_class_path, which cli.py fit saves)",
         ("export", str(run), "--ckpt_path", "first"): "invalid choice: 'first' (choose from 'best', 'last')",
         ("exprot", str(run)): "unknown subcommand 'exprot'; did you mean export? (choices: fit, validate, test, predict, "
-                              "export, plugins)",
+                              "export, plot, plugins)",
     }
     for command, message in cases.items():
         code, _, err = run_cli(list(command))

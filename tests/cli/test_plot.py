@@ -166,3 +166,9 @@ def test_plot_imports_neither_torch_nor_lightning(tmp_path):
               "print(code, [m for m in ('torch', 'lightning') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+
+
+def test_a_misspelt_plot_is_suggested():
+    """``cli.py plto`` names ``plot`` with the other subcommands, in one line, before Lightning loads."""
+    code, _, err = run_cli(["plto", "logs"])
+    assert code == 2 and "unknown subcommand 'plto'; did you mean plot?" in err and "\n" not in err.strip()
