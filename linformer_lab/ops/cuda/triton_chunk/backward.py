@@ -53,7 +53,7 @@ from linformer_lab.ops.cuda.triton_chunk.forward import (
     dot_exact_fp32,
     dot_fp32_exact,
     dot_inputs,
-    elu_plus_one,
+    feature_rows,
     initial_state,
     load_rows,
     superchunk_program,
@@ -72,7 +72,6 @@ def superchunk_backward_prepare(
     super-chunk; DELTAS: DH ``(slots H, C, M)`` fp32, sum q_i g_i^T over each super-chunk."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    DT = Q.dtype.element_ty
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     cm = tl.arange(0, MF)
@@ -85,9 +84,7 @@ def superchunk_backward_prepare(
     for c in range(0, LS // BT if INTERPRET else n_chunks):
         start = bos + first + c * BT
         tmask = first + c * BT + tt < length
-        q = load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d)
-        if ELU:
-            q = elu_plus_one(q, tmask[:, None] & kmask[None, :], tiny, DT)
+        q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         pos = (b * H + h).to(tl.int64) * T + start + tt
         den = tl.load(DEN + pos, mask=tmask, other=1.0)
         if DELTAS:
@@ -132,7 +129,6 @@ def superchunk_dq(
     dq_i = sum_j B_ij k_j + S_c g_i + r_i z_c. DS, DZ: the forward's deltas."""
     i_k, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(C, BK), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    DT = Q.dtype.element_ty
     ck = i_k * BK + tl.arange(0, BK)
     cm = tl.arange(0, MF)
     kmask, mmask = ck < C, cm < M
@@ -145,16 +141,14 @@ def superchunk_dq(
         start = bos + first + c * BT
         tmask = first + c * BT + tt < length
         kq_mask = tmask[:, None] & kmask[None, :]
-        k = load_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
-        if ELU:
-            k = elu_plus_one(k, kq_mask, tiny, DT)
+        k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         do, v, den, r, bmat = chunk_gradient_rows(DO, V, DEN, R, b, h, start, tt, tmask, cm, mmask, T, H,
                                                   sv_b, sv_h, sv_t, sv_d, sd_b, sd_h, sd_t, sd_d, BT, PREC)
         dq = dot_exact_fp32(do, tl.trans(state), tl.zeros([BT, BK], dtype=tl.float32), PREC, PARTS)
         dq = dq / den[:, None] + r[:, None] * z[None, :]
         dq = dot_fp32_exact(bmat, k, dq, PREC, PARTS)
         if ELU:
-            q = elu_plus_one(load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d), kq_mask, tiny, DT)
+            q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
             dq = dq * tl.minimum(q.to(tl.float32), 1.0)
         tl.store(DQ + base_offset(b, h, start, sdq_b, sdq_h, sdq_t) + tt[:, None] * sdq_t + ck[None, :] * sdq_d,
                  dq.to(DQ.dtype.element_ty), mask=kq_mask)
@@ -171,7 +165,6 @@ def dk_walk(Q, K, V, DO, DEN, R, DSN, DZN, DH, DHZ, DK, DS0, DZ0, i_k, b, h, row
             NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """``superchunk_dk_dv``'s feature-tile programs: dk_j = sum_i B_ij q_i + dH_c v_j + dh_c on the
     tile, dH's rows of the tile and dh on it carried from the last chunk to the first."""
-    DT = Q.dtype.element_ty
     ck = i_k * BK + tl.arange(0, BK)
     cm = tl.arange(0, MF)
     kmask, mmask = ck < C, cm < M
@@ -186,15 +179,13 @@ def dk_walk(Q, K, V, DO, DEN, R, DSN, DZN, DH, DHZ, DK, DS0, DZ0, i_k, b, h, row
         start = bos + first + c * BT
         tmask = first + c * BT + tt < length
         kq_mask = tmask[:, None] & kmask[None, :]
-        q = load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d)
-        if ELU:
-            q = elu_plus_one(q, kq_mask, tiny, DT)
+        q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         do, v, den, r, bmat = chunk_gradient_rows(DO, V, DEN, R, b, h, start, tt, tmask, cm, mmask, T, H,
                                                   sv_b, sv_h, sv_t, sv_d, sd_b, sd_h, sd_t, sd_d, BT, PREC)
         dk = dot_exact_fp32(v, tl.trans(dstate), tl.zeros([BT, BK], dtype=tl.float32), PREC, PARTS) + dz[None, :]
         dk = dot_fp32_exact(tl.trans(bmat), q, dk, PREC, PARTS)
         if ELU:
-            k = elu_plus_one(load_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d), kq_mask, tiny, DT)
+            k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
             dk = dk * tl.minimum(k.to(tl.float32), 1.0)
         tl.store(DK + base_offset(b, h, start, sdk_b, sdk_h, sdk_t) + tt[:, None] * sdk_t + ck[None, :] * sdk_d,
                  dk.to(DK.dtype.element_ty), mask=kq_mask)
@@ -214,7 +205,6 @@ def dv_walk(Q, K, DO, DEN, DSN, DZN, DH, DHZ, DV, i_v, b, h, row, bos, length, s
             NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """``superchunk_dk_dv``'s value-tile programs: dv_j = sum_i (q_i . k_j) g_i + dH_c^T k_j on the
     tile, dH's columns of the tile carried from the last chunk to the first."""
-    DT = Q.dtype.element_ty
     ck = tl.arange(0, KF)
     cv = i_v * BV + tl.arange(0, BV)
     kmask, vmask = ck < C, cv < M
@@ -229,12 +219,8 @@ def dv_walk(Q, K, DO, DEN, DSN, DZN, DH, DHZ, DV, i_v, b, h, row, bos, length, s
         c = (LS // BT if INTERPRET else n_chunks) - 1 - i
         start = bos + first + c * BT
         tmask = first + c * BT + tt < length
-        kq_mask = tmask[:, None] & kmask[None, :]
-        q = load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d)
-        k = load_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
-        if ELU:
-            q = elu_plus_one(q, kq_mask, tiny, DT)
-            k = elu_plus_one(k, kq_mask, tiny, DT)
+        q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
+        k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         do = load_rows(DO, b, h, start, tt, cv, tmask, vmask, sd_b, sd_h, sd_t, sd_d)
         den = tl.load(DEN + (b * H + h).to(tl.int64) * T + start + tt, mask=tmask, other=1.0)
         scores = dot_inputs(q, tl.trans(k), tl.zeros([BT, BT], dtype=tl.float32), PREC)

@@ -142,6 +142,15 @@ def load_rows(X, b, h, start, tt, cols, tmask, cmask, sb, sh, st, sd):
 
 
 @triton.jit
+def feature_rows(X, b, h, start, tt, ck, tmask, kmask, sb, sh, st, sd, tiny, ELU: tl.constexpr):
+    """``load_rows`` of a query or key tile, mapped by phi = elu + 1 (in the input dtype) when ELU."""
+    x = load_rows(X, b, h, start, tt, ck, tmask, kmask, sb, sh, st, sd)
+    if ELU:
+        x = elu_plus_one(x, tmask[:, None] & kmask[None, :], tiny, X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def delta_sum(acc, z, DS, DZ, g0, h, H, lo, hi, ck, cv, kmask, vmask, C: tl.constexpr, M: tl.constexpr,
               NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """acc, z plus the deltas ``(C, M)`` / ``(C,)`` of the sequence's super-chunks lo..hi-1 (global
@@ -182,7 +191,6 @@ def superchunk_deltas(
     of phi(k_j) v_j^T and phi(k_j) over each super-chunk (row (global super-chunk) H + head)."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    DT = K.dtype.element_ty
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     kmask, vmask = ck < C, cv < M
@@ -193,9 +201,7 @@ def superchunk_deltas(
     n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
     for c in range(0, LS // BT if INTERPRET else n_chunks):
         tmask = first + c * BT + tt < length
-        k = load_rows(K, b, h, bos + first + c * BT, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
-        if ELU:
-            k = elu_plus_one(k, tmask[:, None] & kmask[None, :], tiny, DT)
+        k = feature_rows(K, b, h, bos + first + c * BT, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         v = load_rows(V, b, h, bos + first + c * BT, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
         acc = dot_inputs(tl.trans(k), v, acc, PREC)
         z += tl.sum(k.to(tl.float32), axis=0)
@@ -219,7 +225,6 @@ def superchunk_forward(
     ``superchunk_deltas``' sums."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    DT = Q.dtype.element_ty
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     kmask, vmask = ck < C, cv < M
@@ -233,12 +238,8 @@ def superchunk_forward(
     for c in range(0, LS // BT if INTERPRET else n_chunks):
         start = bos + first + c * BT
         tmask = first + c * BT + tt < length
-        kq_mask = tmask[:, None] & kmask[None, :]
-        q = load_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d)
-        k = load_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d)
-        if ELU:
-            q = elu_plus_one(q, kq_mask, tiny, DT)
-            k = elu_plus_one(k, kq_mask, tiny, DT)
+        q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
+        k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         v = load_rows(V, b, h, start, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
         scores = tl.where(causal, dot_inputs(q, tl.trans(k), tl.zeros([BT, BT], dtype=tl.float32), PREC), 0.0)
         num = dot_exact_fp32(q, state, tl.zeros([BT, BV], dtype=tl.float32), PREC, PARTS)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
 import time
@@ -266,39 +267,42 @@ def _meta(cfg: dict) -> dict:
     return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+#: Programs per (super-chunk, row) of each kernel of a forward and backward, from its config
+_TILES = {
+    "superchunk_deltas": lambda c, m, cfg: cdiv(m, cfg["BV"]),
+    "superchunk_forward": lambda c, m, cfg: cdiv(m, cfg["BV"]),
+    "superchunk_backward_prepare": lambda c, m, cfg: cdiv(m, cfg["BV"]),
+    "superchunk_dq": lambda c, m, cfg: cdiv(c, cfg["BK"]),
+    "superchunk_dk_dv": lambda c, m, cfg: cdiv(c, cfg["BK"]) + cdiv(m, cfg["BV"]),  # dk's tiles, then dv's
+}
+
+
+@functools.cache
+def _constexpr_names(name: str) -> tuple[str, ...]:
+    """Kernel ``name``'s constexpr parameters, in its order (the direct launch passes them by position)."""
+    parameters = inspect.signature(getattr(KERNELS[name], name)).parameters.values()
+    return tuple(p.name for p in parameters if getattr(p.annotation, "__name__", None) == "constexpr")
+
+
+def constexprs(name: str, values: dict) -> dict:
+    """The constexprs of kernel ``name`` taken from ``values`` (a config and flags), in its order."""
+    return {arg: values[arg] for arg in _constexpr_names(name)}
+
+
 @functools.lru_cache(maxsize=1024)
 def plan(lay_key: tuple, elu: bool, with_state: bool, prec: str, interpret: bool) -> dict:
     """Every launch decision of a shape, made once: ``{kernel: (grid, constexprs, meta)}`` of the
     forward's and the backward's kernels. ``lay_key``: :func:`plan_key`; ``with_state``: an initial
     state (forward and the dq walk) or a final state's gradient (the dk/dv walk)."""
     c, m, chunk, ls, nsc, rows, ns_max, dtype, varlen = lay_key
-    common = dict(C=c, M=m, BT=chunk, LS=ls)
-    parts, several, walks = bf16_parts(dtype), ns_max > 1, dict(NS_MAX=ns_max, INTERPRET=interpret)
-    cfg = {name: config(name, c, m) for name in KERNELS}
-    return {
-        "superchunk_deltas": (programs(cdiv(m, cfg["superchunk_deltas"]["BV"]), nsc, rows),
-                              dict(common, BK=cfg["superchunk_deltas"]["BK"], BV=cfg["superchunk_deltas"]["BV"], ELU=elu,
-                                   VARLEN=varlen, PREC=prec, INTERPRET=interpret), _meta(cfg["superchunk_deltas"])),
-        "superchunk_forward": (programs(cdiv(m, cfg["superchunk_forward"]["BV"]), nsc, rows),
-                               dict(common, BK=cfg["superchunk_forward"]["BK"], BV=cfg["superchunk_forward"]["BV"],
-                                    ELU=elu, HAS_INIT=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks,
-                                    STORE_F32=dtype in _HALF), _meta(cfg["superchunk_forward"])),
-        "superchunk_backward_prepare": (
-            programs(cdiv(m, cfg["superchunk_backward_prepare"]["BV"]), nsc, rows),
-            dict(common, BK=cfg["superchunk_backward_prepare"]["KF"], BV=cfg["superchunk_backward_prepare"]["BV"],
-                 MF=cfg["superchunk_backward_prepare"]["MF"], ELU=elu, VARLEN=varlen, PREC=prec, PARTS=parts,
-                 DELTAS=several, INTERPRET=interpret), _meta(cfg["superchunk_backward_prepare"])),
-        "superchunk_dq": (programs(cdiv(c, cfg["superchunk_dq"]["BK"]), nsc, rows),
-                          dict(common, BK=cfg["superchunk_dq"]["BK"], MF=cfg["superchunk_dq"]["MF"], ELU=elu,
-                               HAS_INIT=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks),
-                          _meta(cfg["superchunk_dq"])),
-        "superchunk_dk_dv": (programs(cdiv(c, cfg["superchunk_dk_dv"]["BK"]) + cdiv(m, cfg["superchunk_dk_dv"]["BV"]),
-                                      nsc, rows),
-                             dict(common, BK=cfg["superchunk_dk_dv"]["BK"], BV=cfg["superchunk_dk_dv"]["BV"],
-                                  KF=cfg["superchunk_dk_dv"]["KF"], MF=cfg["superchunk_dk_dv"]["MF"], ELU=elu,
-                                  HAS_DFINAL=with_state, VARLEN=varlen, PREC=prec, PARTS=parts, **walks),
-                             _meta(cfg["superchunk_dk_dv"])),
-    }
+    flags = dict(C=c, M=m, BT=chunk, LS=ls, ELU=elu, VARLEN=varlen, PREC=prec, PARTS=bf16_parts(dtype),
+                 HAS_INIT=with_state, HAS_DFINAL=with_state, NS_MAX=ns_max, INTERPRET=interpret,
+                 STORE_F32=dtype in _HALF, DELTAS=ns_max > 1)
+    launches = {}
+    for name, tiles in _TILES.items():
+        cfg = config(name, c, m)
+        launches[name] = (programs(tiles(c, m, cfg), nsc, rows), constexprs(name, dict(flags, **cfg)), _meta(cfg))
+    return launches
 
 
 def plan_key(lay: Layout) -> tuple:
@@ -378,34 +382,29 @@ def compile_for(capability: tuple[int, int], dtype: torch.dtype, c: int, m: int,
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     dt = name[dtype]
     flags = dict(C=c, M=m, BT=chunk, LS=ls, ELU=elu, VARLEN=varlen, PREC=dot_precision(dtype), PARTS=bf16_parts(dtype),
-                 HAS_INIT=True, HAS_DFINAL=True, NS_MAX=0, INTERPRET=False)
+                 HAS_INIT=True, HAS_DFINAL=True, NS_MAX=0, INTERPRET=False, STORE_F32=dtype in _HALF, DELTAS=True)
     pointers = dict(Q=dt, K=dt, V=dt, O=dt, OUT=dt, DO=dt, O32="fp32", DQ=dt, DK=dt, DV=dt, CU="i32", SC_OFF="i64",
                     SC_TABLE="i64")
     compiled = {}
     for kernel, module in KERNELS.items():
         fn = triton.jit(getattr(module, kernel))
         cfg = config(kernel, c, m)
-        # every constexpr of the kernel's config (a new kernel's own included), less the launch options
-        tiles = dict({key: value for key, value in cfg.items() if key not in ("num_warps", "num_stages")},
-                     STORE_F32=dtype in _HALF, DELTAS=True)
-        if kernel == "superchunk_backward_prepare":
-            tiles["BK"] = cfg["KF"]
-        constexprs = {arg: value for arg, value in dict(flags, **tiles).items() if arg in fn.arg_names}
+        kernel_constexprs = constexprs(kernel, dict(flags, **cfg))  # a new kernel's own config keys included
         signature, attrs = {}, {}
         for i, arg in enumerate(fn.arg_names):
-            if arg in constexprs:
+            if arg in kernel_constexprs:
                 signature[arg] = "constexpr"
             elif arg in ("tiny", "eps"):
                 signature[arg] = "fp32"
             elif arg in ("T", "H", "NSC"):
                 signature[arg] = "i32"
             elif re.fullmatch(r"s[a-z]+_d", arg):  # a feature stride: 1, which Triton makes a constant
-                signature[arg], constexprs = "constexpr", {**constexprs, arg: 1}
+                signature[arg], kernel_constexprs = "constexpr", {**kernel_constexprs, arg: 1}
             elif re.fullmatch(r"s[a-z]+_[bht]", arg):
                 signature[arg], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
             else:  # a pointer: the tensors above, fp32 for states, normalisers and their gradients
                 signature[arg], attrs[(i,)] = "*" + pointers.get(arg, "fp32"), [["tt.divisibility", 16]]
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        source = ASTSource(fn=fn, signature=signature, constexprs=kernel_constexprs, attrs=attrs)
         target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
         compiled[kernel] = triton.compile(source, target=target, options=_meta(cfg))
     return compiled
