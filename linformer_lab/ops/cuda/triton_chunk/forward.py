@@ -188,7 +188,8 @@ def superchunk_deltas(
     ELU: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid ``(cdiv(M, BV) NSC rows,)``: DS ``(slots H, C, M)``, DZ ``(slots H, C)`` fp32, the sums
-    of phi(k_j) v_j^T and phi(k_j) over each super-chunk (row (global super-chunk) H + head)."""
+    of phi(k_j) v_j^T and phi(k_j) over each super-chunk but a sequence's last (row (global
+    super-chunk) H + head; the last's row holds zeros)."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
     ck = tl.arange(0, BK)
@@ -198,9 +199,11 @@ def superchunk_deltas(
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
+    # a sequence's last super-chunk: no later walk starts from its delta, so none is summed
+    end = tl.where(s < n_sc - 1, length, first)
+    n_chunks = tl.cdiv(tl.minimum(end - first, LS), BT)
     for c in range(0, LS // BT if INTERPRET else n_chunks):
-        tmask = first + c * BT + tt < length
+        tmask = first + c * BT + tt < end
         k = feature_rows(K, b, h, bos + first + c * BT, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         v = load_rows(V, b, h, bos + first + c * BT, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
         acc = dot_inputs(tl.trans(k), v, acc, PREC)
