@@ -41,8 +41,8 @@ from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.models.generation.dynamic_step import split_heads
 from linformer_lab.models.generation.form import LINEAR_OR_SOFTMAX, why_not_paper_form
 from linformer_lab.models.generation.weights import step_linear
-from linformer_lab.ops.cuda import triton_chunk
 from linformer_lab.ops.cuda.triton_chunk import backend as triton_backend
+from linformer_lab.ops.cuda.triton_chunk import step as triton_step
 from linformer_lab.ops.cuda.triton_chunk.step import linear_attention_step_
 from linformer_lab.ops.state import KVCache
 
@@ -65,8 +65,7 @@ class _LinearBuffers:
         self.joint = torch.zeros(batch, heads, backend.feature_map.output_dim, value_dim + 1, dtype=state_dtype,
                                  device=device)
         # one Triton kernel for maps, state update and readout where it runs (a GPU; None: there)
-        self.fused = fused if fused is not None else (dtype != torch.float64 and device.type == "cuda"
-                                                      and triton_chunk.is_available())
+        self.fused = fused if fused is not None else triton_step.runs_for(self.joint)
         if self.fused and state_dtype != torch.float32:
             raise ValueError("the fused attention step keeps an fp32 state: not for float64 models")
         self.mapped_in_kernel = triton_backend.fuses(backend.feature_map)

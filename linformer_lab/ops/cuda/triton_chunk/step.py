@@ -48,10 +48,10 @@ linear_attention_step_ = custom_ops.define(
     _step, _step_fake, "CompositeExplicitAutograd")
 
 
-def accepts(q: Tensor, joint: Tensor) -> bool:
-    """Where the kernel runs: a CUDA GPU with Triton (the interpreter on a CPU in tests), and the
-    fp32 contiguous joint state of a non-fp64 model."""
+def runs_for(joint: Tensor) -> bool:
+    """Where the kernel runs: a CUDA GPU with Triton, for an fp32 contiguous joint state (a
+    float64 model keeps float64 state, which the kernel does not hold)."""
     from linformer_lab.ops.cuda import triton_chunk
 
-    return (joint.dtype == torch.float32 and joint.is_contiguous() and q.dtype != torch.float64
-            and q.device.type == "cuda" and triton_chunk.is_available())
+    return (joint.dtype == torch.float32 and joint.is_contiguous() and joint.device.type == "cuda"
+            and triton_chunk.is_available())
