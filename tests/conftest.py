@@ -185,8 +185,9 @@ def _restored_torch_flags():
 
 
 def run_cli(args: list[str], cwd: Path = REPO) -> tuple[int, str, str]:
-    """Run ``cli.main(args)`` in this process; returns (exit code, stdout, stderr)."""
-    from linformer_lab.cli.entry import main
+    """Run ``cli.main(args)`` in this process, then close a process group it opened (as ``cli.py``
+    does: a ddp run of one process opens one); returns (exit code, stdout, stderr)."""
+    from linformer_lab.cli.entry import close_process_group, main
 
     out, err = io.StringIO(), io.StringIO()
     old = os.getcwd()
@@ -202,6 +203,8 @@ def run_cli(args: list[str], cwd: Path = REPO) -> tuple[int, str, str]:
                 code = main(list(args))
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            finally:
+                close_process_group()
     finally:
         os.chdir(old)
     warned = "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
