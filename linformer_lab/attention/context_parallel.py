@@ -7,7 +7,10 @@ other's segment sums: every rank computes its own ``delta_r``, one all-gather gi
 and rank r runs its segment from the exclusive prefix ``S_0 + sum_{r' < r} delta_r'`` through the
 layer's own kernel, exactly as the one-process recurrence would arrive at position ``r N``.
 Non-causal attention reads the sum over all ranks. The bytes exchanged per layer do not depend on
-the sequence length; softmax and lsh, whose "state" is every key, cannot do this.
+the sequence length; softmax and lsh, whose "state" is every key, cannot do this. Packed sequences
+(causal) work the same way per sequence: a rank's first sequence starts from the earlier ranks'
+sums of that sequence, its others from their own initial states. Every collective carries the
+segment's length, so segments of unequal length stop every rank with one message.
 
 Gradients: ``delta_r`` reaches rank r's own prefix never and every later rank's prefix once (and
 the returned final state of every rank), so its gradient is ``sum_{r' > r} dprefix_r' + sum_r'
@@ -19,6 +22,8 @@ the weights, is the one-process gradient.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,8 @@ from linformer_lab.ops.state import LinearState
 from linformer_lab.registry import ATTENTION, PluginError
 from linformer_lab.validation import ConfigurationError
 
-__all__ = ["ExclusivePrefix", "SumOverRanks", "context_grid", "context_parallel", "context_segment", "segment_attention"]
+__all__ = ["ExclusivePrefix", "GatherOverRanks", "check_splittable", "context_grid", "context_parallel", "context_segment",
+           "segment_attention"]
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -42,19 +48,32 @@ def _rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _gather(x: torch.Tensor, n: int, group, size: int) -> list[torch.Tensor]:
+    """Every rank's ``x``, in rank order (one all-gather), having checked that every rank holds a
+    segment of the same ``n`` positions: the length travels in the same message, so every rank
+    sees every length and all of them stop together on a mismatch, none left in a collective."""
+    flat = torch.cat([x.detach().flatten(), x.new_tensor([float(n)])])
+    parts = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(parts, flat, group=group)
+    lengths = [int(part[-1].item()) for part in parts]
+    if any(length != n for length in lengths):
+        raise ValueError(f"context parallelism needs a segment of the same length on every process of the group; "
+                         f"got {lengths} positions on ranks 0..{size - 1} (split the sequence with ll.context_segment)")
+    return [part[:-1].view_as(x) for part in parts]
+
+
 class ExclusivePrefix(torch.autograd.Function):
     """``delta (...)`` on each rank -> ``(prefix, total)``: the sum of the earlier ranks' deltas and
     the sum of all of them, both in rank order (so ``total`` is the same bits on every rank).
-    Forward: one all-gather of ``delta``; backward: one all-gather of ``(dprefix, dtotal)``."""
+    Forward: one all-gather of ``delta`` (with the segment's length ``n``, checked equal);
+    backward: one all-gather of ``(dprefix, dtotal)``."""
 
     @staticmethod
-    def forward(ctx, delta: torch.Tensor, group):
+    def forward(ctx, delta: torch.Tensor, group, n: int):
         rank, size = _rank_and_size(group)
         ctx.group, ctx.rank, ctx.size = group, rank, size
-        parts = [torch.empty_like(delta) for _ in range(size)]
-        dist.all_gather(parts, delta.contiguous(), group=group)
         running, prefix = torch.zeros_like(delta), None
-        for r, part in enumerate(parts):  # the running sum in rank order: the recurrence's order
+        for r, part in enumerate(_gather(delta, n, group, size)):  # the running sum in rank order: the recurrence's
             if r == rank:
                 prefix = running
             running = running + part
@@ -69,26 +88,24 @@ class ExclusivePrefix(torch.autograd.Function):
         grad = torch.zeros_like(grad_prefix)
         for r, part in enumerate(parts):
             grad = grad + (part[0] + part[1] if r > ctx.rank else part[1])
-        return grad, None
+        return grad, None, None
 
 
-class SumOverRanks(torch.autograd.Function):
-    """``x (...)`` -> the sum over the group's ranks (all-reduce); its gradient is the sum of the
-    ranks' gradients (all-reduce again): one collective each way."""
+class GatherOverRanks(torch.autograd.Function):
+    """``x (...)`` on each rank -> ``(P, ...)``, every rank's in rank order (one all-gather, the
+    segment's length ``n`` checked equal); the gradient of one's own row is the sum of every
+    rank's gradient of it (one all-reduce)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group):
-        _rank_and_size(group)
-        ctx.group = group
-        total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
-        return total
+    def forward(ctx, x: torch.Tensor, group, n: int):
+        ctx.group, ctx.rank = group, _rank_and_size(group)[0]
+        return torch.stack(_gather(x, n, group, _rank_and_size(group)[1]))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad[ctx.rank], None, None
 
 
 def context_segment(length: int, group=None) -> tuple[int, int]:
@@ -137,13 +154,13 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
     state after the sequence's last position (the same on every rank).
     """
     name = type(layer).__name__
-    if cu_seqlens is not None:
-        raise ValueError(f"{name}: packed sequences (cu_seqlens) do not split over context-parallel processes; "
-                         "pad the batch and pass key_lengths instead")
     if k.shape[2] != q.shape[2] and layer.causal:
         layer.check_cross_attention(q.shape[2], k.shape[2])
     rank, size = _rank_and_size(group)
     n = k.shape[2]
+    layer.check_state_request(state, return_state, cu_seqlens, key_lengths)
+    if cu_seqlens is not None:
+        return _packed_segment(layer, group, rank, size, q, k, v, cu_seqlens, state, return_state)
     local_lengths = valid = None
     if key_lengths is not None:
         check_key_lengths(key_lengths, batch=k.shape[0], seq=size * n, device=k.device, who=f"{name} (context parallel)")
@@ -160,7 +177,7 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
         s0, z0 = check_linear_state(state, phi_k, v, name)
         initial = joint_state(s0, z0).joint.to(delta.dtype)
     if not layer.causal:
-        total = SumOverRanks.apply(delta, group)
+        total = GatherOverRanks.apply(delta, group, n).sum(dim=0)
         if initial is not None:
             total = initial + total
         total_state = LinearState(total)
@@ -168,11 +185,59 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
         phi_q = layer.feature_map.forward_queries(q)
         out = linear_attention(phi_q, phi_k[..., :0, :], v[..., :0, :], eps=layer.eps, initial_state=total_state)
         return (out, total_state) if return_state else out
-    prefix, total = ExclusivePrefix.apply(delta, group)
+    prefix, total = ExclusivePrefix.apply(delta, group, n)
     if initial is not None:
         prefix, total = initial + prefix, initial + total
     out = layer.attend(q, k, v, key_lengths=local_lengths, state=LinearState(prefix))
     return (out, LinearState(total)) if return_state else out
+
+
+def _packed_segment(layer, group, rank: int, size: int, q, k, v, cu_seqlens, state, return_state):
+    """:func:`segment_attention` of packed sequences: ``q, k (1, H, N, D)``, ``v (1, H, N, M)`` are
+    positions ``[r N, (r + 1) N)`` of the packed whole, ``cu_seqlens (S + 1,)`` the whole's offsets
+    (the same on every rank), ``state`` one row per sequence of the whole. A sequence may start on
+    one rank and end on a later one: its part on each rank is a piece, and only a rank's first
+    piece starts from the earlier ranks' states (those whose last piece is of the same sequence).
+    """
+    name = type(layer).__name__
+    if not layer.causal:
+        raise ValueError(f"{name}: non-causal packed sequences do not split over context-parallel processes; "
+                         "pad the batch and pass key_lengths instead")
+    n = k.shape[2]
+    offsets = cu_seqlens.tolist()  # the host needs the pieces' count: one read per layer
+    if offsets[-1] != size * n:
+        raise ValueError(f"{name} (context parallel): cu_seqlens ends at {offsets[-1]} positions, but the {size} "
+                         f"processes hold {size} x {n}; pass the whole packed sequence's offsets on every process")
+    # the sequence of each rank's first and last position
+    first = [bisect.bisect_right(offsets, r * n) - 1 for r in range(size)]
+    last = [bisect.bisect_right(offsets, (r + 1) * n - 1) - 1 for r in range(size)]
+    start = rank * n
+    local = [0, *(o - start for o in offsets if start < o < start + n), n]
+    tail = local[-2]  # the first position of this rank's last piece: what later ranks may continue
+    phi_k = layer.feature_map.forward_keys(k)
+    deltas = GatherOverRanks.apply(_segment_sum(phi_k[:, :, tail:], v[:, :, tail:], None), group, n)  # (P, 1, H, C, M + 1)
+    # the earlier ranks whose last piece this rank's first piece continues; a product with a 0/1
+    # mask, not a selection, so that every rank's backward runs the gather's collective
+    carried = deltas.new_tensor([float(r < rank and last[r] == first[rank]) for r in range(size)])
+    prefix = (deltas * carried.view(-1, *[1] * (deltas.dim() - 1))).sum(dim=0)
+    pieces = len(local) - 1
+    initial = prefix.new_zeros(pieces, *prefix.shape[1:])  # (pieces, H, C, M + 1)
+    if state is not None:
+        s0, z0 = state
+        whole = joint_state(s0, z0).joint.to(prefix.dtype)  # (S, H, C, M + 1)
+        initial = whole[first[rank] : first[rank] + pieces]
+    initial = torch.cat([initial[:1] + prefix, initial[1:]])
+    local_cu = torch.tensor(local, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    result = layer.attend(q, k, v, state=LinearState(initial), return_state=return_state, cu_seqlens=local_cu)
+    if not return_state:
+        return result
+    out, final = result
+    # each sequence's final state from the rank of its last position, summed into every rank's rows
+    ends_here = pieces - (1 if rank + 1 < size and first[rank + 1] == last[rank] else 0)
+    rows = final.joint.new_zeros(len(offsets) - 1, *final.joint.shape[1:])
+    rows = rows.index_add(0, torch.arange(first[rank], first[rank] + ends_here, device=rows.device),
+                          final.joint[:ends_here])
+    return out, LinearState(GatherOverRanks.apply(rows, group, n).sum(dim=0))
 
 
 def _backend_name(module: Attention) -> str:
@@ -183,6 +248,19 @@ def _backend_name(module: Attention) -> str:
         except PluginError:
             continue
     return type(module).__name__
+
+
+def check_splittable(model: nn.Module) -> list[Attention]:
+    """``model``'s attention layers, or a ConfigurationError naming the first backend that cannot
+    run a segment of a sequence split over processes (softmax and lsh: their state is every
+    earlier key, not a fixed-size sum)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for module in layers:
+        if not hasattr(module, "context_group"):  # the backends that run a segment set it (linear)
+            raise ConfigurationError(
+                f"context_parallel: attention backend {_backend_name(module)!r} cannot split a sequence over processes "
+                "(its state is every earlier key, not a fixed-size sum); use 'linear'")
+    return layers
 
 
 def context_parallel(model: nn.Module, group=None) -> nn.Module:
@@ -196,12 +274,7 @@ def context_parallel(model: nn.Module, group=None) -> nn.Module:
     the group (DDP over it does). A backend without a fixed-size state is refused: softmax and lsh
     attention need every earlier key, not a sum of them.
     """
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    for module in layers:
-        if not hasattr(module, "context_group"):  # the backends that run a segment set it (linear)
-            raise ConfigurationError(
-                f"context_parallel: attention backend {_backend_name(module)!r} cannot split a sequence over processes "
-                "(its state is every earlier key, not a fixed-size sum); use 'linear'")
+    layers = check_splittable(model)
     if group is not False:
         _rank_and_size(group)
     for module in layers:

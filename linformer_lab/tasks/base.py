@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.attention.context_parallel import check_splittable, context_grid, context_parallel, context_segment
 from linformer_lab.tasks.conversion import (
     WeightTransfer,
     check_same_settings,
@@ -93,6 +94,25 @@ class Task(L.LightningModule):
         self.attention_config = config
         self.hparams["attention"] = config.to_hparams()
         return config
+
+    #: processes that split every sequence of a batch (a task's ``context_parallel`` argument)
+    context_parallel: int = 1
+    #: this rank's group of ``context_parallel`` processes, made by :meth:`join_context_grid`
+    context_group = None
+
+    def join_context_grid(self, model: torch.nn.Module) -> None:
+        """With ``context_parallel`` P > 1 (from :meth:`setup`, where every process runs it once, in
+        the same order: groups are made collectively): this rank's group of the run's (data x
+        context) grid, P consecutive ranks per batch, and ``model``'s linear attention layers split
+        over it (:func:`~linformer_lab.attention.context_parallel.context_parallel`)."""
+        if self.context_parallel > 1 and self.context_group is None:
+            self.context_group = context_grid(self.context_parallel)
+            context_parallel(model, group=self.context_group)
+
+    def context_positions(self, length: int) -> tuple[int, int]:
+        """``(start, stop)``: the positions of a sequence of ``length`` this process runs, its
+        segment under context parallelism, all of them otherwise."""
+        return (0, length) if self.context_group is None else context_segment(length, self.context_group)
 
     def setup(self, stage: str) -> None:
         # Here, not in __init__: only now are the data module and the run's device known. The
@@ -353,6 +373,20 @@ def check_segment_length(segment_length: int | None, transformer, backend: str) 
             f"({backends_with('has_recurrent_form')}); {backend!r} has no recurrent form "
             f"(its outputs depend on later positions)"
         )
+
+
+def check_context_parallel(context_parallel: int, transformer, **exclusive) -> None:
+    """Raise a ConfigurationError unless ``context_parallel`` (processes per sequence) can split
+    ``transformer``'s sequences: an integer >= 1, a backend with a fixed-size state, and none of the
+    ``exclusive`` settings (name -> value) that also take the whole sequence set."""
+    check_at_least("context_parallel", context_parallel, 1, "processes that split each sequence")
+    if context_parallel == 1:
+        return
+    check_splittable(transformer)
+    for name, value in exclusive.items():
+        if value and value != "none":
+            raise ConfigurationError(f"context_parallel = {context_parallel} splits every sequence over processes; "
+                                     f"{name} = {value!r} needs the whole sequence in one: set one of them")
 
 
 def check_attention_devices(module: torch.nn.Module, device: torch.device) -> None:

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.attention.context_parallel import context_grid, context_parallel, context_segment
 from linformer_lab.models.transformer import Transformer, segmented_forward
-from linformer_lab.tasks.base import Task, WeightedMean, check_conversion, check_segment_length
+from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel, check_conversion, check_segment_length
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 #: How positions enter the model (``positions``): a learned embedding added to the token
@@ -154,14 +153,9 @@ class CopyTask(Task):
         check_positive("lr_decay_factor", lr_decay_factor, "factor applied to the learning rate")
         check_non_negative("weight_decay", weight_decay)
         check_conversion(init_from, distill_steps, distill_lr)
-        check_at_least("context_parallel", context_parallel, 1, "processes that split each sequence")
-        if context_parallel > 1 and segment_length:
-            raise ValueError("context_parallel and segment_length both split a sequence; give one (segment_length "
-                             "within one process, context_parallel over processes)")
         self.save_hyperparameters()
         #: processes per sequence (the data modules share batches by it: data.sampling.process_share)
         self.context_parallel = context_parallel
-        self.context_group = None  # this rank's group of context_parallel processes, made in setup
         # the public edge: the user's form becomes a config here, the Transformer takes that
         attention = self.store_attention(AttentionConfig.coerce(attention))
         self.sequence_length = sequence_length
@@ -175,6 +169,7 @@ class CopyTask(Task):
         )
         self.head = nn.Linear(d_model, vocab_size)
         check_segment_length(segment_length, self.transformer, attention.backend)
+        check_context_parallel(context_parallel, self.transformer, segment_length=segment_length)
         # evaluation loss and accuracy per copied token, over all processes
         self.eval_means = nn.ModuleDict({f"{stage}_{name}": WeightedMean()
                                          for stage in ("val", "test") for name in ("loss", "accuracy")})
@@ -212,10 +207,7 @@ class CopyTask(Task):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.context_parallel > 1 and self.context_group is None:
-            # every process of the run makes every group, once, in the same order
-            self.context_group = context_grid(self.context_parallel)
-            context_parallel(self.transformer, group=self.context_group)
+        self.join_context_grid(self.transformer)
 
     def segment_logits(self, tokens: torch.Tensor, start: int, stop: int, state=None):
         """Logits of positions ``start..stop-1`` given the state after ``< start``:
@@ -238,7 +230,7 @@ class CopyTask(Task):
         inputs = tokens[:, :-1]
         targets, mask = tokens[:, 1:], target_mask[:, 1:]
         if self.context_group is not None:
-            start, stop = context_segment(inputs.shape[1], self.context_group)  # this process's positions
+            start, stop = self.context_positions(inputs.shape[1])
             logits = self(inputs[:, start:stop])
             targets, mask = targets[:, start:stop], mask[:, start:stop]
         elif segment_length:

@@ -44,7 +44,7 @@ from linformer_lab.models.generation.sampling import DECODERS
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.transformer import segmented_forward
-from linformer_lab.tasks.base import Task, check_conversion, check_segment_length
+from linformer_lab.tasks.base import Task, check_context_parallel, check_conversion, check_segment_length
 from linformer_lab.tasks.callbacks import (
     COMPLETION_LEGEND,
     completion_triptychs,
@@ -119,6 +119,11 @@ class ImageGenerationTask(GraphedTraining, Task):
             (Hedgehog's first stage): only the feature maps' weights train, to match the softmax
             attention weights of the ``init_from`` model (:mod:`linformer_lab.tasks.conversion`).
         distill_lr: Adam learning rate of those updates.
+        context_parallel: P, the processes that split every image's sequence into P consecutive
+            segments (:func:`~linformer_lab.attention.context_parallel.context_parallel`; linear
+            attention), P consecutive ranks per batch: a (data x context) grid of the run's
+            processes. Training, validation and test losses are those of one process on the same
+            global batch; generation (``predict``) runs whole sequences on every process.
 
     ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``hparams_free_to_change``
     which arguments a checkpoint may have had different.
@@ -133,7 +138,7 @@ class ImageGenerationTask(GraphedTraining, Task):
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
                               "segment_length", "detach_state", "compile", "cuda_graph", "decoder",
-                              "init_from", "distill_steps", "distill_lr")
+                              "init_from", "distill_steps", "distill_lr", "context_parallel")
 
     def __init__(
         self,
@@ -164,6 +169,7 @@ class ImageGenerationTask(GraphedTraining, Task):
         init_from: str | None = None,
         distill_steps: int = 0,
         distill_lr: float = 1e-3,
+        context_parallel: int = 1,
     ):
         super().__init__()
         image_shape = [int(s) for s in image_shape]
@@ -194,6 +200,10 @@ class ImageGenerationTask(GraphedTraining, Task):
         self.model.fused_loss = compile == "loss"
         self._batch_nll = self.model.nll  # compiled in configure_model with compile="model"
         check_segment_length(segment_length, self.model.transformer, config.backend)
+        check_context_parallel(context_parallel, self.model.transformer, segment_length=segment_length,
+                               compile=compile if compile == "model" else None, cuda_graph=cuda_graph)
+        #: processes per sequence (the data modules share batches by it: data.sampling.process_share)
+        self.context_parallel = context_parallel
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
         self.test_bpd = BitsPerDim()
@@ -224,8 +234,20 @@ class ImageGenerationTask(GraphedTraining, Task):
         if self.hparams.get("compile", "none") == "model" and self._batch_nll == self.model.nll:
             self._batch_nll = torch.compile(self.model.nll)
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.join_context_grid(self.model.transformer)
+
     def _nll(self, batch) -> torch.Tensor:
-        return self._batch_nll(self._images(batch))  # (B, N) nats
+        """``(B, N)`` nats; under context parallelism ``(B, N / P)``, this process's positions."""
+        if self.context_group is None:
+            return self._batch_nll(self._images(batch))
+        sequence = self.model.to_sequence(self._images(batch))
+        start, stop = self.context_positions(sequence.shape[1])
+        nll = self.model.segment_nll(sequence, start, stop)[0]
+        # DDP waits for every weight's gradient on every process, and only position 0 reads the
+        # start vector: the other segments' processes give it a gradient of zeros
+        return nll if start == 0 else nll + 0.0 * self.model.start.sum()
 
     def forward_batch(self, batch) -> torch.Tensor:
         """The training loss's forward pass on ``batch``: ``(B, N)`` nats (attention distillation runs the teacher on it)."""

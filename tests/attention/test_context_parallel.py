@@ -186,6 +186,53 @@ def check_pixel_model(rank: int, size: int) -> None:
         assert_close(summed(p.grad, p), want, f"grad {name}", tol=1e-5)
 
 
+def check_packed(rank: int, size: int, feature_map: str = "elu") -> None:
+    """Packed sequences (``cu_seqlens`` of the whole, the same on every rank) whose boundaries fall
+    inside segments, on them and across several of them; a state per sequence in and out."""
+    torch.manual_seed(3)
+    h, n, d, m = 2, 6, 4, 3
+    t = n * size
+    # lengths: one ending mid-segment, one ending on a boundary, one spanning the rest
+    offsets = sorted({0, 2, n, n + 1, t - 1, t} if size > 1 else {0, 2, t - 1, t})
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    layer = LinearAttention(causal=True, query_dim=d, feature_map=feature_map).double()
+    c = layer.feature_map.output_dim
+    q, k = torch.randn(1, h, t, d, dtype=torch.float64), torch.randn(1, h, t, d, dtype=torch.float64)
+    v = torch.randn(1, h, t, m, dtype=torch.float64)
+    s0, z0 = torch.randn(len(offsets) - 1, h, c, m, dtype=torch.float64), torch.rand(len(offsets) - 1, h, c,
+                                                                                          dtype=torch.float64)
+    weight_out, weight_state = torch.randn(1, h, t, m, dtype=torch.float64), torch.randn(len(offsets) - 1, h, c, m + 1,
+                                                                                           dtype=torch.float64)
+
+    def run(q, k, v, s0, z0, weight_out, state_term: bool):
+        out, state = layer(q, k, v, state=(s0, z0), return_state=True, cu_seqlens=cu)
+        ((out * weight_out).sum() + (state.joint * weight_state).sum() * state_term).backward()
+        return out, state
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, s0, z0)]
+    ref_out, ref_state = run(*leaves, weight_out, True)
+    ll.context_parallel(layer)
+    part = slice(rank * n, (rank + 1) * n)
+    mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)] + [x.clone().requires_grad_() for x in (s0, z0)]
+    out, state = run(*mine, weight_out[:, :, part], rank == 0)
+    layer.context_group = None
+    assert_close(out, ref_out[:, :, part], "packed output")
+    assert_close(state.joint, ref_state.joint, "packed final states")
+    for label, got, want in zip("qkv", mine[:3], leaves[:3]):
+        assert_close(got.grad, want.grad[:, :, part], f"packed grad {label}")
+    for label, got, want in zip(("S0", "Z0"), mine[3:], leaves[3:]):
+        assert_close(summed(got.grad), want.grad, f"packed grad {label}")
+
+
+def check_unequal_segments(rank: int, size: int) -> None:
+    """Segments of different lengths stop every rank with the lengths named, none left waiting."""
+    layer = ll.context_parallel(LinearAttention(causal=True, query_dim=4).double())
+    x = torch.randn(1, 1, 3 + rank, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the same length on every process.*got \[3, 4"):
+        layer(x, x, x)
+    layer.context_group = None
+
+
 def worker(rank: int, size: int, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
@@ -196,6 +243,9 @@ def worker(rank: int, size: int, store: str) -> None:
         check_layer(True, rank, size, feature_map="hedgehog")  # a map with weights of its own
         check_training_step(rank, size)
         check_pixel_model(rank, size)
+        check_packed(rank, size)
+        check_packed(rank, size, feature_map="hedgehog")
+        check_unequal_segments(rank, size)
         if size == 4:  # a (data x context) grid: two groups of two, each its own sequences
             group = context_grid(2)
             check_layer(True, dist.get_rank(group), 2, group=group, seed=rank // 2)
@@ -217,15 +267,19 @@ def test_context_parallel_equals_one_process(processes, tmp_path):
 
 
 @needs_gloo
-def test_one_process_group_is_the_plain_forward_and_packed_is_refused(tmp_path):
+def test_one_process_group_is_the_plain_forward(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         check_layer(True, 0, 1)
         check_layer(False, 0, 1)
-        layer = ll.context_parallel(LinearAttention(causal=True, query_dim=4))
+        check_packed(0, 1)
+        layer = ll.context_parallel(LinearAttention(causal=False, query_dim=4))
         q = torch.randn(1, 1, 6, 4)
-        with pytest.raises(ValueError, match="cu_seqlens"):
+        with pytest.raises(ValueError, match="non-causal packed sequences do not split"):
             layer(q, q, q, cu_seqlens=torch.tensor([0, 2, 6]))
+        layer = ll.context_parallel(LinearAttention(causal=True, query_dim=4))
+        with pytest.raises(ValueError, match="cu_seqlens ends at 5 positions"):
+            layer(q, q, q, cu_seqlens=torch.tensor([0, 2, 5]))
         with pytest.raises(ValueError, match="key_lengths must lie in"):  # global lengths: at most P N
             layer(q, q, q, key_lengths=torch.tensor([7]))
         assert ll.context_segment(7) == (0, 7)

@@ -1,7 +1,7 @@
 """``--model.context_parallel 2`` through ``cli.py``: two gloo processes (two torchrun "nodes" of
-one process each, on 127.0.0.1) split every copy sequence in two and train, validate and test as
-one process given the same batches: the same training losses at every step, the same validation
-loss, the same weights after, the same test loss from the checkpoint written, and the same copy
+one process each, on 127.0.0.1) split every copy sequence (and every MNIST image's sub-pixels) in
+two and train, validate and test as one process given the same batches: the same training losses
+at every step, the same validation loss, the same weights after, the same test loss from the checkpoint written, and the same copy
 accuracy of ``predict``.
 
 Why equal: the two processes form one context group, so the data module gives both the whole
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import run_cli, tiny_copy_args
+from conftest import run_cli, tiny_copy_args, tiny_mnist_args
 from ddp_driver import assert_same_weights, free_port, metrics, only, run_job, save_weights, torchrun, weights
 
 import linformer_lab as ll
@@ -33,8 +33,12 @@ STEPS = "--trainer.max_steps=4"  # an epoch of 3 batches, its validation, and on
 def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
     split, one = tmp_path / "split", tmp_path / "one"
     args = tiny_copy_args(split, "linear", STEPS, "--model.context_parallel=2", *TWO_NODES)
+    # MNIST in the same job (one start of the two processes): 784 sub-pixels, 392 on each
+    mnist_split, mnist_one = tmp_path / "mnist_split", tmp_path / "mnist_one"
+    mnist = tiny_mnist_args(mnist_split, "--model.context_parallel=2", *TWO_NODES)
     plan = [["fit", *args, save_weights(split / "weights_")], ["test", *args, "--ckpt_path", "last"],
-            ["predict", *args, "--ckpt_path", "last"]]
+            ["predict", *args, "--ckpt_path", "last"],
+            ["fit", *mnist, "--trainer.max_steps=2"], ["validate", *mnist, "--ckpt_path", "last"]]
     port = free_port()
     nodes = [(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
                        f"--master_port={port}"), {}) for rank in (0, 1)]
@@ -46,6 +50,16 @@ def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
         code, out, err = run_cli(command)
         assert code == 0, err[-3000:]
         printed.append(out)
+
+    for command in (["fit", *tiny_mnist_args(mnist_one), "--trainer.max_steps=2"],
+                    ["validate", *tiny_mnist_args(mnist_one), "--ckpt_path", "last"]):
+        code, out, err = run_cli(command)
+        assert code == 0, err[-3000:]
+    for stage, key in ((0, "train/bits_per_dim"), (0, "val/bits_per_dim"), (1, "val/bits_per_dim")):
+        got, want = (metrics(root / f"version_{stage}", key) for root in (mnist_split, mnist_one))
+        assert sorted(got) == sorted(want) and want, (key, got, want)
+        for step, value in want.items():
+            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
 
     losses, want = metrics(split / "version_0", "train/loss"), metrics(one / "version_0", "train/loss")
     assert sorted(losses) == sorted(want) and len(want) == 4, (losses, want)

@@ -245,3 +245,18 @@ def test_mnist_cpu_configs_fast_dev_run(method, tmp_path):
                             "--trainer.enable_progress_bar=false", "--model.d_model=16", "--model.n_heads=2",
                             "--model.d_ff=32", "--model.n_layers=1", "--data.batch_size=2"], cwd=tmp_path)
     assert code == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"segment_length": 8}, "segment_length = 8 needs the whole sequence"),
+    ({"compile": "model"}, "compile = 'model' needs the whole sequence"),
+    ({"cuda_graph": True}, "cuda_graph = True needs the whole sequence"),
+    ({"attention": "softmax"}, "attention backend 'softmax' cannot split a sequence"),
+])
+def test_context_parallel_refuses_what_takes_the_whole_sequence(setting, message):
+    from linformer_lab.validation import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        ImageGenerationTask(**{"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "num_mixtures": 2,
+                               "context_parallel": 2, **setting})
+    ImageGenerationTask(n_layers=1, d_model=16, n_heads=2, d_ff=32, num_mixtures=2, context_parallel=2)
