@@ -123,7 +123,7 @@ def measure(torch, shape, args) -> dict:
     # the bare kernel's inputs: feature-mapped, as the numerator sees them
     phi_q, phi_k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_()
                     for _ in range(2))
-    layer = LinearAttention(causal=True, query_dim=d)
+    layer = LinearAttention(causal=True, query_dim=d, feature_map=args.feature_map)
     cases = {
         "kernel": common.forward_backward(lambda: cpu_kernel.causal_dot_product(phi_q, phi_k, v), (phi_q, phi_k, v), grad),
         "layer_after": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad),
@@ -135,7 +135,7 @@ def measure(torch, shape, args) -> dict:
         qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
         cases["bf16_as_fp32"] = common.forward_backward(lambda: layer(qb, kb, vb), (qb, kb, vb), grad.bfloat16(),
                                                         lambda: switched("causal_attention=cpp"))
-    ft = ft_layer(torch, d)
+    ft = ft_layer(torch, d) if args.feature_map == "elu" else None  # its own map is elu's
     if ft is not None:
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         grad_t = grad.transpose(1, 2).contiguous()
@@ -320,9 +320,10 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         f"- Forward+backward, fp32, D = M, median ms of {env['clock']} time"
         + (" (the timing thread's CPU time: at one thread, what the call computed, not the time other processes "
            "held the core; the csv also has wall times)" if env["clock"] == "cpu" else "")
-        + ". Layer after: `LinearAttention(causal=True)` (elu + 1) on the "
-        "fused C++ kernel; layer before: the same layer with `LINFORMER_LAB_KERNELS=causal_attention=pytorch` "
-        "(elu map, the recurrence for the numerator, the normaliser in PyTorch); kernel: the bare numerator on "
+        + f". Layer after: `LinearAttention(causal=True, feature_map={args.feature_map!r})` on the "
+        "fused C++ kernel (elu inside it; any other map applied by PyTorch first); layer before: the same layer "
+        "with `LINFORMER_LAB_KERNELS=causal_attention=pytorch` "
+        "(the map, the recurrence for the numerator, the normaliser in PyTorch); kernel: the bare numerator on "
         "feature-mapped q, k; FT layer: fast-transformers' `CausalLinearAttention` (its elu map and normaliser, "
         "layout B N H D).",
         "",
@@ -374,6 +375,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=5, help="timed completions per variant and mode with --generate")
     p.add_argument("--bf16", action="store_true", help="also the layer on bf16 inputs, on the fused kernel running "
                    "them as float32")
+    p.add_argument("--feature-map", default="elu", help="the layer's feature map (a registered name); another "
+                   "than elu: its layer on the fused kernel (the map applied first) against the path before")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
@@ -403,7 +406,7 @@ def main(argv=None):
         rows.append(row)
         print(row, flush=True)
     env["load_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    suffix = ("_quick" if args.quick else "") + args.tag
+    suffix = ("_quick" if args.quick else "") + ("" if args.feature_map == "elu" else f"_{args.feature_map}") + args.tag
     os.makedirs(args.out, exist_ok=True)
     common.write_csv(os.path.join(args.out, f"causal_cpu_layer{suffix}.csv"), rows)
     print(write_report(args, rows, skipped, env, os.path.join(args.out, f"causal_cpu_layer{suffix}.md")))

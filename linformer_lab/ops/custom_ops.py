@@ -21,21 +21,23 @@ the others with zero columns and calls it):
 The forward's registered gradient calls the backward operator, which has none itself: a second
 derivative is an error, not a wrong number.
 
-CPU, causal attention with phi = elu + 1 fused (the same source's ``attention_forward`` /
-``attention_backward``; ``cpu_kernel.causal_attention`` pads C and M and calls it):
+CPU, causal attention with the normaliser fused, and phi = elu + 1 too unless ``mapped`` (the same
+source's ``attention_forward`` / ``attention_backward``; ``cpu_kernel.causal_attention`` maps q and k
+for any other feature map, pads C and M and calls it):
 
-* ``torch.ops.linformer_lab.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths,
-  features, eps)``: unmapped ``q, k (B, H, N, C)``, ``v (B, H, N, M)``, ``S_0 (S, H, C, M)``,
-  ``z_0 (S, H, C)`` or None (S = B, or the packed sequences of ``cu_seqlens [0, n_1, ..., N]``
-  with B = 1), ``key_lengths (B,)`` or None, C's columns from ``features`` on padding ->
+* ``torch.ops.linformer_lab.causal_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths,
+  features, eps, mapped)``: unmapped ``q, k (B, H, N, C)`` (``mapped``: phi(q), phi(k) of any map),
+  ``v (B, H, N, M)``, ``S_0 (S, H, C, M)``, ``z_0 (S, H, C)`` or None (S = B, or the packed
+  sequences of ``cu_seqlens [0, n_1, ..., N]`` with B = 1), ``key_lengths (B,)`` or None, C's
+  columns from ``features`` on padding ->
   ``(out (B, H, N, M), den (B, H, N), S_N (S, H, C, M), z_N (S, H, C), states, z_states, phi(q),
   phi(k) (B, H, N, C))``, den and the last four the backward's (den = phi(q_t)^T z_t + eps; S and z
   at every block start; the maps, 0 at masked keys and padding columns, which autograd keeps in
   place of q and k: 2 C numbers per position and head, more memory only where q, k stay alive
   anyway);
-* ``torch.ops.linformer_lab.causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out,
-  states, z_states, cu_seqlens, grad_s, grad_z)`` -> ``(grad q, grad k, grad v, grad S_0, grad z_0)``:
-  no map to recompute.
+* ``torch.ops.linformer_lab.causal_attention_backward(phi_q, phi_k, v, out, den, grad_out,
+  states, z_states, cu_seqlens, grad_s, grad_z, mapped)`` -> ``(grad q, grad k, grad v, grad S_0,
+  grad z_0)``: no map to recompute (``mapped``: the gradients of phi(q), phi(k)).
 
 CUDA (``ops/cuda``): :func:`register_cuda_ops` gives the operators that ``binding.cpp``
 defines (``torch.ops.linformer_lab_cuda.causal_dot_product_fwd`` / ``_bwd``) their fake
@@ -50,7 +52,7 @@ import torch
 
 from linformer_lab.ops import cpu
 
-__all__ = ["below_autograd", "causal_elu_attention_backward", "causal_elu_attention_forward", "causal_recurrence_backward",
+__all__ = ["below_autograd", "causal_attention_backward", "causal_attention_forward", "causal_recurrence_backward",
            "causal_recurrence_forward", "define", "differentiable", "recurrence_block", "register_cuda_ops"]
 
 
@@ -189,19 +191,19 @@ def _state_rows(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _attention_forward_cpu(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
+def _attention_forward_cpu(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps, mapped):
     b, h, n, c = q.shape
     m = v.shape[-1]
     segments = _segments(q, cu_seqlens)
     out, den, s_n, z_n, states, z_states, phi_q, phi_k = cpu.CAUSAL_RECURRENCE.load().attention_forward(
         _rows(q), _rows(k), _rows(v), _state_rows(s0), _state_rows(z0), cu_seqlens, _row_lengths(key_lengths, h),
-        features, eps)
+        features, eps, mapped)
     return (out.view(b, h, n, m), den.view(b, h, n), s_n.view(segments, h, c, m), z_n.view(segments, h, c),
             states.view(b, h, states.shape[1], c, m), z_states.view(b, h, z_states.shape[1], c),
             phi_q.view(b, h, n, c), phi_k.view(b, h, n, c))
 
 
-def _attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
+def _attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps, mapped):
     b, h, n, c = q.shape
     m, segments = v.shape[-1], _segments(q, cu_seqlens)
     blocks = _saved_blocks(n, 1 if cu_seqlens is None else segments)
@@ -209,46 +211,52 @@ def _attention_forward_fake(q, k, v, s0, z0, cu_seqlens, key_lengths, features, 
             q.new_empty(b, h, blocks, c, m), q.new_empty(b, h, blocks, c), q.new_empty(b, h, n, c), q.new_empty(b, h, n, c))
 
 
-def _attention_backward_cpu(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z):
+def _attention_backward_cpu(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z, mapped):
     b, h, n, c = phi_q.shape
     m, segments = v.shape[-1], _segments(phi_q, cu_seqlens)
     gq, gk, gv, gs, gz = cpu.CAUSAL_RECURRENCE.load().attention_backward(
         _rows(phi_q), _rows(phi_k), _rows(v), _rows(out), den.reshape(b * h, n).contiguous(),
         _rows(grad_out.to(phi_q.dtype)), states.reshape(b * h, *states.shape[2:]).contiguous(),
-        z_states.reshape(b * h, *z_states.shape[2:]).contiguous(), cu_seqlens, _state_rows(grad_s), _state_rows(grad_z))
+        z_states.reshape(b * h, *z_states.shape[2:]).contiguous(), cu_seqlens, _state_rows(grad_s), _state_rows(grad_z),
+        mapped)
     return (gq.view(b, h, n, c), gk.view(b, h, n, c), gv.view(b, h, n, m), gs.view(segments, h, c, m),
             gz.view(segments, h, c))
 
 
-def _attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z):
+def _attention_backward_fake(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s, grad_z,
+                             mapped):
     h, c, m, segments = phi_q.shape[1], phi_q.shape[-1], v.shape[-1], _segments(phi_q, cu_seqlens)
     return (torch.empty_like(phi_q), torch.empty_like(phi_k), torch.empty_like(v), phi_q.new_empty(segments, h, c, m),
             phi_q.new_empty(segments, h, c))
 
 
-#: ``causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)``:
-#: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1 (module docstring for the shapes), differentiable.
-causal_elu_attention_forward = define(
-    "causal_elu_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
-    "Tensor? key_lengths, int features, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+#: ``causal_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps, mapped)``:
+#: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps), phi = elu + 1, or q and k given as phi(q), phi(k) with
+#: ``mapped`` (module docstring for the shapes), differentiable.
+causal_attention_forward = define(
+    "causal_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor? z0, Tensor? cu_seqlens, "
+    "Tensor? key_lengths, int features, float eps, bool mapped) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _attention_forward_cpu, _attention_forward_fake)
-#: ``causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
-#: grad_z)``: the forward's gradients from ``grad_out (B, H, N, M)``, its maps, ``out``, ``den`` and states, and
-#: ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``.
-causal_elu_attention_backward = define(
-    "causal_elu_attention_backward(Tensor phi_q, Tensor phi_k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
-    "Tensor states, Tensor z_states, Tensor? cu_seqlens, Tensor? grad_s, Tensor? grad_z) "
+#: ``causal_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states, cu_seqlens, grad_s,
+#: grad_z, mapped)``: the forward's gradients from ``grad_out (B, H, N, M)``, its maps, ``out``, ``den`` and
+#: states, and ``grad_s``, ``grad_z`` (of S_N, z_N, or None): ``(grad q, grad k, grad v, grad S_0, grad z_0)``.
+causal_attention_backward = define(
+    "causal_attention_backward(Tensor phi_q, Tensor phi_k, Tensor v, Tensor out, Tensor den, Tensor grad_out, "
+    "Tensor states, Tensor z_states, Tensor? cu_seqlens, Tensor? grad_s, Tensor? grad_z, bool mapped) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", _attention_backward_cpu, _attention_backward_fake)
 
 
-class _CausalEluAttention(torch.autograd.Function):
+class _CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps):
-        outputs = below_autograd(causal_elu_attention_forward, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps)
+    def forward(ctx, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps, mapped):
+        outputs = below_autograd(causal_attention_forward, q, k, v, s0, z0, cu_seqlens, key_lengths, features, eps,
+                                 mapped)
         out, den, _, _, states, z_states, phi_q, phi_k = outputs
         # the maps in place of q and k: the backward needs phi and phi' = min(phi, 1), not q, k
         ctx.save_for_backward(phi_q, phi_k, v, out, den, states, z_states, cu_seqlens)
         ctx.state_dtypes = (None if s0 is None else s0.dtype, None if z0 is None else z0.dtype)
+        ctx.mapped = mapped
         ctx.mark_non_differentiable(den, states, z_states, phi_q, phi_k)
         ctx.set_materialize_grads(False)
         return outputs
@@ -259,14 +267,14 @@ class _CausalEluAttention(torch.autograd.Function):
         phi_q, phi_k, v, out, den, states, z_states, cu_seqlens = ctx.saved_tensors
         if grad_out is None:  # only the final state was used
             grad_out = torch.zeros_like(out)
-        gq, gk, gv, gs, gz = causal_elu_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states,
-                                                           cu_seqlens, grad_s, grad_z)
+        gq, gk, gv, gs, gz = causal_attention_backward(phi_q, phi_k, v, out, den, grad_out, states, z_states,
+                                                       cu_seqlens, grad_s, grad_z, ctx.mapped)
         s_dtype, z_dtype = ctx.state_dtypes
         return (gq, gk, gv, None if s_dtype is None else gs.to(s_dtype), None if z_dtype is None else gz.to(z_dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-differentiable("causal_elu_attention_forward", _CausalEluAttention)
+differentiable("causal_attention_forward", _CausalAttention)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

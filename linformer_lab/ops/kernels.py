@@ -293,9 +293,9 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
                   _causal_attention_triton, _triton_available, _causal_attention_triton_run),
-        Candidate("cpp", "C++ recurrence, elu and the normaliser fused (ops/cpu/causal_recurrence.cpp)",
-                  "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), the elu map "
-                  "(other maps are applied first and take the causal op), C, M zero-padded to whole registers",
+        Candidate("cpp", "C++ recurrence, the normaliser fused, and elu (ops/cpu/causal_recurrence.cpp)",
+                  "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), any map (elu "
+                  "runs inside the kernel, the others are applied first), C, M zero-padded to whole registers",
                   _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
                   _cpu_isa("CAUSAL_RECURRENCE")),
         Candidate(PYTORCH, "feature map, then the causal op and the normaliser in PyTorch "

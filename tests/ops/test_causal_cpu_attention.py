@@ -1,4 +1,4 @@
-"""The fused causal attention on CPU (phi = elu + 1, numerator and normaliser in one C++ forward and
+"""The fused causal attention on CPU (phi = elu + 1 or any map, numerator and normaliser in one C++ forward and
 one backward: ``attention_forward`` / ``attention_backward`` of linformer_lab/ops/cpu/causal_recurrence.cpp,
 through the operators of linformer_lab/ops/custom_ops.py and cpu_kernel.causal_attention) against the
 float64 O(N^2) attention written out here (torch's own elu), gradients against autograd of it.
@@ -9,8 +9,10 @@ normaliser, though phi(0) = 1); key lengths (masked keys enter neither outputs n
 gradient); packed sequences (cu_seqlens) with empty ones, one state row each; one row on two threads
 (the forward's column pieces, the backward's split passes); every instruction-set version the CPU
 runs; float32 and float64; half inputs run as float32; the layer with the fused kernel equal to the
-layer on the ``pytorch`` candidate, and the dispatch taking it for the elu map only; the maps phi(q),
-phi(k) the forward returns for the backward, which needs neither q nor k; the operators' opcheck (slow).
+layer on the ``pytorch`` candidate, and the dispatch taking it for every map; every registered map
+through the kernel (phi applied by PyTorch, passed ``mapped``) against its float64 O(N^2) attention;
+the maps phi(q), phi(k) the forward returns for the backward, which needs neither q nor k; the
+operators' opcheck (slow).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import built_in_feature_maps
 
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
@@ -193,16 +196,61 @@ def test_half_inputs_run_as_float32(monkeypatch, causal_extension):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_dispatch_takes_the_kernel_for_the_elu_map_only(causal_extension, monkeypatch):
+def test_dispatch_takes_the_kernel_for_every_map(causal_extension, monkeypatch):
     monkeypatch.delenv(kernels.SWITCH, raising=False)
     x = torch.zeros(1, 1, 4, 8)
     assert kernels.select("causal_attention", EluFeatureMap(8), x, x, x).name == "cpp"
     other = LinearAttention(causal=True, query_dim=8, feature_map="poly2").feature_map
-    assert kernels.select("causal_attention", other, x, x, x).name == kernels.PYTORCH
-    assert any(line.startswith("causal_attention op on cpu") and "elu and the normaliser fused" in line
+    assert kernels.select("causal_attention", other, x, x, x).name == "cpp"
+    assert any(line.startswith("causal_attention op on cpu") and "the normaliser fused" in line
                for line in kernels.describe())
-    with pytest.raises(ValueError, match="elu feature map only"):
-        cpu_kernel.causal_attention(other, x, x, x)
+
+
+@pytest.mark.parametrize("feature_map", built_in_feature_maps())
+def test_every_map_on_the_fused_kernel_matches_the_float64_reference(causal_extension, monkeypatch, feature_map):
+    """A map other than elu is applied by PyTorch and its phi(q), phi(k) go to the kernel ``mapped``:
+    outputs, the final state and every gradient (inputs, state, the map's own weights) equal the
+    O(N^2) attention of the same map in float64, with key lengths and a state in."""
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
+    torch.manual_seed(0)
+    layer = LinearAttention(causal=True, query_dim=6, feature_map=feature_map).double()
+    b, h, n, m, c = 2, 2, 37, 5, layer.feature_map.output_dim
+    q, k, v = torch.randn(b, h, n, 6, dtype=torch.float64), torch.randn(b, h, n, 6, dtype=torch.float64), \
+        torch.randn(b, h, n, m, dtype=torch.float64)
+    s0, z0 = torch.randn(b, h, c, m, dtype=torch.float64), torch.rand(b, h, c, dtype=torch.float64) * 4
+    lengths = torch.tensor([n, 20])
+    weight_out, weight_s = torch.randn(b, h, n, m, dtype=torch.float64), torch.randn(b, h, c, m + 1, dtype=torch.float64)
+
+    def run(fused: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, s0, z0)]
+        layer.zero_grad()
+        if fused:
+            calls = []
+            original = cpu_kernel.causal_attention
+            monkeypatch.setattr(cpu_kernel, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+            out, state = layer(*leaves[:3], key_lengths=lengths, state=tuple(leaves[3:]), return_state=True)
+            monkeypatch.setattr(cpu_kernel, "causal_attention", original)
+            assert calls, "the layer did not take the fused kernel"
+            joint = state.joint
+        else:  # the O(N^2) reference: the map, every pair's weight, the state's part beside it
+            phi_q, phi_k = layer.feature_map.forward_queries(leaves[0]), layer.feature_map.forward_keys(leaves[1])
+            valid = (torch.arange(n) < lengths[:, None]).to(phi_k.dtype)[:, None, :, None]
+            phi_k = phi_k * valid
+            weights = torch.tril(phi_q @ phi_k.transpose(-1, -2))
+            numerator = weights @ leaves[2] + phi_q @ leaves[3]
+            out = numerator / (weights.sum(-1, keepdim=True) + phi_q @ leaves[4].unsqueeze(-1) + EPS)
+            joint = torch.cat([leaves[3] + phi_k.transpose(-1, -2) @ leaves[2],
+                               (leaves[4] + phi_k.sum(-2)).unsqueeze(-1)], dim=-1)
+        real = (torch.arange(n) < lengths[:, None])[:, None, :, None]
+        ((out * weight_out * real).sum() + (joint * weight_s).sum()).backward()
+        params = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        return [out * real, joint, *(x.grad for x in leaves), *params]
+
+    got, want = run(True), run(False)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = w.abs().max().clamp_min(1e-30)
+        assert ((g - w).abs().max() / scale).item() < 1e-10, f"{feature_map}: result {i} differs"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -215,7 +263,8 @@ def test_forward_returns_the_maps_the_backward_uses(causal_extension, dtype):
     q[0, 0, :8, 0] = torch.tensor([-100.0, -87.5, -30.0, -1e-3, 0.0, 1e-3, 20.0, -5.0], dtype=dtype)
     key_lengths = torch.tensor([261])
     for cu_seqlens in (None, torch.tensor([0, 100, 300])):
-        *_, phi_q, phi_k = custom_ops.causal_elu_attention_forward(q, k, v, None, None, cu_seqlens, key_lengths, 12, EPS)
+        *_, phi_q, phi_k = custom_ops.causal_attention_forward(q, k, v, None, None, cu_seqlens, key_lengths, 12, EPS,
+                                                               False)
         # exp(min(x, 0)) + max(x, 0): float64's elu(x) + 1 loses exp(x) to cancellation far below 0
         want_q, want_k = (torch.exp(x.double().clamp(max=0)) + x.double().clamp(min=0) for x in (q, k))
         want_k[:, :, 261:] = 0
@@ -240,21 +289,24 @@ def test_backward_needs_neither_q_nor_k(causal_extension):
 
 
 @pytest.mark.slow  # opcheck traces with AOT autograd: several seconds
-@pytest.mark.parametrize("case", ["plain", "state-and-lengths", "packed"])
+@pytest.mark.parametrize("case", ["plain", "state-and-lengths", "packed", "mapped"])
 def test_operators_pass_opcheck(causal_extension, case):
     leaves, _ = inputs(1 if case == "packed" else 2, 2, 260, 4, 8, s=3 if case == "packed" else None)
     q, k, v, s0, z0 = (t.requires_grad_() for t in leaves)
     cu_seqlens = torch.tensor([0, 7, 7, 260]) if case == "packed" else None
     key_lengths = torch.tensor([260, 9]) if case == "state-and-lengths" else None
-    if case == "plain":
+    if case in ("plain", "mapped"):
         s0 = z0 = None
-    args = (q, k, v, s0, z0, cu_seqlens, key_lengths, 4, EPS)
-    torch.library.opcheck(custom_ops.causal_elu_attention_forward, args)
-    out, den, s_n, z_n, states, z_states, phi_q, phi_k = custom_ops.causal_elu_attention_forward(*args)
+    mapped = case == "mapped"  # q, k taken as phi(q), phi(k): positive, as a map's
+    if mapped:
+        q, k = (x.detach().exp().requires_grad_() for x in (q, k))
+    args = (q, k, v, s0, z0, cu_seqlens, key_lengths, 4, EPS, mapped)
+    torch.library.opcheck(custom_ops.causal_attention_forward, args)
+    out, den, s_n, z_n, states, z_states, phi_q, phi_k = custom_ops.causal_attention_forward(*args)
     for grad_s, grad_z in ((torch.randn_like(s_n), torch.randn_like(z_n)), (None, None)):
-        torch.library.opcheck(custom_ops.causal_elu_attention_backward,
+        torch.library.opcheck(custom_ops.causal_attention_backward,
                               (phi_q, phi_k, v.detach(), out.detach(), den, torch.randn_like(out), states, z_states,
-                               cu_seqlens, grad_s, grad_z))
+                               cu_seqlens, grad_s, grad_z, mapped))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])

@@ -125,7 +125,7 @@ def test_a_second_derivative_through_the_gradient_is_an_error(causal_extension, 
     if operator == "recurrence":
         out = custom_ops.causal_recurrence_forward(q, k, v, None)[0]
     else:
-        out = custom_ops.causal_elu_attention_forward(q, k, v, None, None, None, None, 4, 1e-6)[0]
+        out = custom_ops.causal_attention_forward(q, k, v, None, None, None, None, 4, 1e-6, False)[0]
     weight = torch.randn_like(out, requires_grad=True)
     (grad_q,) = torch.autograd.grad(out, q, weight, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):

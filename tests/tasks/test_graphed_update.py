@@ -107,7 +107,7 @@ def test_the_update_reads_nothing_on_the_host(capturable_on_cpu):
         assert not set(step.ops) & HOST_READS, sorted(set(step.ops))
         assert any(op.startswith("aten.mm") or op.startswith("aten.addmm") for op in forward_backward.ops)
         if cpu.find_compiler() is not None:  # the attention ran on the C++ kernel, as on a CPU it does
-            assert {"linformer_lab.causal_elu_attention_forward", "linformer_lab.causal_elu_attention_backward"} <= \
+            assert {"linformer_lab.causal_attention_forward", "linformer_lab.causal_attention_backward"} <= \
                 set(forward_backward.ops)
         assert any(op.startswith("aten._foreach") for op in step.ops)
 

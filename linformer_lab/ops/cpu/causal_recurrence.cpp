@@ -327,10 +327,12 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   return {gq, gk, gv, r_all};
 }
 
-// ------------------------------------------------------------------ the fused attention (elu + 1)
+// ------------------------------------------------------------------ the fused attention
 //
 // Causal linear attention with phi = elu + 1 (eq. 7, 9-12) in one forward and one backward pass,
-// on the passes above:
+// on the passes above; with `mapped`, q and k are phi(q), phi(k) of any other feature map (applied by
+// PyTorch, which differentiates it), copied where elu would map them, and the backward leaves out
+// elu's derivative (the gradients are those of phi(q), phi(k)):
 //
 //   out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),   S_t = S_0 + sum_{s <= t} phi(k_s) v_s^T,
 //   z_t = z_0 + sum_{s <= t} phi(k_s)
@@ -418,13 +420,20 @@ INLINE typename Vec<T, B>::type lane_sums(typename Vec<T, B>::type* x) {
   return x[0];
 }
 
-// phi of a block's `len` positions of q and k (c numbers each) into qf, kf: phi(k) zero at positions
-// >= `keys` (past the row's key length) and both zero in the columns >= `features` (C's padding).
+// phi of a block's `len` positions of q and k (c numbers each) into qf, kf (`mapped`: q and k are
+// phi(q), phi(k) already, mapped by PyTorch, and are copied): phi(k) zero at positions >= `keys`
+// (past the row's key length) and both zero in the columns >= `features` (C's padding).
 template <typename T, int B>
-INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, const T* q, const T* k, T* qf, T* kf) {
-  elu_plus_one<T, B>(q, len * c, qf);
+INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, bool mapped, const T* q, const T* k,
+                      T* qf, T* kf) {
   const int64_t valid = std::min(len, std::max<int64_t>(keys, 0));
-  elu_plus_one<T, B>(k, valid * c, kf);
+  if (mapped) {
+    std::copy(q, q + len * c, qf);
+    std::copy(k, k + valid * c, kf);
+  } else {
+    elu_plus_one<T, B>(q, len * c, qf);
+    elu_plus_one<T, B>(k, valid * c, kf);
+  }
   std::fill(kf + valid * c, kf + len * c, T(0));
   if (features < c)
     for (int64_t t = 0; t < len; ++t) std::fill(qf + t * c + features, qf + (t + 1) * c, T(0)),
@@ -550,10 +559,11 @@ INLINE void output_gradients(int64_t len, int64_t m, const T* g, const T* out, c
 }
 
 // grad q of one block: z (c, the saved z at the block start; advanced here) gives the normaliser's
-// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t g_t inv_t and applies phi'.
+// term gd_t z_t, then the pass from st = S^T (m x c) adds S_t g_t inv_t and applies phi' (given phi's
+// values in `derivative`, qf; null for mapped inputs, whose gradient is the one wanted).
 template <typename T, int B, int NC>
 INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                   const T* g, const T* inv, const T* gd, T* z, T* st, T* gq) {
+                                   const T* g, const T* inv, const T* gd, const T* derivative, T* z, T* st, T* gq) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   const int64_t nc = NC > 0 ? NC : c / W;
@@ -571,15 +581,16 @@ INLINE void attention_grad_q_block(int64_t len, int64_t c, int64_t m, const T* v
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < nc; ++i) store<T, B>(z + i * W, zr[i]);
-  pass<T, B>(0, len, false, m, c, v, kf, g, gq, st, 0, c, true, qf, inv, kScaleSum);
+  pass<T, B>(0, len, false, m, c, v, kf, g, gq, st, 0, c, true, derivative, inv, kScaleSum);
 }
 
 // grad v and grad k of one block, positions reversed: R (c x m), rt = R^T (m x c) and r (c) carried
 // from the block after; gn_t = g_t inv_t as the b operand of R's update (grad v) and phi(q_t) inv_t
-// as that of R^T's (grad k).
+// as that of R^T's (grad k); phi' from `derivative` (kf, or null) as grad q's.
 template <typename T, int B, int NC>
 INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* v, const T* qf, const T* kf,
-                                    const T* g, const T* inv, const T* gd, T* r_state, T* rt, T* r, T* gk, T* gv) {
+                                    const T* g, const T* inv, const T* gd, const T* derivative, T* r_state, T* rt,
+                                    T* r, T* gk, T* gv) {
   using V = typename Vec<T, B>::type;
   constexpr int W = Vec<T, B>::kWidth;
   pass<T, B>(0, len, true, c, m, qf, g, kf, gv, r_state, 0, m, false, nullptr, inv, kScaleB);
@@ -598,7 +609,7 @@ INLINE void attention_grad_kv_block(int64_t len, int64_t c, int64_t m, const T* 
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < nc; ++i) store<T, B>(r + i * W, rr[i]);
-  pass<T, B>(0, len, true, m, c, g, qf, v, gk, rt, 0, c, true, kf, inv, kScaleB);
+  pass<T, B>(0, len, true, m, c, g, qf, v, gk, rt, 0, c, true, derivative, inv, kScaleB);
 }
 
 // The block functions above with the carried vector's register count fixed where it is small (C <= 4 W)
@@ -694,12 +705,14 @@ at::Tensor state_or_zeros(const c10::optional<at::Tensor>& given, at::IntArrayRe
 }
 
 // -> (out (rows, N, M), den (rows, N), S_N (items, C, M), z_N (items, C), states (rows, blocks, C, M),
-// z states (rows, blocks, C), phi(q), phi(k) (rows, N, C)); q, k (rows, N, C) unmapped, C's columns
-// >= `features` padding (phi 0 there, and phi(k) 0 at masked keys).
+// z states (rows, blocks, C), phi(q), phi(k) (rows, N, C)); q, k (rows, N, C) unmapped (phi = elu + 1
+// here), or with `mapped` phi(q), phi(k) of any feature map; C's columns >= `features` padding (phi 0
+// there, and phi(k) 0 at masked keys).
 std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const c10::optional<at::Tensor>& s0, const c10::optional<at::Tensor>& z0,
                                           const c10::optional<at::Tensor>& cu_seqlens,
-                                          const c10::optional<at::Tensor>& key_lengths, int64_t features, double eps) {
+                                          const c10::optional<at::Tensor>& key_lengths, int64_t features, double eps,
+                                          bool mapped) {
   check(q, q, -1, "q");
   check(k, q, q.size(2), "k");
   check(v, q, -1, "v");
@@ -748,7 +761,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
           if (first) std::copy(z, z + c, z_states.data_ptr<T>() + saved * c);
           T* qf = first ? phi_q.data_ptr<T>() + at * c : q_scratch;
           T* kf = first ? phi_k.data_ptr<T>() + at * c : k_scratch;
-          run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, q.data_ptr<T>() + at * c,
+          run_map_block<T>(bytes, len, c, features, keys[row] - seg.start[s] - t0, mapped, q.data_ptr<T>() + at * c,
                            k.data_ptr<T>() + at * c, qf, kf);
           run_forward_block<T>(bytes, len, c, m, static_cast<const T*>(v.data_ptr<T>() + at * m),
                                static_cast<const T*>(qf), static_cast<const T*>(kf), static_cast<T>(eps), z,
@@ -764,12 +777,14 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
 
 // -> (grad q, grad k, grad v, grad S_0 (items, C, M), grad z_0 (items, C)) from the forward's maps
 // phi(q), phi(k) (masked keys and padding columns already 0 in them), v, out, den and saved states,
-// the gradient of out and those of S_N, z_N (or None).
+// the gradient of out and those of S_N, z_N (or None); `mapped` (the forward's): grad q and grad k
+// are those of phi(q) and phi(k), without elu's derivative.
 std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Tensor& phi_k, const at::Tensor& v,
                                            const at::Tensor& out, const at::Tensor& den, const at::Tensor& g,
                                            const at::Tensor& states, const at::Tensor& z_states,
                                            const c10::optional<at::Tensor>& cu_seqlens,
-                                           const c10::optional<at::Tensor>& grad_s, const c10::optional<at::Tensor>& grad_z) {
+                                           const c10::optional<at::Tensor>& grad_s, const c10::optional<at::Tensor>& grad_z,
+                                           bool mapped) {
   const at::Tensor& q = phi_q;  // shapes and dtype
   check(q, q, -1, "phi(q)");
   check(phi_k, q, q.size(2), "phi(k)");
@@ -821,10 +836,11 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
             transpose(states.data_ptr<T>() + saved * c * m, c, m, st.data());
             const T* zs = z_states.data_ptr<T>() + saved * c;
             std::copy(zs, zs + c, z.data());
-            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, z.data(), st.data(), gq.data_ptr<T>() + at * c);
+            run_grad_q_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, mapped ? nullptr : qfp, z.data(), st.data(),
+                                gq.data_ptr<T>() + at * c);
           }
           if (do_kv)
-            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, r_state, rt.data(), r,
+            run_grad_kv_block<T>(bytes, len, c, m, vp, qfp, kfp, gp, ip, gdp, mapped ? nullptr : kfp, r_state, rt.data(), r,
                                  gk.data_ptr<T>() + at * c, gv.data_ptr<T>() + at * m);
         }
       }
@@ -849,10 +865,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("width", [](int64_t c, int64_t m, const at::Tensor& like) { return width_bytes(c, m, like.element_size()); },
              "the register width (bytes) the loops use for (C, M) in like's dtype; 0: does not run here");
   module.def("attention_forward", &attention_forward,
-             "(q, k, v, S_0, z_0, cu_seqlens, key_lengths (per row), features, eps), each optional one or None -> "
-             "[out, den, S_N, z_N, states, z_states, phi(q), phi(k)]: causal attention with phi = elu + 1 fused");
+             "(q, k, v, S_0, z_0, cu_seqlens, key_lengths (per row), features, eps, mapped), each optional one or None "
+             "-> [out, den, S_N, z_N, states, z_states, phi(q), phi(k)]: causal attention, phi = elu + 1 fused unless "
+             "mapped (q, k are phi(q), phi(k))");
   module.def("attention_backward", &attention_backward,
-             "(phi(q), phi(k), v, out, den, grad_out, states, z_states, cu_seqlens, grad S_N, grad z_N) "
+             "(phi(q), phi(k), v, out, den, grad_out, states, z_states, cu_seqlens, grad S_N, grad z_N, mapped) "
              "-> [gq, gk, gv, grad S_0, grad z_0]");
   module.def("saved_blocks", &saved_blocks, "(N, segments) -> the blocks of states the fused forward saves per row");
   bind_instruction_set(module);

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from linformer_lab.ops import cpu, custom_ops
 from linformer_lab.ops.linear_attention import computed_in
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
+from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import LinearState
 
 __all__ = ["accepts_attention", "causal_attention", "causal_dot_product", "recurrence_dims"]
@@ -122,26 +123,30 @@ def fuses(feature_map) -> bool:
 
 
 def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The elu map, CPU tensors of one dtype (float16 / bfloat16 run as float32), self-attention
+    """Any feature map, CPU tensors of one dtype (float16 / bfloat16 run as float32), self-attention
     ``(B, H, N, D)`` of one length: what :func:`causal_attention` takes."""
-    return (fuses(feature_map) and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1]
+    return (q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1]
             and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype == v.dtype and v.dtype in _ATTENTION_DTYPES
             and q.device.type == k.device.type == v.device.type == "cpu")
 
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
                      return_state=False, cu_seqlens=None):
-    """Causal eq. 9-12 with phi = elu + 1 in the fused C++ kernel; the ``causal_attention`` op's
+    """Causal eq. 9-12 in the fused C++ kernel: the numerator and the normaliser in one pass, and
+    phi too for the elu map (:func:`fuses`); any other map is applied here by PyTorch (autograd
+    differentiates it) and the kernel takes phi(q), phi(k). The ``causal_attention`` op's
     arguments (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``, ``key_lengths
     (B,)``, ``initial_state (S_0 (S, H, D, M), Z_0 (S, H, D))`` with S = B, or with ``cu_seqlens``
     (int ``[0, n_1, ..., N]``, B = 1) one row per packed sequence. Returns ``(B, H, N, M)`` in v's
     dtype, with ``return_state`` also ``(S_N, Z_N)`` as a :class:`LinearState` in the compute dtype
-    (float32 for half inputs). ``feature_map`` must be the elu map (:func:`accepts_attention`);
-    ``dot_product`` is not used: the kernel computes the numerator."""
-    if not fuses(feature_map):
-        raise ValueError(f"the fused CPU attention computes the elu feature map only, not {type(feature_map).__name__}")
+    (float32 for half inputs). ``dot_product`` is not used: the kernel computes the numerator."""
     dtype = v.dtype
     compute = compute_dtype(dtype)
+    mapped = not fuses(feature_map)
+    if mapped:
+        q, k = feature_map.forward_queries(q), feature_map.forward_keys(k)  # (B, H, N, C)
+        if key_lengths is not None:  # masked keys out here too: the kernel zeroes them, autograd must see it
+            k = k * length_mask(key_lengths, k.shape[2])[:, None, :, None].to(k.dtype)
     s0 = z0 = None
     if initial_state is not None:
         s0, z0 = (x.to(compute) for x in _checked_state(initial_state, k, v, cu_seqlens))
@@ -155,8 +160,8 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
             cu_seqlens = cu_seqlens.to(device="cpu", dtype=torch.int64)
         if key_lengths is not None:
             key_lengths = key_lengths.to(device="cpu", dtype=torch.int64)
-        out, _, s_n, z_n, *_ = custom_ops.causal_elu_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, c,
-                                                                       float(eps))
+        out, _, s_n, z_n, *_ = custom_ops.causal_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths, c,
+                                                                   float(eps), mapped)
         if pad_c or pad_m:
             out, s_n, z_n = out[..., :m], s_n[..., :c, :m], z_n[..., :c]
     out = out.to(dtype)
