@@ -138,7 +138,10 @@ def test_pytest_stopped_at_its_budget_still_writes_its_junit_file_and_summary(tm
     junit, log = tmp_path / "junit.xml", tmp_path / "pytest.log"
     command = [sys.executable, "-m", "pytest", str(tmp_path / "test_slow.py"), "-v", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "--rootdir", str(tmp_path)]
-    code, seconds = gpu_check.run_part(command, 8, log, first=signal.SIGINT)
+    # no plugins autoloaded: pytest starts in a second even on a loaded machine, well inside the 8 s
+    # (with them it took that long to start under load, and the interrupt came before test_quick ran)
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    code, seconds = gpu_check.run_part(command, 8, log, env=env, first=signal.SIGINT)
     assert code is None and seconds < 40
     cases = {c.get("name"): c for c in ElementTree.parse(junit).getroot().iter("testcase")}
     assert "test_quick" in cases and not list(cases["test_quick"])  # passed: no failure or skip element
@@ -205,7 +208,7 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     roles = {(r["role"], r["method"]) for r in rows if r["part"] == "generation"}
     assert {("latency", "linear"), ("batch 1,000", "linear"), ("batch 1,000", "stateful-softmax"), ("largest", "linear")} <= roles
     figure2 = {(r["recipe"], r["precision"], r["method"]): r for r in rows if r["part"] == "figure2"}
-    assert set(figure2) == {("ours", "bf16-mixed", "linear"), ("authors", "bf16-mixed", "linear")}
+    assert set(figure2) == {("ours", "bf16-mixed", "linear")}
     assert all(r["updates"] == "4" and float(r["train_loss_no_dropout"]) > 0 for r in figure2.values())
     assert "fla: needs a CUDA GPU" in report  # what did not run is said
     with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
