@@ -161,8 +161,10 @@ def run_part(command: list[str], seconds: float, log: Path, env: dict | None = N
     ``first`` then SIGTERM and SIGKILL: ``(exit code or None when stopped, seconds taken)``."""
     start = time.monotonic()
     with open(log, "a") as out:
+        # SIGINT back to its default in the child: a process started with SIGINT ignored (a background
+        # job of a script, an xdist worker) passes that on, and Python then never raises KeyboardInterrupt
         child = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env=env)
+                                 env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             return child.wait(timeout=max(seconds, 1)), time.monotonic() - start
         except subprocess.TimeoutExpired:
