@@ -8,27 +8,18 @@ written here (no best-checkpoint tracking, every hyper-parameter compared).
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import lightning as L
 import torch
 import torchmetrics
-from lightning.pytorch.utilities import rank_zero_only
 
 from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.attention.context_parallel import check_splittable, context_grid, context_parallel, context_segment
-from linformer_lab.tasks.conversion import (
-    WeightTransfer,
-    check_same_settings,
-    distill_feature_maps,
-    feature_map_parameters,
-    transfer_weights,
-)
+from linformer_lab.tasks.conversion import Distillation, WeightTransfer, distill_attention, initialise_from
 from linformer_lab.tasks.export import from_pretrained, save_pretrained
-from linformer_lab.validation import ConfigurationError, check_at_least, check_positive
+from linformer_lab.validation import ConfigurationError, check_at_least
 
 #: where a checkpoint keeps the sums of the epoch-level training metrics (:attr:`Task.epoch_metrics`)
 EPOCH_SUMS_KEY = "linformer_lab_epoch_sums"
@@ -145,45 +136,9 @@ class Task(L.LightningModule):
     # ------------------------------------------------------------------ converting a trained model
 
     def initialise_from(self, checkpoint: dict, source: str) -> WeightTransfer:
-        """Start from ``checkpoint`` (a loaded checkpoint of this task with another attention; the CLI
-        reads ``init_from`` with ``weights_only=True``): every weight whose name and shape match is
-        loaded, and a table of what was loaded, new and dropped is printed. A checkpoint of another
-        task or architecture is a :class:`ConfigurationError`. With ``distill_steps``, the teacher
-        (the checkpoint's model with its own, softmax, attention) is built for :meth:`on_train_start`."""
-        saved = dict(checkpoint.get("hyper_parameters") or {})
-        want = f"{type(self).__module__}.{type(self).__qualname__}"
-        if saved.get("_class_path", want) != want:
-            raise ConfigurationError(f"init_from {source}: the checkpoint belongs to another task ({saved['_class_path']}); "
-                                     f"the configuration builds {want}")
-        check_same_settings(saved, dict(self.hparams), self.hparams_free_to_change, source)
-        state = checkpoint["state_dict"]
-        transfer = transfer_weights(self, state, source)
-        teacher_attention = AttentionConfig.coerce(saved.get("attention"))
-        steps = int(self.hparams.get("distill_steps") or 0)
-        if steps:
-            self.distillation = Distillation(self._teacher(teacher_attention, state, source), steps,
-                                             float(self.hparams.get("distill_lr", 1e-3)))
-        if rank_zero_only.rank == 0:
-            print(f"init_from {source}: attention {_attention_name(teacher_attention)} -> "
-                  f"{_attention_name(AttentionConfig.coerce(self.hparams.get('attention')))}\n"
-                  f"{transfer.table(self.state_dict(), state)}")
-        self.init_from_applied = True
-        return transfer
-
-    def _teacher(self, attention: AttentionConfig, state: dict, source: str) -> Task:
-        """This task with the checkpoint's attention and weights, frozen: distillation's teacher."""
-        if attention.backend != "softmax":
-            raise ConfigurationError(f"distill_steps: the teacher ({source}) has {attention.backend!r} attention; attention "
-                                     f"distillation matches softmax attention weights, so init_from must be a softmax model")
-        if not feature_map_parameters(self):
-            raise ConfigurationError(
-                f"distill_steps: feature map {self.hparams['attention'].get('feature_map') or 'elu'!r} has no weights to "
-                f"train; distillation needs a learned one (t2r, hedgehog, rebased)")
-        accepted = inspect.signature(type(self).__init__).parameters
-        arguments = {k: v for k, v in self.hparams.items() if k in accepted}
-        teacher = type(self)(**{**arguments, "attention": attention.to_hparams(), "init_from": None, "distill_steps": 0})
-        teacher.load_state_dict(state)
-        return teacher.eval().requires_grad_(False)
+        """Start from ``checkpoint``, a trained model of this task with another attention
+        (:func:`~linformer_lab.tasks.conversion.initialise_from`; the CLI calls it for ``init_from``)."""
+        return initialise_from(self, checkpoint, source)
 
     def forward_batch(self, batch) -> torch.Tensor:
         """The forward pass of the training loss on ``batch`` (its loss): what attention distillation
@@ -193,27 +148,8 @@ class Task(L.LightningModule):
     def on_train_start(self) -> None:
         # a resumed run (global_step > 0) distilled before its first update already
         if self.distillation is not None and self.global_step == 0:
-            self.distill_attention()
+            distill_attention(self)
         self.distillation = None  # the teacher is needed no more
-
-    def distill_attention(self) -> list[float]:
-        """Hedgehog's first stage on the training data (:func:`~linformer_lab.tasks.conversion.distill_feature_maps`):
-        ``distill_steps`` updates of the feature maps' weights alone, before the first normal update;
-        the loss is printed now and then and logged as ``distill/attention_loss``. Returns the losses."""
-        trainer, plan = self.trainer, self.distillation
-        teacher = plan.teacher.to(self.device)
-        strategy = trainer.strategy
-
-        def report(step: int, loss: float) -> None:
-            for logger in trainer.loggers:
-                logger.log_metrics({"distill/attention_loss": loss}, step=step - 1)
-            if step == 1 or step == plan.steps or step % 100 == 0:
-                self.print(f"attention distillation: update {step} of {plan.steps}, loss {loss:.4f}")
-
-        reduce = (lambda grad: strategy.reduce(grad, reduce_op="mean")) if trainer.world_size > 1 else None
-        return distill_feature_maps(self, teacher, trainer.train_dataloader,
-                                    lambda batch: teacher.forward_batch(strategy.batch_to_device(batch)),
-                                    plan.steps, plan.lr, reduce, report)
 
     # ------------------------------------------------------------------ epoch-level training metrics
 
@@ -285,28 +221,6 @@ class Task(L.LightningModule):
         attention backend can run on ``device``; tasks add their own data checks."""
         if device is not None:
             check_attention_devices(self, torch.device(device))
-
-
-@dataclass
-class Distillation:
-    """Attention distillation still to run: the frozen ``teacher`` task, the updates and their Adam rate."""
-
-    teacher: Task
-    steps: int
-    lr: float
-
-
-def check_conversion(init_from: str | None, distill_steps: int, distill_lr: float) -> None:
-    """The task arguments of converting a trained model: ``distill_steps`` needs ``init_from``."""
-    check_at_least("distill_steps", distill_steps, 0, "updates of attention distillation")
-    check_positive("distill_lr", distill_lr, "Adam learning rate of attention distillation")
-    if distill_steps and not init_from:
-        raise ValueError(f"distill_steps={distill_steps} needs init_from: the softmax checkpoint whose attention "
-                         f"weights the feature maps learn to match")
-
-
-def _attention_name(config: AttentionConfig) -> str:
-    return config.backend + (f"/{config.feature_map}" if config.feature_map else "")
 
 
 class WeightedMean(torchmetrics.Metric):

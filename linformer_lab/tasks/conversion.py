@@ -17,16 +17,19 @@ time: each layer's loss is back-propagated before the next one's maps are formed
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from linformer_lab.attention.base import Attention
-from linformer_lab.validation import ConfigurationError
+from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.validation import ConfigurationError, check_at_least, check_positive
 
 
 @dataclass
@@ -214,3 +217,92 @@ def distill_feature_maps(student: nn.Module, teacher: nn.Module, batches: Iterab
         if len(losses) == before:
             raise ConfigurationError("attention distillation: the training data yielded no batch")
     return losses
+
+
+# ---------------------------------------------------------------- a task's conversion (init_from, distill_steps)
+
+
+@dataclass
+class Distillation:
+    """Attention distillation still to run: the frozen ``teacher`` task, the updates and their Adam rate."""
+
+    teacher: nn.Module
+    steps: int
+    lr: float
+
+
+def check_conversion(init_from: str | None, distill_steps: int, distill_lr: float) -> None:
+    """The task arguments of converting a trained model: ``distill_steps`` needs ``init_from``."""
+    check_at_least("distill_steps", distill_steps, 0, "updates of attention distillation")
+    check_positive("distill_lr", distill_lr, "Adam learning rate of attention distillation")
+    if distill_steps and not init_from:
+        raise ValueError(f"distill_steps={distill_steps} needs init_from: the softmax checkpoint whose attention "
+                         f"weights the feature maps learn to match")
+
+
+def initialise_from(task, checkpoint: dict, source: str) -> WeightTransfer:
+    """Start ``task`` from ``checkpoint`` (a loaded checkpoint of the same task with another
+    attention; the CLI reads ``init_from`` with ``weights_only=True``): every weight whose name and
+    shape match is loaded, and a table of what was loaded, new and dropped is printed. A checkpoint
+    of another task or architecture is a :class:`ConfigurationError`. With ``distill_steps``, the
+    teacher (the checkpoint's model with its own, softmax, attention) is built and kept as
+    ``task.distillation`` for the task's ``on_train_start`` (:func:`distill_attention`)."""
+    saved = dict(checkpoint.get("hyper_parameters") or {})
+    want = f"{type(task).__module__}.{type(task).__qualname__}"
+    if saved.get("_class_path", want) != want:
+        raise ConfigurationError(f"init_from {source}: the checkpoint belongs to another task ({saved['_class_path']}); "
+                                 f"the configuration builds {want}")
+    check_same_settings(saved, dict(task.hparams), task.hparams_free_to_change, source)
+    state = checkpoint["state_dict"]
+    transfer = transfer_weights(task, state, source)
+    teacher_attention = AttentionConfig.coerce(saved.get("attention"))
+    steps = int(task.hparams.get("distill_steps") or 0)
+    if steps:
+        task.distillation = Distillation(_teacher(task, teacher_attention, state, source), steps,
+                                         float(task.hparams.get("distill_lr", 1e-3)))
+    if rank_zero_only.rank == 0:
+        print(f"init_from {source}: attention {_attention_name(teacher_attention)} -> "
+              f"{_attention_name(AttentionConfig.coerce(task.hparams.get('attention')))}\n"
+              f"{transfer.table(task.state_dict(), state)}")
+    task.init_from_applied = True
+    return transfer
+
+
+def _teacher(task, attention: AttentionConfig, state: dict, source: str) -> nn.Module:
+    """``task``'s class with the checkpoint's attention and weights, frozen: distillation's teacher."""
+    if attention.backend != "softmax":
+        raise ConfigurationError(f"distill_steps: the teacher ({source}) has {attention.backend!r} attention; attention "
+                                 f"distillation matches softmax attention weights, so init_from must be a softmax model")
+    if not feature_map_parameters(task):
+        raise ConfigurationError(
+            f"distill_steps: feature map {task.hparams['attention'].get('feature_map') or 'elu'!r} has no weights to "
+            f"train; distillation needs a learned one (t2r, hedgehog, rebased)")
+    accepted = inspect.signature(type(task).__init__).parameters
+    arguments = {k: v for k, v in task.hparams.items() if k in accepted}
+    teacher = type(task)(**{**arguments, "attention": attention.to_hparams(), "init_from": None, "distill_steps": 0})
+    teacher.load_state_dict(state)
+    return teacher.eval().requires_grad_(False)
+
+
+def distill_attention(task) -> list[float]:
+    """Hedgehog's first stage on ``task``'s training data (:func:`distill_feature_maps`):
+    ``distill_steps`` updates of the feature maps' weights alone, before the first normal update;
+    the loss is printed now and then and logged as ``distill/attention_loss``. Returns the losses."""
+    trainer, plan = task.trainer, task.distillation
+    teacher = plan.teacher.to(task.device)
+    strategy = trainer.strategy
+
+    def report(step: int, loss: float) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics({"distill/attention_loss": loss}, step=step - 1)
+        if step == 1 or step == plan.steps or step % 100 == 0:
+            task.print(f"attention distillation: update {step} of {plan.steps}, loss {loss:.4f}")
+
+    reduce = (lambda grad: strategy.reduce(grad, reduce_op="mean")) if trainer.world_size > 1 else None
+    return distill_feature_maps(task, teacher, trainer.train_dataloader,
+                                lambda batch: teacher.forward_batch(strategy.batch_to_device(batch)),
+                                plan.steps, plan.lr, reduce, report)
+
+
+def _attention_name(config: AttentionConfig) -> str:
+    return config.backend + (f"/{config.feature_map}" if config.feature_map else "")

@@ -33,7 +33,8 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward
-from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel, check_conversion, check_segment_length
+from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel, check_segment_length
+from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 #: How positions enter the model (``positions``): a learned embedding added to the token

@@ -44,7 +44,7 @@ from linformer_lab.models.generation.sampling import DECODERS
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.transformer import segmented_forward
-from linformer_lab.tasks.base import Task, check_context_parallel, check_conversion, check_segment_length
+from linformer_lab.tasks.base import Task, check_context_parallel, check_segment_length
 from linformer_lab.tasks.callbacks import (
     COMPLETION_LEGEND,
     completion_triptychs,
@@ -53,6 +53,7 @@ from linformer_lab.tasks.callbacks import (
     save_png,
     top_half_rows,
 )
+from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.tasks.graphed_update import GraphedTraining
 from linformer_lab.validation import ConfigurationError, check_at_least, check_non_negative, check_positive
 

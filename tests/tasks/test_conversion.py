@@ -9,9 +9,9 @@ import torch
 
 from linformer_lab.ops.linear_attention import naive
 from linformer_lab.ops.reference import softmax_similarity
-from linformer_lab.tasks.base import check_conversion
 from linformer_lab.tasks.conversion import (
     attention_weight_loss,
+    check_conversion,
     distill_feature_maps,
     feature_map_parameters,
     transfer_weights,
