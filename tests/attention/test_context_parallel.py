@@ -233,6 +233,47 @@ def check_unequal_segments(rank: int, size: int) -> None:
     layer.context_group = None
 
 
+def check_copy_loss(rank: int, size: int) -> None:
+    """CopyTask.copy_loss on this rank's half of each sequence (as the CLI's training step runs it)
+    against the whole sequences in one process: the loss summed over copied tokens, the token count,
+    the correct count, and the weights' gradients summed over the ranks."""
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    torch.manual_seed(0)
+    task = CopyTask(d_model=8, n_layers=2, n_heads=2, sequence_length=9, vocab_size=6).double()
+    tokens = torch.randint(1, 5, (3, 9))
+    target_mask = torch.zeros(3, 9, dtype=torch.bool)
+    target_mask[:, 6:] = True  # the copies at the end: the first half of the positions scores nothing
+    loss, correct, count = task.copy_loss(tokens, target_mask)
+    (loss * count).backward()
+    want = [p.grad.clone() for p in task.parameters()]
+    task.zero_grad()
+    task.context_group = dist.group.WORLD
+    ll.context_parallel(task.transformer)
+    loss, correct_here, count_here = task.copy_loss(tokens, target_mask)
+    (loss * count_here).backward()
+    totals = torch.tensor([float(loss * count_here), float(correct_here), float(count_here)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    assert totals[2] == count and totals[1] == correct, (totals, correct, count)
+    assert abs(totals[0] - float(loss_sum_one_process(tokens, target_mask, task))) < 1e-10 * float(count)
+    for p, grad in zip(task.parameters(), want):
+        got = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(got)
+        assert (got - grad).abs().max() <= 1e-10 * grad.abs().max().clamp_min(1e-30), "a weight's gradient differs"
+    ll.context_parallel(task.transformer, group=False)
+
+
+def loss_sum_one_process(tokens, target_mask, task) -> float:
+    group, task.context_group = task.context_group, None
+    ll.context_parallel(task.transformer, group=False)
+    try:
+        loss, _, count = task.copy_loss(tokens, target_mask)
+        return float(loss) * count
+    finally:
+        task.context_group = group
+        ll.context_parallel(task.transformer, group=group)
+
+
 def worker(rank: int, size: int, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
@@ -242,6 +283,8 @@ def worker(rank: int, size: int, store: str) -> None:
             check_stack(causal, rank, size)
         check_layer(True, rank, size, feature_map="hedgehog")  # a map with weights of its own
         check_training_step(rank, size)
+        if size == 2:  # its cross-entropy runs in float32: two halves keep one process's sums, four do not
+            check_copy_loss(rank, size)
         check_pixel_model(rank, size)
         check_packed(rank, size)
         check_packed(rank, size, feature_map="hedgehog")

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import run_cli, tiny_copy_args, tiny_mnist_args
 from ddp_driver import assert_same_weights, free_port, metrics, only, run_job, save_weights, torchrun, weights
-
-import linformer_lab as ll
 
 pytestmark = [
     pytest.mark.slow,
@@ -77,54 +74,3 @@ def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
     rank0, rank1 = weights(split / "weights_rank0.pt"), weights(split / "weights_rank1.pt")
     assert_same_weights(rank1, rank0)  # one model: DDP summed the halves' gradients
     assert_same_weights(rank0, weights(one / "weights_rank0.pt"), atol=1e-5)
-
-
-def copy_loss_worker(rank: int, size: int, store: str) -> None:
-    """CopyTask.copy_loss on this rank's half of each sequence (as the CLI's training step runs it)
-    against the whole sequences in one process: the loss summed over copied tokens, the token count,
-    the correct count, and the weights' gradients summed over the ranks."""
-    import torch
-
-    from linformer_lab.tasks.copy_task import CopyTask
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    try:
-        torch.manual_seed(0)
-        task = CopyTask(d_model=8, n_layers=2, n_heads=2, sequence_length=9, vocab_size=6).double()
-        tokens = torch.randint(1, 5, (3, 9))
-        target_mask = torch.zeros(3, 9, dtype=torch.bool)
-        target_mask[:, 6:] = True  # the copies at the end: the first half of the positions scores nothing
-        loss, correct, count = task.copy_loss(tokens, target_mask)
-        (loss * count).backward()
-        want = [p.grad.clone() for p in task.parameters()]
-        task.zero_grad()
-        task.context_group = dist.group.WORLD
-        ll.context_parallel(task.transformer)
-        loss, correct_here, count_here = task.copy_loss(tokens, target_mask)
-        (loss * count_here).backward()
-        totals = torch.tensor([float(loss * count_here), float(correct_here), float(count_here)], dtype=torch.float64)
-        dist.all_reduce(totals)
-        assert totals[2] == count and totals[1] == correct, (totals, correct, count)
-        assert abs(totals[0] - float(loss_sum_one_process(tokens, target_mask, task))) < 1e-10 * float(count)
-        for p, grad in zip(task.parameters(), want):
-            got = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-            dist.all_reduce(got)
-            assert (got - grad).abs().max() <= 1e-10 * grad.abs().max().clamp_min(1e-30), "a weight's gradient differs"
-    finally:
-        dist.destroy_process_group()
-
-
-def loss_sum_one_process(tokens, target_mask, task) -> float:
-    group, task.context_group = task.context_group, None
-    ll.context_parallel(task.transformer, group=False)
-    try:
-        loss, _, count = task.copy_loss(tokens, target_mask)
-        return float(loss) * count
-    finally:
-        task.context_group = group
-        ll.context_parallel(task.transformer, group=group)
-
-
-def test_the_copy_loss_of_two_context_processes_is_one_process(tmp_path):
-    mp.spawn(copy_loss_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
