@@ -3,7 +3,8 @@ gives the outputs and every gradient of one process running the whole sequence, 
 1e-10 relative: linear attention layers causal and non-causal with a state in, padded lengths and
 the final state out; a Transformer stack with per-layer states; a PixelTransformer's training
 loss. Replicated tensors (weights, the initial state) are compared as the sum of the ranks'
-gradients, the sum DDP forms. The one-process reference runs in every worker on the same seed.
+gradients, the sum DDP forms. A rerun of a layer gives the same bits. The one-process reference
+runs in every worker on the same seed.
 
 Backends without a fixed-size state are refused before any process group is needed.
 """
@@ -75,6 +76,12 @@ def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu", gr
     mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)] + [x.clone().requires_grad_() for x in (s0, z0)]
     # the final state is the same on every rank: one rank's loss reads it, as the one process's does
     out, state, params = run(*mine, weight_out[:, :, part], rank == 0)
+    # a rerun gives the same bits: the gathered states are summed in rank order on every rank
+    again = [x.detach().clone().requires_grad_() for x in mine]
+    out_again, state_again, params_again = run(*again, weight_out[:, :, part], rank == 0)
+    assert torch.equal(out_again, out) and torch.equal(state_again.joint, state.joint)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, mine))
+    assert all(torch.equal(params_again[name], grad) for name, grad in params.items())
     layer.context_group = None
     valid = (torch.arange(t)[part] < lengths[:, None])[:, None, :, None]
     assert_close(out * valid, ref_out[:, :, part] * valid, "output")
