@@ -1,8 +1,9 @@
 """``--model.context_parallel 2`` through ``cli.py``: two gloo processes (two torchrun "nodes" of
 one process each, on 127.0.0.1) split every copy sequence (and every MNIST image's sub-pixels) in
-two and train, validate and test as one process given the same batches: the same training losses
-at every step, the same validation loss, the same weights after, the same test loss from the checkpoint written, and the same copy
-accuracy of ``predict``.
+two and train, validate and test as one process given the same batches. The copy run stops after
+2 updates, mid-epoch, and resumes from its checkpoint to 4: the same training losses at every step
+as the uninterrupted one process, the same validation loss, the same weights after, the same test
+loss from the checkpoint written, and the same copy accuracy of ``predict``.
 
 Why equal: the two processes form one context group, so the data module gives both the whole
 batch (data.sampling.process_share) and each its half of the positions; the loss is summed over
@@ -29,12 +30,14 @@ STEPS = "--trainer.max_steps=4"  # an epoch of 3 batches, its validation, and on
 
 def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
     split, one = tmp_path / "split", tmp_path / "one"
-    args = tiny_copy_args(split, "linear", STEPS, "--model.context_parallel=2", *TWO_NODES)
+    args = tiny_copy_args(split, "linear", "--model.context_parallel=2", *TWO_NODES)
     # MNIST in the same job (one start of the two processes): 784 sub-pixels, 392 on each
     mnist_split, mnist_one = tmp_path / "mnist_split", tmp_path / "mnist_one"
     mnist = tiny_mnist_args(mnist_split, "--model.context_parallel=2", *TWO_NODES)
-    plan = [["fit", *args, save_weights(split / "weights_")], ["test", *args, "--ckpt_path", "last"],
-            ["predict", *args, "--ckpt_path", "last"],
+    # stopped after 2 updates, mid-epoch, and resumed to 4 (version_0, version_1), then test and predict
+    plan = [["fit", *args, "--trainer.max_steps=2"],
+            ["fit", *args, STEPS, "--ckpt_path", "last", save_weights(split / "weights_")],
+            ["test", *args, STEPS, "--ckpt_path", "last"], ["predict", *args, STEPS, "--ckpt_path", "last"],
             ["fit", *mnist, "--trainer.max_steps=2"], ["validate", *mnist, "--ckpt_path", "last"]]
     port = free_port()
     nodes = [(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
@@ -58,14 +61,16 @@ def test_two_context_processes_fit_test_and_predict_as_one_process(tmp_path):
         for step, value in want.items():
             assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
 
-    losses, want = metrics(split / "version_0", "train/loss"), metrics(one / "version_0", "train/loss")
+    # the stopped and resumed run's losses are the uninterrupted one process's
+    losses = {**metrics(split / "version_0", "train/loss"), **metrics(split / "version_1", "train/loss")}
+    want = metrics(one / "version_0", "train/loss")
     assert sorted(losses) == sorted(want) and len(want) == 4, (losses, want)
     for step, loss in want.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), step
-    assert only(metrics(split / "version_0", "val/loss")) == pytest.approx(only(metrics(one / "version_0", "val/loss")),
+    assert only(metrics(split / "version_1", "val/loss")) == pytest.approx(only(metrics(one / "version_0", "val/loss")),
                                                                           rel=1e-5)
     # the checkpoint written under context parallelism tests as the one process's
-    assert only(metrics(split / "version_1", "test/loss")) == pytest.approx(
+    assert only(metrics(split / "version_2", "test/loss")) == pytest.approx(
         only(metrics(one / "version_1", "test/loss")), rel=1e-5)
     # predict runs whole sequences on both processes (the RNN step); one of them counts each batch
     accuracy = [line for line in (tmp_path / "job" / "process0.log").read_text().splitlines()
