@@ -149,11 +149,6 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         """Number of distribution parameters per position, ``3 K``."""
         return 3 * self.num_mixtures
 
-    @property
-    def half_bin_width(self) -> float:
-        """Half the width of a bin on the ``[-1, 1]`` scale, ``1 / (B - 1)``."""
-        return 1.0 / (self.num_bins - 1)
-
     def extra_repr(self) -> str:
         return f"num_mixtures={self.num_mixtures}, num_bins={self.num_bins}"
 
