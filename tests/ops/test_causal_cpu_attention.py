@@ -10,7 +10,8 @@ gradient); packed sequences (cu_seqlens) with empty ones, one state row each; on
 (the forward's column pieces, the backward's split passes); every instruction-set version the CPU
 runs; float32 and float64; half inputs run as float32; the layer with the fused kernel equal to the
 layer on the ``pytorch`` candidate, and the dispatch taking it for every map; every registered map
-through the kernel (phi applied by PyTorch, passed ``mapped``) against its float64 O(N^2) attention;
+through the kernel (phi applied by PyTorch, passed ``mapped``) against its float64 O(N^2) attention,
+and packed against ``packed.py``'s form;
 the maps phi(q), phi(k) the forward returns for the backward, which needs neither q nor k; the
 operators' opcheck (slow).
 """
@@ -249,6 +250,33 @@ def test_every_map_on_the_fused_kernel_matches_the_float64_reference(causal_exte
     got, want = run(True), run(False)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
+        scale = w.abs().max().clamp_min(1e-30)
+        assert ((g - w).abs().max() / scale).item() < 1e-10, f"{feature_map}: result {i} differs"
+
+
+@pytest.mark.parametrize("feature_map", built_in_feature_maps())
+def test_every_map_packed_on_the_fused_kernel_equals_the_pytorch_packed_form(causal_extension, monkeypatch, feature_map):
+    """Packed sequences (``cu_seqlens``, one state row each) of a map applied before the kernel: the
+    outputs, final states and gradients of the fused kernel equal ``packed.py``'s in float64."""
+    torch.manual_seed(1)
+    layer = LinearAttention(causal=True, query_dim=6, feature_map=feature_map).double()
+    h, n, m, c = 2, 41, 5, layer.feature_map.output_dim
+    cu = torch.tensor([0, 9, 10, 30, 41])
+    q, k, v = torch.randn(1, h, n, 6, dtype=torch.float64), torch.randn(1, h, n, 6, dtype=torch.float64), \
+        torch.randn(1, h, n, m, dtype=torch.float64)
+    s0, z0 = torch.randn(4, h, c, m, dtype=torch.float64), torch.rand(4, h, c, dtype=torch.float64) * 4
+    weight_out, weight_s = torch.randn(1, h, n, m, dtype=torch.float64), torch.randn(4, h, c, m + 1, dtype=torch.float64)
+
+    def run(switch: str):
+        monkeypatch.setenv(kernels.SWITCH, switch)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, s0, z0)]
+        layer.zero_grad()
+        out, state = layer(*leaves[:3], state=tuple(leaves[3:]), return_state=True, cu_seqlens=cu)
+        ((out * weight_out).sum() + (state.joint * weight_s).sum()).backward()
+        return [out, state.joint, *(x.grad for x in leaves), *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    got, want = run("causal_attention=cpp"), run("causal_attention=pytorch")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         scale = w.abs().max().clamp_min(1e-30)
         assert ((g - w).abs().max() / scale).item() < 1e-10, f"{feature_map}: result {i} differs"
 
