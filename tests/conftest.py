@@ -30,9 +30,13 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_ava
 # of that rule set the variable themselves (tests/cli/test_precision_rule.py).
 os.environ.setdefault("LINFORMER_LAB_CPU_BF16", "amx")
 
-import lightning as L
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    import lightning as L
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,6 +170,7 @@ def fit_saving_every_step(model: L.LightningModule, datamodule, dirpath: Path, c
     """Two epochs of ``model`` on ``datamodule`` on CPU with a checkpoint ``step=N.ckpt`` in
     ``dirpath`` after every update (resumed from ``ckpt_path`` when given): the data resume tests
     restart from each step's checkpoint and compare the batches seen."""
+    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1, filename="{step}")
@@ -234,23 +239,34 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 
 
-class BatchCounter(L.Callback):
-    """Callback (``--trainer.callbacks+=conftest.BatchCounter``) that writes how many train and
-    validation batches ran to the JSON file ``path`` when the run ends."""
+def __getattr__(name: str):
+    """``BatchCounter``, made on first use (``--trainer.callbacks+=conftest.BatchCounter``): lightning
+    takes seconds to import, and the pytest processes that run no training (the ones a test starts
+    on a single module) should not pay for it."""
+    if name != "BatchCounter":
+        raise AttributeError(f"module 'conftest' has no attribute {name!r}")
+    import lightning as L
 
-    def __init__(self, path: str):
-        self.path = path
-        self.counts = {"train": 0, "validate": 0}
+    class BatchCounter(L.Callback):
+        """Writes how many train and validation batches ran to the JSON file ``path`` when the run ends."""
 
-    def on_train_batch_end(self, *args, **kwargs):
-        self.counts["train"] += 1
+        def __init__(self, path: str):
+            self.path = path
+            self.counts = {"train": 0, "validate": 0}
 
-    def on_validation_batch_end(self, trainer, *args, **kwargs):
-        if not trainer.sanity_checking:
-            self.counts["validate"] += 1
+        def on_train_batch_end(self, *args, **kwargs):
+            self.counts["train"] += 1
 
-    def teardown(self, trainer, pl_module, stage):
-        Path(self.path).write_text(json.dumps(self.counts))
+        def on_validation_batch_end(self, trainer, *args, **kwargs):
+            if not trainer.sanity_checking:
+                self.counts["validate"] += 1
+
+        def teardown(self, trainer, pl_module, stage):
+            Path(self.path).write_text(json.dumps(self.counts))
+
+    BatchCounter.__module__, BatchCounter.__qualname__ = __name__, "BatchCounter"  # its class path: conftest.BatchCounter
+    globals()["BatchCounter"] = BatchCounter  # one class for every later use
+    return BatchCounter
 
 
 # ---------------------------------------------------------------- kernel fixtures (tests/ops/)
