@@ -55,7 +55,7 @@ def _gather(x: torch.Tensor, n: int, group, size: int) -> list[torch.Tensor]:
     flat = torch.cat([x.detach().flatten(), x.new_tensor([float(n)])])
     parts = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(parts, flat, group=group)
-    lengths = [int(part[-1].item()) for part in parts]
+    lengths = [int(length) for length in torch.stack([part[-1] for part in parts]).tolist()]  # one read
     if any(length != n for length in lengths):
         raise ValueError(f"context parallelism needs a segment of the same length on every process of the group; "
                          f"got {lengths} positions on ranks 0..{size - 1} (split the sequence with ll.context_segment)")
@@ -94,12 +94,14 @@ class ExclusivePrefix(torch.autograd.Function):
 class GatherOverRanks(torch.autograd.Function):
     """``x (...)`` on each rank -> ``(P, ...)``, every rank's in rank order (one all-gather, the
     segment's length ``n`` checked equal); the gradient of one's own row is the sum of every
-    rank's gradient of it (one all-reduce)."""
+    rank's gradient of it (one all-reduce of all P rows: P states a rank, where
+    :class:`ExclusivePrefix`'s backward sends 2). For packed sequences, whose ranks read the
+    gathered sums by rank-dependent sequence."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, n: int):
-        ctx.group, ctx.rank = group, _rank_and_size(group)[0]
-        return torch.stack(_gather(x, n, group, _rank_and_size(group)[1]))
+        ctx.group, (ctx.rank, size) = group, _rank_and_size(group)
+        return torch.stack(_gather(x, n, group, size))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -177,7 +179,7 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
         s0, z0 = check_linear_state(state, phi_k, v, name)
         initial = joint_state(s0, z0).joint.to(delta.dtype)
     if not layer.causal:
-        total = GatherOverRanks.apply(delta, group, n).sum(dim=0)
+        total = ExclusivePrefix.apply(delta, group, n)[1]
         if initial is not None:
             total = initial + total
         total_state = LinearState(total)

@@ -196,13 +196,13 @@ class CopyTask(Task):
         """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i (under context
         parallelism: tokens is this rank's segment, and it sees the earlier ranks' too)."""
         n = tokens.shape[1]
-        if n > self.sequence_length:
-            raise ValueError(
-                f"CopyTask was built for sequences of at most sequence_length={self.sequence_length} "
-                f"tokens, got {n}; set model.sequence_length (the data module's sequence_length)"
-            )
         # under context parallelism tokens are this rank's segment: its positions are the global ones
         start = 0 if self.context_group is None else dist.get_rank(self.context_group) * n
+        if start + n > self.sequence_length:
+            raise ValueError(
+                f"CopyTask was built for sequences of at most sequence_length={self.sequence_length} "
+                f"tokens, got {start + n}; set model.sequence_length (the data module's sequence_length)"
+            )
         positions = torch.arange(start, start + n, device=tokens.device)
         return self.head(self.transformer(self.embed(tokens, positions)))
 
