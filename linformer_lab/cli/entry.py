@@ -1,33 +1,18 @@
-"""The entry of ``cli.py``: :func:`main` answers ``cli.py --help``, ``cli.py plugins`` and
-``SUBCOMMAND --config X --help`` (:mod:`~linformer_lab.cli.config_help`) without importing
-Lightning, and hands the four Lightning subcommands, their argv normalised by
-:func:`~linformer_lab.cli.args.prepare_argv`, to
-:func:`~linformer_lab.cli.lightning_cli.run_lightning_cli` (the first import of Lightning).
-
-Nothing at module level imports torch or Lightning: ``tests/cli/test_cli_startup.py`` (through
-:func:`main`) and ``tests/cli/test_cli_imports.py`` (``python cli.py`` as typed) check that
-``--help`` and ``plugins`` load neither.
-"""
+"""The entry of ``cli.py``: :func:`main` answers ``--help``, ``plugins``, ``export``, ``plot`` and
+``SUBCOMMAND --config X --help`` without importing Lightning (whose start-up is most of a command's
+time), and hands the Lightning subcommands to :mod:`~linformer_lab.cli.lightning_cli`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import textwrap
+from dataclasses import asdict
 
-from linformer_lab.cli.args import (
-    HELP_NAMES,
-    SUBCOMMANDS,
-    UsageError,
-    config_values,
-    help_requested,
-    known_configs,
-    prepare_argv,
-)
+from linformer_lab.cli.args import HELP_NAMES, SUBCOMMANDS, UsageError, config_values, help_requested, known_configs, prepare_argv
 from linformer_lab.cli.checks import kernel_switch_error
 from linformer_lab.cli.config_help import attention_by_name, config_help, subcommand_help
-
-__all__ = ["main", "plugins_command", "top_level_help", "close_process_group"]
 
 
 def top_level_help() -> str:
@@ -35,7 +20,6 @@ def top_level_help() -> str:
     rows = [*SUBCOMMANDS.items(), ("export", "write a trained model as model.safetensors + config.json"),
             ("plot", "draw runs' training and validation curves into a PNG"),
             ("plugins", "list the attention backends and feature maps (--check, --json)")]
-    configs = known_configs()
     return "\n".join([
         "usage: cli.py {fit,validate,test,predict} --config NAME.yaml [--group.option VALUE ...]",
         "       cli.py export RUN_FOLDER|CHECKPOINT [--ckpt_path best|last] [--output DIR]",
@@ -51,21 +35,15 @@ def top_level_help() -> str:
         + "; data: " + ", ".join(HELP_NAMES["data"]) + ")",
         "",
         "configs (--config NAME looks in ./configs, then in this checkout's configs/):",
-        textwrap.fill(", ".join(configs) or "(none)", width=96, initial_indent="  ", subsequent_indent="  "),
+        textwrap.fill(", ".join(known_configs()) or "(none)", width=96, initial_indent="  ", subsequent_indent="  "),
         "docs/cli.md has the rest.",
     ]) + "\n"
 
 
-# ---------------------------------------------------------------------- plugins
-
-
 def plugins_command(argv: list[str]) -> int:
-    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map
-    with the distribution(s) that register it; ``--check`` also imports each one, and checks every
-    kernel that can run here against its reference (:mod:`linformer_lab.cli.kernel_check`: a failing
-    one is an error line naming the switch that forces the reference, exit code 1)."""
-    import argparse
-
+    """``python cli.py plugins [--check] [--json]``: every registered backend and feature map with the
+    distribution(s) that register it; ``--check`` also imports each one and checks every kernel that
+    can run here against its reference (a failing one: an error line, exit code 1)."""
     from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
     parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
@@ -74,8 +52,7 @@ def plugins_command(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
-    report = {}
-    failed = False
+    report, failed = {}, False
     for title, registry in (("attention", ATTENTION), ("feature_maps", FEATURE_MAPS)):
         entries = []
         for name, dists in registry.distributions().items():
@@ -93,7 +70,7 @@ def plugins_command(argv: list[str]) -> int:
             entries.append(entry)
         report[title] = {"group": registry.group, "plugins": entries}
     kernel_lines, checked = [], []
-    if args.check:  # --check also says which kernel computes each op here and checks every kernel
+    if args.check:
         import linformer_lab.cli.kernel_check as kernel_check
         from linformer_lab.ops import kernels
 
@@ -101,7 +78,7 @@ def plugins_command(argv: list[str]) -> int:
         failed |= any(result.failed for result in checked)
 
     if args.json:
-        print(json.dumps({**report, "kernels": kernel_lines, "kernel_check": [r.as_dict() for r in checked]}
+        print(json.dumps({**report, "kernels": kernel_lines, "kernel_check": [asdict(r) for r in checked]}
                          if args.check else report, indent=2))
     else:
         for title, section in report.items():
@@ -110,17 +87,13 @@ def plugins_command(argv: list[str]) -> int:
                 status = "" if e["status"] == "ok" else f"  [{e['status']}]"
                 print(f"  {e['name']:<16} {', '.join(e['distributions'])}{status}")
         if kernel_lines:
-            print("kernels (ops/kernels.py):")
-            print("\n".join(f"  {line}" for line in kernel_lines))
+            print("kernels (ops/kernels.py):\n" + "\n".join(f"  {line}" for line in kernel_lines))
             print("kernel check (forward and backward against the float64 reference, small shapes):")
             print("\n".join(f"  {line}" for line in kernel_check.report(checked)))
     for result in checked:
         if result.failed:
             sys.stderr.write(kernel_check.error_line(result) + "\n")
     return 1 if failed else 0
-
-
-# ---------------------------------------------------------------------- entry point
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def close_process_group() -> None:
-    """Destroy the process group a DDP run leaves behind (Lightning keeps it for a next Trainer): at
-    interpreter shutdown gloo's threads may otherwise still run and abort a process whose run
-    succeeded ("terminate called without an active exception", a non-zero exit)."""
+    """Destroy the process group a DDP run leaves (Lightning keeps it for a next Trainer): at shutdown
+    gloo's threads could otherwise abort a process whose run succeeded."""
     distributed = sys.modules.get("torch.distributed")  # never imported by --help or plugins: nothing to close
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         distributed.destroy_process_group()

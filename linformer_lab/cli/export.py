@@ -1,17 +1,10 @@
-"""``python cli.py export SOURCE [--ckpt_path best|last] [--output DIR]``: a trained model as a
-folder of ``model.safetensors`` and ``config.json`` (:mod:`linformer_lab.tasks.export`), which
-``linformer_lab.from_pretrained`` loads without the run, its config or any pickle.
+"""``python cli.py export SOURCE [--ckpt_path best|last] [--output DIR]``: a trained model as a folder
+of ``model.safetensors`` and ``config.json`` (:mod:`linformer_lab.tasks.export`), which
+``linformer_lab.from_pretrained`` loads without the run, its config or any pickle. The model is
+rebuilt from the checkpoint's own hyper-parameters: no configuration is needed.
 
-``SOURCE`` is a run folder (``logs/NAME/version_N``), a root of runs (``logs/NAME``: its newest
-run) or a checkpoint file. Of a folder, ``--ckpt_path best`` (the default) exports the best
-checkpoint its newest ``last.ckpt`` records and ``last`` that ``last.ckpt``, as ``--ckpt_path``
-means for the other commands. The model is rebuilt from the checkpoint's own hyper-parameters
-(the task class one of :data:`~linformer_lab.tasks.export.TASKS`); no configuration is needed.
-
-The other way round, the Lightning commands read an exported folder where they read a checkpoint
-(:func:`use_export`, :func:`read_checkpoint`): ``test``/``predict``/``validate --ckpt_path FOLDER``
-evaluate its weights, checked against the configured model as a checkpoint is, and ``fit
---model.init_from FOLDER`` starts from them.
+The other way round, the Lightning commands read an exported folder where they read a checkpoint:
+``--ckpt_path FOLDER`` of test/predict/validate (:func:`use_export`), ``--model.init_from FOLDER``.
 """
 
 from __future__ import annotations
@@ -20,14 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from linformer_lab.cli.checkpoints import (
-    CheckpointMismatchError,
-    UnreadableCheckpointError,
-    check_checkpoint,
-    last_checkpoints,
-    load_checkpoint_header,
-    resolve_checkpoint_path,
-)
+from linformer_lab.cli import checkpoints
 from linformer_lab.cli.checks import exit_with_error
 from linformer_lab.tasks.export import (
     CONFIG_NAME,
@@ -41,18 +27,14 @@ from linformer_lab.tasks.export import (
     save_pretrained,
 )
 
-__all__ = ["export_command", "read_checkpoint", "use_export"]
-
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
-        sys.stderr.write(f"error: {message} (cli.py export --help lists the options)\n")
-        sys.exit(2)
+        exit_with_error(f"{message} (cli.py export --help lists the options)")
 
 
 def export_command(argv: list[str]) -> int:
-    """``cli.py export``; returns the exit code (2 with one ``error:`` line for a source, checkpoint
-    or output folder it cannot use)."""
+    """``cli.py export``; returns the exit code (2 with one ``error:`` line for what it cannot use)."""
     parser = _OneLineParser(prog="cli.py export", description=(
         f"Write a trained model as OUTPUT/{WEIGHTS_NAME} and OUTPUT/{CONFIG_NAME}, which linformer_lab.from_pretrained "
         f"loads (and --ckpt_path OUTPUT for test and predict)."))
@@ -64,14 +46,22 @@ def export_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         checkpoint = source_checkpoint(Path(args.source), args.ckpt_path)
-        ckpt = load_checkpoint_header(str(checkpoint))
+        ckpt = checkpoints.load_checkpoint_header(str(checkpoint))
         task = checkpoint_task(ckpt, checkpoint)
-        check_checkpoint(str(checkpoint), task, ckpt)
+        checkpoints.check_checkpoint(str(checkpoint), task, ckpt)
         task.load_state_dict(ckpt["state_dict"])
-        output = Path(args.output) if args.output else run_folder(checkpoint) / "export"
-        check_output(output)
+        # the run folder of version_N/checkpoints/X.ckpt, else the checkpoint's own folder
+        run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+        output = Path(args.output) if args.output else run / "export"
+        # new, empty or an earlier export (replaced): an export never mixes its files with others
+        if output.exists() and not output.is_dir():
+            raise ExportError(f"--output {output} is a file; name a folder (it is made if missing)")
+        others = sorted(p.name for p in output.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME)) if output.is_dir() else []
+        if others:
+            raise ExportError(f"--output {output} holds other files ({', '.join(others[:3])}); name a new or empty folder, "
+                              f"or one holding an earlier export")
         save_pretrained(task, output)
-    except (CheckpointMismatchError, ExportError) as err:
+    except (checkpoints.CheckpointMismatchError, ExportError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
     attention = task.hparams.get("attention") or {}
@@ -83,71 +73,47 @@ def export_command(argv: list[str]) -> int:
 
 
 def source_checkpoint(source: Path, which: str) -> Path:
-    """The checkpoint file ``cli.py export SOURCE --ckpt_path WHICH`` exports (see the module docstring)."""
+    """The checkpoint file ``cli.py export SOURCE --ckpt_path WHICH`` exports: a file as given; of a
+    run folder or a root of runs, its newest run's ``last.ckpt`` or the best one that records."""
     if source.is_file():
         return source
     if not source.is_dir():
         raise ExportError(f"{source} does not exist; pass a run folder (logs/NAME/version_N), a root of runs "
                           f"or a checkpoint file")
     # a root or run folder (runs keep checkpoints/last.ckpt), or a folder holding last.ckpt itself (--checkpoint.dirpath)
-    runs = last_checkpoints(source) or last_checkpoints(source, str(source))
+    runs = checkpoints.last_checkpoints(source) or checkpoints.last_checkpoints(source, str(source))
     if not runs:
         raise ExportError(f"{source} holds no checkpoints/last.ckpt of a run; pass a run folder (logs/NAME/version_N), "
                           f"a root of runs or a checkpoint file")
-    newest = runs[0]
-    task = checkpoint_task(load_checkpoint_header(str(newest)), newest)
-    # the newest run's own folder: best is what its last.ckpt records, checked as --ckpt_path best is
-    return Path(resolve_checkpoint_path(which, task, source, dirpath=str(newest.parent), fitting=False))
+    task = checkpoint_task(checkpoints.load_checkpoint_header(str(runs[0])), runs[0])
+    return Path(checkpoints.resolve_checkpoint_path(which, task, source, dirpath=str(runs[0].parent), fitting=False))
 
 
 def checkpoint_task(ckpt: dict, path: Path):
     """The task a loaded checkpoint was written by, built (untrained) from its hyper-parameters."""
     hparams = dict(ckpt.get("hyper_parameters") or {})
-    class_path = hparams.get("_class_path")
-    if class_path is None:
+    if hparams.get("_class_path") is None:
         raise ExportError(f"checkpoint {path} does not name its task class (_class_path, which cli.py fit saves); "
                           f"export a task built in Python with task.save_pretrained(folder) (valid tasks: {', '.join(TASKS)})")
-    return build_task(class_path, {k: v for k, v in hparams.items() if not k.startswith("_")}, path)
-
-
-def run_folder(checkpoint: Path) -> Path:
-    """The run folder of a checkpoint: ``version_N`` for ``version_N/checkpoints/X.ckpt``, else its own folder."""
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-
-
-def check_output(output: Path) -> None:
-    """An output folder may be new, empty or an earlier export (replaced); one holding anything
-    else is refused, so an export never mixes its files with others."""
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"--output {output} is a file; name a folder (it is made if missing)")
-    others = sorted(p.name for p in output.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME)) if output.is_dir() else []
-    if others:
-        raise ExportError(f"--output {output} holds other files ({', '.join(others[:3])}); name a new or empty folder, "
-                          f"or one holding an earlier export")
-
-
-# ---------------------------------------------------------------------- exported folders in the Lightning commands
+    return build_task(hparams["_class_path"], {k: v for k, v in hparams.items() if not k.startswith("_")}, path)
 
 
 def read_checkpoint(path: str) -> dict:
-    """``path`` read as a checkpoint: an exported folder as ``{"state_dict", "hyper_parameters"}``
-    (its weights, its config's arguments and class), anything else by
-    :func:`~linformer_lab.cli.checkpoints.load_checkpoint_header`."""
+    """``path`` read as a checkpoint: an exported folder as ``{"state_dict", "hyper_parameters"}``,
+    anything else by :func:`~linformer_lab.cli.checkpoints.load_checkpoint_header`."""
     if not is_export(path):
-        return load_checkpoint_header(path)
+        return checkpoints.load_checkpoint_header(path)
     try:
         class_path, init_args = read_config(path)
-        weights = read_weights(path)
+        return {"state_dict": read_weights(path), "hyper_parameters": {**init_args, "_class_path": class_path}}
     except ExportError as err:
-        raise UnreadableCheckpointError(str(err)) from None
-    return {"state_dict": weights, "hyper_parameters": {**init_args, "_class_path": class_path}}
+        raise checkpoints.UnreadableCheckpointError(str(err)) from None
 
 
 def use_export(model, section: dict, subcommand: str) -> bool:
-    """``--ckpt_path FOLDER`` naming an exported model: checked against the configured ``model`` as
-    a checkpoint is, its weights loaded into it, and ``section["ckpt_path"]`` cleared (Lightning
-    has no checkpoint to restore); True when it did. Refused for ``fit`` (an export holds no
-    optimizer state or step to resume) and on a mismatch: one line, exit code 2."""
+    """``--ckpt_path FOLDER`` naming an exported model: checked against ``model`` as a checkpoint is,
+    its weights loaded, and ``section["ckpt_path"]`` cleared (Lightning has nothing to restore); True
+    when it did. Refused for ``fit``: an export holds no optimizer state or step to resume."""
     path = section.get("ckpt_path")
     if not path or not is_export(path):
         return False
@@ -155,8 +121,8 @@ def use_export(model, section: dict, subcommand: str) -> bool:
         exit_with_error(f"--ckpt_path {path} is an exported model: weights only, no optimizer state or step to resume; "
                         f"start a new run from its weights with --model.init_from {path}")
     try:
-        ckpt = check_checkpoint(path, model, read_checkpoint(path))
-    except CheckpointMismatchError as err:
+        ckpt = checkpoints.check_checkpoint(path, model, read_checkpoint(path))
+    except checkpoints.CheckpointMismatchError as err:
         exit_with_error(str(err))
     model.load_state_dict(ckpt["state_dict"])
     section["ckpt_path"] = None

@@ -1,33 +1,24 @@
 """What ``cli.py plugins --check`` runs on the kernels: every candidate of every op in
-:mod:`linformer_lab.ops.kernels` that can run on this machine, built (the C++ and CUDA
-extensions) or compiled at its first launch (Triton), then compared with its op's PyTorch
-reference at a small shape, forward and backward.
+:mod:`linformer_lab.ops.kernels` that can run here, built or compiled at its first launch, compared
+with its op's PyTorch reference at a small shape, forward and backward.
 
-The expectation is the reference in float64 on the same inputs; a candidate passes when its
-normwise relative error, of every output and every input gradient, is within
-``max(FLOOR[dtype], SLACK x the reference's own error in the candidate's dtype)``: a kernel may
-round as the reference does in its dtype (or as GPU matrix units do, the floor), but a wrong
-index or a lost term is an error of order one. The inputs are those the ops see in a model:
-odd lengths, state in and out, values of mean one (the case that exposes cancellation in half
-precision), masked slots.
-
-A candidate that raises (a Triton kernel that fails to compile or launch) or disagrees is a
-failure: :func:`error_line` says it in one line that names the switch forcing the PyTorch form
-(``LINFORMER_LAB_KERNELS=<op>=pytorch``). A candidate that does not apply on a device, or
-whose build cannot be had here, is reported and not a failure: the op then runs on the next
-candidate by itself.
+The expectation is the reference in float64 on the same inputs; a candidate passes when the normwise
+relative error of every output and input gradient is within ``max(FLOOR[dtype], SLACK x the
+reference's own error in the candidate's dtype)``: a kernel may round as the reference does, but a
+wrong index or a lost term is an error of order one. The inputs are those a model gives: odd lengths,
+state in and out, values of mean one (which expose cancellation in half precision), masked slots.
+A candidate that raises or disagrees fails (:func:`error_line` names the switch that forces the
+PyTorch form); one that does not apply or cannot be built here is reported, not a failure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from linformer_lab.ops import kernels
-
-__all__ = ["FLOOR", "SLACK", "CheckResult", "check_kernels", "error_line", "report"]
 
 #: Largest relative error any candidate may have in a dtype, whatever the reference's: float32
 #: products on a GPU's matrix units round to tf32 (10 bits) inside Triton kernels.
@@ -38,9 +29,8 @@ SLACK = 8.0
 
 @dataclass
 class CheckResult:
-    """One candidate on one device and dtype. ``status``: ``pass``, ``FAIL`` (disagrees),
-    ``error`` (raised: failed to compile or launch), ``not here`` (does not apply or cannot be
-    built here); ``error``/``allowed``: the worst relative error and its bound (None unless run)."""
+    """One candidate on one device and dtype: ``status`` ``pass``, ``FAIL``, ``error`` (raised) or
+    ``not here``; ``error``/``allowed``: the worst relative error and its bound (None unless run)."""
 
     op: str
     candidate: str
@@ -55,16 +45,9 @@ class CheckResult:
     def failed(self) -> bool:
         return self.status in ("FAIL", "error")
 
-    def as_dict(self) -> dict:
-        return asdict(self)
 
-
-# ---------------------------------------------------------------- the ops' probes
-#
-# A probe makes an op's inputs on a device in a dtype (the same draws for every dtype) and says how
-# to run a candidate on them: ``probe(device, dtype) -> (accepts_args, leaves, call)``, where
-# ``call(candidate) -> {name: output}`` and ``leaves`` ``{name: input}`` are the tensors whose
-# gradients are compared.
+# A probe makes an op's inputs (the same draws in every dtype): ``probe(device, dtype) -> (accepts_args,
+# leaves, call)``, ``call(candidate) -> {name: output}``, ``leaves`` the inputs whose gradients are compared.
 
 
 def _draw(seed: int, *shape: int) -> torch.Tensor:
@@ -152,10 +135,6 @@ PROBES: dict[str, Callable] = {"causal": _causal, "lsh_window": _lsh_window, "fu
                                "causal_attention": _causal_attention}
 
 
-
-# ---------------------------------------------------------------- running and comparing
-
-
 def _relative(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     if got is None or want is None:
         return 0.0 if got is None and want is None else float("inf")
@@ -179,24 +158,15 @@ def _evaluate(op: str, device: str, dtype: torch.dtype, candidate) -> tuple[list
     return outputs, names
 
 
-def _devices() -> list[str]:
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _dtypes(device: str) -> list[torch.dtype]:
-    return [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
-
-
 def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None) -> list[CheckResult]:
-    """Every candidate but the references of ``ops`` (default: all), on ``devices`` (default: the
-    CPU, and CUDA where a GPU is visible) in their dtypes (float32; on a GPU also bfloat16),
-    checked (module docstring)."""
+    """Every candidate but the references of ``ops`` (default: all) on ``devices`` (default: the CPU,
+    and CUDA where a GPU is visible) in float32, on a GPU also in bfloat16."""
     results = []
     for op in ops or list(PROBES):
         probe = PROBES[op]
         reference = kernels.fallback(op)
-        for device in devices or _devices():
-            for dtype in _dtypes(device):
+        for device in devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+            for dtype in [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]:
                 label = str(dtype).removeprefix("torch.")
                 want = None
                 for candidate in kernels.CANDIDATES[op][:-1]:
@@ -237,11 +207,6 @@ def error_line(result: CheckResult) -> str:
 
 def report(results: list[CheckResult]) -> list[str]:
     """The check as lines, one per candidate, device and dtype."""
-    lines = []
-    for r in results:
-        where = f"{r.op}={r.candidate} on {r.device} {r.dtype}"
-        if r.error is not None:
-            lines.append(f"{where}: {r.status} (relative error {r.error:.1e}, allowed {r.allowed:.1e}; {r.detail})")
-        else:
-            lines.append(f"{where}: {r.status} ({r.detail})")
-    return lines
+    return [f"{r.op}={r.candidate} on {r.device} {r.dtype}: {r.status} ("
+            + (f"relative error {r.error:.1e}, allowed {r.allowed:.1e}; " if r.error is not None else "") + f"{r.detail})"
+            for r in results]

@@ -1,14 +1,9 @@
 """``python cli.py plot RUN [RUN ...] [--output FILE.png]``: the training and validation curves of
-one or several runs in one PNG, for a machine without a browser (TensorBoard reads the same runs:
-``tensorboard --logdir logs``).
+runs in one PNG, for a machine without a browser (TensorBoard reads the same runs).
 
-A RUN is what ``fit`` writes: a run root (``logs/NAME``, its ``version_N/metrics.csv`` files read
-as one run in numeric order, so that a resumed fit continues the curve of the run it resumes, a
-later version's value winning at the same update) or one ``version_N`` folder. One panel per
-metric that validation logs (bits/dim, loss, accuracy, PER), the training values of the same name
-beside it; each run one colour, named in the legend.
-
-Imports neither torch nor Lightning: matplotlib's file-only Agg backend draws it.
+A RUN is a run root (``logs/NAME``: its ``version_N/metrics.csv`` read as one run in numeric order,
+so a resumed fit continues the curve it resumes) or one ``version_N`` folder. Imports neither torch
+nor Lightning: matplotlib's file-only Agg backend draws it.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-__all__ = ["metric_rows", "metrics_files", "run_curves", "plot_runs", "plot_command"]
 
 #: the splits drawn, with their line style: training values logged every few updates are noisy
 SPLITS = {"train": {"linewidth": 0.8, "alpha": 0.45}, "val": {"linewidth": 1.8, "marker": "o", "markersize": 3}}
@@ -41,17 +34,15 @@ def metrics_files(run: str | Path) -> list[Path]:
 
 
 def metric_rows(run: str | Path) -> Iterator[dict[str, str]]:
-    """Every row of a run's ``metrics.csv`` files (:func:`metrics_files`), as CSV strings: a
-    resumed version's rows come after those its stopped one logged past the checkpoint."""
+    """Every row of a run's ``metrics.csv`` files (:func:`metrics_files`), as CSV strings."""
     for path in metrics_files(run):
         with open(path, newline="") as f:
             yield from csv.DictReader(f)
 
 
 def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
-    """``{"train/bits_per_dim": {update: value}, "val/...": ...}``: every ``train/`` and ``val/``
-    metric of a run by update (the logged ``step`` + 1, the updates done), the last value logged
-    at an update winning."""
+    """``{"train/bits_per_dim": {update: value}, ...}``: every ``train/`` and ``val/`` metric of a run
+    by update (the logged ``step`` + 1), the last value logged at an update winning."""
     curves: dict[str, dict[int, float]] = {}
     for row in metric_rows(run):
         if not row.get("step"):
@@ -64,15 +55,9 @@ def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
     return {name: dict(sorted(points.items())) for name, points in curves.items()}
 
 
-def run_name(run: Path) -> str:
-    """The legend's name of a run: its folder, with the run root's name for a ``version_N``."""
-    run = run.resolve()
-    return f"{run.parent.name}/{run.name}" if run.name.startswith("version_") else run.name
-
-
 def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = None) -> tuple[list[str], list[str]]:
-    """Draw the curves of ``runs`` into the PNG ``output``; returns the metrics drawn (one panel
-    each) and the runs' names in the legend. Raises :class:`PlotError` for a run without metrics."""
+    """Draw the curves of ``runs`` into the PNG ``output``, one panel per metric validation logs (else
+    training does); returns the metrics and the runs' names in the legend."""
     curves = {}
     for run in runs:
         path = Path(run)
@@ -83,7 +68,8 @@ def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = No
         found = run_curves(path)
         if not found:
             raise PlotError(f"{run}: its metrics.csv holds no train/ or val/ values yet")
-        name = run_name(path)
+        resolved = path.resolve()  # the legend's name: with the run root's for a version_N
+        name = f"{resolved.parent.name}/{resolved.name}" if resolved.name.startswith("version_") else resolved.name
         curves[name if name not in curves else str(run)] = found
     metrics = sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("val/")}) or \
         sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("train/")})
