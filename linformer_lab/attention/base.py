@@ -149,6 +149,18 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}.step: {label} must be a 3-d tensor (batch, heads, dim), got {shape}")
         self.check_inputs(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
 
+    def appended_cache(self, q_t, k_t, v_t, state: KVCache | None, takes: str, key_t=None) -> KVCache:
+        """A KV-cache step's new cache: ``state`` with ``(key_t, v_t)`` appended (``key_t``: ``k_t``
+        unless given; lsh caches its queries), a new KVCache, the given one unchanged. The inputs
+        are checked in full on a sequence's first step only (``state`` None; see LinearAttention.step)."""
+        key_t = k_t if key_t is None else key_t
+        if state is None:
+            self.check_step_inputs(q_t, k_t, v_t)
+            state = KVCache(key_t, v_t)
+        elif not isinstance(state, KVCache):
+            raise state_type_error(f"{type(self).__name__}.step", state, takes)
+        return state.appended(key_t, v_t)
+
     def extra_repr(self) -> str:
         return f"causal={self.causal}, query_dim={self.query_dim}"
 

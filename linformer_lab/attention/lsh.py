@@ -91,12 +91,7 @@ class LSHAttention(Attention):
         return (out, KVCache.from_sequence(q_all, v_all)) if return_state else out
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
-            self.check_step_inputs(q_t, k_t, v_t)
-            state = KVCache(q_t, v_t)
-        elif not isinstance(state, KVCache):
-            raise state_type_error(f"{type(self).__name__}.step", state, "the KVCache of its prefix or None")
-        state = state.appended(q_t, v_t)  # a new cache: the given one stays as it was
+        state = self.appended_cache(q_t, k_t, v_t, state, "the KVCache of its prefix or None", key_t=q_t)
         out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True, window=kernels.lsh_window)
         return out[:, :, -1], state
 

@@ -94,12 +94,7 @@ class SoftmaxAttention(Attention):
         return out, KVCache.from_sequence(keys, values, valid)
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        if state is None:  # checked in full on a sequence's first step only (see LinearAttention.step)
-            self.check_step_inputs(q_t, k_t, v_t)
-            state = KVCache(k_t, v_t)
-        elif not isinstance(state, KVCache):
-            raise state_type_error(f"{type(self).__name__}.step", state, "a KVCache or None")
-        state = state.appended(k_t, v_t)  # a new cache: the given one stays as it was
+        state = self.appended_cache(q_t, k_t, v_t, state, "a KVCache or None")
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]
         out = _attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)
