@@ -26,6 +26,7 @@ OPS_FLOORS = {
     "ops.cpu": 1, "ops.custom_ops": 1, "ops.cuda.toolchain": 1,
     "ops.linear_attention": 2, "ops.lsh": 2, "ops.reference": 2,
     "ops.cuda": 3,  # the CUDA numerator and the Triton kernel: their states are linear_attention's
+    "ops.cpu.causal_recurrence": 3,  # the C++ attention's Python: its PyTorch forms are linear_attention's
     "ops.kernels": 4,  # the router
 }
 

@@ -124,9 +124,9 @@ def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
 
 def _kernel(q, k, v, chunk):
     """The causal op on the C++ algorithm the dispatch selects for these (C, M)."""
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    from linformer_lab.ops.cpu import causal_recurrence
 
-    return cpu_kernel.causal_dot_product(q, k, v, chunk)
+    return causal_recurrence.causal_dot_product(q, k, v, chunk)
 
 
 def _kernel_before(commit: str):

@@ -10,7 +10,7 @@ interleaved in one process (1 thread by default), on the timing thread's CPU tim
 * ``layer before``: the same layer with ``LINFORMER_LAB_KERNELS=causal_attention=pytorch``, the
   path before the fused kernel: the elu map, the recurrence for the numerator and the normaliser
   in PyTorch (cumsum, product, division) and their gradients;
-* ``kernel``: the bare numerator (``cpu_kernel.causal_dot_product``) on feature-mapped q, k, what the
+* ``kernel``: the bare numerator (``causal_recurrence.causal_dot_product``) on feature-mapped q, k, what the
   layer must stay within 1.3x of;
 * ``FT layer``: fast-transformers' layer with its own elu feature map, on its layout (B, N, H, D),
   with its full-length mask objects (no padding).
@@ -114,7 +114,7 @@ def ft_layer(torch, d: int):
 
 def measure(torch, shape, args) -> dict:
     from linformer_lab.attention.linear import LinearAttention
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    from linformer_lab.ops.cpu import causal_recurrence
 
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def measure(torch, shape, args) -> dict:
                     for _ in range(2))
     layer = LinearAttention(causal=True, query_dim=d, feature_map=args.feature_map)
     cases = {
-        "kernel": common.forward_backward(lambda: cpu_kernel.causal_dot_product(phi_q, phi_k, v), (phi_q, phi_k, v), grad),
+        "kernel": common.forward_backward(lambda: causal_recurrence.causal_dot_product(phi_q, phi_k, v), (phi_q, phi_k, v), grad),
         "layer_after": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad),
         "layer_before": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad,
                                                 lambda: switched("causal_attention=pytorch")),

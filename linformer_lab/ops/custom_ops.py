@@ -8,7 +8,7 @@ defined on a ``torch.library.Library`` with its CPU kernel and fake function; a 
 is an ``autograd.Function`` registered as its Autograd kernel (see "registration" below).
 
 CPU, the register recurrence (``ops/cpu/causal_recurrence.cpp``), for float32 / float64 inputs
-whose C and M are multiples of its register width (``ops/linear_attention/cpu_kernel.py`` pads
+whose C and M are multiples of its register width (``ops/cpu/causal_recurrence.py`` pads
 the others with zero columns and calls it):
 
 * ``torch.ops.linformer_lab.causal_recurrence_forward(q, k, v, initial_state)``:
@@ -22,7 +22,7 @@ The forward's registered gradient calls the backward operator, which has none it
 derivative is an error, not a wrong number.
 
 CPU, causal attention with the normaliser fused, and phi = elu + 1 too unless ``mapped`` (the same
-source's ``attention_forward`` / ``attention_backward``; ``cpu_kernel.causal_attention`` maps q and k
+source's ``attention_forward`` / ``attention_backward``; ``causal_recurrence.causal_attention`` maps q and k
 for any other feature map, pads C and M and calls it):
 
 * ``torch.ops.linformer_lab.causal_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths,

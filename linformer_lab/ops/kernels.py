@@ -113,7 +113,7 @@ def _cpu_inputs(*tensors) -> bool:
 
 def _causal_cpu(q, k, v, initial_state=None) -> bool:
     """CPU tensors, q, k, v of one dtype, under CPU autocast too: the recurrence runs float16 and
-    bfloat16 as float32, as the ``pytorch`` candidate does (``ops/linear_attention/cpu_kernel.py``)."""
+    bfloat16 as float32, as the ``pytorch`` candidate does (``ops/cpu/causal_recurrence.py``)."""
     tensors = [t for t in (q, k, v, initial_state) if t is not None]
     return (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_DTYPES + _HALF_DTYPES
             and all(t.device.type == "cpu" for t in tensors))
@@ -186,9 +186,9 @@ def _causal_pytorch(q, k, v, chunk_size=None, initial_state=None, return_final_s
 
 
 def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    from linformer_lab.ops.cpu import causal_recurrence
 
-    return cpu_kernel.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
+    return causal_recurrence.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
 def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
@@ -240,16 +240,16 @@ def _causal_attention_triton_run(*args):
 
 
 def _causal_attention_cpu(feature_map, q, k, v) -> bool:
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    from linformer_lab.ops.cpu import causal_recurrence
 
-    return cpu_kernel.accepts_attention(feature_map, q, k, v)
+    return causal_recurrence.accepts_attention(feature_map, q, k, v)
 
 
 def _causal_attention_cpu_run(*args, **kwargs):
-    """The ``pytorch`` candidate's arguments on the fused C++ kernel (``ops/linear_attention/cpu_kernel.py``)."""
-    from linformer_lab.ops.linear_attention import cpu_kernel
+    """The ``pytorch`` candidate's arguments on the fused C++ kernel (``ops/cpu/causal_recurrence.py``)."""
+    from linformer_lab.ops.cpu import causal_recurrence
 
-    return cpu_kernel.causal_attention(*args, **kwargs)
+    return causal_recurrence.causal_attention(*args, **kwargs)
 
 
 def _triton_available() -> bool:

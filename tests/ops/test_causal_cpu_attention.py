@@ -1,6 +1,6 @@
 """The fused causal attention on CPU (phi = elu + 1 or any map, numerator and normaliser in one C++ forward and
 one backward: ``attention_forward`` / ``attention_backward`` of linformer_lab/ops/cpu/causal_recurrence.cpp,
-through the operators of linformer_lab/ops/custom_ops.py and cpu_kernel.causal_attention) against the
+through the operators of linformer_lab/ops/custom_ops.py and causal_recurrence.causal_attention) against the
 float64 O(N^2) attention written out here (torch's own elu), gradients against autograd of it.
 
 Checked: outputs, the final state (S_N, z_N) and the gradients of q, k, v, S_0, z_0 and from both
@@ -26,7 +26,7 @@ from conftest import built_in_feature_maps
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.ops import custom_ops, kernels
-from linformer_lab.ops.linear_attention import cpu_kernel
+from linformer_lab.ops.cpu import causal_recurrence
 
 EPS = 1e-6
 #: relative to the largest entry of each result (sums of up to N products of O(1) numbers)
@@ -68,7 +68,7 @@ def results(run, leaves, grads, dtype):
 
 def fused(key_lengths=None, cu_seqlens=None):
     def run(q, k, v, s0, z0):
-        out, (s_n, z_n) = cpu_kernel.causal_attention(EluFeatureMap(q.shape[-1]), q, k, v, key_lengths, EPS, None,
+        out, (s_n, z_n) = causal_recurrence.causal_attention(EluFeatureMap(q.shape[-1]), q, k, v, key_lengths, EPS, None,
                                                       (s0, z0), True, cu_seqlens)
         return out, s_n, z_n
     return run
@@ -178,8 +178,8 @@ def _layer_results(monkeypatch, switch, dtype, feature_map="elu"):
 
 def test_layer_on_the_fused_kernel_equals_the_layer_on_pytorch(monkeypatch, causal_extension):
     calls = []
-    original = cpu_kernel.causal_attention
-    monkeypatch.setattr(cpu_kernel, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = causal_recurrence.causal_attention
+    monkeypatch.setattr(causal_recurrence, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     got = _layer_results(monkeypatch, None, torch.float32)
     assert calls, "the layer did not take the fused kernel"
     want = _layer_results(monkeypatch, "causal_attention=pytorch", torch.float64)
@@ -227,10 +227,10 @@ def test_every_map_on_the_fused_kernel_matches_the_float64_reference(causal_exte
         layer.zero_grad()
         if fused:
             calls = []
-            original = cpu_kernel.causal_attention
-            monkeypatch.setattr(cpu_kernel, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+            original = causal_recurrence.causal_attention
+            monkeypatch.setattr(causal_recurrence, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
             out, state = layer(*leaves[:3], key_lengths=lengths, state=tuple(leaves[3:]), return_state=True)
-            monkeypatch.setattr(cpu_kernel, "causal_attention", original)
+            monkeypatch.setattr(causal_recurrence, "causal_attention", original)
             assert calls, "the layer did not take the fused kernel"
             joint = state.joint
         else:  # the O(N^2) reference: the map, every pair's weight, the state's part beside it
@@ -346,4 +346,4 @@ def test_a_state_that_does_not_fit_is_a_clear_error(causal_extension, packed):
     if not packed:
         s0, z0 = s0[:1], z0[:1]
     with pytest.raises(ValueError, match="does not fit these inputs"):
-        cpu_kernel.causal_attention(EluFeatureMap(8), q, k, v, None, EPS, None, (s0, z0), False, cu_seqlens)
+        causal_recurrence.causal_attention(EluFeatureMap(8), q, k, v, None, EPS, None, (s0, z0), False, cu_seqlens)

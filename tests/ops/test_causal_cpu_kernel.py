@@ -1,5 +1,5 @@
 """The C++ CPU kernel of the causal numerator (linformer_lab/ops/cpu/causal_recurrence.cpp through
-linformer_lab/ops/linear_attention/cpu_kernel.py) against the float64 O(N^2) reference;
+linformer_lab/ops/cpu/causal_recurrence.py) against the float64 O(N^2) reference;
 tests/ops/test_causal_recurrence.py covers the recurrence's own cases (register widths, blocks,
 thread splits), tests/ops/test_custom_ops.py its operators.
 
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from linformer_lab.ops import build_cache, cpu, kernels
+from linformer_lab.ops.cpu import causal_recurrence
 from linformer_lab.ops.kernels import causal_dot_product
-from linformer_lab.ops.linear_attention import chunk, cpu_kernel, naive
+from linformer_lab.ops.linear_attention import chunk, naive
 
 #: against the float64 reference: fp32 rounding of sums of up to N products of O(1) numbers
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
@@ -29,14 +30,14 @@ TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rt
 
 @pytest.fixture
 def taken(monkeypatch):
-    """(C, M) of every call that went through the kernel's entry point (cpu_kernel.causal_dot_product)."""
-    calls, original = [], cpu_kernel.causal_dot_product
+    """(C, M) of every call that went through the kernel's entry point (causal_recurrence.causal_dot_product)."""
+    calls, original = [], causal_recurrence.causal_dot_product
 
     def spy(q, k, v, *args, **kwargs):
         calls.append((q.shape[-1], v.shape[-1]))
         return original(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernel, "causal_dot_product", spy)
+    monkeypatch.setattr(causal_recurrence, "causal_dot_product", spy)
     return calls
 
 
@@ -162,7 +163,7 @@ def test_gradcheck(causal_extension, threads):
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.causal_dot_product(a, b, c, None, s, True)  # C = 3, M = 5 fit no register: padded
+        return causal_recurrence.causal_dot_product(a, b, c, None, s, True)  # C = 3, M = 5 fit no register: padded
 
     assert torch.autograd.gradcheck(both, leaves)
 
@@ -181,7 +182,7 @@ def test_same_result_as_the_chunk_path(kernel, threads):
     """The kernel and the pure-PyTorch reference path agree with each other in float32 too."""
     q, k, v, s0, grad, grad_final = _inputs(2, 4, 257, 32, 32)
     args = [t.float() for t in (q, k, v)]
-    ours = cpu_kernel.causal_dot_product(*args, None, s0.float(), True)
+    ours = causal_recurrence.causal_dot_product(*args, None, s0.float(), True)
     reference = chunk.CausalDotProduct.apply(*args, 64, s0.float(), True)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
@@ -258,7 +259,7 @@ def test_thread_count_changing_between_forward_and_backward(kernel, forward_thre
     leaves = [t.detach().float().requires_grad_() for t in tensors[:4]]
     try:
         torch.set_num_threads(forward_threads)
-        out, final = cpu_kernel.causal_dot_product(*leaves[:3], None, leaves[3], True)
+        out, final = causal_recurrence.causal_dot_product(*leaves[:3], None, leaves[3], True)
         torch.set_num_threads(backward_threads)
         ((out * tensors[4].float()).sum() + (final * tensors[5].float()).sum()).backward()
     finally:

@@ -21,8 +21,9 @@ import torch
 from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, ran  # noqa: F401 - fixtures
 
 from linformer_lab.ops import cpu, kernels
+from linformer_lab.ops.cpu import causal_recurrence
 from linformer_lab.ops.kernels import causal_dot_product
-from linformer_lab.ops.linear_attention import chunk, cpu_kernel
+from linformer_lab.ops.linear_attention import chunk
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +79,7 @@ def test_dims_that_do_not_fit_run_zero_padded(causal_extension, ran, dims, dtype
     c, m = dims
     path = "recurrence"
     assert kernels.select("causal", *(torch.empty(1, 1, 1, d, dtype=dtype) for d in (c, c, m))).name == path
-    assert (cpu_kernel.recurrence_dims(c, m, dtype) != dims) == padded
+    assert (causal_recurrence.recurrence_dims(c, m, dtype) != dims) == padded
     tensors = _inputs(2, 1, 150, c, m)
     _close(_run(tensors, dtype, True, 2), _reference(*tensors), dtype)
     assert ran == [(path, "forward"), (path, "backward")]
@@ -138,7 +139,7 @@ def test_gradcheck(causal_extension, ran):  # noqa: F811
     leaves = [t.requires_grad_() for t in (q, k, v, s0)]
 
     def both(a, b, c, s):
-        return cpu_kernel.causal_dot_product(a, b, c, None, s, True)
+        return causal_recurrence.causal_dot_product(a, b, c, None, s, True)
 
     assert torch.autograd.gradcheck(both, leaves)
     assert {path for path, _ in ran} == {"recurrence"}
@@ -147,7 +148,7 @@ def test_gradcheck(causal_extension, ran):  # noqa: F811
 def _pooled_call(q, k, v, grad):
     """(out, grad q, grad k, grad v) of the kernel in float32, and of the pure-PyTorch chunk path in float64."""
     results = []
-    for dtype, fn in ((torch.float32, cpu_kernel.causal_dot_product), (torch.float64, chunk.CausalDotProduct.apply)):
+    for dtype, fn in ((torch.float32, causal_recurrence.causal_dot_product), (torch.float64, chunk.CausalDotProduct.apply)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(grad.to(dtype))
@@ -191,9 +192,9 @@ def test_large_outputs_come_back_from_the_pool(causal_extension, ran):  # noqa: 
 @pytest.mark.slow
 def test_pool_limit_from_the_environment(causal_extension):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
-    code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.linear_attention import cpu_kernel; "
+    code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.cpu import causal_recurrence; "
             "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
-            "cpu_kernel.causal_dot_product(q, q, q).sum().backward(); "
+            "causal_recurrence.causal_dot_product(q, q, q).sum().backward(); "
             "print(*m.pool_stats(), m.set_pool_limit(0))")
     # out, grad q, grad k, grad v: 32 MiB each, the states 8 MiB; all freed, the pool keeps what fits 48 MiB
     for value, limit in (("0", 0), ("48", 48 << 20)):

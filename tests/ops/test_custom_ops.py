@@ -1,7 +1,7 @@
 """The causal recurrence as ``torch.library`` operators (linformer_lab/ops/custom_ops.py):
 ``opcheck`` (schema, fake-tensor function, registered gradient, AOT dispatch) on the forward and
 backward operators, the recurrence zero-padded at C, M that do not fill whole registers
-(ops/linear_attention/cpu_kernel.py) against the float64 O(N^2) reference with gradients against
+(ops/cpu/causal_recurrence.py) against the float64 O(N^2) reference with gradients against
 autograd of the reference, and the fake functions and gradient given to the CUDA operators.
 tests/models/test_compile.py traces whole models through them with torch.compile.
 """
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from linformer_lab.ops import custom_ops
-from linformer_lab.ops.linear_attention import cpu_kernel, naive
+from linformer_lab.ops.cpu import causal_recurrence
+from linformer_lab.ops.linear_attention import naive
 
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
 
@@ -78,7 +79,7 @@ def test_padded_recurrence_matches_the_float64_reference(causal_extension, dtype
     n = causal_extension.block() + 9 if c * m < 2000 else 40
     leaves = [t.requires_grad_(True) for t in inputs(2, 1, n, c, m, dtype, state=True)]
     grad_out, grad_final = torch.randn(2, 1, n, m, dtype=dtype), torch.randn(2, 1, c, m, dtype=dtype)
-    out, final = cpu_kernel.causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
+    out, final = causal_recurrence.causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
     got = torch.autograd.grad((out * grad_out).sum() + (final * grad_final).sum(), leaves)
     expected_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
     expected_out, expected_final = reference(*expected_leaves)
@@ -97,10 +98,10 @@ def test_recurrence_dims_fill_whole_registers(causal_extension):
     one of its widest registers, and are the ones with the fewest vector FMAs per position."""
     like = torch.empty(0)
     widest = causal_extension.width(64, 64, like) // 4
-    assert cpu_kernel.recurrence_dims(16, 32, torch.float32) == (16, 32)
-    assert cpu_kernel.recurrence_dims(7, 7, torch.float16) is None
+    assert causal_recurrence.recurrence_dims(16, 32, torch.float32) == (16, 32)
+    assert causal_recurrence.recurrence_dims(7, 7, torch.float16) is None
     for c, m in [(7, 7), (33, 33), (65, 65), (561, 32), (3, 5)]:
-        pc, pm = cpu_kernel.recurrence_dims(c, m, torch.float32)
+        pc, pm = causal_recurrence.recurrence_dims(c, m, torch.float32)
         assert causal_extension.fits(pc, pm, like) and 0 <= pc - c < widest and 0 <= pm - m < widest, (c, m, pc, pm)
         width = causal_extension.width(pc, pm, like) // 4
         for w in (widest, widest // 2, widest // 4):
@@ -111,7 +112,7 @@ def test_recurrence_dims_fill_whole_registers(causal_extension):
 def test_a_second_derivative_is_an_error(causal_extension):
     q, k, v, _ = inputs(1, 1, 5, 4, 4)
     q.requires_grad_(True)
-    (grad_q,) = torch.autograd.grad(cpu_kernel.causal_dot_product(q, k, v).sum(), q, create_graph=True)
+    (grad_q,) = torch.autograd.grad(causal_recurrence.causal_dot_product(q, k, v).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         grad_q.sum().backward()
 

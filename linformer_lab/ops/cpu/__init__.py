@@ -5,7 +5,7 @@
   :func:`~linformer_lab.models.generation.fast_step`;
 * :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``): the causal numerator of linear
   attention, forward and backward, as a register-resident recurrence, which
-  :mod:`linformer_lab.ops.linear_attention.cpu_kernel` calls (C and M zero-padded to whole
+  :mod:`linformer_lab.ops.cpu.causal_recurrence` calls (C and M zero-padded to whole
   registers) through the operators of :mod:`linformer_lab.ops.custom_ops`;
 * :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
   attention, forward and backward, which :func:`linformer_lab.ops.lsh.window_attention_cpp` calls.

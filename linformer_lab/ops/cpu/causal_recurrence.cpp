@@ -27,13 +27,13 @@
 // columns (one piece per thread, or per register tile) and the backward (row, pass) pairs (grad q;
 // grad v with grad k). Loops under ~4 MFLOP run on one thread. Registers: the widest of the
 // instruction set in use that divides C and M (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2
-// doubles), so C and M must be multiples of 4 floats or 2 doubles; cpu_kernel.py zero-pads other
+// doubles), so C and M must be multiples of 4 floats or 2 doubles; causal_recurrence.py zero-pads other
 // C, M up to whole registers (zero columns add nothing). Outputs of 4 MiB and more come from a pool of
 // reused buffers (output_pool.h): no page faults per call.
 //
 // Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load
 // (simd.h). Built by linformer_lab/ops/cpu/__init__.py; registered as torch.library operators by
-// linformer_lab/ops/custom_ops.py, called from linformer_lab/ops/linear_attention/cpu_kernel.py.
+// linformer_lab/ops/custom_ops.py, called from linformer_lab/ops/cpu/causal_recurrence.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -176,7 +176,7 @@ void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
 // The register width (bytes) for (C, M) in elements of `size` bytes: the widest one of the
 // instruction set in use, or a narrower one (a version for a lower instruction set, which the CPU
 // also runs) that divides both, so that D = 24 runs 8-float registers on AVX-512; 0 for none (then
-// cpu_kernel.py pads C and M).
+// causal_recurrence.py pads C and M).
 int width_bytes(int64_t c, int64_t m, int64_t size) {
   for (int b = kIsa == Isa::kAvx512 ? 64 : kIsa == Isa::kAvx2 ? 32 : 16; b >= 16; b /= 2)
     if (c > 0 && m > 0 && c % (b / size) == 0 && m % (b / size) == 0) return b;

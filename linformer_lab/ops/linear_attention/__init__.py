@@ -8,8 +8,6 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
 * :mod:`.chunk` -- the causal numerator as a chunked ``autograd.Function`` (matmuls per chunk,
   eq. 13-15 backward), no ``(N, C, M)`` tensor: the ``pytorch`` candidate of the ``causal`` op,
   which runs anywhere (the kernels are tested against the float64 :mod:`.naive` form).
-* :mod:`.cpu_kernel` -- the same contract on the C++ CPU kernel: a register-resident recurrence
-  (``linformer_lab/ops/cpu/causal_recurrence.cpp``), C and M zero-padded to whole SIMD registers.
 * :mod:`.recurrent` -- the RNN step (eq. 16-20) with a fixed-size state.
 * :mod:`.packed` -- causal and non-causal attention over packed sequences (``cu_seqlens``) in one
   pass, the sequences' offsets never read on the host.

@@ -18,13 +18,13 @@ from a pool of reused buffers (``ops/cpu/output_pool.h``), since a fresh buffer 
 per 4 KiB. ``tests/ops/test_causal_cpu_kernel.py`` holds it to a float64 O(N^2) reference.
 
 :func:`causal_attention` is the CPU candidate of the ``causal_attention`` op (``attention/linear.py``'s
-causal forward): with the elu + 1 map (eq. 7) the same source computes phi, the numerator and the
-normaliser (z, the state's one more row) in one forward and one backward pass (its
-``attention_forward`` / ``attention_backward``, the operators ``causal_elu_attention_*``), where
-the layer would otherwise run the map, the numerator, a cumulative sum and their gradients as a
-dozen ATen kernels around the recurrence. C's padding columns are zero after the map (a zero
-column of q maps to phi = 1), and the kernel zeroes phi(k) past ``key_lengths``.
-``tests/ops/test_causal_cpu_attention.py`` holds it to the float64 naive attention.
+causal forward), for every feature map: the same source computes the numerator and the normaliser
+(z, the state's one more row) in one forward and one backward pass (its ``attention_forward`` /
+``attention_backward``, the operators ``causal_attention_forward`` / ``_backward``), and with the
+elu + 1 map (eq. 7) phi too; other maps are applied by PyTorch first (``mapped``), which
+differentiates them. C's padding columns are zero after the map (a zero column of q maps to phi =
+1), and the kernel zeroes phi(k) past ``key_lengths``. ``tests/ops/test_causal_cpu_attention.py``
+holds it to the float64 naive attention.
 """
 
 from __future__ import annotations
