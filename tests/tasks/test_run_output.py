@@ -14,7 +14,7 @@ import torch
 from conftest import read_metrics, run_cli, tiny_copy_args, tiny_mnist_args
 from PIL import Image
 
-from linformer_lab.tasks.callbacks import COMPLETION_LEGEND, image_grid, save_png
+from linformer_lab.tasks.image_grids import COMPLETION_LEGEND, image_grid, save_png
 
 EPOCH_METRIC = "train/bits_per_dim_epoch"
 

@@ -55,7 +55,8 @@ from linformer_lab.data.speech.librispeech import (
     flac_info,
     load_audio,
 )
-from linformer_lab.data.speech.synthetic import SyntheticSpeechCorpus, SyntheticSpeechDataset
+from linformer_lab.data.speech.synthetic import SyntheticSpeechCorpus
+from linformer_lab.data.speech.synthetic_dataset import SyntheticSpeechDataset
 
 __all__ = [
     "FEATURE_DIM",

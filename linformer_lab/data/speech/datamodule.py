@@ -13,7 +13,8 @@ from linformer_lab.data.sampling import PredictsOnTestSplit, ResumableLoader, pr
 from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
-from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SPLITS, SyntheticSpeechCorpus, ensure_feature_cache
+from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SyntheticSpeechCorpus
+from linformer_lab.data.speech.synthetic_dataset import SPLITS, ensure_feature_cache
 from linformer_lab.validation import check_at_least, check_positive
 
 
