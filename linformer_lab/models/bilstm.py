@@ -11,12 +11,9 @@ from linformer_lab.validation import check_at_least, check_dropout
 
 
 def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Reverse every sequence of ``x (B, T, F)`` inside its own length, leaving padding in place.
-
-    ``[x0 x1 x2 pad pad] -> [x2 x1 x0 pad pad]``. Its own inverse. This is what lets the
-    backward direction of a bidirectional LSTM run over a padded batch and still start at each
-    utterance's real last frame.
-    """
+    """Reverse every sequence of ``x (B, T, F)`` inside its own length, leaving padding in place:
+    ``[x0 x1 x2 pad pad] -> [x2 x1 x0 pad pad]``; its own inverse. It lets the backward direction
+    of a bidirectional LSTM run over a padded batch and still start at each real last frame."""
     t = x.shape[1]
     steps = torch.arange(t, device=x.device)
     lengths = lengths.to(x.device)[:, None]
@@ -30,17 +27,15 @@ class BiLSTMCTC(nn.Module):
     ``forward(features (B, T, F), lengths (B,)) -> (log_probs (B, T, C) float32, lengths (B,))``,
     the interface of :class:`linformer_lab.models.ctc.TransformerCTC`.
 
-    Each layer has two unidirectional LSTMs, ``left_to_right`` and ``right_to_left``; the second reads every
-    utterance reversed within its own length (:func:`reverse_within_lengths`), so both
-    directions start and stop at the utterance's real ends and padding never reaches a real
-    frame: a padded utterance gives exactly the outputs it gives alone. Two ways to run the
-    LSTMs, same parameters and same results:
+    Each layer has two unidirectional LSTMs, ``left_to_right`` and ``right_to_left``; the second
+    reads every utterance reversed within its length (:func:`reverse_within_lengths`), so both
+    start and stop at the real ends and a padded utterance gives exactly its outputs alone. Two
+    ways to run the LSTMs, same parameters and results:
 
     * ``packed=True``: packed sequences (``pack_padded_sequence``); cuDNN then skips the padding.
-    * ``packed=False``: plain padded batches. Valid frames are still exact (an LSTM is causal
-      in its reading direction, and the padding comes after the real frames in both readings).
-      On CPU this is the fast path: PyTorch's packed-sequence backward runs step by step
-      through autograd, far slower than the fused kernel on padded input.
+    * ``packed=False``: padded batches, still exact on valid frames (an LSTM is causal in its
+      reading direction, and the padding comes last in both readings). The fast path on CPU,
+      where the packed-sequence backward runs step by step through autograd.
 
     Default ``packed=None``: packed on CUDA, padded elsewhere.
 
@@ -82,8 +77,7 @@ class BiLSTMCTC(nn.Module):
     def _run(self, lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor, packed: bool) -> torch.Tensor:
         if not x.is_cuda and torch.is_autocast_enabled("cpu"):
             # CPU bf16 autocast sends the LSTM to oneDNN's bf16 kernel, which CPUs without bf16
-            # instructions reject with "could not create a primitive
-            # descriptor"; the LSTM runs in fp32 there instead
+            # instructions reject ("could not create a primitive descriptor"): run it in fp32
             with torch.autocast("cpu", enabled=False):
                 return self._run(lstm, x.float(), lengths, packed)
         if not packed:
@@ -103,8 +97,7 @@ class BiLSTMCTC(nn.Module):
             left = self._run(layer["left_to_right"], x, lengths, packed)
             right = self._run(layer["right_to_left"], reverse_within_lengths(x, lengths), lengths, packed)
             right = reverse_within_lengths(right, lengths)
-            # zero the padded frames: what packing gives, and the next layer's input is then
-            # the same whichever path ran
+            # zero the padded frames as packing does, so the next layer sees the same either way
             x = torch.cat([left, right], dim=-1) * valid.to(left.dtype)
         return x
 

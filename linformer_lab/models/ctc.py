@@ -9,8 +9,7 @@ Everything that turns frames into phoneme posteriors and posteriors into phoneme
 * :func:`greedy_decode` -- best path: argmax per frame, collapse repeats, drop blanks.
 * :func:`prefix_beam_search` -- CTC prefix beam search (no language model), optional.
 * :func:`edit_distance` and :class:`PhonemeErrorRate` -- Levenshtein distance over phoneme ids
-  and its corpus-level ratio ``sum(edits) / sum(reference lengths)``, as a torchmetrics
-  Metric whose two sums reduce across processes with ``dist_reduce_fx="sum"``.
+  and its corpus-level ratio ``sum(edits) / sum(reference lengths)``.
 
 Blank is id 0 throughout (``linformer_lab.data.phonemes.BLANK_ID``).
 """
@@ -39,11 +38,8 @@ BLANK = 0
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The fixed sinusoidal encodings of Vaswani et al.: ``(length, dim)``.
-
-    Computed on the fly rather than stored: utterances have no fixed maximum length (the
-    paper's WSJ goes to 2,400 frames, our long-utterance benchmark further).
-    """
+    """The fixed sinusoidal encodings of Vaswani et al.: ``(length, dim)``, computed on the fly
+    because utterances have no fixed maximum length (the paper's WSJ goes to 2,400 frames)."""
     position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
     half = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
     angle = position * torch.exp(-math.log(10000.0) * half / dim)  # (length, ceil(dim/2))
@@ -65,36 +61,33 @@ class TransformerCTC(nn.Module):
     """Non-causal transformer acoustic model with a CTC output layer.
 
     ``forward(features (B, T, F), lengths (B,)) -> (log_probs (B, T', C) float32, out_lengths (B,))``
-    with ``T' = T`` (or ``ceil(T / 2)`` with ``subsample=2``) and ``C = num_phonemes``
-    (blank = 0). Frames at positions ``>= out_lengths[b]`` are padding: their values are
-    unspecified, but they never influence the real frames (attention masks the padded keys,
-    every other layer acts per frame and the subsampling convolution sees zeros beyond the
-    end, as it would for the utterance alone).
+    with ``T' = T`` (``ceil(T / 2)`` with ``subsample=2``) and ``C = num_phonemes`` (blank = 0).
+    Frames at ``>= out_lengths[b]`` are padding with unspecified values that never influence the
+    real frames (attention masks the padded keys, every other layer acts per frame, and the
+    subsampling convolution sees zeros beyond the end, as for the utterance alone).
 
     Args:
         num_phonemes: output classes including the blank.
         feature_dim: input features per frame (40 log-mel energies).
         d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
             (paper: 9 layers, 6 heads of 32 dims = 192, feed-forward 768).
-        attention: anything :meth:`AttentionConfig.coerce` takes (a config, a backend name,
-            a dict of its fields, None for ``linear``); coerced here, once (the model keeps the
-            config as ``attention_config``).
+        attention: anything :meth:`AttentionConfig.coerce` takes (a config, a backend name, a
+            dict of its fields, None for ``linear``); kept as ``attention_config``.
         positions: ``"sinusoidal"`` (fixed, any length) or ``"learned"`` (an embedding of
             ``max_positions`` rows; longer inputs are an error).
-        position_scale: factor of the sinusoidal encodings; None = ``1 / sqrt(d_model)``.
-            At amplitude 1 (Vaswani et al.'s, who scale the *embeddings* up by sqrt(d_model)
-            instead) the encodings carry as much variance as the projected features, and the
-            model first spends its updates learning to see past them: CTC training then sits
-            on the all-blank plateau far longer (``benchmarks/dev/results/speech_probes.md``:
-            never left in 600 updates at 1, left after ~260 at 1/sqrt(d_model)).
+        position_scale: factor of the sinusoidal encodings; None = ``1 / sqrt(d_model)``. At
+            amplitude 1 (Vaswani et al. scale the *embeddings* up instead) the encodings carry as
+            much variance as the projected features, and CTC training sits on the all-blank
+            plateau while the model learns to see past them (``benchmarks/dev/results/speech_probes.md``:
+            not left in 600 updates at 1, left after ~260 at 1/sqrt(d_model)).
         subsample: 1 (the paper: one transformer position per 10 ms frame) or 2 (a stride-2
             convolution first halves the sequence, ~4x cheaper softmax attention).
         packed: run the transformer layers on the utterances packed back to back (one row,
-            ``cu_seqlens`` offsets) instead of the padded batch: no padding is computed. The
-            projection, convolution and positions still run on the padded batch (per frame,
-            cheap), and the output comes back padded. Same results; whether it is faster
-            depends on how much padding the batches hold (``benchmarks/dev/results/state_benchmarks.md``).
-            Needs a backend with ``supports_packed`` (linear, softmax).
+            ``cu_seqlens`` offsets), so no padding is computed; the per-frame projection,
+            convolution and positions still run padded, and the output comes back padded. Same
+            results; whether it is faster depends on the padding
+            (``benchmarks/dev/results/state_benchmarks.md``). Needs a backend with
+            ``supports_packed`` (linear, softmax).
     """
 
     def __init__(
@@ -151,9 +144,8 @@ class TransformerCTC(nn.Module):
         if self.subsample == 1:
             x = self.input_projection(features)
         else:
-            # Zero the padding first: the convolution's window at the last real frame reaches
-            # one frame past the end, which must read 0 -- what zero padding gives the
-            # utterance alone -- whatever the data loader padded with.
+            # Zero the padding first: the window at the last real frame reaches one frame past the
+            # end, which must read 0 (as for the utterance alone) whatever the loader padded with.
             features = features * length_mask(lengths, features.shape[1])[..., None].to(features.dtype)
             x = self.input_projection(features.transpose(1, 2)).transpose(1, 2)
         lengths = subsampled_lengths(lengths, self.subsample)
@@ -207,15 +199,14 @@ def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor | None = None, 
     """Best-path decoding of a batch.
 
     Args:
-        log_probs: ``(B, T, C)`` frame scores (log-probabilities or logits: only the argmax matters).
+        log_probs: ``(B, T, C)`` frame scores (log-probabilities or logits: only the argmax counts).
         lengths: ``(B,)`` real frames per utterance (None = all ``T``).
     Returns:
         one list of label ids per utterance.
     """
     best = log_probs.argmax(dim=-1)  # (B, T)
     b, t = best.shape
-    # Vectorised collapse: keep a frame if it is not blank, differs from the previous frame and
-    # lies inside the utterance; then split per utterance on the CPU.
+    # keep a frame that is not blank, differs from the previous one and lies inside the utterance
     keep = best != blank
     keep[:, 1:] &= best[:, 1:] != best[:, :-1]
     if lengths is not None:
@@ -241,11 +232,10 @@ def prefix_beam_search(
 ) -> list[int]:
     """CTC prefix beam search for one utterance (no language model).
 
-    Tracks, for every surviving label prefix, the log-probability of all paths that produce it
-    and end in a blank (``p_b``) or in its last label (``p_nb``); the split is what lets
-    ``a blank a`` extend a prefix to ``a a`` while ``a a`` stays ``a``. With ``beam_width=1`` it
-    is close to, but not always identical with, greedy decoding (it sums paths rather than
-    following the single best one).
+    Tracks, per surviving label prefix, the log-probability of all its paths ending in a blank
+    (``p_b``) or in its last label (``p_nb``): the split lets ``a blank a`` extend a prefix to
+    ``a a`` while ``a a`` stays ``a``. With ``beam_width=1`` it is close to, not always equal to,
+    greedy decoding (it sums paths instead of following the best one).
 
     Args:
         log_probs: ``(T, C)`` log-probabilities of one utterance (padding already removed).
@@ -306,9 +296,9 @@ def edit_distance(reference: Sequence[int], hypothesis: Sequence[int]) -> int:
     """Levenshtein distance (substitutions + insertions + deletions, each costing 1).
 
     One numpy row per reference token: with ``cand[j]`` the best cost reaching column ``j`` by a
-    substitution/match or a deletion, an insertion chain gives
-    ``row[j] = min_{k <= j} cand[k] + (j - k) = j + cummin(cand - arange)[j]``, so each row is a
-    handful of vector operations instead of a Python loop over the hypothesis.
+    match/substitution or a deletion, insertion chains give
+    ``row[j] = min_{k <= j} cand[k] + (j - k) = j + cummin(cand - arange)[j]``: a few vector
+    operations per row instead of a Python loop over the hypothesis.
     """
     hyp = np.asarray(hypothesis, dtype=np.int64)
     n = len(hyp)
@@ -329,9 +319,8 @@ def edit_distance(reference: Sequence[int], hypothesis: Sequence[int]) -> int:
 class PhonemeErrorRate(Metric):
     """Corpus-level PER: ``sum of edit distances / sum of reference lengths``.
 
-    Summing numerator and denominator (rather than averaging per-utterance rates) weights
-    every phoneme equally, the standard definition; both states are sums, so under DDP the
-    ranks' shares combine exactly.
+    Summing both (rather than averaging per-utterance rates) weights every phoneme equally, the
+    standard definition, and lets the ranks' sums combine exactly under DDP.
 
     ``update(predictions, references)``: two equal-length sequences of label-id sequences
     (lists or 1-d tensors). ``compute()`` -> scalar tensor (0 when no reference phonemes were seen).

@@ -1,20 +1,17 @@
 """Discretized mixture of logistics output head for pixel-by-pixel image generation.
 
 The image-generation experiments of "Transformers are RNNs" (Katharopoulos et al. 2020, §4.2)
-model each image as a sequence and predict every element with a discretized mixture of
-logistics (DMoL), the output distribution introduced by PixelCNN++ (Salimans et al. 2017).
-The reported metric is bits/dim: the mean negative log2-likelihood per sub-pixel.
+predict every element of an image sequence with a discretized mixture of logistics (DMoL), the
+output distribution of PixelCNN++ (Salimans et al. 2017). The reported metric is bits/dim: the
+mean negative log2-likelihood per sub-pixel.
 
 Difference from PixelCNN++
 --------------------------
-PixelCNN++ predicts a whole RGB pixel at once and couples the channels inside the mixture: the
-mean of G depends linearly on the observed R, and the mean of B on R and G. That coupling is
-needed there because all three channels come out of one network evaluation. Here every
-sub-pixel (one channel value of one pixel) is its *own sequence element*: the causal
-transformer already conditions the prediction of G on the R value of the same pixel through
-attention, exactly as it conditions on any earlier element. So each position carries the
-parameters of a mixture over ONE scalar, and there are no channel-coupling coefficients. For
-greyscale images (MNIST) the two formulations coincide.
+PixelCNN++ predicts a whole RGB pixel from one network evaluation, so it couples the channels
+inside the mixture (the mean of G depends linearly on R, that of B on R and G). Here every
+sub-pixel is its *own sequence element*: the causal transformer already conditions G on the R of
+the same pixel through attention. So each position carries a mixture over ONE scalar, with no
+channel-coupling coefficients. For greyscale images (MNIST) the two formulations coincide.
 
 Parameterisation
 ----------------
@@ -39,12 +36,9 @@ __all__ = ["DiscretizedMixtureOfLogistics", "BitsPerDim"]
 
 
 def _log1mexp(d: Tensor) -> Tensor:
-    """``log(1 - exp(-d))`` for ``d > 0``, elementwise, accurate over the whole range.
-
-    ``-expm1(-d)`` is exact to relative precision for small ``d`` (where ``1 - exp(-d)`` would
-    cancel); ``log1p(-exp(-d))`` is the accurate form for large ``d`` (where the result is a
-    tiny negative number). ln 2 is the usual crossover between the two.
-    """
+    """``log(1 - exp(-d))`` for ``d > 0``, accurate over the whole range: ``-expm1(-d)`` for small
+    ``d`` (where ``1 - exp(-d)`` cancels), ``log1p(-exp(-d))`` for large ``d``; ln 2 is the usual
+    crossover."""
     return torch.where(
         d < math.log(2.0),
         torch.log(-torch.expm1(-d)),
@@ -77,15 +71,13 @@ def _log_prob(params: Tensor, target: Tensor, num_mixtures: int, num_bins: int, 
         log_cdf_upper = F.logsigmoid(a)  # log P(X < c + h)
         log_sf_lower = F.logsigmoid(-b)  # log P(X > c - h)
 
-        # Bin width in units of the scale, from h and s directly (see docstring).
-        width = (2.0 * h) * inv_scales
+        width = (2.0 * h) * inv_scales  # bin width in units of the scale, from h and s directly
         use_midpoint = width < midpoint_max_width
         # torch.where differentiates both branches; feed the unused exact branch a harmless
         # value so an underflowed width (log1mexp(0) = -inf) cannot turn 0 * inf into NaN.
         safe_width = torch.where(use_midpoint, torch.ones_like(width), width)
         log_mass_exact = log_cdf_upper + log_sf_lower + _log1mexp(safe_width)
-        # log of (logistic density at the centre) * (bin width):
-        # pdf(x) = sigmoid(m) * sigmoid(-m) / s, width = 2h.
+        # log(pdf(centre) * width), with pdf(x) = sigmoid(m) * sigmoid(-m) / s and width = 2h
         log_mass_midpoint = F.logsigmoid(m) + F.logsigmoid(-m) - log_scales + math.log(2.0 * h)
         log_mass_interior = torch.where(use_midpoint, log_mass_midpoint, log_mass_exact)
 
@@ -119,16 +111,14 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         hidden: ``(..., D)`` -> params: ``(..., 3K)`` -> log_prob / sample: ``(...)``.
     """
 
-    # Floor on the log-scale of every component, as in PixelCNN++. Without it a component can
-    # collapse onto one bin (the discretized likelihood is bounded, so nothing pushes back) and
-    # 1 / s overflows. exp(-7) ~ 9e-4 is ~0.12 bin widths for 256 bins, so a single component can
-    # still put ~97% of its mass in one bin. Applied identically in log_prob and sample, so it
-    # is part of the distribution's definition rather than a training-only trick.
+    # Floor on every component's log-scale, as in PixelCNN++: without it a component can collapse
+    # onto one bin (the discretized likelihood is bounded, so nothing pushes back) and 1 / s
+    # overflows. exp(-7) ~ 9e-4 is ~0.12 bin widths for 256 bins, so one component can still put
+    # ~97% of its mass in one bin. Applied in log_prob and sample alike: part of the distribution.
     LOG_SCALE_MIN: float = -7.0
 
-    # An interior bin whose width, measured in units of the component scale, is below this uses
-    # the density at the bin centre times the bin width (see log_prob for why). The relative
-    # error of that midpoint rule is about d^2 / 24 < 5e-8 here, i.e. below fp32 resolution.
+    # An interior bin narrower than this (in units of the component scale) uses the midpoint rule
+    # (see log_prob); its relative error d^2 / 24 < 5e-8 is below fp32 resolution.
     _MIDPOINT_MAX_WIDTH: float = 1e-3
 
     def __init__(self, hidden_dim: int, num_mixtures: int = 10, num_bins: int = 256) -> None:
@@ -155,17 +145,11 @@ class DiscretizedMixtureOfLogistics(nn.Module):
     # ------------------------------------------------------------------ projection
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """Mixture parameters for each position.
+        """Hidden states ``(..., D)`` (any float dtype) -> fp32 params ``(..., 3K)``
+        ``[logits | means | log-scales]``.
 
-        Args:
-            hidden: ``(..., D)`` hidden states, any float dtype.
-
-        Returns:
-            ``(..., 3K)`` fp32 parameters ``[logits | means | log-scales]``.
-
-        The projection runs in fp32 even under autocast: in bf16 a mean near +-1 is only
-        resolved to 2^-8 ~ half a bin width, which would blur sharp predictions and cost
-        measurable bits/dim. The layer is tiny (``D x 3K``), so fp32 costs nothing noticeable.
+        In fp32 even under autocast: in bf16 a mean near +-1 is resolved only to 2^-8 ~ half a bin
+        width, which blurs sharp predictions and costs bits/dim; the ``D x 3K`` layer is tiny.
         """
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             # Cast the weights too, so the head also works when the module itself was cast to
@@ -203,40 +187,34 @@ class DiscretizedMixtureOfLogistics(nn.Module):
                 ``params`` (or broadcastable to it). Values outside the range are not checked
                 (checking would force a device sync on every call); they give meaningless results.
 
-            fused: compute it in one function compiled by ``torch.compile`` (a few fused
-                kernels forward and backward instead of some forty elementwise operations on
-                ``(..., K)`` tensors each way); the same formula, so the same values up to
-                rounding. The first call compiles (seconds), as does each new shape.
+            fused: compute it in one function compiled by ``torch.compile`` (a few fused kernels
+                instead of some forty elementwise operations each way); the same formula, so the
+                same values up to rounding. The first call compiles (seconds), as does each new shape.
 
         Returns:
-            ``(...)`` fp32 log-probabilities, computed in fp32 even under autocast (float64 for
-            float64 params: what the tests compare the fused loss by).
+            ``(...)`` log-probabilities, fp32 even under autocast (float64 for float64 params:
+            what the tests compare the fused loss by).
 
-        For one component with mean ``mu`` and scale ``s`` and a bin ``[c - h, c + h]``, write
+        For a component with mean ``mu``, scale ``s`` and a bin ``[c - h, c + h]``, write
         ``a = (c + h - mu) / s`` and ``b = (c - h - mu) / s``. The bin mass is
         ``sigmoid(a) - sigmoid(b)``; the lowest bin has ``sigmoid(a)`` (CDF from -inf) and the
-        highest ``1 - sigmoid(b) = sigmoid(-b)`` (CDF to +inf).
+        highest ``sigmoid(-b)`` (CDF to +inf).
 
-        Subtracting two sigmoids cancels catastrophically whenever both are close to 0 or 1,
-        i.e. for every bin in the tails. Instead of PixelCNN++'s ``log(cdf_plus - cdf_min)``
-        we use the exact factorisation
+        That difference cancels catastrophically for every bin in the tails (both sigmoids near 0
+        or 1). Instead of PixelCNN++'s ``log(cdf_plus - cdf_min)`` we use the exact factorisation
 
             sigmoid(a) - sigmoid(b) = sigmoid(a) * sigmoid(-b) * (1 - exp(-(a - b)))
 
         so ``log mass = logsigmoid(a) + logsigmoid(-b) + log1mexp(d)`` with ``d = a - b = 2h / s``
-        computed directly from ``h`` and ``s`` (never as a difference of large numbers). Every
-        term is a stable function, so far-tail bins get their exact (tiny) log-mass and
-        gradient, where PixelCNN++ has to fall back to an approximation once the mass drops
-        below 1e-5.
+        computed from ``h`` and ``s`` (never as a difference of large numbers). Every term is
+        stable, so far-tail bins get their exact log-mass and gradient, where PixelCNN++ falls
+        back to an approximation once the mass drops below 1e-5.
 
-        The remaining hazard is the opposite one: a component much wider than a bin. Then
-        ``d`` is tiny, every bin's mass is tiny and ~ ``d / 4``, and once ``d`` underflows fp32
-        (log-scale above ~80) ``log1mexp(d)`` becomes ``-inf``. For ``d`` below
-        ``_MIDPOINT_MAX_WIDTH`` we therefore use PixelCNN++'s fallback: the log of the logistic
-        density at the bin centre times the bin width, ``log pdf(c) + log(2h)``. This is the
-        leading term of the factorisation as ``d -> 0`` (midpoint rule, relative error
-        ~ ``d^2 / 24``, below fp32 resolution at this threshold) and it stays finite for any
-        scale, because it only needs ``log s``, never ``1 / s``.
+        The opposite hazard is a component much wider than a bin: ``d`` is tiny, and once it
+        underflows fp32 (log-scale above ~80) ``log1mexp(d)`` is ``-inf``. For ``d`` below
+        ``_MIDPOINT_MAX_WIDTH`` we use PixelCNN++'s fallback ``log pdf(c) + log(2h)``, the leading
+        term of the factorisation as ``d -> 0`` (midpoint rule, relative error ~ ``d^2 / 24``),
+        which stays finite for any scale: it needs only ``log s``, never ``1 / s``.
         """
         self._check_integer(target)
         if params.shape[-1] != self.num_params:
@@ -249,22 +227,18 @@ class DiscretizedMixtureOfLogistics(nn.Module):
     def sampling_noise(
         self, shape: tuple[int, ...], generator: torch.Generator | None = None, device: torch.device | str | None = None
     ) -> tuple[Tensor, Tensor]:
-        """The randomness of :meth:`sample` for params of shape ``(*shape, 3K)``, drawn ahead.
-
-        Returns ``(gumbel (*shape, K), logistic (*shape))`` fp32: standard Gumbel noise that picks
-        the component and standard logistic noise for the value. ``sample(params, T, noise=...)``
-        with slices of these equals ``sample(params, T, generator)`` drawing them itself (same
-        draws in the same order). Drawing them for many positions in one call saves a
-        generation loop ten small operations per step (``PixelTransformer.generate`` draws per
-        block of positions).
+        """The randomness of :meth:`sample` for params ``(*shape, 3K)``, drawn ahead: fp32
+        ``(gumbel (*shape, K), logistic (*shape))``, the standard Gumbel noise that picks the
+        component and the standard logistic noise for the value. ``sample(params, T, noise=...)``
+        with these equals ``sample(params, T, generator)`` (same draws, same order). Drawing many
+        positions in one call saves a generation loop ten small operations per step.
         """
         u = torch.rand((*shape, self.num_mixtures), generator=generator, device=device)
         # torch.rand can return exactly 0; the clamp keeps -log(-log u) finite.
         gumbel = -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
         v = torch.rand(shape, generator=generator, device=device)
-        # logit(v), the inverse logistic CDF. v = 0 gives -inf, which sample's clamp sends to
-        # the lowest bin, exactly where that tail belongs; nothing is truncated as with
-        # PixelCNN++'s u in [1e-5, 1 - 1e-5].
+        # logit(v), the inverse logistic CDF. v = 0 gives -inf, which sample's clamp sends to the
+        # lowest bin, where that tail belongs (no truncation as PixelCNN++'s u in [1e-5, 1 - 1e-5]).
         return gumbel, torch.log(v) - torch.log1p(-v)
 
     @torch.no_grad()
@@ -284,14 +258,12 @@ class DiscretizedMixtureOfLogistics(nn.Module):
                 * ``T = 1``: an exact sample from the distribution that :meth:`log_prob` scores.
                 * ``T > 0``: the component is drawn from ``softmax(logits / T)`` and the
                   logistic is drawn with scale ``s * T``; ``T < 1`` sharpens, ``T > 1`` flattens.
-                * ``T = 0``: deterministic and random-free: the component with the largest
-                  logit (lowest index on ties, ``torch.argmax``), and its mean clamped to
-                  ``[-1, 1]`` and rounded to the nearest bin (``torch.round``: ties to even).
-                  This is the limit of the ``T > 0`` rule as ``T -> 0``. It is a pure function of
-                  ``params`` (``generator`` is ignored), so two decoders that produce the same
-                  params (e.g. recurrent vs. parallel evaluation) produce the same values. Note it
-                  is *not* in general the most probable bin of the mixture (that would need all
-                  bins scored), only the centre of the dominant component.
+                * ``T = 0``: deterministic, the limit of ``T > 0`` as ``T -> 0``: the component
+                  with the largest logit (lowest index on ties), its mean clamped to ``[-1, 1]``
+                  and rounded to the nearest bin (ties to even). A pure function of ``params``
+                  (``generator`` ignored), so two decoders that produce the same params (recurrent
+                  vs. parallel) produce the same values. Not in general the mixture's most
+                  probable bin, only the centre of the dominant component.
             generator: optional ``torch.Generator`` on ``params``' device, for reproducibility.
             noise: the ``(gumbel (..., K), logistic (...))`` pair of :meth:`sampling_noise`
                 for these positions, drawn ahead; ``generator`` is then not used.
@@ -327,13 +299,11 @@ class DiscretizedMixtureOfLogistics(nn.Module):
 
 
 class BitsPerDim(torchmetrics.Metric):
-    """Bits per dimension aggregated over batches (and processes).
+    """Bits per dimension aggregated over batches (and processes, summed under DDP).
 
-    ``update(nll)`` takes per-dimension negative log-likelihoods in nats, any shape ``(...)``;
-    every element counts as one dimension. ``compute()`` returns
-    ``sum(nll) / count / ln 2`` over everything seen since the last reset, i.e. the
-    dimension-weighted mean (not the mean of per-batch means, which would overweight a
-    smaller last batch). States are summed across processes under DDP.
+    ``update(nll)`` takes per-dimension NLLs in nats, any shape (one element, one dimension).
+    ``compute()`` returns ``sum(nll) / count / ln 2`` since the last reset: the dimension-weighted
+    mean (a mean of per-batch means would overweight a smaller last batch).
     """
 
     is_differentiable = False
@@ -345,18 +315,14 @@ class BitsPerDim(torchmetrics.Metric):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        # float64 sum: an epoch of CIFAR-10 is ~3e7 dimensions; accumulating that many values in
-        # fp32 across batches would make the last digits of the reported metric depend on
-        # batching. The count is exact in int64.
+        # float64 sum: an epoch of CIFAR-10 is ~3e7 dimensions, whose fp32 sum would make the
+        # metric's last digits depend on batching. The count is exact in int64.
         self.add_state("nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, nll: Tensor) -> None:
-        """Add per-dimension NLLs (nats), shape ``(...)``.
-
-        Detached: the metric is for reporting; keeping the graph in the running sum would hold
-        every batch's activations alive until the next reset.
-        """
+        """Add per-dimension NLLs (nats), shape ``(...)``; detached, or the running sum would keep
+        every batch's activations alive until the next reset."""
         self.nll_sum += nll.detach().to(torch.float64).sum()
         self.count += nll.numel()
 

@@ -2,38 +2,36 @@
 
 Sequence order
 --------------
-An image ``(C, H, W)`` is read as a sequence of ``N = H * W * C`` sub-pixels in raster order:
-rows top to bottom, then columns left to right, then the channels of each pixel (R, G, B for
-CIFAR-10). In other words the image is transposed to ``(H, W, C)`` and flattened, so the
-sequence index of sub-pixel ``(c, h, w)`` is ``(h * W + w) * C + c``. MNIST gives 784 elements,
-CIFAR-10 3072. With this order the first ``k * W * C`` elements are exactly the top ``k`` rows,
-which is what image completion conditions on.
+An image ``(C, H, W)`` is read as ``N = H * W * C`` sub-pixels in raster order: rows top to
+bottom, columns left to right, then each pixel's channels (R, G, B for CIFAR-10), i.e. transposed
+to ``(H, W, C)`` and flattened, so sub-pixel ``(c, h, w)`` is at ``(h * W + w) * C + c``. MNIST
+gives 784 elements, CIFAR-10 3072. The first ``k * W * C`` elements are then exactly the top
+``k`` rows, what image completion conditions on.
 
 Inputs and outputs
 ------------------
-Position ``i`` predicts sub-pixel ``i``. Its input is the *previous* sub-pixel's value (shift
-right), and position 0 gets a learned start vector instead, so the first sub-pixel is modelled
-too (from nothing) and all ``N`` dimensions enter bits/dim. Each input is
+Position ``i`` predicts sub-pixel ``i`` from the *previous* sub-pixel's value (shift right);
+position 0 gets a learned start vector, so the first sub-pixel is modelled too and all ``N``
+dimensions enter bits/dim. Each input is
 
     value_embedding[x_{i-1}]  (or the start vector at i = 0)
     + position(i // C)  + channel_embedding[i % C]  (the latter only if C > 1)
 
-i.e. the position and channel embeddings describe the sub-pixel *being predicted*, which is
-what the query at that position needs to know. ``position`` is one learned vector per pixel
-(``position_embedding="pixel"``, ``H * W`` vectors: the paper's setting), or the sum of a row
-and a column vector (``"row_column"``, ``H + W`` vectors): every image row then trains the same
-column vectors, so "the same column, one row up" is learned from 28 times more examples, which
-counts when a CPU affords a few thousand updates. The output head is a discretized mixture of
-logistics over the 256 levels (:class:`DiscretizedMixtureOfLogistics`).
+i.e. the position and channel embeddings describe the sub-pixel *being predicted*, what the
+query there needs to know. ``position`` is one learned vector per pixel (``"pixel"``, ``H * W``
+vectors: the paper's setting) or the sum of a row and a column vector (``"row_column"``,
+``H + W`` vectors): every row then trains the same column vectors, so "the same column, one row
+up" is learned from 28 times more examples, which counts when a CPU affords a few thousand
+updates. The output head is a discretized mixture of logistics over the 256 levels
+(:class:`DiscretizedMixtureOfLogistics`).
 
 Two paths through the same weights
 ----------------------------------
 :meth:`PixelTransformer.forward` evaluates all positions in parallel (training, bits/dim);
 :meth:`PixelTransformer.step` runs the transformer as an RNN (paper §3.4), one sub-pixel per
-:meth:`Transformer.step` call, with a per-layer state that is fixed-size ``(S, Z)`` for linear
-attention and a growing KV cache for softmax (lsh: its input prefix).
-:meth:`PixelTransformer.generate` samples through the same recurrence with
-:func:`~linformer_lab.models.generation.fast_step`, which is tested equal to ``Transformer.step``.
+:meth:`Transformer.step` call, with a per-layer state: fixed-size ``(S, Z)`` for linear attention,
+a growing KV cache for softmax (lsh: its input prefix). :meth:`PixelTransformer.generate` samples
+through the same recurrence with :func:`~linformer_lab.models.generation.fast_step`.
 """
 
 from __future__ import annotations
@@ -76,8 +74,7 @@ class PixelTransformer(nn.Module):
 
     Args:
         attention: the attention (:class:`AttentionConfig`, a backend name, or a dict of its
-            fields); default ``linear`` with the ``elu`` feature map. Coerced here, once (the
-            model keeps the config as ``attention_config``).
+            fields); default ``linear`` with the ``elu`` feature map. Kept as ``attention_config``.
         n_layers, n_heads, d_model, d_ff: transformer size. Paper: MNIST 8 layers, CIFAR-10
             16 layers, both 8 heads, d_model 256 (32 per head), d_ff 1024.
         num_mixtures: logistic components of the output head (paper: 10).
@@ -86,8 +83,8 @@ class PixelTransformer(nn.Module):
         position_embedding: ``"pixel"`` (a learned vector per pixel, the default) or
             ``"row_column"`` (a learned row vector plus a learned column vector).
 
-    Shapes: ``forward(images uint8 (B, C, H, W)) -> params (B, N, 3K)`` fp32, with
-    ``N = C * H * W`` in the order documented in this module.
+    Shapes: ``forward(images uint8 (B, C, H, W)) -> params (B, N, 3K)`` fp32, ``N = C * H * W``
+    in the module docstring's order.
     """
 
     def __init__(
@@ -173,11 +170,8 @@ class PixelTransformer(nn.Module):
 
     def embed(self, sequence: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Inputs of the parallel path for positions ``start..L-1``: int ``(B, L)`` values,
-        ``L <= N`` -> ``(B, L - start, d_model)``.
-
-        Position ``i`` gets the value at ``i - 1`` (the start vector at 0), so the last value
-        of ``sequence`` is never read: it is only predicted.
-        """
+        ``L <= N`` -> ``(B, L - start, d_model)``. Position ``i`` gets the value at ``i - 1`` (the
+        start vector at 0): the last value of ``sequence`` is only predicted, never read."""
         b, length = sequence.shape
         x = self.value_embedding(sequence[:, max(start - 1, 0) : length - 1])  # values at start-1 .. L-2
         if start == 0:
@@ -187,11 +181,9 @@ class PixelTransformer(nn.Module):
     # ------------------------------------------------------------------ parallel path
 
     def sequence_params(self, sequence: torch.Tensor) -> torch.Tensor:
-        """int ``(B, L)`` with ``L <= N`` -> params ``(B, L, 3K)`` for positions ``0..L-1``.
-
-        Equals :meth:`forward` on a truncated image for causal backends; used to compare
-        with the recurrent path prefix by prefix (lsh, whose outputs depend on later keys).
-        """
+        """int ``(B, L)`` with ``L <= N`` -> params ``(B, L, 3K)`` for positions ``0..L-1``:
+        :meth:`forward` on a truncated image for causal backends; compares with the recurrent
+        path prefix by prefix (lsh, whose outputs depend on later keys)."""
         if sequence.shape[1] > self.seq_len:
             raise ValueError(f"sequence of length {sequence.shape[1]} is longer than the image ({self.seq_len})")
         return self.head(self.transformer(self.embed(sequence)))
@@ -228,13 +220,12 @@ class PixelTransformer(nn.Module):
             position: the position being predicted, ``0 <= position < N``; call in order
                 0, 1, 2, ... with the returned state.
             state: the per-layer state from the previous call (None at position 0).
-            position_table: :meth:`position_table` computed once by the caller (an
-                optimisation for loops; computed here if None).
+            position_table: :meth:`position_table` computed once by a calling loop (computed
+                here if None).
         Returns: ``(params (B, 3K) fp32, state)``.
 
-        The readable form of what :meth:`generate` does in a loop, plus sampling, with
-        :func:`~linformer_lab.models.generation.fast_step` in place of ``Transformer.step``
-        (:mod:`linformer_lab.models.generation`: the same numbers, faster).
+        The readable form of :meth:`generate`'s loop, which adds sampling and steps with
+        :func:`~linformer_lab.models.generation.fast_step` (the same numbers, faster).
         """
         if previous is None and batch_size is None:
             raise ValueError("step at position 0 needs batch_size (there is no previous value to take it from)")
@@ -261,35 +252,27 @@ class PixelTransformer(nn.Module):
             prefix: the first ``P`` sub-pixels in sequence order, int ``(B, P)`` (e.g. the top
                 half of test images, ``images_to_sequence(x)[:, :P]``), or uint8 images
                 ``(B, C, H', W)`` holding the top ``H'`` rows. They set the state (see
-                ``prefill``), and the rest is sampled.
+                ``prefill``); the rest is sampled.
             generator: a ``torch.Generator`` on the model's device, for reproducible samples.
-            step_weights: the copy of the transformer's linear weights that the steps read
-                (:mod:`linformer_lab.models.generation`): ``"model"`` (default) the model's own
-                values; ``"bfloat16"`` or ``"int8"`` (weight-only, per-output-channel scales)
-                a lossy copy with 1/2 or 1/4 of the bytes, for small-batch latency, where
-                every step reads every weight. Recurrent backends only.
-            prefill: run the prefix through the parallel forward in one pass, which returns
-                the per-layer state the steps continue from (default); False feeds it through
-                ``step`` one position at a time. Both give the same state; the parallel pass
-                reads the model's own weights whatever ``step_weights`` says.
-            decoder: how the steps run (:mod:`linformer_lab.models.generation.sampling`):
-                ``"dynamic"`` the ``fast_step`` loop; ``"graph"`` the whole generation step on
-                buffers allocated once, captured as a CUDA graph and replayed per position on
-                CUDA, run eagerly elsewhere; ``"auto"`` (default) ``"graph"`` on CUDA for stacks
-                of the paper's form with linear or softmax attention, else ``"dynamic"``. Both
-                draw the same noise from ``generator``.
+            step_weights: the copy of the linear weights the steps read
+                (:mod:`linformer_lab.models.generation.weights`): ``"model"`` (default) the
+                model's own values; ``"bfloat16"`` or ``"int8"`` a lossy copy with 1/2 or 1/4 of
+                the bytes, for small-batch latency, where every step reads every weight.
+                Recurrent backends only.
+            prefill: run the prefix through the parallel forward in one pass, which returns the
+                state the steps continue from (default); False feeds it through ``step`` one
+                position at a time. Same state; the parallel pass reads the model's own weights
+                whatever ``step_weights`` says.
+            decoder: how the steps run, one of :data:`~linformer_lab.models.generation.DECODERS`
+                (see there): ``"dynamic"`` the ``fast_step`` loop, ``"graph"`` static buffers
+                replayed as CUDA graphs, ``"auto"`` (default) picks. Both draw the same noise.
         Returns: uint8 ``(B, C, H, W)``; the prefix positions hold the prefix.
 
-        The model is put in eval mode for the call (dropout off) and restored afterwards.
-        Memory per image is the per-layer state: constant for ``linear``, O(position) for
-        softmax's KV cache. The steps are :func:`~linformer_lab.models.generation.fast_step`
-        (equal to :meth:`step`'s ``Transformer.step`` up to summation order) under
-        :func:`~linformer_lab.models.generation.generation_kernels`: on CPU a batch of at most
-        :data:`~linformer_lab.models.generation.SINGLE_THREAD_MAX_BATCH` steps with one intra-op
-        thread (restored afterwards; the prefill pass keeps the process's threads), and with
-        ``step_weights="model"`` the linear layers read a transposed copy of their weights made
-        for the call (:func:`~linformer_lab.models.generation.weight_copies_for_steps`; one more
-        copy of those weights in memory while generating, as with the other formats).
+        Runs in eval mode (dropout off), the mode restored afterwards. Memory per image is the
+        per-layer state (constant for ``linear``, O(position) for softmax's KV cache) plus a copy
+        of the linear weights in the ``step_weights`` format (``"model"``: on CPU only). The steps run under
+        :func:`~linformer_lab.models.generation.generation_kernels` (the prefill pass does not:
+        it gains from every thread).
         """
         device = self.start.device
         self.check_step_weights(step_weights)
@@ -306,9 +289,8 @@ class PixelTransformer(nn.Module):
             state, first = None, 0
             x_t = self.step_input(None, 0, table, batch_size)
             if known and prefill:
-                # positions 0..known-1 in one parallel pass; its state is what the steps through
-                # them would have left. Outside the sampling loop's kernel settings: this pass is
-                # large enough to gain from every thread.
+                # positions 0..known-1 in one parallel pass, leaving the state the steps would;
+                # outside the loop's kernel settings: this pass gains from every thread
                 _, state = self.transformer(self.embed(values[:, :known]), return_state=True)
                 first = known
                 if first < self.seq_len:
@@ -319,8 +301,8 @@ class PixelTransformer(nn.Module):
         return self.to_images(values)
 
     def check_step_weights(self, step_weights: str) -> None:
-        """Raise a ValueError unless ``step_weights`` is a known format this model can use: a
-        lossy copy needs a backend with a recurrent step."""
+        """Raise a ValueError unless this model can use ``step_weights`` (a lossy copy needs a
+        backend with a recurrent step)."""
         weights.check_step_weight_format(step_weights)
         if step_weights != "model" and not self.transformer.has_recurrent_form:
             raise ValueError(

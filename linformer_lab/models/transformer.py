@@ -3,10 +3,8 @@
 Each layer is pre-norm by default: ``x = x + attention(norm(x)); x = x + feedforward(norm(x))``;
 ``norm_first=False`` makes it post-norm, as in Vaswani et al. and the authors' copy-task model:
 ``x = norm(x + attention(x)); x = norm(x + feedforward(x))``. The feed-forward's activation is GELU
-by default, ReLU on request.
-``forward`` runs a whole sequence (training, evaluation); ``step`` runs one position with a
-per-layer state (generation). Both go through the same weights, and a test checks that
-they agree for every backend.
+by default, ReLU on request. ``forward`` runs a whole sequence, ``step`` one position with a
+per-layer state (generation); a test checks that they agree for every backend.
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ class TransformerLayer(nn.Module):
     ``norm_first`` (default True): pre-norm; False: post-norm (module docstring). ``activation``:
     ``"gelu"`` (default) or ``"relu"``.
 
-    A post-norm layer keeps its norms as ``norm_after_attention`` / ``norm_after_ff`` and has no
-    ``norm_attention`` / ``norm_ff`` (None): the generation fast paths read those two as the
-    pre-norm's, so on a post-norm stack they fail at once instead of computing another function;
-    such a stack steps through :meth:`step`.
+    A post-norm layer keeps its norms as ``norm_after_attention`` / ``norm_after_ff`` and its
+    ``norm_attention`` / ``norm_ff`` are None: the generation fast paths read those two as the
+    pre-norm's, so on a post-norm stack they fail at once instead of computing another function.
     """
 
     def __init__(
@@ -83,9 +80,8 @@ class TransformerLayer(nn.Module):
         return self.norm_after_ff(x + self.dropout(self.feedforward(x)))
 
     def step(self, x_t: torch.Tensor, state=None):
-        """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``, with the
-        attention's state (None at a sequence's first position; a new one is returned, the given
-        one is left as it was)."""
+        """:meth:`forward` at one position: ``(B, d_model) -> ((B, d_model), state)``; the attention's
+        state is None at a sequence's first position, and a new one is returned."""
         attended, state = self.attention.step(self.norm_attention(x_t) if self.norm_first else x_t, state)
         return self._feedforward_block(x_t, attended), state
 
@@ -95,23 +91,21 @@ class Transformer(nn.Module):
 
     ``forward(x (B, N, d_model), key_lengths=None) -> (B, N, d_model)``;
     ``step(x_t (B, d_model), state=None) -> ((B, d_model), state)`` where ``state`` is a
-    :class:`~linformer_lab.ops.state.StackState`, a list with one backend state per layer
-    (``None`` to start from the empty prefix). For
-    backends without a recurrent form (lsh) the state is the input prefix and every step
-    re-runs ``forward`` on it, so step outputs equal the forward over the same prefix.
+    :class:`~linformer_lab.ops.state.StackState`, one backend state per layer (``None``: the empty
+    prefix). For backends without a recurrent form (lsh) the state is the input prefix and every
+    step re-runs ``forward`` on it.
 
-    The parallel and the recurrent path share that state: ``forward(x, state=s,
-    return_state=True) -> (out, state)`` continues from ``s`` (a state from ``step`` or from an
-    earlier ``forward``; None = empty) and returns the state after ``x``, which ``step`` or the
-    next ``forward`` continues from. So a prompt is prefilled in one pass, and a long sequence
-    can run in segments (truncated back-propagation through time when the carried state is
-    detached). ``cu_seqlens`` runs packed sequences (``x (1, T, d_model)``, see :class:`Attention`).
+    Both paths share that state: ``forward(x, state=s, return_state=True) -> (out, state)``
+    continues from ``s`` (from ``step`` or an earlier ``forward``; None = empty) and returns the
+    state after ``x``. So a prompt is prefilled in one pass, and a long sequence can run in
+    segments (truncated back-propagation through time when the carried state is detached).
+    ``cu_seqlens`` runs packed sequences (``x (1, T, d_model)``, see :class:`Attention`).
 
-    The state is a value: ``step`` and ``forward(state=...)`` return a new one and leave the one
-    they were given as it was, so one prefilled state can be continued several ways (branching
-    samples, beam search); ``state.clone()`` / ``state.detach()`` (or ``clone_state`` /
-    ``detach_state``, which take any backend's state too) copy or detach a whole stack's state,
-    and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep it.
+    The state is a value: ``step`` and ``forward(state=...)`` return a new one and leave the given
+    one as it was, so a prefilled state can be continued several ways (branching samples, beam
+    search); ``state.clone()`` / ``state.detach()`` (or ``clone_state`` / ``detach_state`` for any
+    backend's state) copy or detach it, and ``torch.save`` / ``torch.load(..., weights_only=True)``
+    keep it.
 
     Args: n_layers, d_model, n_heads, d_ff (default 4 d_model), attention (a backend name such as
     ``"softmax"``, a dict of :class:`AttentionConfig` fields, a config, or None for the default
@@ -176,11 +170,10 @@ class Transformer(nn.Module):
         return all(layer.attention.attention.has_recurrent_form for layer in self.layers)
 
     def step(self, x_t: torch.Tensor, state: list | None = None):
-        """One position: ``x_t (B, d_model) -> (out (B, d_model), state)``; see the class docstring.
-        The readable form that :func:`~linformer_lab.models.generation.fast_step` is tested equal to."""
+        """One position: ``x_t (B, d_model) -> (out (B, d_model), state)`` (class docstring); the
+        readable form :func:`~linformer_lab.models.generation.fast_step` is tested equal to."""
         if not self.has_recurrent_form:
-            # lsh: no recurrent form exists, so re-run the whole stack on the prefix (the
-            # paper's generation baseline); the state is the prefix of inputs
+            # lsh: re-run the whole stack on the input prefix (the paper's generation baseline)
             state = (state if state is not None else SequenceBuffer(x_t, dim=1)).appended(x_t)
             return self.forward(state.filled)[:, -1], state
         new_state = []
@@ -196,15 +189,13 @@ def segmented_forward(run_segment, length: int, segment_length: int, detach: boo
     returns the outputs in order (callers concatenate them along the sequence).
 
     With autograd on, every segment runs under activation checkpointing: the forward keeps only
-    each segment's output, boundary state and inputs, and the backward recomputes one segment
-    at a time, so peak training memory follows ``segment_length``, not ``length`` (for a
-    constant-size state: causal linear attention). The price is one more forward per segment.
-    The gradient is that of one pass over the whole sequence, unless ``detach`` cuts it at every
-    boundary (truncated back-propagation through time; the forward values are the same) through
-    :func:`~linformer_lab.ops.state.detach_state`, which any backend's state meets by the contract
-    of :class:`~linformer_lab.ops.state.AttentionState`.
-    Outputs should be small (a per-position loss, not hidden states) for the memory to follow
-    the segment.
+    each segment's output, boundary state and inputs, and the backward recomputes one segment at
+    a time, so peak training memory follows ``segment_length``, not ``length`` (for a
+    constant-size state: causal linear attention), for one more forward per segment. Outputs
+    should be small (a per-position loss, not hidden states) for that to hold. The gradient is
+    that of one pass over the whole sequence, unless ``detach`` cuts it at every boundary
+    (truncated back-propagation through time, same forward values) through
+    :func:`~linformer_lab.ops.state.detach_state`.
     """
     if segment_length < 1:
         raise ValueError(f"segment_length must be >= 1, got {segment_length}")

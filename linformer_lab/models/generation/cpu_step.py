@@ -1,33 +1,29 @@
 """The fused C++ CPU step behind :func:`~linformer_lab.models.generation.dynamic_step.fast_step`: when it
-applies and the weights it reads (generation-side speed code, docs/ARCHITECTURE.md).
+applies and the weights it reads.
 
-At batch 1 a step of the paper's MNIST model (8 layers, d_model 256) runs about 40 small tensor
-operations per layer, each costing microseconds of dispatch besides its arithmetic.
-``linformer_lab/ops/cpu/fused_step.cpp`` runs the whole stack's step in one call: per layer
-the norms, the feature map (elu + 1, or the learned t2r and hedgehog maps: a small D x F product
-per head), linear attention's state update and readout, the biases and the residuals as plain
-loops, the four weight products through ATen's CPU ``mm`` (the BLAS of the ``addmm`` that
-``fast_step`` calls) on the same transposed weights, and the GELU through ATen's kernel. Same
+At batch 1 a step of the paper's MNIST model runs about 40 small tensor operations per layer,
+each costing microseconds of dispatch besides its arithmetic. ``linformer_lab/ops/cpu/fused_step.cpp``
+runs the whole stack's step in one call: the norms, feature maps, state update and readout,
+biases and residuals as plain loops, the weight products through ATen's CPU ``mm`` (the BLAS of
+``fast_step``'s ``addmm``) on the same transposed weights, the GELU through ATen's kernel. Same
 arithmetic up to summation order (``tests/models/test_fused_step.py`` holds it to ``Transformer.step``).
 
 :func:`step` takes it when all of these hold, and otherwise leaves the step to ``fast_step``'s
 Python path (the reference, which also raises the errors for states that do not fit):
 
-* :mod:`linformer_lab.ops.kernels` picks the C++ candidate of its ``fused_step`` op: CPU inputs,
-  float32 or float64, CPU autocast off, at most :data:`FUSED_MAX_BATCH` rows, the extension
-  built or buildable, and no ``LINFORMER_LAB_KERNELS`` forcing the reference;
-* the stack's linear layers hold ``"model"`` weight copies (inside
-  ``weight_copies_for_steps(..., "model")``, as in the sampling loop): the copies say the
-  weights are fixed for the block, and the fused step reads them through the block's
-  :func:`~linformer_lab.models.generation.weights.fused_plan`;
-* the stack is of the paper's form with linear attention and one feature map the C++ step
-  computes, elu + 1, t2r or hedgehog, in every layer
-  (:func:`~linformer_lab.models.generation.form.why_not_paper_form` with ``LINEAR_FUSED``), its
-  weights float32 or float64 on CPU;
+* :mod:`linformer_lab.ops.kernels` picks the C++ candidate of its ``fused_step`` op (CPU,
+  float32 or float64, autocast off, at most :data:`FUSED_MAX_BATCH` rows, the extension built
+  or buildable, no ``LINFORMER_LAB_KERNELS`` forcing the reference);
+* the stack's linear layers hold ``"model"`` weight copies (``weight_copies_for_steps``, as in
+  the sampling loop): they say the weights are fixed for the block, and the step reads them
+  through the block's :func:`~linformer_lab.models.generation.weights.fused_plan`;
+* the stack is of the ``LINEAR_FUSED`` form
+  (:func:`~linformer_lab.models.generation.form.why_not_paper_form`), its weights float32 or
+  float64 on CPU;
 * a state from an earlier step or a prefill (a list of ``LinearState``; a sequence's first step
   makes it on the Python path), inputs of the weights' dtype.
 
-It needs no autograd and eval mode, which ``fast_step`` checks before.
+Eval mode and no autograd are checked by ``fast_step`` before.
 """
 
 from __future__ import annotations

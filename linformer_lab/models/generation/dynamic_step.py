@@ -1,18 +1,16 @@
-"""The Python generation step: what makes the one-position RNN step (paper §3.4) fast at small
-batch sizes, beside the readable step it is tested equal to.
+"""The Python generation step: the one-position RNN step (paper §3.4) made fast at small batch
+sizes, beside the readable step it is tested equal to.
 
 :meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>` is the readable
-recurrent path: module calls and each backend's own ``step``. At small batch sizes a generation
-step is a few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs
-(module calls, argument handling, thread start-up, reading the weights), not arithmetic.
-:func:`fast_step` is ``Transformer.step`` for inference with fewer operations and no module calls;
-``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every backend and
-feature map. Layers of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_layer`)
-step here with the weight copies of :mod:`~linformer_lab.models.generation.weights`; other
-layers through ``TransformerLayer.step``. On CPU, inside a ``"model"`` weight-copy block, a
-stack of the paper's form with linear attention and a map the C++ step computes (elu + 1, t2r,
-hedgehog) steps in one C++ call
-(:mod:`~linformer_lab.models.generation.cpu_step`).
+recurrent path: module calls and each backend's own ``step``. At small batch sizes a step is a
+few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs (module
+calls, argument handling, thread start-up, reading the weights), not arithmetic.
+:func:`fast_step` is ``Transformer.step`` for inference with fewer operations and no module
+calls; ``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every
+backend and feature map. Layers of the paper's form
+(:func:`~linformer_lab.models.generation.form.why_not_paper_layer`) step here, through the weight
+copies of :mod:`~linformer_lab.models.generation.weights`; other layers through
+``TransformerLayer.step``.
 """
 
 from __future__ import annotations
@@ -45,22 +43,21 @@ _OWNED = StateOwner()  # the linear states fast_step made, the only ones it upda
 
 
 def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | SequenceBuffer | None = None):
-    """:meth:`Transformer.step` for inference: ``x_t (B, d_model) -> (out (B, d_model), state)``,
-    the same weights and arithmetic up to summation order (the weight copies of
-    :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps` aside), in fewer tensor operations.
+    """:meth:`Transformer.step` for inference: ``x_t (B, d_model) -> (out (B, d_model), state)``
+    (a :class:`~linformer_lab.ops.state.StackState`), the same arithmetic up to summation order
+    (and the weight copies of :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps`),
+    in fewer tensor operations.
 
     Needs eval mode (it applies no dropout) and no autograd (``torch.no_grad()`` or
-    ``torch.inference_mode()``: a linear state it made is updated in place, one from elsewhere copied first). Per layer:
-    ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a backend flag on every
-    call), the linear layers through :func:`~linformer_lab.models.generation.weights.step_linear`, q, k, v as views of the fused
+    ``torch.inference_mode()``): a linear state it made is updated in place, one from elsewhere
+    copied first. Per layer: ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a
+    backend flag on every call), the linear layers through
+    :func:`~linformer_lab.models.generation.weights.step_linear`, q, k, v as views of the fused
     projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
     not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
-    in-place step. Other backends step through their ``step``; a stack without a recurrent form
-    (lsh) goes through ``Transformer.step``, which re-runs the stack on the prefix. Where
-    :func:`linformer_lab.models.generation.cpu_step.step` applies (CPU, linear attention with elu + 1,
-    t2r or hedgehog, inside a ``"model"`` weight-copy block, small batches, after the first step), it
-    is one C++ call.
-    The state is a :class:`~linformer_lab.ops.state.StackState`, as ``Transformer.step``'s.
+    in-place step; other backends through their ``step``. A stack without a recurrent form (lsh)
+    goes through ``Transformer.step``. Where :func:`linformer_lab.models.generation.cpu_step.step`
+    applies (its module docstring), the step is one C++ call.
     """
     if transformer.training:
         raise RuntimeError("fast_step applies no dropout: call it on a model in eval mode (model.eval()); "
@@ -85,8 +82,8 @@ def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
-#: layer -> (what its form depends on, whether it is the paper's layer): the predicate's answer, asked
-#: again only when a sub-module was replaced, so the per-step cost is a tuple comparison.
+#: layer -> (what its form depends on, whether it is the paper's layer): asked again only when a
+#: sub-module was replaced, so the per-step cost is a tuple comparison.
 _PAPER_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -164,11 +161,10 @@ def _linear_attention_step(backend: LinearAttention, q_t: torch.Tensor, k_t: tor
 
 
 def _features(feature_map: FeatureMap, q_t: torch.Tensor, k_t: torch.Tensor):
-    """``(feature_map.forward_queries(q_t), feature_map.forward_keys(k_t))``; the paper's elu map
-    through :func:`~linformer_lab.ops.linear_attention.elu_plus_one` (the same values as its
-    ``forward`` in fewer tensor operations, without autograd), and where a map keeps the base
-    class's versions (which are ``self(x)``), ``forward`` is called without the module-call
-    machinery."""
+    """``(feature_map.forward_queries(q_t), feature_map.forward_keys(k_t))``: the paper's elu map
+    through :func:`~linformer_lab.ops.linear_attention.elu_plus_one` (same values, fewer
+    operations), and a map that keeps the base class's versions (``self(x)``) through ``forward``,
+    without the module-call machinery."""
     cls = type(feature_map)
     if cls is EluFeatureMap:
         return elu_plus_one(q_t), elu_plus_one(k_t)

@@ -1,23 +1,20 @@
-"""Is this stack of the paper's form, and if not, why not: the one question every fast generation
+"""Is this stack of the paper's form, and if not, why not: the question every fast generation
 path asks before it reads a layer's parts directly instead of calling its ``step``.
 
 The paper's layer (§3.1, eq. 2 with a pre-norm residual block) is a :class:`TransformerLayer` with
 ``norm_first=True``, LayerNorms with weight and bias, a ``Linear-GELU-Dropout-Linear``
 feed-forward and a :class:`MultiHeadAttention` with its fused ``qkv`` / ``out`` projections. The
-fast paths differ only in the attention they can compute (``attention`` below):
+fast paths differ in the attention they compute (``attention`` below):
 
-* :data:`ANY_ATTENTION`: the Python step (``dynamic_step.fast_step``) steps any backend through
-  its own ``step``; a layer of another form goes through ``TransformerLayer.step``;
-* :data:`LINEAR_OR_SOFTMAX`: the graph step (``graph_step``) keeps state buffers for causal
-  linear attention and causal softmax attention;
-* :data:`LINEAR_FUSED`: the C++ step (``cpu_step``) computes eq. 18-20 with the feature maps it
-  has written in (those whose ``kernel_form`` names ``"fused_step"``: elu + 1, t2r, hedgehog),
-  separate keys, and one feature map (kind and size), set of head sizes, attention eps and GELU
-  form for the whole stack.
+* :data:`ANY_ATTENTION`: the Python step (``dynamic_step.fast_step``), any backend through its
+  own ``step``;
+* :data:`LINEAR_OR_SOFTMAX`: the graph step (``graph_step``), causal linear or softmax attention;
+* :data:`LINEAR_FUSED`: the C++ step (``cpu_step``), eq. 18-20 with the feature maps whose
+  ``kernel_form`` names ``"fused_step"`` (elu + 1, t2r, hedgehog), separate keys, and one
+  feature map, set of head sizes, attention eps and GELU form for the whole stack.
 
-A subclass that overrides a part's computation is not the paper's form (the fast paths would
-bypass the override), so types are checked exactly: feature maps too (a subclass of
-``T2RFeatureMap`` has no ``kernel_form`` unless it states one).
+Types are checked exactly, feature maps too: the fast paths would bypass a subclass's override
+(a subclass of ``T2RFeatureMap`` has no ``kernel_form`` unless it states one).
 """
 
 from __future__ import annotations
@@ -94,10 +91,9 @@ def _map_and_size(feature_map) -> str:
 
 def why_not_paper_form(transformer: Transformer, attention: str = LINEAR_FUSED) -> str | None:
     """None when every layer of ``transformer`` passes :func:`why_not_paper_layer` for
-    ``attention`` and its final norm is a LayerNorm with weight and bias, else the first reason
-    it is not (naming the layer). For :data:`LINEAR_FUSED` the layers must also agree on head
-    sizes, the feature map (kind and ``output_dim``), attention eps and GELU form (the C++ step
-    takes one of each)."""
+    ``attention``, its final norm is a LayerNorm with weight and bias and, for
+    :data:`LINEAR_FUSED`, the layers agree as the module docstring says; else the first reason
+    it is not (naming the layer)."""
     for i, layer in enumerate(transformer.layers):
         why = why_not_paper_layer(layer, attention)
         if why is not None:
@@ -105,9 +101,8 @@ def why_not_paper_form(transformer: Transformer, attention: str = LINEAR_FUSED) 
     if not _affine_layer_norm(transformer.norm):
         return "the final norm is not a LayerNorm with weight and bias over the last dimension"
     if attention == LINEAR_FUSED:
-        # One map for the stack: the step takes one map kind and one state size C. Per-layer maps
-        # would cost a branch and a weight count per layer for stacks nobody builds: a model's
-        # attention settings name one map, converted models included.
+        # One map for the stack (kind and state size C): per-layer maps would cost a branch and a
+        # weight count per layer for stacks nobody builds (a model's settings name one map).
         for what, value in (("head sizes", lambda layer: (layer.attention.n_heads, layer.attention.query_dim,
                                                           layer.attention.value_dim)),
                             ("feature map", lambda layer: _map_and_size(layer.attention.attention.feature_map)),

@@ -1,35 +1,29 @@
 """Generation with static buffers, replayable as one CUDA graph per step (paper §3.4 on a GPU).
 
 :func:`~linformer_lab.models.generation.fast_step` allocates its outputs and grows softmax's
-cache as it goes, and the loop around it (output head, sampling, the next input) is a few
-hundred small operations per position. On a GPU each of those is a kernel launch, so a
-generation step at small batch sizes costs the launches, not the arithmetic. Here the whole
-generation step -- every layer, the mixture-of-logistics sampling and the write of the sampled
-value into the next input -- reads and writes only buffers allocated once per ``generate``
-call, and the position is a device tensor, so the same sequence of kernels serves every
-position: on CUDA it is captured once as a graph and replayed per position (the approach of
-Mamba's decoder).
+cache as it goes, and the loop around it (output head, sampling, next input) is a few hundred
+small operations per position. On a GPU each is a kernel launch, so at small batch sizes a step
+costs the launches, not the arithmetic. Here the whole generation step -- every layer, the
+sampling and the write of the sampled value into the next input -- touches only buffers
+allocated once per ``generate`` call, with the position a device tensor, so the same kernels
+serve every position: on CUDA they are captured once as a graph and replayed per position (the
+approach of Mamba's decoder).
 
-* :class:`StaticDecoder`: the buffers and :meth:`StaticDecoder.step`, which runs eagerly on any
-  device (the CPU tests hold it to ``fast_step`` and ``Transformer.step``);
-* :func:`decode`: the sampling loop over a :class:`StaticDecoder` (``generate(decoder="graph")``):
-  each step captured as a CUDA graph and replayed on CUDA, run eagerly elsewhere.
+* :class:`StaticDecoder`: the buffers and :meth:`StaticDecoder.step`, eager on any device (the
+  CPU tests hold it to ``fast_step`` and ``Transformer.step``);
+* :func:`decode`: the sampling loop over it (``generate(decoder="graph")``).
 
-It takes stacks of the paper's form with causal linear or softmax attention
-(:func:`~linformer_lab.models.generation.form.why_not_paper_form` with ``LINEAR_OR_SOFTMAX``).
-
+It takes stacks of the paper's form with causal linear or softmax attention (``LINEAR_OR_SOFTMAX``).
 The state per layer: linear attention's ``[S | Z]`` buffer ``(B, H, C, M + 1)`` (as
-:class:`~linformer_lab.ops.linear_attention.LinearState`), softmax's keys and values for the
-whole image ``(B, H, N, D|M)`` with the position counter marking what is filled (stateful
-softmax, paper appendix C.1, with a preallocated cache). Softmax attends to the first
-``span`` cached positions, masked beyond the current one; ``span`` grows in blocks of
-:data:`SPAN_BLOCK` (one graph per block), so its cost follows the position as with a growing
-cache instead of paying for the whole image at every step.
+:class:`~linformer_lab.ops.linear_attention.LinearState`); softmax's keys and values for the
+whole image ``(B, H, N, D|M)``, the position marking what is filled (stateful softmax, paper
+appendix C.1, preallocated). Softmax attends to the first ``span`` cached positions, masked
+beyond the current one; ``span`` grows in blocks of :data:`SPAN_BLOCK` (one graph per block), so
+its cost follows the position instead of paying for the whole image at every step.
 
-The weight copies of :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps` apply
-(``step_weights="bfloat16"`` halves the bytes of every weight product); the sampling noise is
-drawn ahead for the whole image, in the blocks and order of ``generate``'s dynamic loop, so a
-generator seeded alike gives the same images on both paths.
+The weight copies of :func:`~linformer_lab.models.generation.weights.weight_copies_for_steps`
+apply; the sampling noise is drawn ahead in the blocks and order of ``generate``'s dynamic loop,
+so a generator seeded alike gives the same images on both paths.
 """
 
 from __future__ import annotations
@@ -133,16 +127,16 @@ class StaticDecoder:
             prefix and are never overwritten. Filled in place.
         known: prefix length ``P``.
         temperature: as ``DiscretizedMixtureOfLogistics.sample``.
-        noise: ``(gumbel (B, N - P, K), logistic (B, N - P))`` for the sampled positions (see
-            ``sampling.whole_image_noise``); None at temperature 0.
+        noise: ``(gumbel (B, N - P, K), logistic (B, N - P))`` for the sampled positions
+            (``sampling.whole_image_noise``); None at temperature 0.
         span_block: softmax's spans grow by this many positions (:data:`SPAN_BLOCK`).
-        fused_attention: linear attention's step in one Triton kernel per layer (maps, state
-            update, readout: ``ops/cuda/triton_chunk/step.py``); None: where it runs (a CUDA GPU).
+        fused_attention: linear attention's step in one Triton kernel per layer
+            (``ops/cuda/triton_chunk/step.py``); None: where it runs (a CUDA GPU).
 
-    :meth:`load` sets the state, input and position; each :meth:`step` then predicts and
-    samples the position held in :attr:`position` (a device tensor, int64 ``(1,)``), writes it
-    into ``values`` (where it is not prefix), prepares the next input in :attr:`x` and
-    advances :attr:`position`. Nothing is allocated outside the step's own temporaries.
+    :meth:`load` sets the state, input and position; each :meth:`step` then samples the position
+    in :attr:`position` (a device tensor, int64 ``(1,)``), writes it into ``values`` (unless
+    prefix), prepares the next input in :attr:`x` and advances :attr:`position`, allocating
+    nothing outside its own temporaries.
     """
 
     def __init__(self, model, values: torch.Tensor, known: int, temperature: float, noise,
@@ -228,8 +222,8 @@ class StaticDecoder:
 
 def capture(function, device: torch.device):
     """``function`` (no arguments, static buffers) captured as a CUDA graph after
-    :data:`_WARMUP_RUNS` eager runs on a side stream; returns the graph. The warm-up runs change
-    the buffers: :meth:`StaticDecoder.load` comes after the captures."""
+    :data:`_WARMUP_RUNS` eager runs on a side stream. The warm-up runs change the buffers:
+    :meth:`StaticDecoder.load` comes after the captures."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -244,10 +238,9 @@ def capture(function, device: torch.device):
 
 def decode(model, values: torch.Tensor, known: int, first: int, state, x_t: torch.Tensor, temperature: float,
            noise) -> None:
-    """Fill ``values[:, known:]`` from position ``first`` on (``first <= known`` with the
-    state after positions ``< first`` and the input ``x_t`` of ``first``) on a
-    :class:`StaticDecoder`: one CUDA graph per span replayed per position on CUDA, the same step
-    eagerly elsewhere. ``noise``: as :class:`StaticDecoder`'s."""
+    """Fill ``values[:, known:]`` from position ``first <= known`` on, given the state after
+    positions ``< first`` and the input ``x_t`` of ``first``: one CUDA graph per span replayed per
+    position on CUDA, the same step eagerly elsewhere. ``noise``: as :class:`StaticDecoder`'s."""
     device, length = values.device, values.shape[1]
     if first >= length:
         return

@@ -1,14 +1,10 @@
 """The sampling loop of ``PixelTransformer.generate`` and the choice of its decoder.
 
 :func:`sample` fills an image sub-pixel by sub-pixel from a prefix's state (paper §3.4) with one
-of the :data:`DECODERS`: ``"dynamic"`` steps through
-:func:`~linformer_lab.models.generation.dynamic_step.fast_step` (which takes the C++ CPU step
-where it applies) and samples in Python; ``"graph"`` runs the whole generation step on static
-buffers (:mod:`~linformer_lab.models.generation.graph_step`), one CUDA graph per step on CUDA,
-eagerly elsewhere. Both run under :func:`generation_kernels` and the weight copies of
-:func:`~linformer_lab.models.generation.weights.weight_copies_for_steps`, and draw the same
-noise (:func:`noise_per_position`, :func:`whole_image_noise`), so a generator seeded alike gives
-the same images.
+of the :data:`DECODERS`, under :func:`generation_kernels` and the weight copies of
+:func:`~linformer_lab.models.generation.weights.weight_copies_for_steps`. Both decoders draw the
+same noise (:func:`noise_per_position`, :func:`whole_image_noise`), so a generator seeded alike
+gives the same images.
 """
 
 from __future__ import annotations
@@ -26,8 +22,10 @@ from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogist
 __all__ = ["DECODERS", "NOISE_BLOCK", "SINGLE_THREAD_MAX_BATCH", "choose_decoder", "generation_kernels",
            "noise_per_position", "sample", "whole_image_noise"]
 
-#: ``PixelTransformer.generate(decoder=...)``: ``"auto"`` is ``"graph"`` on CUDA for stacks the
-#: graph step takes, else ``"dynamic"`` (the ``fast_step`` loop); ``"graph"`` runs eagerly off CUDA.
+#: ``PixelTransformer.generate(decoder=...)``: ``"dynamic"`` steps through ``fast_step`` (which takes
+#: the C++ CPU step where it applies) and samples in Python; ``"graph"`` runs the whole generation
+#: step on static buffers (:mod:`~linformer_lab.models.generation.graph_step`), a CUDA graph per step
+#: on CUDA, eager elsewhere; ``"auto"`` is ``"graph"`` on CUDA for stacks it takes, else ``"dynamic"``.
 DECODERS = ("auto", "dynamic", "graph")
 
 def choose_decoder(decoder: str, transformer, device: torch.device) -> str:
@@ -45,10 +43,9 @@ def choose_decoder(decoder: str, transformer, device: torch.device) -> str:
 def sample(model, values: torch.Tensor, known: int, first: int, state, x_t: torch.Tensor, temperature: float,
            generator: torch.Generator | None, decoder: str, step_weights: str) -> None:
     """Fill ``values`` int64 ``(B, N)`` from position ``first`` on, sampling the positions
-    ``>= known`` (those before hold the prefix): ``state`` is the stack's state after positions
-    ``< first`` (None at 0) and ``x_t (B, d_model)`` the input of ``first``. ``decoder``: one of
-    :data:`DECODERS` but ``"auto"`` (:func:`choose_decoder`); ``step_weights``: the format of
-    the weight copies the steps read."""
+    ``>= known`` (those before hold the prefix), given the stack's ``state`` after positions
+    ``< first`` (None at 0) and the input ``x_t (B, d_model)`` of ``first``. ``decoder``: as
+    :func:`choose_decoder` returns; ``step_weights``: the format of the steps' weight copies."""
     transformer, head = model.transformer, model.head
     batch_size, length = values.shape
     device, recurrent = values.device, transformer.has_recurrent_form
@@ -72,12 +69,12 @@ def sample(model, values: torch.Tensor, known: int, first: int, state, x_t: torc
 @contextlib.contextmanager
 def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
     """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate`
-    steps under: oneDNN off on CPU (:func:`_native_cpu_kernels`) and one intra-op thread for small recurrent batches
-    (:func:`_single_thread_for_small_steps`). Process-global settings, restored on exit.
+    steps under: oneDNN off on CPU (:func:`_native_cpu_kernels`) and one intra-op thread for small
+    recurrent batches (:func:`_single_thread_for_small_steps`). Process-global, restored on exit.
 
-    Code that steps the model by hand and must draw what ``generate`` draws runs under this
-    too: a bf16 step copy goes through oneDNN's bf16 matmul when oneDNN is on (on CPUs with
-    bf16 instructions), which rounds differently from the native kernel.
+    Code that steps the model by hand and must draw what ``generate`` draws runs under this too:
+    with oneDNN on (on CPUs with bf16 instructions) a bf16 step copy goes through oneDNN's bf16
+    matmul, which rounds differently from the native kernel.
     """
     with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent):
         yield
@@ -85,14 +82,10 @@ def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = 
 
 @contextlib.contextmanager
 def _native_cpu_kernels(device: torch.device):
-    """Turn oneDNN (mkldnn) off while stepping on CPU.
-
-    With oneDNN on, PyTorch runs GELU through oneDNN, which opens a thread-parallel region on
-    every call, even for the (B, d_ff) tensor of one RNN step; ATen's own kernel runs such a
-    small tensor inline, many times faster. Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
-    fp32 results are identical; a bf16 step copy does go through oneDNN's bf16 matmul when
-    oneDNN is on, which rounds differently. The flag is process-global; it is restored on exit.
-    """
+    """Turn oneDNN (mkldnn) off while stepping on CPU: it runs GELU in a thread-parallel region on
+    every call, even for one step's (B, d_ff) tensor, which ATen's own kernel runs inline, many
+    times faster. Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
+    fp32 results are identical."""
     if device.type != "cpu" or not torch.backends.mkldnn.enabled:
         yield
         return
@@ -111,9 +104,8 @@ SINGLE_THREAD_MAX_BATCH = 16
 
 @contextlib.contextmanager
 def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurrent: bool):
-    """One intra-op thread while stepping a small batch on CPU (see
-    :data:`SINGLE_THREAD_MAX_BATCH`). Backends without a recurrent form (lsh) re-run the
-    whole prefix at every step, which is large enough to use every thread: left as set."""
+    """One intra-op thread while stepping a small batch on CPU (:data:`SINGLE_THREAD_MAX_BATCH`);
+    left as set for backends without a recurrent form (lsh), whose steps re-run the whole prefix."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or not recurrent or batch_size > SINGLE_THREAD_MAX_BATCH or threads == 1:
         yield
@@ -136,8 +128,8 @@ def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, pos
                        generator: torch.Generator | None, device: torch.device):
     """Yields, per sampled position, the ``noise`` argument of ``head.sample``: slices of noise
     drawn :data:`NOISE_BLOCK` positions at a time, None at temperature 0 (which draws nothing).
-    The same distribution as drawing per position, not the same stream: a generator seeded
-    alike gives other images than position-by-position calls of ``head.sample`` would."""
+    The same distribution as drawing per position, not the same stream (other images than
+    position-by-position ``head.sample`` calls give)."""
     if temperature == 0:
         yield from itertools.repeat(None, positions)
         return
@@ -148,9 +140,8 @@ def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, pos
 
 
 def whole_image_noise(head, batch: int, positions: int, temperature: float, generator, device):
-    """The noise of :func:`noise_per_position` for all
-    ``positions`` at once: ``(gumbel (B, P, K), logistic (B, P))``, drawn in the same blocks
-    and order (so the same numbers); None at temperature 0."""
+    """The noise of :func:`noise_per_position` for all ``positions`` at once, the same numbers:
+    ``(gumbel (B, P, K), logistic (B, P))``; None at temperature 0."""
     if temperature == 0 or positions == 0:
         return None
     blocks = [head.sampling_noise((batch, min(NOISE_BLOCK, positions - start)), generator, device)

@@ -1,43 +1,38 @@
 """The weight copies a loop of generation steps reads, and the fused plan made from them.
 
-A generation step multiplies a handful of rows by every weight matrix of the model, so at
-small batch sizes it streams all the weights from memory once per position (25 MB per step
-for the 8-layer MNIST model at fp32, 50 MB for the 16-layer CIFAR-10 model) and the time is
-set by how fast the matrix-vector products read them, not by arithmetic.
+At small batch sizes a generation step streams every weight matrix from memory once per
+position (25 MB per step for the 8-layer MNIST model at fp32, 50 MB for the 16-layer CIFAR-10
+model), so its time is set by how fast the matrix-vector products read them, not by arithmetic.
 
-:func:`weight_copies_for_steps` gives every ``nn.Linear`` of a module, for the duration of a
-``with`` block (a loop of steps over fixed weights, e.g. ``PixelTransformer.generate``), a copy
-of its weight in a format chosen for that, and :func:`step_linear` uses the copy when there is
-one. The formats (:data:`STEP_WEIGHT_FORMATS`):
+:func:`weight_copies_for_steps` gives every ``nn.Linear`` of a module, for a ``with`` block (a
+loop of steps over fixed weights, e.g. ``PixelTransformer.generate``), a copy of its weight in a
+format chosen for that, and :func:`step_linear` uses the copy. The formats
+(:data:`STEP_WEIGHT_FORMATS`):
 
 ``"model"``
-    The model's own weights, dtype and values; the product is the same up to summation
-    order. On CPU the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the
-    ``(out, in)`` parameter markedly slower at one row than ``x @ W^T`` with ``W^T``
-    contiguous. Elsewhere no copy is made.
+    The model's own weights, dtype and values; the same product up to summation order. On CPU
+    the copy is the transposed ``(in, out)`` matrix: ``F.linear`` reads the ``(out, in)``
+    parameter markedly slower at one row than ``x @ W^T`` with ``W^T`` contiguous. Elsewhere
+    no copy is made.
 ``"bfloat16"``
-    A bfloat16 copy; the layer's input is rounded to bfloat16, the product accumulated in
-    fp32 and rounded to bfloat16 by the BLAS, the bias added in the model's dtype. Half the
-    bytes per step.
+    The input rounded to bfloat16, the product accumulated in fp32 and rounded to bfloat16 by
+    the BLAS, the bias added in the model's dtype. Half the bytes per step.
 ``"int8"``
-    Weight-only int8: each output row ``w_i`` stored as ``round(w_i / s_i)`` in int8 with
-    one bfloat16 scale ``s_i >= max|w_i| / 127`` (symmetric, per output channel, so every
-    weight is within ``s_i / 2`` of its original); the input is rounded to bfloat16 and
-    ``torch._weight_int8pack_mm`` dequantizes on the fly (bfloat16 output, the bias added in
-    the model's dtype). A quarter of the bytes per step.
+    Weight-only int8 (:func:`quantize_int8`); the input is rounded to bfloat16 and
+    ``torch._weight_int8pack_mm`` dequantizes on the fly (bfloat16 output, the bias added in the
+    model's dtype). A quarter of the bytes per step.
 
-The reduced formats change the numbers the step computes (a lossy copy), so they are opt-in;
-how much they cost in bits/dim is measured in ``benchmarks/dev/step_weights_quality.py``. The
-activations between layers, the attention state and the output head stay in the model's
-dtype.
+The reduced formats change the numbers (a lossy copy), so they are opt-in; their cost in
+bits/dim is measured in ``benchmarks/dev/step_weights_quality.py``. Activations, the attention
+state and the output head stay in the model's dtype.
 
 The fused plan
 --------------
 
 The C++ CPU step (:mod:`~linformer_lab.models.generation.cpu_step`) reads the ``"model"`` copies
-of a stack of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_form`)
-in one ``FusedStack``, built once per block of copies by :func:`fused_plan` and forgotten when
-the block ends: the copies say the weights are fixed for the block.
+of a stack of the paper's form in one ``FusedStack``, built once per block of copies by
+:func:`fused_plan` and forgotten when the block ends: the copies say the weights are fixed for
+the block.
 """
 
 from __future__ import annotations
@@ -90,11 +85,9 @@ def check_step_weight_format(format: str) -> str:
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``(out, in)`` -> ``(q int8 (out, in), scale bf16 (out,))``
-    with ``|q * scale - weight| <= scale / 2`` elementwise.
-
-    The scale is rounded *up* to bfloat16 (the kernel takes bf16 scales), so
-    ``max|w_i| / scale_i <= 127`` and no weight is clipped; a zero row gets scale 1.
-    """
+    with ``|q * scale - weight| <= scale / 2`` elementwise. The scale is rounded *up* to bfloat16
+    (the kernel takes bf16 scales), so ``max|w_i| / scale_i <= 127`` and no weight is clipped; a
+    zero row gets scale 1."""
     weight = weight.detach().float()
     wanted = weight.abs().amax(dim=1) / 127
     scale = wanted.to(torch.bfloat16)
@@ -140,11 +133,10 @@ class _Bfloat16:
 class _Int8:
     """Format ``"int8"``: weight-only int8 with per-output-channel bf16 scales.
 
-    ``torch._weight_int8pack_mm`` (a private ATen kernel) gave wrong outputs or crashed the
-    process for input sizes that are not a multiple of :data:`_INT8_KERNEL_K_MULTIPLE` (a grid
-    of shapes on torch 2.11, CPU), and it is only used and tested here on CPU. Other layers
-    (and other devices) multiply by the dequantized weights ``q * s`` held in fp32: the same
-    values and the same bf16 output, up to summation order, without the saving in bytes.
+    ``torch._weight_int8pack_mm`` (a private ATen kernel) gave wrong outputs or crashed for input
+    sizes not a multiple of :data:`_INT8_KERNEL_K_MULTIPLE` (torch 2.11, CPU), and is used and
+    tested here on CPU only. Other layers and devices multiply by the dequantized ``q * s`` held
+    in fp32: the same values and bf16 output up to summation order, without the saving in bytes.
     """
 
     __slots__ = ("weight", "scale", "bias", "dequantized")
@@ -175,12 +167,12 @@ def _make_copy(linear: nn.Linear, format: str):
 @contextlib.contextmanager
 def weight_copies_for_steps(module: nn.Module, format: str = "model", enabled: bool = True):
     """Give every ``nn.Linear`` in ``module`` a weight copy in ``format`` (one of
-    :data:`STEP_WEIGHT_FORMATS`) that :func:`step_linear` reads, for the block; removed on
-    exit. Memory: one more copy of the linear weights, in that format.
+    :data:`STEP_WEIGHT_FORMATS`) that :func:`step_linear` reads, for the block; removed on exit.
+    Memory: one more copy of the linear weights, in that format.
 
-    The weights must not change inside the block (the copies would be stale). Nesting: an
-    inner block for a module that already holds copies keeps the outer ones (and their
-    format); it is an error to ask for another format there.
+    The weights must not change inside the block (the copies would be stale). An inner block for
+    a module that already holds copies keeps the outer ones; asking for another format there is
+    an error.
     """
     check_step_weight_format(format)
     added = []
@@ -262,12 +254,10 @@ def release_fused_plans(module: nn.Module) -> None:
 
 def _fused_weights(transformer: Transformer):
     """``(weights, norm eps, (heads, query dim, value dim), attention eps, GELU approximate,
-    feature map name)`` in the order ``FusedStack`` takes them, or None when the stack is not the
-    paper's form with linear attention and a map the C++ step computes (``LINEAR_FUSED``), or its
-    linear layers do not all hold ``"model"`` copies with a bias (transposed, on CPU), or its
-    weights are not float32 / float64, contiguous, of one dtype. A layer's learned map follows its
-    twelve tensors as the map holds it, ``W (F, D)`` and ``b (F)``: t2r's one, hedgehog's query
-    map then key map."""
+    feature map name)`` in the order ``FusedStack`` takes them, or None when the stack is not of
+    the ``LINEAR_FUSED`` form, its linear layers do not all hold ``"model"`` copies with a bias
+    (transposed, on CPU), or its weights are not float32 / float64, contiguous, of one dtype. A
+    layer's learned map (:func:`_map_weights`) follows its twelve tensors."""
     if why_not_paper_form(transformer, LINEAR_FUSED) is not None:
         return None
     weights, norm_eps = [], []
@@ -300,7 +290,7 @@ def _fused_weights(transformer: Transformer):
 
 
 def _map_weights(feature_map) -> list[torch.Tensor]:
-    """A fused map's ``[W, b]`` per projection of its ``kernel_form``, in the order ``FusedStack`` takes
-    them after a layer's other tensors: t2r's one, hedgehog's query map then key map; none for elu."""
+    """A fused map's ``[W (F, D), b (F)]`` per projection of its ``kernel_form``, in ``FusedStack``'s
+    order: t2r's one, hedgehog's query map then key map; none for elu."""
     projections = (getattr(feature_map, name) for name in feature_map.kernel_form.projections)
     return [tensor.detach() for linear in projections for tensor in (linear.weight, linear.bias)]
