@@ -7,38 +7,24 @@ with 0 to a fixed width of ``2 * max_length + 1``:
     target_mask  = [0   .. 0,   0,   1   .. 1,   0 .. 0]
 
 Token ids: 0 = padding, 1..num_symbols = symbols, num_symbols + 1 = separator. ``target_mask``
-marks exactly the copied symbols: with causal masking the model predicts token ``t`` from
-tokens ``< t``, and only the copy is predictable (the prefix is random), so the loss is taken
-on those positions only. The first copied symbol (right after SEP) is a target too.
+marks exactly the copied symbols, the first one (right after SEP) included: with causal masking
+the model predicts token ``t`` from tokens ``< t``, and only the copy is predictable (the prefix
+is random), so the loss is taken on those positions only.
 
-Data is generated on the fly, one whole batch at a time (vectorised numpy: a batch costs far less than a
-training step, so it runs in the main process without workers).
-Batch ``i`` of epoch ``e`` of a split is a pure function of ``(seed, split, e, i)``:
-
-* the dataset is map-style and its keys are ``(split, epoch, i, rank, num_replicas)`` tuples:
-  ``dataset[key]`` seeds a fresh ``numpy`` generator from ``(seed, split, epoch, i)``, draws the
-  global batch of ``num_replicas * batch_size`` sequences and returns this process's rows
-  (``rank::num_replicas``; all of them for one process), so nothing depends on worker processes,
-  iteration order or earlier batches, and ``p`` processes at batch size ``b`` train on the
-  sequences one process sees at batch size ``p * b``;
-* the training sampler yields the keys of one epoch; Lightning calls its ``set_epoch`` before
-  every epoch, so every epoch sees new sequences (the task has ~10^128 of them);
-* exact resume: Lightning, resuming from a mid-epoch checkpoint, restores its batch counter
-  but restarts the dataloader iterator from scratch, so a plain loader would replay the start
-  of the epoch. Our train loader is "stateful" (``state_dict``/``load_state_dict``, which
-  Lightning stores in the checkpoint under ``loops.fit_loop.state_dict.combined_loader``):
-  it records the epoch and how many batches the fit loop has *finished* in it (read from the
-  trainer's progress, not from the loader, whose count is ahead by Lightning's prefetching),
-  and on resume the sampler skips exactly those. Since a batch depends only on its key, the
-  resumed run then sees bit-identical data to an uninterrupted one (tested in
-  tests/data/test_data_copy.py).
+Data is generated on the fly, one whole batch at a time (vectorised numpy: a batch costs far less
+than a training step, so it runs in the main process without workers). Batch ``i`` of epoch ``e``
+of a split is a pure function of ``(seed, split, e, i)`` (:class:`CopyBatches`), so nothing
+depends on worker processes, iteration order or earlier batches: every epoch sees new sequences
+(the task has ~10^128 of them), and a run resumed mid-epoch (linformer_lab/data/sampling.py) sees
+bit-identical data to an uninterrupted one (tested in tests/data/test_data_copy.py).
 
 Validation/test batches use a fixed epoch (0): the same ``val_batches`` batches every time, so
 validation curves are comparable across epochs and runs with the same seed.
 
 Counts of batches (``train_batches_per_epoch``, ``val_batches``, ``test_batches``) are of
 ``batch_size`` sequences over all processes: ``p`` processes run ``ceil(n / p)`` global batches
-(linformer_lab/data/sampling.py, which also covers the resume under DDP).
+of ``p * batch_size`` sequences, so they train on the sequences one process sees at batch size
+``p * batch_size``.
 """
 
 from __future__ import annotations
@@ -58,9 +44,8 @@ TRAIN, VAL, TEST = 0, 1, 2  # split ids, part of every batch's seed so the split
 def make_copy_batch(
     rng: np.random.Generator, batch_size: int, max_length: int, num_symbols: int, min_length: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws one batch of copy-task sequences.
-
-    Lengths are uniform in [min_length, max_length], symbols uniform in 1..num_symbols.
+    """One batch of copy-task sequences: lengths uniform in [min_length, max_length], symbols
+    uniform in 1..num_symbols.
 
     Returns:
         tokens: int64 (batch_size, 2 * max_length + 1), layout ``[s_1..s_L, SEP, s_1..s_L, 0...]``.
@@ -116,8 +101,7 @@ class BatchKeySampler(EpochSampler):
         return self._num_batches
 
     def __len__(self) -> int:
-        # Always the full epoch, also when resuming: Lightning counts the batches it already did
-        # (its progress is restored) and expects len() to be the size of the whole epoch.
+        # the whole epoch, also when resuming: Lightning counts the batches already done
         return self.num_batches
 
     def __iter__(self):

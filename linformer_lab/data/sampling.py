@@ -3,11 +3,13 @@
 Every sampler of the project derives from :class:`EpochSampler`: what it yields in an epoch is
 a function of its seed, the epoch number and its share (``num_replicas`` processes, this one
 ``rank``) only, and ``resume(epoch, batches_done)`` makes the next iteration start where a
-checkpoint left off. :class:`ResumableLoader` is the training DataLoader that Lightning saves and
-restores (``state_dict`` / ``load_state_dict``), so a run resumed from any checkpoint, even
-mid-epoch, sees the same batches in the same order as an uninterrupted run. The copy task yields
-batch keys, the image data sample indices, the speech data length-bucketed batches; all three
-are tested the same way (tests/tasks/test_resume.py, tests/tasks/test_ddp.py).
+checkpoint left off. Lightning, resuming mid-epoch, restores its batch counter but restarts the
+loader's iterator, so a plain loader would replay the epoch's start; :class:`ResumableLoader`,
+the training DataLoader, is saved and restored with the checkpoint (``state_dict`` /
+``load_state_dict``, under ``loops.fit_loop.state_dict.combined_loader``), so a run resumed from
+any checkpoint, even mid-epoch, sees the same batches in the same order as an uninterrupted run.
+The copy task yields batch keys, the image data sample indices, the speech data length-bucketed
+batches; all three are tested the same way (tests/tasks/test_resume.py, tests/tasks/test_ddp.py).
 
 Multi-process training (DDP): the data modules read the process count and rank from their
 trainer (:func:`process_share`) and every sampler shards its epoch itself, so that:
@@ -47,14 +49,13 @@ class PredictsOnTestSplit:
 
 
 def process_share(datamodule) -> tuple[int, int]:
-    """``(num_replicas, rank)`` of the run ``datamodule`` is attached to: the trainer's world size
-    and global rank (each divided by the task's ``context_parallel``), or ``(1, 0)`` without a
-    trainer (a data module used on its own)."""
+    """``(num_replicas, rank)`` of the run ``datamodule`` is attached to, ``(1, 0)`` without a
+    trainer: the trainer's world size and global rank, each divided by the task's
+    ``context_parallel`` (that many consecutive processes split the sequences of one batch, so
+    they take one share of the data together)."""
     trainer = getattr(datamodule, "trainer", None)
     if trainer is None:
         return 1, 0
-    # context parallelism (a task's ``context_parallel``): each run of that many consecutive
-    # processes splits the sequences of one batch, so they share one share of the data
     context = int(getattr(getattr(trainer, "lightning_module", None), "context_parallel", 1) or 1)
     return int(trainer.world_size) // context, int(trainer.global_rank) // context
 
@@ -118,14 +119,12 @@ def padded_share(items: list, num_replicas: int, rank: int) -> list:
 
 class ResumableLoader(DataLoader):
     """DataLoader over an :class:`EpochSampler` (its ``sampler``) that Lightning recognises as
-    resumable.
-
-    Lightning saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before the
-    first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells how many
-    batches the fit loop has finished in the current epoch, and which epoch runs. Under DDP rank 0's state is the
-    checkpoint's; it holds for every rank, whose shares have as many batches. A checkpoint written
-    by another number of processes continues only from an epoch's end (the shares of the epoch
-    in progress would differ); mid-epoch it is refused with a :class:`ConfigurationError`.
+    resumable: it saves ``state_dict()`` in every checkpoint and calls ``load_state_dict`` before
+    the first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells which epoch
+    runs and how many batches the fit loop has finished in it. Under DDP rank 0's state is the
+    checkpoint's, which holds for every rank (their shares have as many batches). A checkpoint
+    written by another number of processes continues only from an epoch's end (the shares of the
+    epoch in progress would differ); mid-epoch it is refused with a :class:`ConfigurationError`.
     """
 
     @property
@@ -147,11 +146,10 @@ class ResumableLoader(DataLoader):
         trainer = self.datamodule.trainer if self.datamodule is not None else None
         if trainer is None:
             return {"epoch": sampler.epoch, "batches_done": 0, "world_size": sampler.num_replicas, "epoch_done": False}
-        # `processed` counts the training steps finished in this epoch (the one being saved at
-        # on_train_batch_end included): after a restart the fit loop's next batch_idx is this
-        # number. The loader's own count would be ahead by Lightning's prefetching. The trainer's
-        # epoch, not the sampler's: a sampler may already have moved on (the speech sampler
-        # advances when an iteration starts, for loops that never call set_epoch).
+        # `processed`: the training steps finished in this epoch (the one saved at
+        # on_train_batch_end included), the fit loop's next batch_idx after a restart; the
+        # loader's own count is ahead by Lightning's prefetching. The trainer's epoch, not the
+        # sampler's, which may have moved on (the speech sampler advances as an iteration starts).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return {"epoch": trainer.current_epoch, "batches_done": done, "world_size": sampler.num_replicas,
                 "epoch_done": done >= sampler.num_batches}

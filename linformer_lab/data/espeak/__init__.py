@@ -1,38 +1,30 @@
 """A small ctypes wrapper over libespeak-ng (shipped by the ``espeakng-loader`` wheel).
 
-It offers the two things the speech data layer needs:
-
-* :func:`synthesize` -- text to a mono ``np.int16`` waveform at :data:`SAMPLE_RATE` (22 050 Hz),
-* :func:`phonemize` -- text to an IPA phoneme string (``espeak_TextToPhonemes``),
-
-plus a deterministic list of synthetic *speakers* (:class:`Speaker`, :func:`make_speakers`)
-built from the voice variants shipped in ``espeak-ng-data/voices/!v``.
+:func:`synthesize` turns text into a mono ``np.int16`` waveform at :data:`SAMPLE_RATE` (22 050 Hz),
+:func:`phonemize` into an IPA phoneme string (``espeak_TextToPhonemes``); :class:`Speaker` and
+:func:`make_speakers` give a deterministic list of synthetic speakers built from the voice
+variants in ``espeak-ng-data/voices/!v``. The ctypes binding and the synthesis helper's side live
+in :mod:`.library`, which the helper process loads on its own.
 
 Concurrency
 -----------
 libespeak-ng keeps *global* state (current voice, parameters, one synth callback), so every
-in-process call into it is serialised by a module-level re-entrant lock: concurrent threads are
-safe, but do not run the library in parallel. Parallelism comes from processes, each with its own
-copy of the library state. The library is initialised lazily on first use, so a DataLoader
-worker started with ``spawn``/``forkserver`` initialises its own; one started with ``fork``
-inherits the parent's initialised state, which is safe because in synchronous mode eSpeak starts
-no threads (a fork hook re-creates the locks, so a lock held by another parent thread at fork
-time cannot deadlock the child). Each process also starts its own synthesis helpers (below):
-one per thread synthesising concurrently, up to the CPU count, so threads *do* synthesise in
-parallel through :func:`synthesize` with ``isolated=True`` (the default).
+in-process call into it is serialised by a module-level re-entrant lock; parallelism comes from
+processes, each with its own copy of that state. The library is initialised lazily, so a
+DataLoader worker started with ``spawn``/``forkserver`` initialises its own; one started with
+``fork`` inherits the parent's, which is safe because eSpeak starts no threads in synchronous
+mode (fork hooks re-create the locks, so a lock held by another parent thread cannot deadlock
+the child). Each process starts one synthesis helper per concurrently synthesising thread, up to
+the CPU count, so threads *do* synthesise in parallel through :func:`synthesize`.
 
 Determinism
 -----------
-eSpeak's synthesiser carries hidden state from one utterance to the next (pitch-flutter phase,
-gain control), so two identical in-process calls do not give bit-identical samples. By default
-:func:`synthesize` therefore runs every request in a freshly forked copy of a helper process
-whose eSpeak was initialised but never used ("pristine"), and re-seeds eSpeak's random
-generator: the samples depend only on the arguments, never on call order or history. Text to
-phoneme conversion has no such state and runs in-process.
-
-The isolated path costs about twice the in-process one per call and still synthesises the
-default corpus far faster than real time. The ctypes binding and the helper's side live in :mod:`.library`, which the helper
-process loads on its own.
+eSpeak carries hidden state from one utterance to the next (pitch-flutter phase, gain control),
+so two identical in-process calls do not give bit-identical samples. By default
+:func:`synthesize` therefore runs every request in a fresh fork of a helper process whose eSpeak
+was initialised but never used ("pristine"), and re-seeds eSpeak's random generator: the samples
+depend only on the arguments. This costs about twice an in-process call and still synthesises
+the default corpus far faster than real time. Phonemisation has no such state and runs in-process.
 """
 
 from __future__ import annotations
@@ -110,9 +102,8 @@ def synthesize(
         word_gap: extra pause between words, in units of 10 ms.
         volume: amplitude 0..200.
         seed: seed of eSpeak's internal random generator (breath noise).
-        isolated: synthesise from a pristine library state (see the module docstring), so the
-            samples depend only on the arguments. ``False`` synthesises in this process, in
-            about half the time, but bit-exact output then depends on the call history.
+        isolated: synthesise from a pristine library state (module docstring). ``False`` runs in
+            this process, in about half the time, but the exact samples then depend on the call history.
 
     Returns:
         ``np.int16`` array of shape ``(num_samples,)`` at :data:`SAMPLE_RATE` Hz.
@@ -160,15 +151,12 @@ class _PristineClient:
         return np.frombuffer(payload, dtype=np.int16).copy()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # EOF ends the helper's loop
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        else:
-            self.proc.stdin.close()
+        self.proc.stdin.close()  # EOF ends the helper's loop
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
 
 

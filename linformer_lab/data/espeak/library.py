@@ -35,8 +35,8 @@ _PARAM_RANGE = 4  # 0..100 (50 default), intonation range; 0 = monotone
 _PARAM_WORDGAP = 7  # extra pause between words, units of 10 ms at default speed
 _EE_OK = 0
 
-# espeak's synth callback: int cb(short *wav, int numsamples, espeak_EVENT *events).
-# Returning 0 continues synthesis, 1 aborts. The event list is not used, so it stays a void*.
+# int cb(short *wav, int numsamples, espeak_EVENT *events); returns 0 to go on, 1 to abort.
+# The events are not used, so they stay a void*.
 _SYNTH_CALLBACK = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
 )
@@ -53,9 +53,8 @@ _callback_ref = None  # keeps the ctypes trampoline alive for as long as the lib
 
 
 def _renew_lock_after_fork() -> None:
-    # A lock held by some other thread of the parent at fork time would stay locked forever in
-    # the child (that thread does not exist there); the state it protects is consistent because
-    # no library call can be half-way through in the single child thread.
+    # A lock held by another parent thread at fork time would stay locked forever in the child;
+    # the state it guards is consistent, since no library call is half-way through in the child.
     global _lock
     _lock = threading.RLock()
 
@@ -65,9 +64,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def _on_audio(wav, numsamples, events):  # noqa: ARG001 - signature fixed by the C callback type
-    # Called from inside espeak_Synth, on the calling thread (synchronous mode). A NULL buffer
-    # or zero count marks the end of synthesis. The buffer is only valid during the call, so
-    # its bytes are copied out immediately.
+    # Called inside espeak_Synth on the calling thread (synchronous mode); a NULL buffer or zero
+    # count ends synthesis. The buffer is valid only during the call, so its bytes are copied.
     if numsamples > 0 and wav:
         _chunks.append(ctypes.string_at(wav, numsamples * ctypes.sizeof(ctypes.c_short)))
     return 0
@@ -116,11 +114,8 @@ def data_path() -> Path:
 
 
 def initialize() -> ctypes.CDLL:
-    """Load and initialise libespeak-ng once per process (idempotent, thread-safe).
-
-    Returns the library handle. Raises :class:`EspeakError` when the library is missing or
-    its initialisation fails.
-    """
+    """The library handle, loaded and initialised once per process (thread-safe); raises
+    :class:`EspeakError` when the library is missing or its initialisation fails."""
     global _lib, _callback_ref
     if _lib is not None:
         return _lib
@@ -170,8 +165,7 @@ def synthesize_in_process(
     data = text.encode("utf-8")
     buf = ctypes.create_string_buffer(data)  # NUL-terminated copy owned by us
     with _lock:
-        _set_voice(lib, voice)
-        # The voice is (re)selected first because selecting it resets the prosody parameters.
+        _set_voice(lib, voice)  # first: selecting a voice resets the prosody parameters
         _set_param(lib, _PARAM_RATE, rate, "rate")
         _set_param(lib, _PARAM_PITCH, pitch, "pitch")
         _set_param(lib, _PARAM_RANGE, pitch_range, "pitch_range")
@@ -192,20 +186,15 @@ def synthesize_in_process(
 
 # --- pristine-state synthesis -----------------------------------------------------------------
 #
-# libespeak-ng keeps synthesis state in C statics that no API resets: the phase of the pitch
-# "flutter" table (static Flutter_ix), the automatic gain control and the roughness cycle
-# counter in wavegen.c. Two identical espeak_Synth calls in one process therefore give slightly
-# different samples (measured: a few samples of length difference and differing waveforms from
-# sample ~330 on; inaudible, but not bit-exact). Re-seeding or re-initialising does not help.
+# libespeak-ng keeps synthesis state in C statics that no API resets (wavegen.c: the pitch
+# "flutter" phase Flutter_ix, the automatic gain control, the roughness cycle counter), so two
+# identical espeak_Synth calls in one process differ slightly: inaudible, but not bit-exact.
+# Re-seeding or re-initialising does not help.
 #
-# Fix: a helper process initialises eSpeak and never synthesises itself; for every request it
-# forks a child, which starts from that identical pristine state, synthesises, pipes the samples
-# back and exits. The helper is a separate interpreter started with subprocess (not
-# multiprocessing, which would re-import the user's __main__) that loads only this file and
-# numpy; being single-threaded, forking it is safe and cheap, and each child is forked while the
-# helper waits for the next request, so the fork is not on the request's critical path. Each
-# concurrently synthesising thread gets its own helper (up to the CPU count), which is how the
-# corpus generator synthesises in parallel from threads.
+# So a helper process initialises eSpeak and never synthesises itself; each request is served by
+# a forked child, which starts from that pristine state, pipes the samples back and exits. The
+# helper is a separate interpreter started with subprocess (multiprocessing would re-import the
+# user's __main__) that loads only this file and numpy; single-threaded, it forks safely.
 
 _FRAME_HEADER = struct.Struct("<Q")  # length prefix of each pickled message on the pipes
 
@@ -237,11 +226,8 @@ def read_frame(fd: int):
 
 
 def _fork_synthesis_child(close_in_child: tuple[int, ...]) -> tuple[int, int, int]:
-    """Fork a child that waits for one request, answers it and exits.
-
-    Returns ``(pid, request_write_fd, answer_read_fd)``. Forking *before* the request arrives
-    takes the fork off the request's critical path.
-    """
+    """Fork a child that waits for one request, answers it and exits; ``(pid, request_write_fd,
+    answer_read_fd)``. Forked *before* the request arrives, off the request's critical path."""
     req_r, req_w = os.pipe()
     ans_r, ans_w = os.pipe()
     pid = os.fork()
@@ -271,9 +257,8 @@ def _serve(in_fd: int = 0, out_fd: int = 1) -> None:
     # ends this loop cleanly instead of leaving a half-written answer.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lib = initialize()
-    # Selecting the base language once here loads its dictionary into the state every child
-    # inherits, instead of each child loading it again (the statics that make synthesis
-    # history-dependent only change while synthesising, so the helper stays pristine).
+    # Selecting the base language here loads its dictionary once for every child; the helper
+    # stays pristine, since the history-dependent statics change only while synthesising.
     with _lock:
         _set_voice(lib, DEFAULT_LANGUAGE)
     child = _fork_synthesis_child((in_fd, out_fd))
@@ -311,8 +296,8 @@ def phonemize(text: str, voice: str = DEFAULT_LANGUAGE, separator: str | None = 
             word -- its own segmentation, used to build and check the phoneme inventory.
 
     Returns:
-        IPA string: words separated by single spaces, with stress marks (``ˈ``, ``ˌ``) as
-        eSpeak writes them. Clauses are joined with a space (punctuation is not kept).
+        IPA string: words and clauses separated by single spaces (punctuation dropped), with
+        stress marks (``ˈ``, ``ˌ``) as eSpeak writes them.
     """
     lib = initialize()
     mode = _PHONEMES_IPA
@@ -336,9 +321,7 @@ def phonemize(text: str, voice: str = DEFAULT_LANGUAGE, separator: str | None = 
 
 
 def list_variants() -> list[str]:
-    """Names of the voice variants shipped in ``espeak-ng-data/voices/!v``, sorted.
-
-    Names containing whitespace (not addressable as ``lang+variant``) are skipped.
-    """
+    """Sorted names of the voice variants in ``espeak-ng-data/voices/!v``, except those with
+    whitespace (not addressable as ``lang+variant``)."""
     vdir = data_path() / "voices" / "!v"
     return sorted(p.name for p in vdir.iterdir() if p.is_file() and not any(c.isspace() for c in p.name))

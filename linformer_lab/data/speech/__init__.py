@@ -4,16 +4,15 @@ Two corpora share one item format and one phoneme inventory (:mod:`linformer_lab
 
 * :class:`SyntheticSpeechCorpus` (:mod:`.synthetic`) -- English sentences from a small grammar
   (:class:`SentenceGenerator`, :mod:`.grammar`) spoken by eSpeak NG voices
-  (:mod:`linformer_lab.data.espeak`), generated once per configuration into a cache directory
-  and reused, with speakers (voice variants) disjoint across train/val/test.
-* :class:`LibriSpeechCorpus` (:mod:`.librispeech`) -- a local LibriSpeech copy; phoneme targets
-  from the same eSpeak phonemizer applied to the transcripts.
+  (:mod:`linformer_lab.data.espeak`), generated once per configuration into a cache directory,
+  with speakers (voice variants) disjoint across train/val/test.
+* :class:`LibriSpeechCorpus` (:mod:`.librispeech`) -- a local LibriSpeech copy, its transcripts
+  phonemised by the same eSpeak.
 
 :class:`SpeechDataModule` (:mod:`.datamodule`) wraps either in a LightningDataModule whose
-batches are dicts: ``features float32 (B, T, 40)``, ``feature_lengths int64 (B,)``,
-``targets int64 (B, S)`` (phoneme ids, 0 = CTC blank = padding), ``target_lengths int64 (B,)``
-(:func:`collate_speech`; length-bucketed batches from :class:`LengthBucketBatchSampler`,
-:mod:`.batching`).
+batches are dicts (:func:`collate_speech` over :class:`LengthBucketBatchSampler`'s batches,
+:mod:`.batching`): ``features float32 (B, T, 40)``, ``feature_lengths int64 (B,)``,
+``targets int64 (B, S)`` (phoneme ids, 0 = CTC blank = padding), ``target_lengths int64 (B,)``.
 
 Features (:mod:`.features`)
 ---------------------------
@@ -23,17 +22,17 @@ Features (:mod:`.features`)
 utterance of ``n`` samples has ``n // 160 + 1`` frames. The floor sits ~50 dB under the median
 speech band energy of eSpeak audio; it is what digital silence of clean synthetic audio maps to.
 
-Normalisation is **per utterance** (mean and variance of each mel channel over the frames of
-the utterance, applied when an item is read). It needs no corpus statistics, so it behaves the
-same on the synthetic corpus, with or without noise, and on a LibriSpeech subset that was never
-scanned in full; it also removes the large level differences between eSpeak variants.
+Normalisation is **per utterance** (mean and variance of each mel channel over its frames,
+applied when an item is read): it needs no corpus statistics, so it behaves the same on the
+synthetic corpus, with or without noise, and on a LibriSpeech subset never scanned in full, and
+it removes the large level differences between eSpeak variants.
 
 The synthetic corpus keeps its int16 audio (the "download": noise level and feature settings can
-change without re-synthesis) and derives a cache of fp16 log-mel features per noise setting from
-it on first use (``features/<key>/``, written atomically like the corpus), from which training
-reads: reading cached features is several times faster than computing them on the fly, and they
-are 4x smaller than the audio (40 fp16 values per hop of 160 int16 samples).
-``cache_features=False`` computes features on the fly instead, as the LibriSpeech loader always does.
+change without re-synthesis) and derives from it on first use a cache of fp16 log-mel features
+per noise setting (``features/<key>/``, written atomically like the corpus) that training reads,
+4x smaller than the audio (40 fp16 values per hop of 160 int16 samples) and several times
+faster to read than computing features on the fly. ``cache_features=False`` computes them on
+the fly instead, as the LibriSpeech loader always does.
 """
 
 from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech, padding_fraction

@@ -52,17 +52,16 @@ class LengthBucketBatchSampler(EpochSampler):
 
     Training (``shuffle=True``): each epoch permutes all indices with ``(seed, epoch)``, cuts the
     permutation into pools of about ``pool_batches`` batches, sorts each pool by length, cuts it
-    into batches and finally shuffles the order of all batches. Large pools give batches of
-    near-equal lengths; pooling (rather than one global sort) keeps batch composition random
-    across epochs. Evaluation (``shuffle=False``): one global sort, deterministic.
+    into batches and shuffles the order of all batches. Large pools give batches of near-equal
+    lengths; pooling (rather than one global sort) keeps batch composition random across epochs.
+    Evaluation (``shuffle=False``): one global sort, deterministic.
 
-    Distributed training: the batches are the global batches of all ``num_replicas`` processes
-    (``num_replicas * batch_size`` items, the frame bound holding for every process's part), and
-    process ``rank`` takes the items ``rank::num_replicas`` of each, so every process gets a
-    bucket of similar lengths at every step, and ``p`` processes at batch size ``b`` see what one
-    process sees at ``p * b``. In training a global batch of fewer items than processes (the end of
-    a pool) is filled up by repeating its items, so that every process runs every step; in
-    evaluation a process simply has no part in it.
+    Distributed: the batches are global ones of ``num_replicas * batch_size`` items (the frame
+    bound holding for every process's part), of which process ``rank`` takes ``rank::num_replicas``:
+    every process gets similar lengths at every step, and ``p`` processes at batch size ``b`` see
+    what one sees at ``p * b``. In training a global batch of fewer items than processes (a pool's
+    end) repeats its items, so that every process runs every step; in evaluation a process simply
+    has no part in it.
 
     Args:
         lengths: length of every item (frames), the padded dimension.
@@ -70,10 +69,10 @@ class LengthBucketBatchSampler(EpochSampler):
             ``max_frames_per_batch`` it becomes an upper bound (``None`` = no bound).
         max_frames_per_batch: bound on ``items x longest item`` (the padded size) of a batch
             (of each process's part); an item longer than the bound forms a part on its own.
-        shuffle: see above. ``seed`` and the epoch choose the order; the epoch starts at 0 and
-            advances after every iteration, or is set with :meth:`set_epoch` (Lightning does,
-            before each epoch). Resumable mid-epoch like every :class:`EpochSampler`.
+        shuffle: see above.
         pool_batches: pool size in (global) batches.
+        seed: with the epoch, chooses the order; the epoch starts at 0 and advances after every
+            iteration, or is set with :meth:`set_epoch` (Lightning does, before each epoch).
         drop_last: drop batches smaller than ``batch_size`` (fixed-size mode only).
         num_replicas, rank: the processes and this one's rank (see above).
 
@@ -181,8 +180,7 @@ class LengthBucketBatchSampler(EpochSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.batches()[self.start_batch():]
-        # Advance for loops that never call set_epoch; Lightning sets the epoch before each one.
-        self.epoch += 1
+        self.epoch += 1  # for loops that never call set_epoch
         return iter(batches)
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from linformer_lab.validation import check_at_least, check_positive
 
 
 class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
-    """Speech batches for CTC phoneme recognition (format in the module docstring).
+    """Speech batches for CTC phoneme recognition (format: the :mod:`linformer_lab.data.speech` docstring).
 
     Args:
         corpus: ``"synthetic"`` (eSpeak corpus, generated on first use) or ``"librispeech"``.
@@ -101,7 +101,7 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
         return Path(self.root).expanduser() if self.root is not None else (DEFAULT_CACHE / "librispeech").expanduser()
 
     def prepare_data(self) -> None:
-        # Runs on one process per node: the place for the one-time synthesis / feature caching.
+        # one process per node: the place for the one-time synthesis / feature caching
         if self.corpus == "synthetic":
             corpus = self._synthetic()
             ensure_feature_cache(corpus.path, self.noise_snr_db, progress=self.progress)  # all splits
@@ -127,8 +127,7 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
                 self.datasets[split] = LibriSpeechCorpus(self._librispeech_root(), subsets)
 
     def _loader(self, split: str, shuffle: bool, cls=DataLoader) -> DataLoader:
-        if not self.datasets:
-            self.setup()
+        self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
         ds = self.datasets[split]
         replicas, rank = process_share(self)
         sampler = LengthBucketBatchSampler(

@@ -16,15 +16,13 @@ N_FFT = 512
 LOG_FLOOR = 1e-6
 
 
-
-
 def num_frames(num_samples: int) -> int:
     """Frames of the log-mel features of ``num_samples`` 16 kHz samples (centred 10 ms hop)."""
     return int(num_samples) // HOP_LENGTH + 1
 
 
 class LogMelFilterbank(torch.nn.Module):
-    """40-dim log-mel filterbank energies (see the module docstring for every setting).
+    """40-dim log-mel filterbank energies (settings: the package docstring).
 
     Input: waveform ``(samples,)`` or ``(batch, samples)``, float in [-1, 1), 16 kHz.
     Output: ``(frames, 40)`` or ``(batch, frames, 40)`` float32 log energies (not normalised),

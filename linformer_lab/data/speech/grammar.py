@@ -1,14 +1,12 @@
-"""The sentence grammar of the synthetic corpus: English sentences from a small vocabulary."""
+"""The sentence grammar of the synthetic corpus: a small hand-written grammar whose templates x
+word choices give ~1e12 distinct, grammatical English sentences. The word lists deliberately cover
+every English phoneme eSpeak uses (e.g. "measure"/"garage" for ʒ, "boy"/"voice" for ɔɪ,
+"button"/"kitten" for ʔ n̩, "book" for ʊ)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
-
-#
-# A small hand-written grammar: thousands of templates x word choices give ~1e12 distinct,
-# grammatical sentences. The word lists deliberately cover every English phoneme eSpeak uses
-# (e.g. "measure"/"garage" for ʒ, "boy"/"voice" for ɔɪ, "button"/"kitten" for ʔ n̩, "book" for ʊ).
 
 _NAMES = (
     "Anna", "Ben", "Carlos", "Diana", "Edward", "Fiona", "George", "Hannah", "Isaac", "Julia",
@@ -136,17 +134,15 @@ VOCABULARY: frozenset[str] = _vocabulary()
 
 
 class SentenceGenerator:
-    """Deterministic stream of distinct English sentences from a small grammar.
+    """Deterministic stream of distinct English sentences, such as ``"The tired farmer carried a
+    golden basket across the bridge, because Anna never whispered."``; each appears at most once
+    per generator.
 
     Args:
         seed: RNG seed; the same seed always yields the same sentence sequence.
         max_clauses: sentences join 1..max_clauses clauses with conjunctions.
         clause_weights: relative probability of 1, 2, ... clauses (default favours 1-2,
             giving ~11 words and ~4 s of speech per sentence on average at 175 words/min).
-
-    Iterating yields sentences such as ``"The tired farmer carried a golden basket across the
-    bridge, because anna never whispered."``; each sentence appears at most once per generator
-    (``exclude`` in :meth:`take` additionally skips sentences used elsewhere).
     """
 
     GRAMMAR_VERSION = 1  # bump when word lists/templates change: part of the corpus cache key

@@ -36,15 +36,11 @@ class AudioBackendError(ImportError):
 
 
 def load_audio(path: str | os.PathLike) -> tuple[torch.Tensor, int]:
-    """Read an audio file (FLAC for LibriSpeech) as mono float32 in [-1, 1).
+    """``(waveform (samples,), sample_rate)`` of an audio file (FLAC for LibriSpeech), mono float32
+    in [-1, 1); a corpus may take another reader (``LibriSpeechCorpus(audio_loader=...)``).
 
-    This is the single replaceable audio-reading function of the module (also injectable per
-    corpus via ``LibriSpeechCorpus(audio_loader=...)``). It uses ``soundfile`` (libsndfile,
-    bundled in its wheels) when installed, else ``torchaudio.load``, which since torchaudio 2.9
-    delegates to ``torchcodec`` (needs FFmpeg shared libraries on the system).
-
-    Returns:
-        ``(waveform (samples,), sample_rate)``.
+    Uses ``soundfile`` (libsndfile, bundled in its wheels) when installed, else ``torchaudio.load``,
+    which since torchaudio 2.9 delegates to ``torchcodec`` (needs FFmpeg shared libraries).
     """
     try:
         import soundfile
@@ -65,11 +61,8 @@ def load_audio(path: str | os.PathLike) -> tuple[torch.Tensor, int]:
 
 
 def flac_info(path: str | os.PathLike) -> tuple[int, int]:
-    """``(num_samples, sample_rate)`` of a FLAC file from its STREAMINFO block (no decoding).
-
-    Lets the loader know every utterance's length -- needed for length bucketing -- by reading
-    42 bytes per file instead of decoding hours of audio.
-    """
+    """``(num_samples, sample_rate)`` of a FLAC file from its STREAMINFO block: every utterance's
+    length (for length bucketing) from 42 bytes per file instead of decoding hours of audio."""
     with open(path, "rb") as f:
         head = f.read(42)
     if len(head) < 42 or head[:4] != b"fLaC" or (head[4] & 0x7F) != 0:
@@ -97,8 +90,8 @@ class LibriSpeechCorpus(Dataset):
         subsets: e.g. ``("train-clean-100",)``; several are concatenated.
         audio_loader: ``path -> (waveform float (samples,), sample_rate)``.
         on_unknown_phoneme: ``"drop"`` (default: skip, counted in ``dropped_phonemes``, warned
-            once per process) or
-            ``"error"``; eSpeak can emit a rare symbol outside the inventory for an odd word.
+            once per process) or ``"error"``; eSpeak can emit a rare symbol outside the inventory
+            for an odd word.
 
     Raises:
         LibriSpeechNotFoundError: a subset directory is missing or holds no FLAC files.

@@ -31,27 +31,23 @@ DEFAULT_CACHE = Path("~/.cache/linformer_lab")
 class SyntheticSpeechCorpus:
     """eSpeak-synthesised English speech with phoneme targets, cached on disk.
 
-    The corpus for a configuration (seed, hours, split fractions, speaker settings, eSpeak
-    version, grammar and phoneme inventory) lives in ``<root>/synthetic-s<seed>-<hours>h-<hash>``
-    and is generated on first use like a download: a tqdm bar, a temporary directory renamed
-    into place only when complete (an interrupted run leaves no directory that could be taken
-    for a complete corpus; its leftovers are removed by the next run once the writing process is
-    gone), and reuse on every later construction (``generated`` tells which happened).
+    The corpus of a configuration (seed, hours, split fractions, speaker settings, eSpeak
+    version, grammar, phoneme inventory) lives in ``<root>/synthetic-s<seed>-<hours>h-<hash>``.
+    It is generated on first use like a download (a tqdm bar; written atomically, see
+    :mod:`.cache`) and reused by every later construction (``generated`` tells which happened).
 
     Generation: distinct sentences from :class:`SentenceGenerator` (test, then val, then train,
     never shared between splits), each spoken by a speaker of its split (a voice variant with
-    seeded pitch/rate/intonation range, :func:`espeak.make_speakers`). The voice variants
-    themselves are partitioned between splits, so test speakers -- and their timbres -- never
-    occur in training. Audio is synthesised at 22.05 kHz in a pristine eSpeak state (bit-exact
-    for a seed), resampled to 16 kHz with torchaudio's windowed-sinc resampler and stored as
-    int16. Each split is filled until its share of ``hours`` is reached (at least one utterance).
+    seeded pitch/rate/intonation range, :func:`espeak.make_speakers`). The voice variants are
+    partitioned between splits, so test timbres never occur in training. Audio is synthesised
+    at 22.05 kHz in a pristine eSpeak state (bit-exact for a seed), resampled to 16 kHz with
+    torchaudio's windowed-sinc resampler and stored as int16. Each split is filled until its
+    share of ``hours`` is reached (at least one utterance).
 
     Files: ``meta.json`` (configuration, speakers, per-split statistics),
     ``<split>.audio.int16`` (raw little-endian samples of all utterances), ``<split>.index.npz``
     (``offsets``, ``speaker_ids``, ``targets``, ``target_offsets``), ``<split>.text.json``
     (sentence and IPA per utterance), ``features/<key>/`` (derived feature caches).
-
-    Generation runs much faster than real time with two synthesis helpers.
 
     Args:
         root: cache root (default ``~/.cache/linformer_lab/speech``).
@@ -108,8 +104,7 @@ class SyntheticSpeechCorpus:
         self.generated = False
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.is_complete(self.path):
-            if self.path.exists():
-                # Published but damaged (files deleted by hand, disk trouble): rebuild it.
+            if self.path.exists():  # published but damaged (files deleted by hand, disk trouble)
                 warnings.warn(f"speech corpus at {self.path} is incomplete; regenerating it", stacklevel=2)
                 shutil.rmtree(self.path)
             remove_stale_temporaries(self.root, self.name)
@@ -158,7 +153,7 @@ class SyntheticSpeechCorpus:
         tmp = self.root / temporary_name(self.name)
         tmp.mkdir()
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # parallelism comes from the worker threads (see synthetic_dataset.ensure_feature_cache)
+        torch.set_num_threads(1)  # parallelism comes from the worker threads
         try:
             t0 = time.perf_counter()
             speakers = self._speakers()
@@ -174,7 +169,7 @@ class SyntheticSpeechCorpus:
                 disable=not self.progress,
             )
             with bar, ThreadPoolExecutor(self.num_workers) as pool:
-                # Test first, then val, then train: one sentence stream, so no sentence repeats
+                # Test first, then val, then train from one sentence stream: no sentence repeats
                 # across splits, and the held-out sets do not depend on the training size.
                 done = 0.0  # seconds of the splits finished, as the bar counts them
                 for split in ("test", "val", "train"):
@@ -225,20 +220,18 @@ class SyntheticSpeechCorpus:
                 audio, ipa = fut.result()
                 audio.astype("<i2").tofile(audio_file)
                 offsets.append(offsets[-1] + len(audio))
-                ids = phonemes_to_ids(ipa)
-                targets.extend(ids)
+                targets.extend(phonemes_to_ids(ipa))
                 target_offsets.append(len(targets))
                 speaker_ids.append(speaker.speaker_id)
                 texts.append({"text": text, "ipa": ipa})
-                dur = len(audio) / SAMPLE_RATE
-                seconds += dur
+                seconds += len(audio) / SAMPLE_RATE
                 # whole seconds, capped at the total: float steps sum past it (a clamping warning, "7200.000000000003")
                 bar.update(max(0, min(bar.total, round(done + min(seconds, target_seconds))) - bar.n))
                 i += 1
                 if seconds >= target_seconds:
                     break
-            # Sentences drawn for the look-ahead window but not used go back to the stream, so
-            # the next split starts at the same sentence whatever the window (worker count) was.
+            # Sentences drawn for the look-ahead window but unused go back to the stream: the
+            # next split starts at the same sentence whatever the window (worker count).
             sentences.give_back([text for text, _, _ in pending])
             for *_, fut in pending:
                 fut.cancel()
