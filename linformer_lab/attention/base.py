@@ -32,13 +32,10 @@ class Attention(nn.Module):
     positions >= ``key_lengths`` do not enter it. Causal linear: ``(S, Z)``; softmax: a
     :class:`KVCache`; lsh: the :class:`KVCache` of its prefix.
 
-    Every state (from ``forward`` and from ``step``) meets :class:`~linformer_lab.ops.state.AttentionState`: it has
-    ``detach()`` (the same state cut from the autograd graph) and ``nbytes`` (the bytes it
-    holds), which is all the code around the backends uses (segmented training with a detached
-    state, state-size reports). A tensor meets it as it is; plain lists and tuples of states (a
-    stack's per-layer states, a hand-made ``(S, Z)``) are walked member by member. A state of
-    another backend's type given to ``step`` or ``forward`` is a TypeError naming both types
-    (:func:`state_type_error`).
+    Every state (from ``forward`` and from ``step``) meets :class:`~linformer_lab.ops.state.AttentionState`
+    (``detach()``, ``nbytes``), all the code around the backends uses; plain lists and tuples of
+    states (a stack's per-layer states, a hand-made ``(S, Z)``) are walked member by member. A
+    state of another backend's type is a TypeError naming both types (:func:`state_type_error`).
 
     Packed variable-length sequences (backends with ``supports_packed``):
     ``forward(q, k, v, cu_seqlens=offsets)`` with ``q, k (1, H, T, D)``, ``v (1, H, T, M)``,
@@ -47,10 +44,9 @@ class Attention(nn.Module):
 
     ``step(q_t, k_t, v_t, state=None)``: RNN mode (paper §3.4), one position at a time:
     ``(B, H, D), (B, H, D), (B, H, M) -> ((B, H, M), state)``. ``state=None`` starts from the
-    empty prefix; every call attends over everything fed so far, so the outputs equal the
-    causal forward at the same positions; for backends without a recurrent form (lsh), the
-    causal forward over the same prefix (later positions change lsh's chunks, and so the
-    outputs of a forward over a longer sequence).
+    empty prefix; every call attends over everything fed so far, so the outputs equal the causal
+    forward at the same positions (without a recurrent form, lsh: the causal forward over the
+    same prefix, since later positions change lsh's chunks).
     """
 
     #: Backends that use a feature map (linear attention) set this.
@@ -58,9 +54,8 @@ class Attention(nn.Module):
     #: Backends whose keys are the queries (Reformer's shared-QK) set this; the multi-head
     #: module then has no key projection and passes ``k = q``.
     shares_query_key: bool = False
-    #: False for backends whose output at position t depends on how *later* tokens are
-    #: arranged (lsh: chunk membership). Their ``step`` recomputes the attention over the
-    #: prefix, and a model stacking them must recompute all layers over the prefix too.
+    #: False for backends whose output at position t depends on how *later* tokens are arranged
+    #: (lsh: chunk membership): ``step`` recomputes over the prefix, and so must a stack of them.
     has_recurrent_form: bool = True
     #: Backends whose ``forward`` takes ``state=`` and ``return_state=`` set this.
     supports_state: bool = False
@@ -151,8 +146,8 @@ class Attention(nn.Module):
 
     def appended_cache(self, q_t, k_t, v_t, state: KVCache | None, takes: str, key_t=None) -> KVCache:
         """A KV-cache step's new cache: ``state`` with ``(key_t, v_t)`` appended (``key_t``: ``k_t``
-        unless given; lsh caches its queries), a new KVCache, the given one unchanged. The inputs
-        are checked in full on a sequence's first step only (``state`` None; see LinearAttention.step)."""
+        unless given; lsh caches its queries), ``state`` unchanged. The inputs are checked in full
+        on a sequence's first step only (``state`` None; see LinearAttention.step)."""
         key_t = k_t if key_t is None else key_t
         if state is None:
             self.check_step_inputs(q_t, k_t, v_t)
@@ -182,8 +177,8 @@ def check_key_lengths(key_lengths: torch.Tensor, batch: int, seq: int, device, w
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str, keys: int | None = None,
                      read: bool = True, device=None) -> list[int] | None:
     """The offsets of packed sequences as a Python list (``read=False``: None, nothing read on the host), or a
-    ValueError saying what is wrong (``keys``: the keys' length, which packed sequences share with the queries' ``total``;
-    ``device``: where they must be, the inputs' device for a caller that computes with them there)."""
+    ValueError saying what is wrong (``keys``: the keys' length, which must equal the queries' ``total``;
+    ``device``: where they must be, for a caller that computes with them there)."""
     if keys is not None and keys != total:
         raise ValueError(f"{who}: packed sequences (cu_seqlens) attend within themselves, so q and k must have one "
                          f"length; got {total} queries and {keys} keys. Pad the batch and pass key_lengths instead")
@@ -202,10 +197,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, batch: int, who: str,
 
 
 def backends_with(capability: str) -> str:
-    """The registered backends whose class sets ``capability`` (``uses_feature_map``,
-    ``supports_state``, ``supports_packed``, ``has_recurrent_form``), quoted and comma-separated,
-    for error messages that list the valid choices; a plugin that fails to import is left out
-    (``cli.py plugins --check`` reports it)."""
+    """The registered backends whose class sets ``capability`` (``supports_state``, ...), quoted and
+    comma-separated, for error messages; a plugin that fails to import is left out (``cli.py
+    plugins --check`` reports it)."""
     names = []
     for name in ATTENTION.names():
         try:
@@ -233,8 +227,8 @@ _MADE_BY = {
 
 
 def state_type_error(who: str, state, takes: str) -> TypeError:
-    """The error for a state of the wrong type given to ``who`` (a backend's ``step`` or
-    ``forward``), naming the type it got, the backend that makes that type, and what it takes."""
+    """The TypeError for a state of the wrong type given to ``who`` (a backend's ``step`` or
+    ``forward``): the type, the backend that makes it, and what ``who`` takes."""
     cls = type(state)
     made_by = _MADE_BY.get(cls, cls.__module__)
     return TypeError(f"{who} got a {cls.__qualname__} state (from {made_by}?); it takes {takes}")

@@ -2,16 +2,12 @@
 
 A config is plain data (a registered backend name, an optional feature map, their keyword
 arguments), so it round-trips through YAML, the command line and a checkpoint's hparams;
-:meth:`AttentionConfig.build` turns it into an :class:`~linformer_lab.attention.base.Attention`
-module.
+:meth:`AttentionConfig.build` makes the :class:`~linformer_lab.attention.base.Attention` module.
 
-The configuration boundary: what a user writes (None, a backend name, a dict of the fields, a
-config; where one layer is built, an :class:`Attention` module) is coerced once, by
-:meth:`AttentionConfig.coerce`, at the constructor the user called -- a task, a whole model
-(``PixelTransformer``, ``TransformerCTC``) or a building block (``Transformer``,
-``TransformerLayer``, ``MultiHeadAttention``). What it hands down is already made: a config, or
-built :class:`Attention` modules, which the blocks below take as they are (:func:`as_config`,
-:func:`layer_attention`), so no path coerces twice.
+What a user writes (None, a backend name, a dict of the fields, a config; for one layer, an
+:class:`Attention` module) is coerced once, by :meth:`AttentionConfig.coerce`, at the constructor
+the user called (a task, a whole model or a building block); the blocks below take the config or
+built modules it hands down as they are (:func:`as_config`, :func:`layer_attention`).
 """
 
 from __future__ import annotations
@@ -67,7 +63,7 @@ class AttentionConfig:
     kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        # Fail at config-parsing time, with the valid choices, rather than mid-training.
+        # fail at config-parsing time, with the valid choices, rather than mid-training
         backend_cls = ATTENTION.get(self.backend)
         uses_feature_map = bool(getattr(backend_cls, "uses_feature_map", False))
         if self.feature_map is not None:
@@ -124,8 +120,7 @@ class AttentionConfig:
 
 def as_config(attention, owner: str) -> AttentionConfig:
     """The ``attention`` argument of a constructor that builds several layers (``owner`` names it in
-    the error) as a config: a config as it is, None / a backend name / a dict coerced (the one
-    coercion on this path). A built :class:`Attention` is one layer's: a TypeError."""
+    the error) as a config, coerced unless it is one; a built :class:`Attention` is a TypeError."""
     if isinstance(attention, AttentionConfig):
         return attention
     if isinstance(attention, Attention):
@@ -139,8 +134,8 @@ def as_config(attention, owner: str) -> AttentionConfig:
 
 def layer_attention(attention, causal: bool, query_dim: int) -> Attention:
     """The ``attention`` argument of a constructor that makes one attention layer, as a module: a
-    built :class:`Attention` as it is; anything else through :func:`as_config` (None, a name, a dict
-    coerced once; a config as it is), then built for ``causal`` and per-head ``query_dim``."""
+    built :class:`Attention` as it is, anything else through :func:`as_config`, built for ``causal``
+    and per-head ``query_dim``."""
     if isinstance(attention, Attention):
         return attention
     return as_config(attention, "a layer").build(causal=causal, query_dim=query_dim)

@@ -3,14 +3,12 @@
 Linear attention's state after a prefix, ``[S | Z] = sum_j phi(k_j) [v_j | 1]^T`` ``(B, H, C, M + 1)``,
 is a sum over positions of a size fixed by C and M alone (paper §3.4). So P processes each holding
 a consecutive segment of one sequence (rank r the positions ``[r N, (r + 1) N)``) need only each
-other's segment sums: every rank computes its own ``delta_r``, one all-gather gives all of them,
-and rank r runs its segment from the exclusive prefix ``S_0 + sum_{r' < r} delta_r'`` through the
-layer's own kernel, exactly as the one-process recurrence would arrive at position ``r N``.
-Non-causal attention reads the sum over all ranks. The bytes exchanged per layer do not depend on
-the sequence length; softmax and lsh, whose "state" is every key, cannot do this. Packed sequences
-(causal) work the same way per sequence: a rank's first sequence starts from the earlier ranks'
-sums of that sequence, its others from their own initial states. Every collective carries the
-segment's length, so segments of unequal length stop every rank with one message.
+other's segment sums ``delta_r``, all of them from one all-gather: rank r runs its segment through
+the layer's own kernel from the exclusive prefix ``S_0 + sum_{r' < r} delta_r'``, exactly the
+one-process recurrence's state at ``r N``; non-causal attention reads the sum over all ranks. The
+bytes exchanged per layer do not depend on the sequence length; softmax and lsh, whose "state" is
+every key, cannot do this. Packed (causal) sequences work so per sequence. Every collective
+carries the segment's length, so segments of unequal length stop every rank with one message.
 
 Gradients: ``delta_r`` reaches rank r's own prefix never and every later rank's prefix once (and
 the returned final state of every rank), so its gradient is ``sum_{r' > r} dprefix_r' + sum_r'
@@ -93,10 +91,9 @@ class ExclusivePrefix(torch.autograd.Function):
 
 class GatherOverRanks(torch.autograd.Function):
     """``x (...)`` on each rank -> ``(P, ...)``, every rank's in rank order (one all-gather, the
-    segment's length ``n`` checked equal); the gradient of one's own row is the sum of every
-    rank's gradient of it (one all-reduce of all P rows: P states a rank, where
-    :class:`ExclusivePrefix`'s backward sends 2). For packed sequences, whose ranks read the
-    gathered sums by rank-dependent sequence."""
+    segment's length ``n`` checked equal); one's own row's gradient is the sum of every rank's (one
+    all-reduce of P states, where :class:`ExclusivePrefix`'s backward sends 2). For packed
+    sequences, whose ranks read the gathered sums by rank-dependent sequence."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, n: int):
@@ -273,8 +270,7 @@ def context_parallel(model: nn.Module, group=None) -> nn.Module:
     What the layers do: :func:`segment_attention`. What the caller does: give each rank its
     positions (:func:`context_segment`) with the global positions' embeddings (for example
     ``PixelTransformer.segment_nll(sequence, start, stop)``), and sum the weights' gradients over
-    the group (DDP over it does). A backend without a fixed-size state is refused: softmax and lsh
-    attention need every earlier key, not a sum of them.
+    the group (DDP over it does). A backend without a fixed-size state is refused (:func:`check_splittable`).
     """
     layers = check_splittable(model)
     if group is not False:

@@ -53,24 +53,20 @@ class LinearAttention(Attention):
         chunk_size: chunk length of the causal algorithm (default: chosen from C and M). Packed
             sequences choose their own, at most their mean length.
         gpu_kernels: force the GPU kernels (``linear_cuda`` is this layer with it): causal eq.
-            9-12 on the Triton chunk kernel (:mod:`linformer_lab.ops.cuda.triton_chunk`: the elu
-            map and the normaliser fused, packed sequences in one launch) where Triton runs
-            (compute capability >= 8.0), else the numerator on the CUDA C++ kernel of
-            :mod:`linformer_lab.ops.cuda` (compiled on first use; also compute capability 7.x);
-            where neither applies the PyTorch candidates compute the same. Non-causal attention
-            and RNN steps are matmuls already (cuBLAS). Built anywhere (a model built on a CPU
-            and moved to a GPU works); runs on CUDA tensors only, and :meth:`check_device` lets
-            a task refuse a CPU run before its first batch.
+            9-12 on the Triton chunk kernel (:mod:`linformer_lab.ops.cuda.triton_chunk`: elu map
+            and normaliser fused, packed sequences in one launch) where Triton runs (compute
+            capability >= 8.0), else the numerator on the CUDA C++ kernel of :mod:`linformer_lab.ops.cuda`
+            (compiled on first use; also 7.x), else the PyTorch candidates. Non-causal attention
+            and RNN steps are matmuls already (cuBLAS). Built anywhere, runs on CUDA tensors only
+            (:meth:`check_device` lets a task refuse a CPU run before its first batch).
 
-    RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed
-    size whatever the sequence length. The parallel forward takes and returns the same state
-    (``state=``, ``return_state=``): a prompt is prefilled in one pass and stepping continues
-    from it, or a long sequence runs in segments with the state carried across. Non-causal
-    attention takes it too: the state's keys are attended to alongside the new ones.
+    RNN mode (eq. 16-20): the state is ``(S (B, H, C, M), Z (B, H, C))`` in fp32, of fixed size
+    whatever the sequence length. The parallel forward takes and returns it (``state=``,
+    ``return_state=``): a prompt is prefilled in one pass and stepping continues from it, or a
+    long sequence runs in segments. Non-causal attention attends to the state's keys alongside the new ones.
     """
 
-    #: The registry's second name of this layer (pyproject's entry points, ``registry.py``): ``linear_cuda``
-    #: is ``linear`` with the GPU kernels forced.
+    #: the registry's second name of this layer (``registry.py``): ``linear`` with the GPU kernels forced
     aliases = {"linear_cuda": {"gpu_kernels": True}}
     uses_feature_map = True
     supports_state = True
@@ -92,8 +88,7 @@ class LinearAttention(Attention):
         self.eps = eps
         self.chunk_size = chunk_size
         self.gpu_kernels = gpu_kernels
-        #: op of :mod:`linformer_lab.ops.kernels` -> the candidate this layer forces for it, as
-        #: ``LINFORMER_LAB_KERNELS`` would for this layer alone (empty: chosen by the conditions)
+        #: :data:`GPU_KERNELS` with ``gpu_kernels``, else empty (each op's candidate chosen by the conditions)
         self.forced_kernels = dict(GPU_KERNELS) if gpu_kernels else {}
         #: the process group whose ranks hold consecutive segments of one sequence, or None (one
         #: process holds it all); set by :func:`~linformer_lab.attention.context_parallel.context_parallel`
@@ -133,8 +128,8 @@ class LinearAttention(Attention):
     def attend(self, q, k, v, key_lengths=None, state=None, return_state=False, cu_seqlens=None):
         """:meth:`forward` on inputs held whole by this process (what a context-parallel segment
         runs, from the prefix of the earlier segments' state)."""
-        # The hot path of training: no copy of q, k, v or the output here, and nothing read back
-        # from the device (the checks of key_lengths and cu_seqlens assert on it).
+        # the hot path of training: no copy of q, k, v or the output, nothing read back from the
+        # device (key_lengths and cu_seqlens are checked by assertions on it)
         self.check_inputs(q, k, v, key_lengths)
         self.check_state_request(state, return_state, cu_seqlens, key_lengths)
         if state is not None and not isinstance(state, (tuple, list)):
@@ -143,9 +138,8 @@ class LinearAttention(Attention):
             check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False,
                              device=q.device)
         if self.causal:
-            # eq. 9-12 from the unmapped q, k, packed or not, on the candidate kernels picks: a fused
-            # kernel takes the feature map, the numerator and the normaliser in one (packed sequences
-            # in the same launch); the PyTorch one composes them, its numerator on kernels' choice too
+            # eq. 9-12 from the unmapped q, k on the candidate kernels picks: a fused one applies the
+            # feature map, numerator and normaliser in one launch, the PyTorch one composes them
             kernel = kernels.select("causal_attention", self.feature_map, q, k, v,
                                     force=self.forced_kernels.get("causal_attention"))
             return kernel.run(self.feature_map, q, k, v, key_lengths, self.eps, self.causal_dot_product, state,
@@ -160,9 +154,8 @@ class LinearAttention(Attention):
 
     def step(self, q_t, k_t, v_t, state=None):
         if state is None:
-            # A sequence's first step checks the inputs in full; later steps only check that
-            # they fit the state (in linear_attention_step): the step is tiny and runs once per
-            # position and layer, so per-step checks would cost as much as the attention.
+            # full checks on a sequence's first step only (later ones: fit to the state, in
+            # linear_attention_step): per-step checks would cost as much as the tiny step
             self.check_step_inputs(q_t, k_t, v_t)
         elif not isinstance(state, (tuple, list)):  # a LinearState, or (S, Z) built by hand
             raise state_type_error(f"{type(self).__name__}.step", state, "a LinearState (S, Z) or None")

@@ -17,19 +17,16 @@ class LSHAttention(Attention):
         n_hashes: rounds of hashing (paper: 1 and 4; 8 in Fig. 1).
         bucket_size: positions per attention chunk (paper: ~32, e.g. 29 for MNIST's 783).
         n_buckets: hash buckets (paper: 64); must be even.
-        seed: seed of the random rotations. They are a buffer (saved in checkpoints) and
-            fixed between calls, so a model is a deterministic function; :meth:`redraw`
-            draws new ones.
+        seed: seed of the random rotations, a buffer (saved in checkpoints) fixed between calls,
+            so a model is a deterministic function; :meth:`redraw` draws new ones.
 
-    Keys are the queries (shared-QK): ``k`` must be the same tensor as ``q`` (the
-    multi-head module passes ``k = q`` for this backend); a different ``k`` is an error
-    rather than silently ignored.
+    Keys are the queries (shared-QK): ``k`` must equal ``q`` (the multi-head module passes
+    ``k = q``); a different ``k`` is an error rather than silently ignored.
 
-    RNN mode keeps the prefix (a KV cache) and recomputes the attention over it at every
-    step, the paper's baseline for Reformer generation; the step output equals the forward
-    over the same prefix. The parallel forward takes and returns that prefix (``state=``,
-    ``return_state=``): with a state, the new positions are the end of the sequence
-    ``prefix + new`` and get the outputs a forward over all of it gives them.
+    RNN mode keeps the prefix (a KV cache) and recomputes the attention over it at every step,
+    the paper's baseline for Reformer generation. The parallel forward takes and returns that
+    prefix (``state=``, ``return_state=``): the new positions get the outputs of a forward over
+    ``prefix + new``.
     """
 
     shares_query_key = True

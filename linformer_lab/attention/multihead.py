@@ -27,10 +27,9 @@ class MultiHeadAttention(nn.Module):
         d_model: model width.
         n_heads: heads; each gets ``d_model // n_heads`` query and value dims unless
             ``query_dim`` / ``value_dim`` say otherwise.
-        attention: a backend name (``"softmax"``), a dict of :class:`AttentionConfig` fields
-            (``{"backend": "linear", "feature_map": "favor"}``), an :class:`AttentionConfig`, None
-            (the default, ``linear`` with ``elu``), all built here for ``causal`` -- or a built
-            :class:`Attention`, used as it is.
+        attention: a backend name (``"softmax"``), a dict of :class:`AttentionConfig` fields, an
+            :class:`AttentionConfig` or None (``linear`` with ``elu``), built here for ``causal``;
+            or a built :class:`Attention`, used as it is.
         causal: passed to the backend when it is built here.
 
     Queries, keys and values come from one fused projection ``qkv``, laid out as
@@ -61,8 +60,12 @@ class MultiHeadAttention(nn.Module):
         self.out = nn.Linear(hv, d_model)
 
     def _project(self, x: torch.Tensor):
-        """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)``."""
-        return self._split_projection(self.qkv(x))
+        """``(..., d_model) -> q, k, v`` each ``(..., heads, dim)`` through the fused projection."""
+        parts = self.qkv(x).split(self._split, dim=-1)
+        lead = x.shape[:-1]
+        q = parts[0].view(*lead, self.n_heads, self.query_dim)
+        k = q if self.shares_query_key else parts[1].view(*lead, self.n_heads, self.query_dim)
+        return q, k, parts[-1].view(*lead, self.n_heads, self.value_dim)
 
     def _project_cross(self, x: torch.Tensor, context: torch.Tensor):
         """Queries from ``x (B, N, d_model)``, keys and values from ``context (B, L, d_model)``, through
@@ -85,11 +88,10 @@ class MultiHeadAttention(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, context: torch.Tensor | None = None):
         """x ``(B, N, d_model)``, key_lengths ``(B,)`` -> ``(B, N, d_model)``.
 
-        ``context`` ``(B, L, d_model)``: cross attention, the keys and values from it (an encoder's
-        output, say; L may differ from N), ``key_lengths`` then its lengths; a non-causal backend
-        with separate keys (linear, softmax). ``state`` / ``return_state``: the backend's state in
-        and out (see :class:`Attention`), then the result is ``(out, state)``. ``cu_seqlens``: x is
-        ``(1, T, d_model)`` holding packed sequences with these offsets.
+        ``context`` ``(B, L, d_model)``: cross attention, keys and values from it (an encoder's
+        output, say), ``key_lengths`` then its lengths; needs a non-causal backend with separate
+        keys. ``state`` / ``return_state``: the backend's state in and out (see :class:`Attention`),
+        the result then ``(out, state)``. ``cu_seqlens``: x is ``(1, T, d_model)``, packed sequences.
         """
         if context is None:
             q, k, v = self._project(x)
@@ -112,16 +114,8 @@ class MultiHeadAttention(nn.Module):
         return (out, state) if return_state else out
 
     def step(self, x_t: torch.Tensor, state=None):
-        """One position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``; :meth:`forward` at
-        one position, with the backend's state (a new one: the given state is left as it was)."""
+        """:meth:`forward` at one position: x_t ``(B, d_model)`` -> ``((B, d_model), state)``, a new
+        state (the given one is left as it was)."""
         q, k, v = self._project(x_t)  # (B, H, dim) each; k is q for shared-QK backends
         out, state = self.attention.step(q, k, v, state)  # (B, H, value_dim)
         return self.out(out.flatten(1)), state
-
-    def _split_projection(self, qkv: torch.Tensor):
-        """The fused projection ``(..., sum(split))`` -> q, k, v each ``(..., heads, dim)``."""
-        parts = qkv.split(self._split, dim=-1)
-        lead = qkv.shape[:-1]
-        q = parts[0].view(*lead, self.n_heads, self.query_dim)
-        k = q if self.shares_query_key else parts[1].view(*lead, self.n_heads, self.query_dim)
-        return q, k, parts[-1].view(*lead, self.n_heads, self.value_dim)

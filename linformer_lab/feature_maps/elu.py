@@ -13,9 +13,8 @@ class EluPlusOne(torch.autograd.Function):
     x > 0 and exp(x) = phi(x) otherwise, i.e. ``min(phi(x), 1)``.
 
     Autograd through the ``where`` / ``exp`` / ``clamp`` graph keeps several tensors and runs
-    several elementwise kernels over q and k per layer; this keeps phi and runs a clamp and a
-    product. Twice differentiable: the backward is made of differentiable operations on the
-    saved output."""
+    several kernels over q and k per layer; this keeps phi and runs a clamp and a product. Twice
+    differentiable (the backward is differentiable operations on the saved output)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -32,15 +31,12 @@ class EluPlusOne(torch.autograd.Function):
 class EluFeatureMap(FeatureMap):
     """``elu(x) + 1``, elementwise; ``output_dim == query_dim``.
 
-    Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, which is the same function
-    without the cancellation of ``(exp(x) - 1) + 1``, half-precision outputs clamped above 0
+    Evaluated as ``x + 1`` for x > 0 and ``exp(x)`` otherwise, without the cancellation of
+    ``(exp(x) - 1) + 1``, half-precision outputs clamped above 0
     (:func:`~linformer_lab.ops.linear_attention.elu_plus_one`).
     """
 
     kernel_form = KernelForm("elu", kernels=("triton", "cpp", "fused_step"))
-
-    def __init__(self, query_dim: int):
-        super().__init__(query_dim)
 
     @property
     def output_dim(self) -> int:

@@ -13,12 +13,11 @@ class FavorFeatureMap(RandomFeatureMap):
     """phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m),  x' = x / D^(1/4),  rows of W ~ N(0, I).
 
     E_w[exp(w^T q' - |q'|^2/2) exp(w^T k' - |k'|^2/2)] = exp(q'^T k') = exp(q^T k / sqrt(D)):
-    an unbiased estimate of the softmax kernel whose features are always > 0, so the
-    normaliser is positive. Queries subtract their own max exponent before exp: a per-query
-    constant factor cancels between numerator and normaliser (eq. 5), so it changes nothing
-    but keeps exp() from overflowing. Keys cannot do that (a per-key factor would not
-    cancel), so keys use the plain formula, clamped at the dtype's smallest normal number
-    where exp() underflows, so features stay > 0 in floating point too.
+    an unbiased estimate of the softmax kernel whose features are always > 0, so the normaliser
+    is positive. Queries subtract their own max exponent before exp(): a per-query factor cancels
+    between numerator and normaliser (eq. 5) and keeps exp() from overflowing. Keys cannot (a
+    per-key factor would not cancel): the plain formula, clamped at the dtype's smallest normal
+    number where exp() underflows, so features stay > 0 in floating point too.
     """
 
     @property

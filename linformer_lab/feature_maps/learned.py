@@ -20,11 +20,10 @@ def _check_num_features(num_features: int | None, query_dim: int) -> int:
 class T2RFeatureMap(FeatureMap):
     """``phi(x) = relu(W x + b)``, ``W (num_features, D)`` and ``b`` learned.
 
-    Kasai et al. 2021, "Finetuning Pretrained Transformers into RNNs" (T2R), §2.2, eq. 4:
-    ``phi(x) = relu(W_phi x + b_phi)``, one map for queries and keys alike, learned while the
-    converted model is fine-tuned. Here one map serves every head of a layer (each layer has its
-    own). Initialised as ``nn.Linear`` is (uniform in +-1/sqrt(D)), as the paper initialises it
-    at random. Non-negative; it can be exactly zero (then the normaliser is ``eps`` alone).
+    Kasai et al. 2021, "Finetuning Pretrained Transformers into RNNs" (T2R), §2.2, eq. 4: one map
+    for queries and keys alike, learned while the converted model is fine-tuned; here one per
+    layer, shared by its heads. Initialised at random as the paper does (``nn.Linear``'s uniform
+    in +-1/sqrt(D)). Non-negative; it can be exactly zero (then the normaliser is ``eps`` alone).
 
     Args:
         num_features: ``output_dim`` (default: D).
@@ -50,11 +49,10 @@ class HedgehogFeatureMap(FeatureMap):
 
     Zhang et al. 2024, "The Hedgehog & the Porcupine: Expressive Linear Attentions with Softmax
     Mimicry", §4.1: ``phi_mlp(x) = [exp(W^T x + b), exp(-W^T x - b)]``, in the softmax form (each
-    half normalised over its features) that keeps it bounded in half precision, as their
-    implementation does. Queries and keys get maps of their own (``query_map``, ``key_map``),
-    each one shared by the heads of a layer, and both start as the identity (``W = I``, ``b = 0``)
-    as in the paper, so that training (attention distillation, then fine-tuning) starts from the
-    spiky, monotonic exp of the raw dot products. Features are positive and sum to 2:
+    half normalised over its features) of their implementation, bounded in half precision.
+    Queries and keys get maps of their own (``query_map``, ``key_map``), each shared by a layer's
+    heads, both starting as the identity (``W = I``, ``b = 0``) as in the paper, so training starts
+    from the spiky, monotonic exp of the raw dot products. Features are positive and sum to 2:
     ``output_dim = 2 num_features``.
 
     ``forward`` maps keys (so does ``forward_keys``); ``forward_queries`` maps queries.

@@ -7,6 +7,7 @@ import math
 import torch
 
 from linformer_lab.feature_maps.base import FeatureMap
+from linformer_lab.feature_maps.packed_square import PackedSquare
 from linformer_lab.ops.reference import polynomial_similarity
 
 
@@ -14,8 +15,8 @@ class Poly2FeatureMap(FeatureMap):
     """phi(q)^T phi(k) = (1 + q^T k / sqrt(D))^2, exactly.
 
     With x' = x / D^(1/4) (so x'^T y' = x^T y / sqrt(D)) the kernel expands to
-    1 + 2 x'^T y' + (x'^T y')^2, and (x'^T y')^2 = sum_ij x'_i x'_j y'_i y'_j. The outer product
-    is symmetric, so we keep its upper triangle only, with off-diagonal terms scaled by sqrt(2):
+    1 + 2 x'^T y' + (x'^T y')^2, and the square's features are packed to the upper triangle
+    (:class:`PackedSquare`):
 
         phi(x) = [1, sqrt(2) x', x'_i^2 (i), sqrt(2) x'_i x'_j (i < j)]
 
@@ -25,24 +26,16 @@ class Poly2FeatureMap(FeatureMap):
 
     def __init__(self, query_dim: int):
         super().__init__(query_dim)
-        rows, cols = torch.triu_indices(query_dim, query_dim)
-        self.register_buffer("_rows", rows, persistent=False)
-        self.register_buffer("_cols", cols, persistent=False)
-        self.register_buffer("_off_diagonal", rows != cols, persistent=False)
+        self.square = PackedSquare(query_dim)
 
     @property
     def output_dim(self) -> int:
-        d = self.query_dim
-        return 1 + d + d * (d + 1) // 2
+        return 1 + self.query_dim + self.square.output_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x = x * self.query_dim ** -0.25
-        pairs = x[..., self._rows] * x[..., self._cols]
-        # a Python float keeps sqrt(2) at the input's precision (a float32 buffer would not)
-        pairs = torch.where(self._off_diagonal, pairs * math.sqrt(2.0), pairs)
-        ones = torch.ones_like(x[..., :1])
-        return torch.cat([ones, math.sqrt(2.0) * x, pairs], dim=-1)
+        return torch.cat([torch.ones_like(x[..., :1]), math.sqrt(2.0) * x, self.square(x)], dim=-1)
 
     def exact_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The kernel itself, ``(1 + q^T k / sqrt(D))^2``, without the packed features."""

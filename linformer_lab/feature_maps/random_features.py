@@ -10,13 +10,9 @@ from linformer_lab.feature_maps.base import FeatureMap
 def draw_gaussian_projection(
     num_features: int, dim: int, orthogonal: bool, generator: torch.Generator
 ) -> torch.Tensor:
-    """Rows w_r ~ N(0, I_dim), shape ``(num_features, dim)``.
-
-    With ``orthogonal=True`` rows are orthogonal within each block of ``dim`` rows (lower
-    variance estimators, Choromanski et al. 2021), each rescaled to the norm of an
-    independent Gaussian vector so every row keeps the N(0, I) marginal and the estimate
-    stays unbiased.
-    """
+    """Rows w_r ~ N(0, I_dim), shape ``(num_features, dim)``; with ``orthogonal``, orthogonal within
+    each block of ``dim`` rows (lower variance, Choromanski et al. 2021), each rescaled to the norm
+    of an independent Gaussian vector, so every row keeps the N(0, I) marginal (unbiased estimate)."""
     if not orthogonal:
         return torch.randn(num_features, dim, generator=generator)
     blocks = []
@@ -32,11 +28,14 @@ def draw_gaussian_projection(
 
 
 class RandomFeatureMap(FeatureMap):
-    """Base of maps built on a random Gaussian projection ``W (num_features, D)``.
+    """Base of maps built on a random Gaussian projection ``W (num_features, D)``, a persistent
+    buffer, so a checkpoint restores the exact features the model was trained with.
 
-    The projection is a persistent buffer, so a checkpoint restores the exact features the
-    model was trained with. ``seed`` makes the initial draw reproducible; :meth:`redraw`
-    draws anew (from ``generator`` if given, else from a generator advanced from ``seed``).
+    Args:
+        num_features: m, the rows of W.
+        orthogonal: orthogonal rows within blocks of D (:func:`draw_gaussian_projection`).
+        seed: seed of the initial draw; :meth:`redraw` draws anew (from ``generator`` if given,
+            else from a generator advanced from ``seed``).
     """
 
     def __init__(self, query_dim: int, num_features: int = 256, orthogonal: bool = True, seed: int = 0):
@@ -55,9 +54,8 @@ class RandomFeatureMap(FeatureMap):
             self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
 
     def approximated_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The kernel the features estimate without bias, the softmax kernel
-        ``exp(q^T k / sqrt(D))``: ``(..., N, D), (..., L, D) -> (..., N, L)``. Tests check the
-        estimate against it statistically (it has no exact closed form, see ``exact_kernel``)."""
+        """The softmax kernel ``exp(q^T k / sqrt(D))`` the features estimate without bias:
+        ``(..., N, D), (..., L, D) -> (..., N, L)``; tests check the estimate against it statistically."""
         return torch.exp(q @ k.transpose(-1, -2) / self.query_dim**0.5)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,7 @@ import torch
 from linformer_lab.feature_maps.random_features import RandomFeatureMap
 
 #: Expected relative error of the kernel estimate per query-key pair above which the map warns
-#: (see :meth:`RandomFourierFeatureMap.expected_relative_error`). Around 0.5 the estimated
-#: attention normaliser starts to come near zero for some queries, and outputs blow up.
+#: (:meth:`RandomFourierFeatureMap.expected_relative_error`; see its class doc for why 0.5).
 UNRELIABLE_ERROR = 0.5
 
 
@@ -24,20 +23,18 @@ class RandomFourierFeatureMap(RandomFeatureMap):
     So  phi(x) = exp(|x'|^2 / 2) / sqrt(m) [cos(W x'), sin(W x')],  output_dim = 2 m  (:meth:`forward`).
 
     Queries (:meth:`forward_queries`) leave out their factor exp(|q'|^2 / 2): a per-query
-    constant cancels between the numerator and the normaliser of linear attention (eq. 5), so
-    the attention is the same, and the query features stay bounded by 1 / sqrt(m) instead of
-    overflowing (their product with a key's factor was inf, and the attention NaN, from inputs
-    of about 3 per dimension at D = 32). Keys keep their factor: a per-key factor does not
-    cancel. It overflows float32 only where |k|^2 / sqrt(D) > 2 ln(float32 max) ~ 177, far past
-    the point where the estimate means anything (below).
+    constant cancels between the numerator and the normaliser of linear attention (eq. 5), and
+    the query features stay bounded by 1 / sqrt(m) instead of overflowing (with a key's factor
+    the product was inf from inputs of about 3 per dimension at D = 32). Keys keep theirs (a
+    per-key factor does not cancel); it overflows float32 only where |k|^2 / sqrt(D) > 2 ln(float32
+    max) ~ 177, far past where the estimate means anything (below).
 
-    Reliability: unlike ``favor`` these features are signed, and the estimate's relative error
-    per query-key pair grows like sqrt(2 / m) sinh(|q' - k'|^2 / 2) -- exponentially in the
-    squared input norm (:meth:`expected_relative_error`). Past about 0.5 the estimated
-    normaliser comes near zero or negative for some queries and outputs are off by orders of
-    magnitude (at D = 32, m = 256: inputs of 0.5 per dimension give ~15 % error, 1 per dimension
-    ~100x). The map warns once per process when inputs reach that range; use ``favor`` (positive
-    features, same kernel) or many more features there.
+    Reliability: unlike ``favor`` these features are signed, and the estimate's relative error per
+    query-key pair grows like sqrt(2 / m) sinh(|q' - k'|^2 / 2), exponentially in the squared
+    input norm (:meth:`expected_relative_error`). Past about 0.5 the estimated normaliser comes
+    near zero or negative for some queries and outputs are off by orders of magnitude (at D = 32,
+    m = 256: inputs of 0.5 per dimension give ~15 % error, 1 per dimension ~100x). The map warns
+    once per process in that range; use ``favor`` (positive features, same kernel) or many more features.
     """
 
     #: set once the unreliable-input warning has been given (once per process, not per layer)
@@ -55,8 +52,7 @@ class RandomFourierFeatureMap(RandomFeatureMap):
         return math.sqrt(2 / self.num_features) * math.sinh(min(mean_sq_norm, 700.0))
 
     def _warn_if_unreliable(self, half_sq_norm: torch.Tensor) -> None:
-        # One device sync per call until the warning has been given; random_fourier is an
-        # experimental map, and the check is what keeps its failure from being silent.
+        # one device sync per call until the warning is given: it keeps this experimental map from failing silently
         if RandomFourierFeatureMap._warned_unreliable or half_sq_norm.numel() == 0:
             return
         mean_sq_norm = 2 * float(half_sq_norm.detach().mean())

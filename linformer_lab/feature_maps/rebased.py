@@ -22,6 +22,9 @@ class RebasedFeatureMap(FeatureMap):
     (:class:`PackedSquare`), ``output_dim = D (D + 1) / 2``; never negative.
 
     Parameters ``gamma`` (ones) and ``beta`` (zeros), both ``(D,)``: part of the model's state dict.
+
+    Args:
+        eps: the layer normalisation's epsilon.
     """
 
     def __init__(self, query_dim: int, eps: float = 1e-5):

@@ -28,8 +28,7 @@ class ReluFeatureMap(ElementwiseFeatureMap):
 
     The map of cosFormer without its reweighting (Qin et al. 2022, "cosFormer: Rethinking
     Softmax in Attention", eq. 6: ``sim(q, k) = relu(q)^T relu(k)``). Unlike ``elu + 1`` it can
-    be exactly zero: a query whose features are all zero, or whose visible keys' features are,
-    gets a normaliser of ``eps`` alone and an output of zero (finite, never 0/0).
+    be exactly zero: such a query gets a normaliser of ``eps`` alone and an output of zero (never 0/0).
     """
 
     def elementwise(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +59,9 @@ class SquaredReluFeatureMap(ElementwiseFeatureMap):
 class SigmoidFeatureMap(ElementwiseFeatureMap):
     """``phi(x) = 1 / (1 + exp(-x))``, elementwise; ``output_dim == query_dim``.
 
-    One of the elementwise non-negative maps the flash-linear-attention library ships (Yang &
-    Zhang 2024, ``fla.modules.feature_map``, ``sigmoid``): every feature lies in (0, 1), so the
-    similarity is bounded by D and positive, and the normaliser never comes near zero; its
-    drawback is the other side, a map too flat to make attention sharp.
+    As in the flash-linear-attention library (Yang & Zhang 2024, ``fla.modules.feature_map``,
+    ``sigmoid``): every feature lies in (0, 1), so the similarity is positive and bounded by D and
+    the normaliser never comes near zero; the drawback: too flat a map to make attention sharp.
     """
 
     def elementwise(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,7 @@
-"""What every task gives the command line: :class:`Task`.
-
-A task is a LightningModule; the CLI (``linformer_lab/cli/``) reads three class attributes
-from it to set up checkpointing and to check a ``--ckpt_path`` against the configuration.
-A LightningModule that is not a :class:`Task` still runs under the CLI with the defaults
-written here (no best-checkpoint tracking, every hyper-parameter compared).
+"""What every task gives the command line: :class:`Task`, a LightningModule whose three class
+attributes the CLI (``linformer_lab/cli/``) reads to set up checkpointing and check a
+``--ckpt_path``. Another LightningModule runs with :class:`Task`'s defaults (no best-checkpoint
+tracking, every hyper-parameter compared).
 """
 
 from __future__ import annotations
@@ -39,21 +37,17 @@ class Task(L.LightningModule):
 
     ``epoch_metrics``: ``(logged name, attribute)`` pairs of epoch-level training metrics, each a
     torchmetrics ``Metric`` that ``training_step`` updates and does not log. The base logs each
-    at the end of an epoch that ran to its last batch, and only then: an epoch cut short (a
-    ``max_steps`` or ``max_time`` stop) would be reported as if whole. Their sums travel in the
-    checkpoint, so a run resumed mid-epoch reports the whole epoch, equal to an uninterrupted
-    run; where the first part of the epoch cannot be accounted for (a checkpoint without the
-    sums, or more than one process on either side, whose sums rank 0's checkpoint cannot hold)
-    that epoch's value is not logged.
+    only at the end of an epoch that ran to its last batch (one cut short by ``max_steps`` or
+    ``max_time`` would read as whole). Their sums travel in the checkpoint, so a run resumed
+    mid-epoch reports the whole epoch; where the epoch's first part cannot be accounted for (a
+    checkpoint without the sums, or more than one process on either side: rank 0's checkpoint
+    cannot hold their sums) that epoch's value is not logged.
 
-    :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a
-    configuration that cannot run (a backend the device cannot run, data the model was not
-    built for) stops with a :class:`~linformer_lab.validation.ConfigurationError` naming it.
+    :meth:`setup` runs :meth:`check_run` before the first batch of every stage, so a configuration
+    that cannot run stops with a :class:`~linformer_lab.validation.ConfigurationError` naming why.
 
-    Training losses are means over the whole global batch of all processes
-    (:meth:`global_mean`), so that ``p`` processes at batch size ``b`` train as one process at
-    ``p * b``: a mean over each process's own share would weigh a token of a share with few
-    tokens more than one of a share with many.
+    Training losses are means over the global batch of all processes (:meth:`global_mean`), so
+    ``p`` processes at batch size ``b`` train as one at ``p * b``.
     """
 
     monitor: str | None = None
@@ -72,13 +66,11 @@ class Task(L.LightningModule):
     def store_attention(self, config: AttentionConfig) -> AttentionConfig:
         """Keep ``config`` as ``attention_config`` and in ``hparams`` as plain data; returns it.
 
-        The task's ``attention`` argument (None, a backend name, a dict, a config) is coerced
-        once: by the whole model the task builds (``PixelTransformer``, ``TransformerCTC``),
-        whose ``attention_config`` comes here, or by the task itself when it builds from the
-        building blocks (``CopyTask``). Call after ``save_hyperparameters()``: the checkpoint
-        then holds a dict (it loads with ``torch.load(weights_only=True)``, PyTorch's default,
-        which refuses arbitrary classes, and hparams.yaml stays readable), and
-        ``load_from_checkpoint`` hands that dict back to the task.
+        The task's ``attention`` argument is coerced once, by the model the task builds
+        (``PixelTransformer``, ``TransformerCTC``) or by the task itself (``CopyTask``). Call after
+        ``save_hyperparameters()``: the checkpoint then holds a dict, which loads under
+        ``torch.load(weights_only=True)`` (it refuses arbitrary classes) and keeps hparams.yaml
+        readable; ``load_from_checkpoint`` hands that dict back to the task.
         """
         if not isinstance(config, AttentionConfig):
             raise TypeError(f"store_attention takes an AttentionConfig, got {type(config).__name__}")
@@ -92,10 +84,10 @@ class Task(L.LightningModule):
     context_group = None
 
     def join_context_grid(self, model: torch.nn.Module) -> None:
-        """With ``context_parallel`` P > 1 (from :meth:`setup`, where every process runs it once, in
-        the same order: groups are made collectively): this rank's group of the run's (data x
-        context) grid, P consecutive ranks per batch, and ``model``'s linear attention layers split
-        over it (:func:`~linformer_lab.attention.context_parallel.context_parallel`)."""
+        """With ``context_parallel`` P > 1: this rank's group of the run's (data x context) grid, P
+        consecutive ranks per batch, and ``model``'s linear attention layers split over it
+        (:func:`~linformer_lab.attention.context_parallel.context_parallel`). Call from :meth:`setup`:
+        groups are made collectively, by every process in the same order."""
         if self.context_parallel > 1 and self.context_group is None:
             self.context_group = context_grid(self.context_parallel)
             context_parallel(model, group=self.context_group)
@@ -106,9 +98,8 @@ class Task(L.LightningModule):
         return (0, length) if self.context_group is None else context_segment(length, self.context_group)
 
     def setup(self, stage: str) -> None:
-        # Here, not in __init__: only now are the data module and the run's device known. The
-        # model is not on that device yet (the strategy moves it after setup), hence the
-        # strategy's root device rather than self.device.
+        # not in __init__: only now are the data module and the device known; the model is not
+        # on that device yet (the strategy moves it after setup), hence not self.device
         trainer = attached_trainer(self)
         if trainer is None:
             return
@@ -141,8 +132,8 @@ class Task(L.LightningModule):
         return initialise_from(self, checkpoint, source)
 
     def forward_batch(self, batch) -> torch.Tensor:
-        """The forward pass of the training loss on ``batch`` (its loss): what attention distillation
-        runs the teacher on. Tasks that convert models define it."""
+        """The training loss's forward pass on ``batch``, which attention distillation runs the
+        teacher on; tasks that convert models define it."""
         raise NotImplementedError(f"{type(self).__name__} does not define forward_batch, which attention distillation needs")
 
     def on_train_start(self) -> None:
@@ -154,8 +145,7 @@ class Task(L.LightningModule):
     # ------------------------------------------------------------------ epoch-level training metrics
 
     def on_train_epoch_start(self) -> None:
-        # Not called for the epoch a run resumes in the middle of (Lightning): its sums come
-        # from the checkpoint instead (on_load_checkpoint).
+        # not called for the epoch a run resumes in: its sums come from on_load_checkpoint
         for _, attribute in self.epoch_metrics:
             getattr(self, attribute).reset()
         self.epoch_sums_incomplete = False
@@ -198,12 +188,12 @@ class Task(L.LightningModule):
     def global_mean(self, total: torch.Tensor, count: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, mean)`` of a loss summed over this process's share of the global batch.
 
-        ``total``: scalar sum of the per-token (per-utterance, per-dimension) losses of this
-        process; ``count``: how many it summed. ``mean`` (detached) is the mean over all processes'
-        shares, ``sum(totals) / sum(counts)``, what one process given the whole global batch logs;
-        ``loss`` is what to return from ``training_step``: DDP averages gradients over the ``p``
-        processes, so ``p * total / sum(counts)`` makes the averaged gradient that of the mean.
-        One process: both are ``total / count``.
+        ``total``: scalar sum of this process's per-token (per-utterance, per-dimension) losses;
+        ``count``: how many it summed. ``mean`` (detached) is ``sum(totals) / sum(counts)`` over all
+        processes, what one process given the whole batch logs. ``loss``, for ``training_step``, is
+        ``p * total / sum(counts)``: DDP averages gradients over the ``p`` processes, so the result
+        is the mean's gradient (a mean per process would weigh a token of a share with few tokens
+        more). One process: both are ``total / count``.
         """
         count = torch.as_tensor(count, dtype=torch.float32, device=total.device)
         trainer = attached_trainer(self)
@@ -216,20 +206,19 @@ class Task(L.LightningModule):
         return total * (world_size / sums[1]), sums[0] / sums[1]
 
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
-        """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot
-        run with ``datamodule`` on ``device`` (None: not checked). The base checks that every
-        attention backend can run on ``device``; tasks add their own data checks."""
+        """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot run with
+        ``datamodule`` on ``device`` (None: not checked). The base checks the attention backends
+        against ``device``; tasks add their data checks."""
         if device is not None:
             check_attention_devices(self, torch.device(device))
 
 
 class WeightedMean(torchmetrics.Metric):
     """A running mean for an evaluation metric (``update(value, weight)``, logged as a metric object):
-    ``sum(value * weight) / sum(weight)`` over the epoch and, under DDP, over all processes, whose
-    sums torchmetrics adds up. Lightning's own epoch mean of a value logged with ``batch_size`` is
-    this on one process, but under DDP it averages the summed weights over the processes in their
-    integer type, dropping the fraction of an odd total. (torchmetrics' MeanMetric ignores the
-    weights when told to keep NaNs; here a NaN stays in, so a diverged run shows.)"""
+    ``sum(value * weight) / sum(weight)`` over the epoch and all processes. Not Lightning's epoch
+    mean of a value logged with ``batch_size``: under DDP it averages the summed weights in their
+    integer type, dropping the fraction of an odd total. Not torchmetrics' MeanMetric: it ignores
+    the weights when told to keep NaNs, and a NaN must stay in so a diverged run shows."""
 
     full_state_update = False
 
@@ -291,8 +280,8 @@ def check_segment_length(segment_length: int | None, transformer, backend: str) 
 
 def check_context_parallel(context_parallel: int, transformer, **exclusive) -> None:
     """Raise a ConfigurationError unless ``context_parallel`` (processes per sequence) can split
-    ``transformer``'s sequences: an integer >= 1, a backend with a fixed-size state, and none of the
-    ``exclusive`` settings (name -> value) that also take the whole sequence set."""
+    ``transformer``'s sequences: an integer >= 1, a backend with a fixed-size state, and none of
+    the ``exclusive`` settings (name -> value) set, which need the whole sequence."""
     check_at_least("context_parallel", context_parallel, 1, "processes that split each sequence")
     if context_parallel == 1:
         return

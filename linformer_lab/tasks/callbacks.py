@@ -20,8 +20,8 @@ __all__ = ["ImageSampleCallback", "StepsProgressBar", "RunTimeEstimate"]
 
 
 def log_dir_of(trainer: L.Trainer) -> str:
-    """Where run artefacts go: the logger's directory (next to metrics.csv for the CSVLogger,
-    the event files for TensorBoard), else the trainer's default root dir."""
+    """Where run artefacts go: the logger's directory (beside metrics.csv or the TensorBoard
+    events), else the trainer's default root dir."""
     return trainer.log_dir or trainer.default_root_dir
 
 
@@ -30,21 +30,18 @@ class ImageSampleCallback(L.Callback):
 
     Args:
         num_samples: images of each kind (unconditional samples; completions).
-        every_n_epochs: only after every n-th validation epoch (generation is sequential:
-            N model steps per batch of images, slow for long sequences and lsh).
+        every_n_epochs: only after every n-th validation epoch (generation takes N sequential
+            model steps per batch of images).
         temperature: sampling temperature (see ``DiscretizedMixtureOfLogistics.sample``).
-        split: where the images to complete come from: ``"test"`` (the datamodule's test
-            split, like the paper's figures) or ``"val"``; either way the first
-            ``num_samples`` images, the same every epoch so progress is comparable. Without
-            a datamodule the first validation batch is used.
+        split: where the images to complete come from: ``"test"`` (as the paper's figures) or
+            ``"val"``; the first ``num_samples`` images, the same every epoch so progress is
+            comparable. Without a datamodule, the first validation batch.
         scale: enlargement factor of the written PNGs (28x28 digits are tiny).
         seed: seeds the sampling so successive epochs use the same noise.
 
-    Files: ``<log_dir>/images/epoch=EEEE-samples.png`` and ``...-completions.png``, the
-    latter with rows ``occluded | completion | original``. With a TensorBoard logger the
-    grids are also added with ``add_image`` under ``samples`` / ``completions``.
-    Runs on global rank 0 only, outside the sanity check, and expects the LightningModule to
-    have ``model.generate`` (a :class:`PixelTransformer`).
+    Files: ``<log_dir>/images/epoch=EEEE-samples.png`` and ``...-completions.png`` (rows
+    ``occluded | completion | original``), also ``add_image``-ed to a TensorBoard logger. Runs on
+    global rank 0 outside the sanity check; needs ``pl_module.model.generate`` (a :class:`PixelTransformer`).
     """
 
     def __init__(self, num_samples: int = 8, every_n_epochs: int = 1, temperature: float = 1.0,
@@ -61,7 +58,7 @@ class ImageSampleCallback(L.Callback):
         self.written: list[str] = []
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        # Keep the first validation images in case there is no datamodule to ask for test images.
+        # the images to complete when there is no datamodule to ask
         if self._fallback is None and batch_idx == 0 and dataloader_idx == 0:
             images = batch[0] if isinstance(batch, (list, tuple)) else batch
             self._fallback = images[: self.num_samples].detach().cpu()
@@ -138,11 +135,10 @@ def _is_tensorboard(logger) -> bool:
 
 
 class StepsProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, whose total for a training epoch is the batches the run will
-    actually train in it: ``max_steps`` cuts an epoch short (the quick MNIST run trains 300 of its
-    5,000 batches), so the bar and its time estimate end where training does. Lightning bounds
-    the bar this way only without ``max_epochs``; this bar also counts the batches a resumed epoch
-    already ran, which Lightning's bar shows as done."""
+    """Lightning's progress bar, whose epoch total is the batches the run will actually train in
+    it: when ``max_steps`` cuts an epoch short, the bar and its time estimate end where training
+    does (Lightning's does so only without ``max_epochs``). A resumed epoch's bar starts at the
+    batches already run."""
 
     _done_at_start = 0  # batches of the current epoch run before this process took over
 
@@ -156,14 +152,12 @@ class StepsProgressBar(TQDMProgressBar):
         return min(total, self._done_at_start + remaining)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        # A run resumed in an epoch's middle gets no on_train_epoch_start for that epoch: size the
-        # bar here, counting the batches the checkpoint says ran (0 in a fresh run).
+        # a run resumed mid-epoch gets no on_train_epoch_start for that epoch: size the bar here
         self._done_at_start = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         super().on_train_start(trainer, pl_module)
         total = self.total_train_batches
         self.train_progress_bar.total = None if math.isinf(total) else int(total)
-        # tqdm's rate (and so the time left) is (n - initial) / elapsed: the batches restored
-        # from the checkpoint took no time in this process
+        # tqdm's rate is (n - initial) / elapsed: the restored batches took no time in this process
         self.train_progress_bar.initial = self._done_at_start
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
@@ -205,14 +199,13 @@ class RunTimeEstimate(L.Callback):
     """Says once, when the rate has settled, how long the whole run takes on this machine: the
     updates ``max_steps`` / ``max_epochs`` allow and the validations among them, at the time per
     update measured over ``measure`` updates after a warm-up (first calls build kernels and fill
-    caches). Both are counted in updates and bounded in seconds, so that slow updates are heard of
-    within a minute: the warm-up ends after ``warmup`` updates or, past its first update, after
-    ``warmup_s`` seconds; the measurement after ``measure`` updates or, past its first, after
-    ``max_wait_s`` seconds. A validation batch costs what this run's validations measured, or,
-    before any, a third of an update (a forward pass of the same batch). Over an hour on a CPU,
-    the line also names ``cpu_recipe``, the config sized for a CPU. Rank 0 only; printed above
-    the progress bar. ``clock``: seconds, monotonic (a test's fake one). A sanity check still
-    running after ``notice_s`` seconds is announced in one line (:func:`sanity_check_notice`)."""
+    caches). Each phase also ends on time, so slow updates are heard of within a minute: the
+    warm-up after ``warmup`` updates or ``warmup_s`` seconds, the measurement after ``measure``
+    updates or ``max_wait_s`` seconds (either at least one update). A validation batch costs what
+    this run's validations measured, before any a third of an update (a forward pass). Over an
+    hour on a CPU the line names ``cpu_recipe``, the config sized for a CPU. Rank 0 only.
+    ``clock``: monotonic seconds (a test's fake one). A sanity check still running after
+    ``notice_s`` seconds is announced (:func:`sanity_check_notice`)."""
 
     def __init__(self, warmup: int = 10, measure: int = 30, max_wait_s: float = 15.0, cpu_recipe: str | None = None,
                  warmup_s: float = 15.0, clock=time.perf_counter, notice_s: float | None = 5.0):
@@ -225,8 +218,7 @@ class RunTimeEstimate(L.Callback):
         self._val_time, self._val_batches, self._val_started = 0.0, 0, None
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
-        # Lightning's bar alone says nothing of why nothing trains yet, for long on a CPU with a
-        # GPU-sized model: a line after notice_s, unless the check is done by then
+        # Lightning's bar alone does not say why nothing trains yet (long on a CPU with a GPU-sized model)
         if trainer.is_global_zero and self.notice_s is not None:
             self.notice_timer = threading.Timer(self.notice_s, sanity_check_notice, (trainer,))
             self.notice_timer.daemon = True
@@ -310,8 +302,8 @@ class RunTimeEstimate(L.Callback):
 
 
 def sanity_check_notice(trainer) -> str:
-    """Prints (and returns) the line that says what a slow sanity check is doing (its batches are
-    counted once its loader is set up, else the ``num_sanity_val_steps`` asked for)."""
+    """Prints and returns the line saying what a slow sanity check does (its batches once its
+    loader is set up, else ``num_sanity_val_steps``)."""
     batches = int(sum(b for b in trainer.num_sanity_val_batches if not math.isinf(b))) or trainer.num_sanity_val_steps
     line = (f"sanity check: {batches} validation batch{'es' * (batches != 1)} before the first update, "
             f"to find a fault in validation before hours of training (--trainer.num_sanity_val_steps 0 skips it)")

@@ -1,18 +1,17 @@
 """Turning a trained model into one with another attention: ``init_from`` and attention distillation.
 
 ``init_from`` (:func:`transfer_weights`): a checkpoint of the same task with another attention (a
-softmax model, say) gives the new model every weight whose name and shape match; the weights
-only the new attention has (a learned feature map's) keep their initial values, and the ones only
-the old one had are dropped. The way most linear-attention models are made today (Kasai et al.
-2021, T2R; Zhang et al. 2024, Hedgehog): convert a trained softmax model, then fine-tune briefly.
+softmax model, say) gives the new model every weight whose name and shape match; weights only the
+new attention has (a learned feature map's) keep their initial values, those only the old had are
+dropped. Most linear-attention models are made so today (Kasai et al. 2021, T2R; Zhang et al.
+2024, Hedgehog): convert a trained softmax model, then fine-tune briefly.
 
-Attention distillation (:func:`distill_feature_maps`), Hedgehog's first stage: before the
-fine-tuning, only the feature maps' weights are trained, so that each layer's linear attention
-weights ``phi(q_i)^T phi(k_j) / sum_j' phi(q_i)^T phi(k_j')`` match the teacher's softmax weights
-on the training data (cross-entropy between the two row-normalised maps). The teacher is the
-checkpoint's own model with its softmax attention; its queries and keys feed both, layer by layer,
-so every layer learns from the attention it replaces. One layer's ``(B, H, N, N)`` maps exist at a
-time: each layer's loss is back-propagated before the next one's maps are formed.
+Attention distillation (:func:`distill_feature_maps`), Hedgehog's first stage: before fine-tuning,
+only the feature maps' weights train, so that each layer's linear attention weights
+``phi(q_i)^T phi(k_j) / sum_j' phi(q_i)^T phi(k_j')`` match the teacher's softmax weights on the
+training data (cross-entropy between the row-normalised maps). The teacher is the checkpoint's own
+softmax model; its queries and keys feed both, so every layer learns from the attention it
+replaces. Each layer's loss is back-propagated before the next one's ``(B, H, N, N)`` maps form.
 """
 
 from __future__ import annotations
@@ -241,12 +240,10 @@ def check_conversion(init_from: str | None, distill_steps: int, distill_lr: floa
 
 
 def initialise_from(task, checkpoint: dict, source: str) -> WeightTransfer:
-    """Start ``task`` from ``checkpoint`` (a loaded checkpoint of the same task with another
-    attention; the CLI reads ``init_from`` with ``weights_only=True``): every weight whose name and
-    shape match is loaded, and a table of what was loaded, new and dropped is printed. A checkpoint
-    of another task or architecture is a :class:`ConfigurationError`. With ``distill_steps``, the
-    teacher (the checkpoint's model with its own, softmax, attention) is built and kept as
-    ``task.distillation`` for the task's ``on_train_start`` (:func:`distill_attention`)."""
+    """Start ``task`` from ``checkpoint`` (loaded, of the same task with another attention):
+    :func:`transfer_weights`, then a table of what was loaded, new and dropped is printed. Another
+    task or architecture is a :class:`ConfigurationError`. With ``distill_steps``, the teacher is
+    built and kept as ``task.distillation`` for ``on_train_start`` (:func:`distill_attention`)."""
     saved = dict(checkpoint.get("hyper_parameters") or {})
     want = f"{type(task).__module__}.{type(task).__qualname__}"
     if saved.get("_class_path", want) != want:
@@ -285,9 +282,8 @@ def _teacher(task, attention: AttentionConfig, state: dict, source: str) -> nn.M
 
 
 def distill_attention(task) -> list[float]:
-    """Hedgehog's first stage on ``task``'s training data (:func:`distill_feature_maps`):
-    ``distill_steps`` updates of the feature maps' weights alone, before the first normal update;
-    the loss is printed now and then and logged as ``distill/attention_loss``. Returns the losses."""
+    """:func:`distill_feature_maps` on ``task``'s training data before its first update, the loss
+    printed now and then and logged as ``distill/attention_loss``. Returns the losses."""
     trainer, plan = task.trainer, task.distillation
     teacher = plan.teacher.to(task.device)
     strategy = trainer.strategy

@@ -10,18 +10,13 @@ use the image experiments' 256 = 8 heads x 32 dims, feed-forward 4 x 256):
     tokens (B, N) -> token embedding + learned position embedding (B, N, d_model)
                   -> Transformer (causal, any registered attention) -> Linear -> logits (B, N, V)
 
-Optimisation as in the paper: RAdam, lr 1e-3, divided by 10 after 3000 updates (a step
-schedule stepped every optimizer update, not every epoch).
+Optimisation as in the paper: RAdam, lr 1e-3, divided by 10 after 3000 optimizer updates.
 
 **The authors' recipe.** Their copy-task script differs from ours in six places, each an option
-here whose default keeps ours (``configs/copy_authors_{linear,softmax}.yaml`` turn them all on):
-``clip_per_parameter=1.0`` (each parameter tensor's gradient norm clipped to 1 on its own, not
-the global norm), ``weight_decay=0.01`` with ``decoupled_weight_decay=True`` (RAdam decaying the
-weights as AdamW does), the softmax backend's ``dropout: 0.1`` on the attention weights
-(``attention.kwargs``), ``norm_first=False`` with ``activation="relu"`` (post-norm layers, ReLU
-feed-forward), ``positions="sinusoid_concat"`` (a fixed sinusoid of d_model / 2 dimensions
-concatenated to a token embedding of the other half) and ``score_separator=True`` (the training
-loss also scores the separator, which ends the random prefix at a random length).
+(see Args) whose default keeps ours; ``configs/copy_authors_{linear,softmax}.yaml`` turn them all on:
+``clip_per_parameter=1.0``, ``weight_decay=0.01`` with ``decoupled_weight_decay=True``, the softmax
+backend's ``dropout: 0.1`` on the attention weights (``attention.kwargs``), ``norm_first=False``
+with ``activation="relu"``, ``positions="sinusoid_concat"`` and ``score_separator=True``.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel,
 from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
-#: How positions enter the model (``positions``): a learned embedding added to the token
-#: embedding (ours), or the authors' fixed sinusoid concatenated to it.
+#: ``positions``: a learned embedding added to the tokens' (ours), or the authors' fixed sinusoid concatenated
 POSITIONS = ("learned", "sinusoid_concat")
 
 
@@ -76,8 +70,7 @@ class CopyTask(Task):
         init_from: a checkpoint of this task with another attention (a trained softmax copy
             model, ``configs/copy_convert_*.yaml``) to start ``fit`` from: every weight whose name
             and shape match is loaded and a table of what loaded is printed; the rest (a learned
-            feature map's) keeps its initial values. A run resumed from its own checkpoint does
-            not read it.
+            feature map's) keeps its initial values. A run resumed from its own checkpoint does not read it.
         distill_steps: before the first update, this many updates of attention distillation
             (Hedgehog's first stage): only the feature maps' weights train, to match the softmax
             attention weights of the ``init_from`` model on the copy sequences; 0 = none.
@@ -93,9 +86,8 @@ class CopyTask(Task):
             random length); validation and test keep to the copy, comparable across recipes.
         context_parallel: P, the processes that split every sequence of a batch into P
             consecutive segments (:func:`~linformer_lab.attention.context_parallel.context_parallel`),
-            P consecutive ranks per batch: a (data x context) grid of the run's processes, P
-            dividing their number. 1: each process holds whole sequences. The losses, the metrics
-            and the weights are those of one process on the same global batch; generation
+            P consecutive ranks per batch, P dividing the processes; 1: whole sequences. Losses,
+            metrics and weights are those of one process on the same global batch; generation
             (``predict``) runs whole sequences on every process.
 
     Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``. ``forward(tokens (B, n)) ->
@@ -106,7 +98,6 @@ class CopyTask(Task):
     monitor = "val/loss"
     monitor_mode = "min"
     #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
-    #: (optimisation only; the CLI's checkpoint check compares all others)
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
                               "detach_state", "init_from", "distill_steps", "distill_lr",
                               "decoupled_weight_decay", "clip_per_parameter", "score_separator", "context_parallel")
@@ -196,7 +187,6 @@ class CopyTask(Task):
         """tokens int64 (B, n) -> logits (B, n, vocab_size); position i sees tokens <= i (under context
         parallelism: tokens is this rank's segment, and it sees the earlier ranks' too)."""
         n = tokens.shape[1]
-        # under context parallelism tokens are this rank's segment: its positions are the global ones
         start = 0 if self.context_group is None else dist.get_rank(self.context_group) * n
         if start + n > self.sequence_length:
             raise ValueError(
@@ -227,7 +217,7 @@ class CopyTask(Task):
         """
         if score_separator:
             target_mask = target_mask | (tokens == self.hparams.vocab_size - 1)
-        # Predict token t+1 from tokens <= t: the model never needs the last column as input.
+        # token t+1 from tokens <= t: the last column is never an input
         inputs = tokens[:, :-1]
         targets, mask = tokens[:, 1:], target_mask[:, 1:]
         if self.context_group is not None:
@@ -289,9 +279,9 @@ class CopyTask(Task):
 
     def predict_step(self, batch, batch_idx):
         """Greedy copy through the recurrent path: ``{"tokens", "predicted", "target_mask",
-        "exact"}``, where ``predicted`` holds the model's own copy at the copy positions and
-        ``exact`` (B,) says whether a sequence was copied without a single error. The end of
-        ``predict`` prints the copy accuracy over all batches and a few decoded sequences."""
+        "exact"}``, ``predicted`` holding the model's copy at the copy positions, ``exact`` (B,)
+        whether a sequence was copied without an error. ``predict`` ends by printing the accuracy
+        and a few decoded sequences."""
         tokens, target_mask = batch
         predicted = self.generate_copy(tokens, target_mask)
         errors = (predicted != tokens) & target_mask
@@ -336,13 +326,11 @@ class CopyTask(Task):
 
     @torch.no_grad()
     def generate_copy(self, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-        """Autoregressive greedy decoding with ``Transformer.step`` (paper §3.4): the readable step,
-        as a task is a core file and decoding a copy sequence is no benchmark
+        """Autoregressive greedy decoding with ``Transformer.step`` (paper §3.4), the readable loop
         (:mod:`linformer_lab.models.generation` holds the fast one).
 
-        The model reads each sequence up to and including its separator; from there on it is fed
-        its own argmax predictions. Returns int64 (B, N): ``tokens`` with the copy positions
-        replaced by the generated symbols.
+        The model reads each sequence up to and including its separator, then is fed its own argmax
+        predictions. Returns int64 (B, N): ``tokens`` with the copy positions generated.
         """
         b, n = tokens.shape
         out = tokens.clone()
@@ -351,15 +339,13 @@ class CopyTask(Task):
             positions = torch.full((b,), t, device=tokens.device)
             hidden, state = self.transformer.step(self.embed(x_t, positions), state)
             guess = self.head(hidden).argmax(-1)  # prediction for position t + 1
-            # Copy positions get the model's guess; the prefix, separator and trailing padding
-            # are given (padding comes after the copy, so it cannot help the model).
+            # the prefix, separator and trailing padding are given (padding follows the copy: no help)
             out[:, t + 1] = torch.where(target_mask[:, t + 1], guess, tokens[:, t + 1])
             x_t = out[:, t + 1]
         return out
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        """The trainer's clipping (``gradient_clip_val``), after ``clip_per_parameter``'s, which
-        bounds every parameter tensor's gradient norm on its own (the authors' recipe)."""
+        """``clip_per_parameter``'s clipping (the authors' recipe), then the trainer's ``gradient_clip_val``."""
         limit = self.hparams.get("clip_per_parameter")
         if limit is not None:
             for parameter in self.parameters():

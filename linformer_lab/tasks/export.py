@@ -3,9 +3,8 @@ class and its arguments, all that rebuilds the model), Hugging Face's file names
 can be pushed to the Hub as it is and loaded back with :func:`from_pretrained`.
 
 Loading runs no code from the folder: the weights are read by safetensors (tensors only, no
-pickle), the config by ``json``; the class the config names must be one of :data:`TASKS`, built
-with the config's arguments, and its own weights' names and shapes are the ones the file must
-hold. Anything else is an :class:`ExportError` whose one line names the problem.
+pickle), the config by ``json``; the class it names must be one of :data:`TASKS`, and the file
+must hold that model's weight names and shapes. Anything else is a one-line :class:`ExportError`.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ TASKS = (
     "linformer_lab.tasks.speech.SpeechRecognitionTask",
 )
 
-#: Arguments that say how a model was made (converted from another checkpoint, ``init_from``),
-#: set to these values in an export: the exported weights are the result, and loading them needs
-#: neither the source checkpoint nor a distillation.
+#: Arguments that say how a model was made (``init_from``), reset in an export: loading the
+#: exported weights needs neither the source checkpoint nor a distillation.
 MADE_FROM = {"init_from": None, "distill_steps": 0}
 
 #: The first bytes of the files a pickle-based ``torch.save`` writes (a zip archive; a bare pickle)
@@ -111,18 +109,13 @@ def read_config(folder: str | Path) -> tuple[str, dict]:
     return class_path, init_args
 
 
-def task_class(class_path: str) -> type:
-    """The task class of ``class_path``, one of :data:`TASKS` (imported from this package only)."""
+def build_task(class_path: str, init_args: dict, source: str | Path) -> torch.nn.Module:
+    """The task ``class_path`` (one of :data:`TASKS`: only this package's classes are imported) built
+    from ``init_args``; an argument it does not take, or a value it refuses, is an :class:`ExportError` naming ``source``."""
     if class_path not in TASKS:
         raise ExportError(f"{class_path!r} is not a registered task (valid: {', '.join(TASKS)})")
     module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def build_task(class_path: str, init_args: dict, source: str | Path) -> torch.nn.Module:
-    """The task ``class_path`` (one of :data:`TASKS`) built from ``init_args``; an argument it does
-    not take, or a value it refuses, is an :class:`ExportError` naming ``source``."""
-    cls = task_class(class_path)
+    cls = getattr(importlib.import_module(module), name)
     accepted = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
     unknown = sorted(set(init_args) - set(accepted))
     if unknown:
@@ -159,8 +152,7 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def weight_problems(expected: dict[str, torch.Tensor], found: dict, source: str = "file") -> list[str]:
     """What keeps ``found`` (the tensors of a ``source``: file, checkpoint) from loading into a model
-    whose state dict is ``expected``: the names missing, the names it has no place for, the shapes
-    that differ; empty when it fits."""
+    whose state dict is ``expected``: missing names, unexpected names, other shapes; empty when it fits."""
     missing = [name for name in expected if name not in found]
     unexpected = [name for name in found if name not in expected]
     shapes = [f"{name}: {source} {tuple(found[name].shape)}, model {tuple(tensor.shape)}"

@@ -1,9 +1,8 @@
 """The training update as one CUDA graph: forward, backward and the optimizer step captured once
 and replayed for every later batch of the same shape.
 
-An eager update of a small model is hundreds of small kernels, each launched by Python; the GPU
-then waits on the host. A CUDA graph replays the recorded kernels with one launch, so an update
-costs what its kernels cost. What that needs, and what :class:`CudaGraphUpdate` relies on:
+An eager update of a small model is hundreds of small kernels, each launched by Python, so the
+GPU waits on the host; a graph replays them with one launch. What :class:`CudaGraphUpdate` relies on:
 
 * static shapes: the inputs are copied into buffers the graph reads; a batch of another shape
   (the epoch's last, when the batch size does not divide the data) runs eagerly, on the same
@@ -43,9 +42,9 @@ LossFunction = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Switch ``optimizer`` (one of torch's, with a ``capturable`` option) to its capturable form in
-    place: ``capturable=True``, the learning rate a 0-dim tensor on ``device`` (a schedule then
-    fills it in place, which the replays read) and every step count a float32 tensor on
-    ``device``. Its arithmetic is unchanged; a state loaded from an eager checkpoint works too."""
+    place: ``capturable=True``, the learning rate a 0-dim tensor on ``device`` (a schedule fills it
+    in place, the replays read it) and every step count a float32 tensor on ``device``. The
+    arithmetic is unchanged; a state loaded from an eager checkpoint works too."""
     for group in optimizer.param_groups:
         if "capturable" not in group:
             raise ConfigurationError(f"{type(optimizer).__name__} has no capturable form; a CUDA graph needs an "
@@ -153,12 +152,11 @@ class GraphedTraining:
     """Lightning's hooks for a task whose ``cuda_graph`` hyper-parameter runs its training update
     as a :class:`CudaGraphUpdate` (mixed in before :class:`~linformer_lab.tasks.base.Task`).
 
-    The task's ``training_step`` calls :meth:`graphed_update` with the batch's tensors and logs what
-    it returns; the update's backward and optimizer step have then run, so ``backward`` and
-    ``optimizer_zero_grad`` do nothing and ``optimizer_step`` only runs Lightning's closure (the
-    ``training_step``), while the step counts, the schedule and checkpoints stay Lightning's.
-    Checkpoints hold the eager optimizer's form (:func:`eager_optimizer_state`).
-    What the graph leaves out is refused at the start of the run (:meth:`check_cuda_graph`).
+    ``training_step`` calls :meth:`graphed_update` and logs what it returns; backward and the
+    optimizer step have then run, so ``backward`` and ``optimizer_zero_grad`` do nothing and
+    ``optimizer_step`` only runs Lightning's closure; step counts, schedule and checkpoints stay
+    Lightning's (checkpoints in the eager optimizer's form, :func:`eager_optimizer_state`). What
+    the graph leaves out is refused at the start of the run (:meth:`check_cuda_graph`).
     """
 
     cuda_graph_update: CudaGraphUpdate | None = None

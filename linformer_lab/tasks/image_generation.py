@@ -1,14 +1,11 @@
 """Pixel-by-pixel image generation (paper §4.2) as a LightningModule.
 
 Training/evaluation: bits/dim of the :class:`PixelTransformer` over all ``N = C H W``
-sub-pixels, logged as ``train/bits_per_dim`` (per step), ``train/bits_per_dim_epoch``,
-``val/bits_per_dim`` and ``test/bits_per_dim`` (epoch-level :class:`BitsPerDim` metrics,
-summed across processes, so correct under DDP). ``train/bits_per_dim_epoch`` is logged for
-epochs that ran to their end only, over the whole epoch also after a mid-epoch resume
-(``Task.epoch_metrics``).
+sub-pixels, logged as ``train/bits_per_dim`` (per step), ``train/bits_per_dim_epoch`` (whole
+epochs only: ``Task.epoch_metrics``), ``val/bits_per_dim`` and ``test/bits_per_dim``
+(epoch-level :class:`BitsPerDim` metrics, summed across processes, so correct under DDP).
 
-Prediction (``trainer.predict``), i.e. generation from a checkpoint, and the files it writes:
-:mod:`linformer_lab.tasks.image_prediction`.
+Prediction (generation from a checkpoint) and its files: :mod:`linformer_lab.tasks.image_prediction`.
 """
 
 from __future__ import annotations
@@ -54,37 +51,35 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         temperature: sampling temperature for predict.
         step_weights: the weight copy predict's generation reads (``"model"``, ``"bfloat16"``,
             ``"int8"``; see :meth:`PixelTransformer.generate`): the lossy ones trade a little
-            accuracy for small-batch CPU latency, and pay only where the weight products
-            dominate a step: wide models (the paper's d_model 256) at batch 1 on a CPU. On small
-            models (the quick variant's d_model 64, the CPU recipe's 128) ``int8`` is slower than
-            the exact weights; keep ``"model"`` there (docs/cli.md has the measurements).
+            accuracy for CPU latency where the weight products dominate a step, wide models (the
+            paper's d_model 256) at batch 1; on small ones (d_model 64 or 128) ``int8`` is slower
+            than the exact weights (docs/cli.md has the measurements).
         predict_num_samples: unconditional samples made by a predict run (0: completions only).
         predict_batch_size: batch size of the unconditional-only predict run (no dataloader).
         output_dir: predict's output folder (default ``<log_dir>/predictions``).
         png_scale: enlargement of the PNGs predict writes.
-        segment_length: train on consecutive segments of this many sub-pixels with the
-            attention state carried across (None: the whole sequence at once). Peak memory then
-            follows the segment (see :func:`~linformer_lab.models.transformer.segmented_forward`);
-            the loss and, without ``detach_state``, the gradient are those of one pass.
+        segment_length: train on consecutive segments of this many sub-pixels with the attention
+            state carried across (None: the whole sequence at once); peak memory then follows the
+            segment (:func:`~linformer_lab.models.transformer.segmented_forward`), the loss and,
+            without ``detach_state``, the gradient are one pass's.
         detach_state: cut the gradient at segment boundaries (truncated back-propagation
             through time).
-        compile: ``"none"`` (default); ``"loss"``: the mixture-of-logistics loss in one function
-            compiled by ``torch.compile`` (``log_prob(fused=True)``); ``"model"``: the whole
-            per-batch loss (embedding, transformer, head, loss) compiled in ``configure_model``,
-            for GPUs, where an eager step is many small kernel launches. The first batches
-            compile (seconds to minutes); the weights and checkpoints are the eager model's.
+        compile: ``"none"``; ``"loss"``: the mixture-of-logistics loss as one ``torch.compile``-d
+            function (``log_prob(fused=True)``); ``"model"``: the whole per-batch loss compiled in
+            ``configure_model``, for GPUs, where an eager step is many small kernel launches. The
+            first batches compile (seconds to minutes); weights and checkpoints stay the eager model's.
         cuda_graph: run each training update (forward, backward, RAdam step) as one CUDA graph,
-            captured after a few eager updates and replayed (:mod:`~linformer_lab.tasks.graphed_update`):
-            the GPU no longer waits on Python's launches. Needs one CUDA device and a fixed batch
-            shape (a batch of another shape runs eagerly); with ``compile`` the compiled loss is
-            what is captured. On a CPU, or with what the graph cannot hold (several processes,
-            gradient accumulation or clipping, 16-mixed), the run stops at its start saying why.
+            captured after a few eager updates (:mod:`~linformer_lab.tasks.graphed_update`), so the
+            GPU no longer waits on Python's launches. Needs one CUDA device and a fixed batch shape
+            (another shape runs eagerly); with ``compile`` the compiled loss is captured. What the
+            graph cannot hold (a CPU, several processes, gradient accumulation or clipping,
+            16-mixed) stops the run at its start, saying why.
         decoder: how predict's generation steps (``PixelTransformer.generate(decoder=...)``):
             ``"auto"`` a CUDA graph on a GPU, the ``fast_step`` loop on CPU.
         init_from: a checkpoint of this task with another attention (a trained softmax model) to
-            start from: every weight whose name and shape match is loaded at the start of ``fit``
+            start ``fit`` from: every weight whose name and shape match is loaded
             (:meth:`Task.initialise_from`, a table of what loaded printed), the rest keeps its
-            initial values. The way to turn a trained softmax model into a linear one.
+            initial values.
         distill_steps: before the first update, this many updates of attention distillation
             (Hedgehog's first stage): only the feature maps' weights train, to match the softmax
             attention weights of the ``init_from`` model (:mod:`linformer_lab.tasks.conversion`).
@@ -94,17 +89,13 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
             attention), P consecutive ranks per batch: a (data x context) grid of the run's
             processes. Training, validation and test losses are those of one process on the same
             global batch; generation (``predict``) runs whole sequences on every process.
-
-    ``monitor`` / ``monitor_mode`` tell the CLI what to checkpoint on; ``hparams_free_to_change``
-    which arguments a checkpoint may have had different.
     """
 
     monitor = "val/bits_per_dim"
     monitor_mode = "min"
     #: logged by Task at the end of every whole epoch (its sums kept in checkpoints)
     epoch_metrics = (("train/bits_per_dim_epoch", "train_bpd"),)
-    #: Arguments that may differ between a checkpoint and the configuration that loads it
-    #: (the CLI's checkpoint check compares all the others): training and generation settings.
+    #: training and generation settings, which may differ between a checkpoint and its configuration
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
                               "segment_length", "detach_state", "compile", "cuda_graph", "decoder",
@@ -182,8 +173,8 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
     # ------------------------------------------------------------------ training
 
     def check_run(self, datamodule=None, device=None) -> None:
-        """Also: the data module's ``image_shape`` (when it has one) is the model's. Called from
-        ``setup``: a model built for other images stops before the first batch, both shapes named."""
+        """Also: the data module's ``image_shape`` (when it has one) is the model's, so a model built
+        for other images stops before the first batch."""
         super().check_run(datamodule, device)
         data_shape = getattr(datamodule, "image_shape", None)
         if data_shape is not None and tuple(data_shape) != self.model.image_shape:
@@ -224,9 +215,8 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         return self.model.nll(self._images(batch))
 
     def update_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The loss of one process's update on ``images`` (bits/dim, the scalar to differentiate)
-        and what ``training_step`` logs, ``(that loss, (B, N) nats)``: what ``cuda_graph`` captures,
-        built from shapes alone (no number read or made on the host)."""
+        """``(loss, (loss, nll (B, N) nats))``: the bits/dim to differentiate and what ``training_step``
+        logs; what ``cuda_graph`` captures, so built from shapes alone (no number read on the host)."""
         nll = self._batch_nll(images)
         loss = nll.sum() / (math.log(2.0) * nll.numel())
         return loss, (loss, nll)

@@ -1,24 +1,21 @@
-"""Prediction (``trainer.predict``) of
-:class:`~linformer_lab.tasks.image_generation.ImageGenerationTask`, i.e. generation from a
-checkpoint, and the files it writes:
+"""Prediction (``trainer.predict``, generation from a checkpoint) of
+:class:`~linformer_lab.tasks.image_generation.ImageGenerationTask`, and the files it writes:
 
-* Each predict batch of images ``(images, labels)`` (or bare images) is *completed*: the top
-  half is given (``prefix``), the bottom half generated. Which images: whatever dataloader
-  predict runs on. The image datamodules' test split is the intended source:
+* Each predict batch of images is *completed*: the top half given (``prefix``), the bottom half
+  generated. The intended source is the test split:
   ``trainer.predict(task, dataloaders=datamodule.test_dataloader(), ckpt_path=...)`` (or a
   datamodule with a ``predict_dataloader``); ``limit_predict_batches`` sets how many.
-* ``predict_num_samples`` unconditional samples are generated alongside, batch by batch
-  (as many per batch as the batch has images, the remainder on the last batch).
-* Under DDP every process writes its own share of completions and its own
-  ``predict_num_samples`` samples, into ``output_dir/rankN``.
-* With no dataloader and no datamodule, the task's own :meth:`predict_dataloader` yields
-  index batches of size ``predict_batch_size`` and only unconditional samples are made.
+* ``predict_num_samples`` unconditional samples are generated alongside, as many per batch as
+  the batch has images, the remainder on the last batch.
+* Under DDP every process writes its own completions and ``predict_num_samples`` samples into
+  ``output_dir/rankN``.
+* With no dataloader and no datamodule, :meth:`predict_dataloader` yields index batches of
+  ``predict_batch_size`` and only unconditional samples are made.
 
 Files under ``output_dir`` (default ``<log_dir>/predictions``): ``samples/sample_XXXXX.png``,
-``completions/completion_XXXXX.png`` (``occluded | completion | original`` side by side, titled
-``prompt (top half) | generated | original``),
-``samples_grid.png``, ``completions_grid.png`` (the first 64) and ``throughput.json`` with
-images/second and seconds/image of each kind (also printed, and sent to the loggers).
+``completions/completion_XXXXX.png`` (``occluded | completion | original``, titled
+``prompt (top half) | generated | original``), ``samples_grid.png``, ``completions_grid.png`` (the
+first 64) and ``throughput.json``: images/second and seconds/image of each kind (also printed and logged).
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ from linformer_lab.tasks.image_grids import (
 
 __all__ = ["ImagePrediction"]
 
-# Grids written at the end of predict hold at most this many images of each kind.
+#: images of each kind in the grids written at the end of predict
 _GRID_LIMIT = 64
 
 
@@ -54,8 +51,7 @@ class ImagePrediction:
     ``predict_batch_size``, ``output_dir`` and ``png_scale``; ``_predict_state`` starts as None."""
 
     def predict_dataloader(self):
-        """Used only when predict is given no dataloader and no datamodule: index batches,
-        one unconditional sample per index."""
+        """Index batches, one unconditional sample per index (only without dataloader and datamodule)."""
         return DataLoader(range(self.hparams.predict_num_samples), batch_size=self.hparams.predict_batch_size)
 
     def output_dir(self) -> str:

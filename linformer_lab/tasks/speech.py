@@ -9,9 +9,8 @@ Per utterance::
     training:   CTC loss (blank 0, per-phoneme mean over the batch, fp32)
     evaluation: greedy (best-path) decoding -> phoneme error rate (PER)
 
-Optimisation as in the paper: the transformers use RAdam at 1e-4, the Bi-LSTM Adam at 1e-3,
-and in both the learning rate is halved whenever the validation PER stops improving
-(``ReduceLROnPlateau`` on ``val/per``, stepped after every validation epoch).
+Optimisation as in the paper: RAdam at 1e-4 for the transformers, Adam at 1e-3 for the Bi-LSTM,
+the learning rate halved whenever the validation PER stops improving (``ReduceLROnPlateau``).
 
 Batches follow docs/ARCHITECTURE.md, "Contracts": dicts with ``features float (B, T, 40)``,
 ``feature_lengths (B,)``, ``targets int64 (B, S)`` (0-padded) and ``target_lengths (B,)``.
@@ -40,11 +39,9 @@ class SpeechRecognitionTask(Task):
         attention: the transformer's attention (``backend``, ``feature_map``, ``kwargs``), or a
             backend name alone (that backend, the other fields at their defaults); None = linear
             attention with the elu feature map. Must stay None for ``bilstm``.
-        num_phonemes: output classes including the CTC blank (id 0), i.e. the data module's
-            ``num_phonemes``. The default is the project's inventory
-            (``linformer_lab.data.phonemes.NUM_PHONEMES``), which every SpeechDataModule corpus
-            uses, so configs leave it unset; the CLI may also link
-            ``data.num_phonemes -> model.init_args.num_phonemes``.
+        num_phonemes: output classes including the CTC blank (id 0), the data module's
+            ``num_phonemes``; the default, the project's inventory
+            (``linformer_lab.data.phonemes.NUM_PHONEMES``), is every SpeechDataModule corpus's.
         feature_dim: features per frame (the data module's ``feature_dim``, 40).
         d_model, n_layers, n_heads, d_ff (default 4 d_model), dropout: transformer shape
             (paper: 9 layers x 6 heads x 32 dims, d_model 192).
@@ -70,9 +67,8 @@ class SpeechRecognitionTask(Task):
             uses: it is cheap), > 1 = CTC prefix beam search with that many prefixes.
 
     ``forward(features (B, T, 40), lengths (B,)) -> (log_probs (B, T', C), out_lengths (B,))``.
-    Logged: ``train/loss``, ``train/epoch_time_s`` (wall time of the training epoch, data
-    loading included; only for an epoch this process ran whole: not for one cut short by
-    ``max_steps`` or resumed in its middle), ``val/loss``, ``val/per``, ``test/loss``,
+    Logged: ``train/loss``, ``train/epoch_time_s`` (wall time of the training epoch, data loading
+    included; only for an epoch this process ran whole), ``val/loss``, ``val/per``, ``test/loss``,
     ``test/per``, ``lr`` (at every epoch end).
     """
 
@@ -80,8 +76,7 @@ class SpeechRecognitionTask(Task):
     monitor = "val/per"
     monitor_mode = "min"
     #: hyper-parameters that may differ between a checkpoint and the configuration using it
-    #: (fine-tuning, evaluation with another decoder); the CLI's checkpoint check skips them.
-    #: lstm_packed only picks how the same LSTMs run.
+    #: (fine-tuning, another decoder; lstm_packed only picks how the same LSTMs run)
     hparams_free_to_change = (
         "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
         "lstm_packed", "warmup_steps", "packed",
@@ -137,8 +132,7 @@ class SpeechRecognitionTask(Task):
         check_non_negative("min_lr", min_lr)
         check_at_least("beam_width", beam_width, 1, "1 = greedy decoding")
         self.save_hyperparameters()
-        # Plain data in the checkpoint (loads with weights_only=True, prints readably), and the
-        # resolved optimizer/lr so a checkpoint records what actually ran.
+        # the resolved optimizer and lr, so a checkpoint records what actually ran
         self.hparams["optimizer"], self.hparams["lr"] = optimizer, lr
         self.attention_config = None
         if encoder == "transformer":
@@ -169,8 +163,7 @@ class SpeechRecognitionTask(Task):
         """Returns ``(loss, log_probs (B, T', C), out_lengths (B,))``; loss is CTC per target
         phoneme, averaged over the batch."""
         log_probs, out_lengths = self(batch["features"], batch["feature_lengths"])
-        # CTC's forward-backward sums over exponentially many paths: always in fp32, also under
-        # bf16/fp16 autocast (where F.ctc_loss would otherwise see whatever dtype autocast picks).
+        # CTC's forward-backward sums over exponentially many paths: fp32, also under bf16/fp16 autocast
         with torch.autocast(device_type=log_probs.device.type, enabled=False):
             loss = F.ctc_loss(
                 log_probs.float().transpose(0, 1),  # (T', B, C), the layout ctc_loss expects
@@ -179,8 +172,8 @@ class SpeechRecognitionTask(Task):
                 batch["target_lengths"],
                 blank=0,
                 reduction="mean",
-                # An utterance with more phonemes (plus required blanks between repeats) than
-                # frames has no valid path: infinite loss. Zero it instead of poisoning the batch.
+                # more phonemes (plus blanks between repeats) than frames: no valid path, an
+                # infinite loss, zeroed rather than poisoning the batch
                 zero_infinity=True,
             )
         return loss, log_probs, out_lengths
@@ -200,9 +193,8 @@ class SpeechRecognitionTask(Task):
     # ------------------------------------------------------------------ Lightning
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        # Linear warm-up, written into the optimizer before its step: a LambdaLR beside the
-        # plateau scheduler would reset the learning rate to its base at every step and undo
-        # the plateau's halvings.
+        # linear warm-up written into the optimizer: a LambdaLR beside the plateau scheduler
+        # would reset the learning rate at every step, undoing the plateau's halvings
         warmup = self.hparams.get("warmup_steps", 0)
         if warmup and self.trainer.global_step < warmup:
             lr = self.hparams.lr * (self.trainer.global_step + 1) / warmup
@@ -223,8 +215,7 @@ class SpeechRecognitionTask(Task):
         metric.update(self.decode(log_probs, out_lengths, beam_width), self.references(batch))
         mean_loss = getattr(self, f"{stage}_loss")
         mean_loss.update(loss, batch_size)
-        # Logging the Metric objects: Lightning calls compute() (summed errors / summed
-        # reference lengths over the whole epoch and all ranks) at epoch end and resets them.
+        # Metric objects: Lightning computes them over the epoch and all ranks, then resets them
         self.log(f"{stage}/loss", mean_loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch_size)
         self.log(f"{stage}/per", metric, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch_size)
         return loss
@@ -242,8 +233,8 @@ class SpeechRecognitionTask(Task):
         self._predict_tally = {"errors": 0, "phonemes": 0, "utterances": 0, "examples": []}
 
     def predict_step(self, batch, batch_idx):
-        """``{"predictions", "references"}``: phoneme-id lists per utterance. The end of ``predict``
-        prints the phoneme error rate over all batches and a few utterances decoded."""
+        """``{"predictions", "references"}``: phoneme-id lists per utterance. ``predict`` ends by
+        printing the phoneme error rate and a few decoded utterances."""
         log_probs, out_lengths = self(batch["features"], batch["feature_lengths"])
         predictions, references = self.decode(log_probs, out_lengths, self.hparams.beam_width), self.references(batch)
         tally = getattr(self, "_predict_tally", None)
@@ -272,10 +263,8 @@ class SpeechRecognitionTask(Task):
         for lines in tally["examples"]:
             self.print(lines)
 
-    # Table 3's "time per epoch": wall time of the training batches (data loading included).
-    # Measured in the task, not a callback, so every run reports it. Lightning runs the
-    # end-of-epoch validation *inside* the training epoch (before on_train_epoch_end), so the
-    # validation time is tracked and subtracted: the logged number is training alone.
+    # Table 3's "time per epoch", measured in the task so every run reports it. Lightning runs the
+    # end-of-epoch validation inside the training epoch: its time is subtracted.
 
     def on_train_epoch_start(self) -> None:
         super().on_train_epoch_start()
@@ -293,8 +282,7 @@ class SpeechRecognitionTask(Task):
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()
-        # No start time: the run resumed in this epoch's middle (Lightning then skips
-        # on_train_epoch_start), so the time of its first part is unknown.
+        # no start time: the run resumed mid-epoch, the time of its first part is unknown
         if self._epoch_start is not None and epoch_ran_to_end(self.trainer):
             elapsed = time.perf_counter() - self._epoch_start - self._validation_seconds
             self.log("train/epoch_time_s", elapsed, on_step=False, on_epoch=True)
