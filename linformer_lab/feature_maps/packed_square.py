@@ -55,5 +55,9 @@ class SecondOrderFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x = x * self.query_dim ** -0.25
-        return torch.cat([torch.ones_like(x[..., :1]), self.linear_weight * x, self.square_weight * self.square(x)],
-                         dim=-1)
+        # a weight of 1 is left out, not multiplied: a product by 1 would be one more pass over the
+        # (..., D (D + 1) / 2) features, forward and backward, the map's largest tensor
+        linear = x if self.linear_weight == 1.0 else self.linear_weight * x
+        square = self.square(x)
+        square = square if self.square_weight == 1.0 else self.square_weight * square
+        return torch.cat([torch.ones_like(x[..., :1]), linear, square], dim=-1)
