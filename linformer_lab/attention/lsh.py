@@ -33,16 +33,8 @@ class LSHAttention(Attention):
     has_recurrent_form = False
     supports_state = True
 
-    def __init__(
-        self,
-        causal: bool = False,
-        query_dim: int | None = None,
-        feature_map=None,
-        n_hashes: int = 1,
-        bucket_size: int = 32,
-        n_buckets: int = 64,
-        seed: int = 0,
-    ):
+    def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None,
+                 n_hashes: int = 1, bucket_size: int = 32, n_buckets: int = 64, seed: int = 0):
         super().__init__(causal=causal, query_dim=query_dim, feature_map=feature_map)
         if query_dim is None:
             raise ValueError("lsh attention needs query_dim to draw its hash rotations")

@@ -128,18 +128,9 @@ class CopyDataModule(PredictsOnTestSplit, L.LightningDataModule):
         num_workers: DataLoader workers; generation is cheap, 0 is usually best.
     """
 
-    def __init__(
-        self,
-        max_length: int = 128,
-        num_symbols: int = 10,
-        batch_size: int = 64,
-        train_batches_per_epoch: int = 1000,
-        val_batches: int = 20,
-        seed: int = 0,
-        min_length: int = 1,
-        test_batches: int = 20,
-        num_workers: int = 0,
-    ):
+    def __init__(self, max_length: int = 128, num_symbols: int = 10, batch_size: int = 64,
+                 train_batches_per_epoch: int = 1000, val_batches: int = 20, seed: int = 0, min_length: int = 1,
+                 test_batches: int = 20, num_workers: int = 0):
         super().__init__()
         check_at_least("batch_size", batch_size, 1, "sequences per batch")
         check_at_least("num_symbols", num_symbols, 1, "alphabet size")

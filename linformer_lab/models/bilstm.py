@@ -48,15 +48,8 @@ class BiLSTMCTC(nn.Module):
         packed: see above.
     """
 
-    def __init__(
-        self,
-        num_phonemes: int,
-        feature_dim: int = 40,
-        hidden_size: int = 320,
-        n_layers: int = 3,
-        dropout: float = 0.0,
-        packed: bool | None = None,
-    ):
+    def __init__(self, num_phonemes: int, feature_dim: int = 40, hidden_size: int = 320, n_layers: int = 3,
+                 dropout: float = 0.0, packed: bool | None = None):
         super().__init__()
         check_at_least("lstm_hidden", hidden_size, 1, "LSTM units per direction")
         check_at_least("lstm_layers", n_layers, 1, "stacked bidirectional LSTM layers")

@@ -243,10 +243,7 @@ class DiscretizedMixtureOfLogistics(nn.Module):
 
     @torch.no_grad()
     def sample(
-        self,
-        params: Tensor,
-        temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        self, params: Tensor, temperature: float = 1.0, generator: torch.Generator | None = None,
         noise: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Draw one integer value per position.

@@ -266,14 +266,8 @@ def _duplicate_counts(chunks: torch.Tensor) -> torch.Tensor:
     return counts.clamp_min(1)
 
 
-def lsh_attention_naive(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    rotations: torch.Tensor,
-    chunk_size: int,
-    causal: bool,
-    key_lengths: torch.Tensor | None = None,
-) -> torch.Tensor:
+def lsh_attention_naive(q: torch.Tensor, v: torch.Tensor, rotations: torch.Tensor, chunk_size: int, causal: bool,
+                        key_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention written one query at a time, for tests and for reading.
 
     For every query: list the keys of its windows in every round (its chunk and the one before

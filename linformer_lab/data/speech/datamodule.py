@@ -70,23 +70,13 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
         check_at_least("num_workers", num_workers, 0, "DataLoader worker processes")
         check_at_least("bucket_pool_batches", bucket_pool_batches, 1)
         check_positive("hours", hours, "size of the synthetic corpus")
-        self.save_hyperparameters()
-        self.corpus = corpus
-        self.root = root
-        self.hours = hours
-        self.seed = seed
-        self.batch_size = batch_size
-        self.max_frames_per_batch = max_frames_per_batch
-        self.num_workers = num_workers
-        self.noise_snr_db = noise_snr_db
+        self.save_hyperparameters()  # the settings are read from self.hparams
+        self.batch_size = batch_size  # also an attribute: where Lightning's batch-size tuner looks
         self.librispeech_subsets = {
             "train": tuple(librispeech_train),
             "val": tuple(librispeech_val),
             "test": tuple(librispeech_test),
         }
-        self.bucket_pool_batches = bucket_pool_batches
-        self.pin_memory = pin_memory
-        self.progress = progress
         self.datasets: dict[str, Dataset] = {}
 
     @property
@@ -95,16 +85,18 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
         return NUM_PHONEMES
 
     def _synthetic(self) -> SyntheticSpeechCorpus:
-        return SyntheticSpeechCorpus(root=self.root, hours=self.hours, seed=self.seed, progress=self.progress)
+        hp = self.hparams
+        return SyntheticSpeechCorpus(root=hp.root, hours=hp.hours, seed=hp.seed, progress=hp.progress)
 
     def _librispeech_root(self) -> Path:
-        return Path(self.root).expanduser() if self.root is not None else (DEFAULT_CACHE / "librispeech").expanduser()
+        root = self.hparams.root
+        return Path(root).expanduser() if root is not None else (DEFAULT_CACHE / "librispeech").expanduser()
 
     def prepare_data(self) -> None:
         # one process per node: the place for the one-time synthesis / feature caching
-        if self.corpus == "synthetic":
+        if self.hparams.corpus == "synthetic":
             corpus = self._synthetic()
-            ensure_feature_cache(corpus.path, self.noise_snr_db, progress=self.progress)  # all splits
+            ensure_feature_cache(corpus.path, self.hparams.noise_snr_db, progress=self.hparams.progress)  # all splits
         else:
             for subsets in self.librispeech_subsets.values():
                 for subset in subsets:
@@ -118,27 +110,21 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
-        if self.corpus == "synthetic":
+        if self.hparams.corpus == "synthetic":
             corpus = self._synthetic()
             for split in SPLITS:
-                self.datasets[split] = corpus.dataset(split, noise_snr_db=self.noise_snr_db)
+                self.datasets[split] = corpus.dataset(split, noise_snr_db=self.hparams.noise_snr_db)
         else:
             for split, subsets in self.librispeech_subsets.items():
                 self.datasets[split] = LibriSpeechCorpus(self._librispeech_root(), subsets)
 
     def _loader(self, split: str, shuffle: bool, cls=DataLoader) -> DataLoader:
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
-        ds = self.datasets[split]
+        ds, hp = self.datasets[split], self.hparams
         replicas, rank = process_share(self)
         sampler = LengthBucketBatchSampler(
-            ds.lengths,
-            batch_size=self.batch_size,
-            max_frames_per_batch=self.max_frames_per_batch,
-            shuffle=shuffle,
-            pool_batches=self.bucket_pool_batches,
-            seed=self.seed,
-            num_replicas=replicas,
-            rank=rank,
+            ds.lengths, batch_size=self.batch_size, max_frames_per_batch=hp.max_frames_per_batch, shuffle=shuffle,
+            pool_batches=hp.bucket_pool_batches, seed=hp.seed, num_replicas=replicas, rank=rank,
         )
         # the sampler yields whole batches of indices (batch_size=None): as a loader's sampler,
         # rather than its batch_sampler, it is what Lightning checks to leave a sharded loader as it is
@@ -147,9 +133,9 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
             sampler=sampler,
             batch_size=None,
             collate_fn=collate_speech,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
+            num_workers=hp.num_workers,
+            pin_memory=hp.pin_memory,
+            persistent_workers=hp.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -116,15 +116,9 @@ def joint_state(s: torch.Tensor, z: torch.Tensor) -> LinearState:
     return LinearState(torch.cat([s, z.unsqueeze(-1)], dim=-1))
 
 
-def linear_attention(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    key_lengths: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    return_state: bool = False,
-):
+def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None = None,
+                     eps: float = 1e-6, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     return_state: bool = False):
     """Non-causal linear attention by associativity (eq. 5-6): phi(Q) (phi(K)^T V) / phi(Q) z.
 
     Args: phi_q ``(B, H, N, C)``, phi_k ``(B, H, L, C)``, v ``(B, H, L, M)``, key_lengths ``(B,)``;
