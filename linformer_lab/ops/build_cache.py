@@ -1,13 +1,10 @@
 """The one build cache of the compiled extensions: the C++ CPU ones (:mod:`linformer_lab.ops.cpu`)
 and the CUDA one (:mod:`linformer_lab.ops.cuda`).
 
-Everything lives under :func:`cache_root` (``$LINFORMER_LAB_BUILD_DIR`` or
-``~/.cache/linformer_lab``), one subfolder per kind (``cpu``, ``cuda``); inside, each build has a
-folder of its own named after what it was built from, and a ``build_info.json`` that
-:func:`publish` writes last and atomically, so a folder with one holds a complete build that any
-later process (on any machine with the same torch and Python) loads without compiling
-(:func:`complete_builds` finds them). Both kinds share these helpers; what makes up a build's key
-(sources, flags, architectures) is each kind's own.
+Everything lives under :func:`cache_root`, one subfolder per kind; inside, each build has a folder
+named after what it was built from (:func:`digest`), complete once :func:`publish` has written its
+``build_info.json``: any later process (on any machine with the same torch and Python) loads it
+without compiling. What makes up a build's key (sources, flags, architectures) is each kind's own.
 """
 
 from __future__ import annotations

@@ -26,12 +26,10 @@ precision. The result comes back in the input dtype.
 
 Cost O(N n_hashes chunk_size D) time and memory (the duplicate counts add integer comparisons
 of the same order when n_hashes > 1). Step 4 (masks, counts, window softmax and its backward)
-is the caller's ``window`` function: by default the PyTorch step :func:`window_attention_torch`;
-the ``lsh`` backend passes ``kernels.lsh_window``, which runs the C++ kernel
-:func:`window_attention_cpp` (``ops/cpu/lsh_window.cpp``, a window's scores stay in cache) on CPU
-and the PyTorch step elsewhere (op ``lsh_window`` of :mod:`linformer_lab.ops.kernels`). Which earlier tokens share a chunk
-depends on where *all* tokens hash, later ones included; RNN mode therefore re-runs the
-attention over the prefix (the paper's baseline for lsh generation).
+is the caller's ``window`` function: :func:`window_attention_torch` by default; the ``lsh``
+backend passes ``kernels.lsh_window`` (the C++ :func:`window_attention_cpp` on CPU). Which
+earlier tokens share a chunk depends on where *all* tokens hash, later ones included; RNN mode
+therefore re-runs the attention over the prefix (the paper's baseline for lsh generation).
 """
 
 from __future__ import annotations
@@ -148,7 +146,7 @@ def _look_back(x: torch.Tensor) -> torch.Tensor:
 
 def window_attention_cpp(q, k, v, positions, valid, chunks, causal: bool):
     """:func:`window_attention_torch` through the C++ kernel ``ops/cpu/lsh_window.cpp`` (a window's
-    scores, masks and counts stay in cache): CPU tensors of one dtype, float32 or float64."""
+    scores stay in cache): CPU tensors of one dtype, float32 or float64."""
     from linformer_lab.ops import cpu  # the build machinery, imported only where the kernel runs
 
     module = cpu.LSH_WINDOW.load()
@@ -194,9 +192,8 @@ def window_attention_torch(q, k, v, positions, valid, chunks, causal: bool):
 
 
 class _WindowAttentionCPU(torch.autograd.Function):
-    """:func:`window_attention_torch`'s step on ``(G, chunks, chunk, ...)`` rows (G = B H) through the C++
-    kernel. Saves the window probabilities, ``(G, chunks, chunk, window)`` (what the PyTorch
-    path keeps of its scores), so the backward recomputes neither scores nor exponentials."""
+    """:func:`window_attention_cpp` on ``(G, chunks, chunk, ...)`` rows (G = B H). Saves the window
+    probabilities ``(G, chunks, chunk, window)``, so the backward recomputes neither scores nor exponentials."""
 
     @staticmethod
     def forward(ctx, module, causal, q, k, v, positions, valid, chunks):
@@ -242,9 +239,8 @@ def _duplicate_counts(chunks: torch.Tensor) -> torch.Tensor:
     q_chunks = chunks  # query i's chunk per round
     k_chunks = _look_back(chunks) if n_chunks > 1 else chunks
     counts = torch.zeros(*chunks.shape[:4], k_chunks.shape[3], dtype=torch.uint8, device=chunks.device)
-    # each comparison lands in one bool buffer, added as the uint8 it already is: `counts += a == b`
-    # allocated the bools and converted them in a second pass, which made a whole lsh layer's
-    # forward and backward slower at the copy task's sizes
+    # every comparison lands in one reused bool buffer, added as the uint8 it already is (no
+    # allocation and no conversion pass per comparison)
     hit = torch.empty(counts.shape, dtype=torch.bool, device=chunks.device)
 
     def count(key_chunks: torch.Tensor, query_chunks: torch.Tensor) -> None:

@@ -1,9 +1,8 @@
 """Softmax and LSH attention written plainly, O(N^2), for tests and for reading (the linear
 attention forms live beside their fast paths, in :mod:`linformer_lab.ops.linear_attention.naive`).
 
-Nothing here is fast or memory-efficient on purpose: every function builds the full
-``(N, N)`` similarity matrix of eq. 3/4 (masked for eq. 8/9) and normalises it row by row.
-Call them with float64 tensors to get an independent reference for the fast paths.
+Every function builds the full ``(N, N)`` similarity matrix of eq. 3/4 (masked for eq. 8/9); with
+float64 tensors they are an independent reference for the fast paths.
 """
 
 from __future__ import annotations

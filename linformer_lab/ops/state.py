@@ -34,18 +34,15 @@ class AttentionState(Protocol):
     they are given (they return a new one), so one state can be continued several ways (samples
     from one prompt, beam search, retrying a step) and continuing it twice gives the same outputs.
 
-    ``detach()``: a state of the same type holding the same numbers, cut from the autograd graph
-    (what truncated back-propagation through time carries into the next segment). It may share
-    memory with the original, as ``Tensor.detach()`` does (the built-in states do): safe, since no
-    step writes into a state it was given. It must be usable wherever the original was: ``step``
-    and ``forward(state=...)`` continue from it.
+    ``detach()``: the same type and numbers cut from the autograd graph (what truncated
+    back-propagation through time carries into the next segment), usable wherever the original
+    was. It may share memory, as ``Tensor.detach()`` does: no step writes into a state it was given.
 
-    ``clone()``: a state of the same type holding the same numbers in memory of its own (as
-    ``Tensor.clone()``: still connected to the autograd graph). A state to keep while something
-    that updates states in place (the generation loop's fast step) runs on from it.
+    ``clone()``: the same type and numbers in memory of its own, still in the autograd graph (as
+    ``Tensor.clone()``): a state to keep while an in-place step (the generation loop's) runs on.
 
-    ``nbytes``: the bytes the state holds for the sequence so far (a growing cache counts its
-    filled positions, not spare capacity): constant for linear attention, growing for softmax.
+    ``nbytes``: the bytes held for the sequence so far (filled positions, not spare capacity):
+    constant for linear attention, growing for softmax.
     """
 
     def detach(self) -> AttentionState: ...
@@ -61,8 +58,7 @@ _MEMBERS = (("detach", "detach()"), ("clone", "clone()"), ("nbytes", "nbytes"))
 
 
 def _lacks(state) -> list[str]:
-    """The members of the contract that ``state`` lacks (what ``isinstance(state, AttentionState)``
-    looks at)."""
+    """The members of the contract that ``state`` lacks."""
     # the class first: hasattr on the state would compute nbytes, which a traced (symbolic) tensor cannot
     return [label for name, label in _MEMBERS if not (hasattr(type(state), name) or hasattr(state, name))]
 
@@ -98,8 +94,8 @@ def check_state(state, who: str) -> None:
 
 
 def _map_states(state, method: str):
-    """``state`` (one backend's, a list / tuple of them, or None) with each backend state replaced
-    by the result of calling its contract member ``method`` (``"detach"`` or ``"clone"``)."""
+    """``state`` (one backend's, a list / tuple of them, or None) with ``method`` (``"detach"`` or
+    ``"clone"``) applied to each backend state."""
     if state is None:
         return None
     if _is_container(state):
@@ -109,21 +105,18 @@ def _map_states(state, method: str):
 
 
 def detach_state(state):
-    """``state`` (one backend's, or a stack's list of them; None) cut from the autograd graph, the
-    same numbers: what truncated back-propagation through time carries to the next segment."""
+    """``state`` (one backend's, or a stack's list of them; None) cut from the autograd graph."""
     return _map_states(state, "detach")
 
 
 def clone_state(state):
-    """``state`` (one backend's, or a stack's list of them; None) with the same numbers in memory
-    of its own: a copy to keep while a step that updates states in place runs on."""
+    """``state`` (one backend's, or a stack's list of them; None) in memory of its own."""
     return _map_states(state, "clone")
 
 
 def state_nbytes(state) -> int:
     """Bytes held by a recurrent state (one backend's, or a stack's list of them, as
-    ``Transformer.step`` returns; None holds none): the sum of the states' ``nbytes``. Shows that
-    the linear state is constant in size while the softmax cache grows with every position."""
+    ``Transformer.step`` returns; None holds none): the sum of the states' ``nbytes``."""
     if state is None:
         return 0
     if _is_container(state):
@@ -134,18 +127,13 @@ def state_nbytes(state) -> int:
 
 # ---------------------------------------------------------------- linear attention's fixed-size state
 class LinearState(tuple):
-    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19, as made by
-    :func:`~linformer_lab.ops.linear_attention.new_linear_state`: a plain 2-tuple to every reader,
-    whose two members are views of one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]`` (Z is the
-    last column).
+    """The RNN state ``(S (B, H, C, M), Z (B, H, C))`` of eq. 16-19: a plain 2-tuple to every
+    reader, whose two members are views of one ``(B, H, C, M + 1)`` buffer, ``joint = [S | Z]``
+    (Z is the last column), so one matmul ``phi(q)^T [S | Z]`` gives the numerator and the
+    normaliser of eq. 20 together.
 
-    With that layout one matmul ``phi(q)^T [S | Z]`` gives the numerator and the normaliser
-    of eq. 20 together. The bytes are those of S and Z alone.
-
-    A value (:func:`~linformer_lab.ops.linear_attention.linear_attention_step` returns a new one)
-    that meets :class:`AttentionState`: :meth:`detach` shares the buffer, :meth:`clone` copies it.
-    Copies, pickles and saves as its one buffer: ``copy.copy`` shares it, ``copy.deepcopy`` /
-    ``pickle`` / ``torch.save`` copy it.
+    Meets :class:`AttentionState`; copies, pickles and saves as its one buffer (``copy.copy``
+    shares it, ``copy.deepcopy`` / ``pickle`` / ``torch.save`` copy it).
     """
 
     joint: torch.Tensor
@@ -162,11 +150,9 @@ class LinearState(tuple):
         return (LinearState, (self.joint,))
 
     def detach(self) -> LinearState:
-        """The same ``[S | Z]`` buffer cut from the autograd graph (shares its memory)."""
         return LinearState(self.joint.detach())
 
     def clone(self) -> LinearState:
-        """The same numbers in a buffer of its own (autograd sees a copy, as ``Tensor.clone``)."""
         return LinearState(self.joint.clone())
 
     @property
@@ -206,10 +192,9 @@ class SequenceBuffer:
     positions into storage of its own first. Under autograd every append is a ``torch.cat``
     (the earlier views are saved for the backward, which an in-place write would invalidate).
 
-    The state of every backend whose state grows with the sequence is made of these: softmax's
-    :class:`KVCache` (stateful softmax, paper §C.1), lsh's prefix, and the input prefix that a
-    stack without a recurrent form re-runs (``Transformer.step``). :meth:`detach` shares memory,
-    :meth:`clone` copies; ``copy``, ``pickle`` and ``torch.save`` keep the filled positions.
+    Every state that grows with the sequence is made of these (:class:`KVCache`, the input prefix
+    ``Transformer.step`` re-runs for a stack without a recurrent form). Meets
+    :class:`AttentionState`; ``copy``, ``pickle`` and ``torch.save`` keep the filled positions.
     """
 
     def __init__(self, first: torch.Tensor, dim: int, capacity: int = 256):
@@ -282,15 +267,13 @@ class SequenceBuffer:
         return self._store.data.narrow(self.dim, 0, self.length)
 
     def detach(self) -> SequenceBuffer:
-        """The filled positions cut from the autograd graph; shares their memory."""
         if not self._store.data.requires_grad:
             return self
         data = self.filled.detach()  # no spare room: an append copies instead of writing into it
         return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
 
     def clone(self) -> SequenceBuffer:
-        """The filled positions in storage of their own, exactly their size (under autograd, a
-        differentiable copy); the first append copies them into storage with room to grow."""
+        """Storage of exactly the filled positions' size; the first append copies them into storage with room."""
         data = self.filled.clone(memory_format=torch.contiguous_format)
         return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
 
@@ -321,10 +304,8 @@ class KVCache:
     do: a parallel forward over a padded batch (``key_lengths``) leaves its padding in the
     cache of the shorter sequences, and ``valid`` keeps it out of every later step.
 
-    A value: :meth:`appended` returns a new cache (amortised O(1), see :class:`SequenceBuffer`)
-    and leaves this one as it was. :meth:`detach` shares memory, :meth:`clone` copies; ``copy``,
-    ``pickle`` and ``torch.save`` / ``torch.load(..., weights_only=True)`` keep the filled keys,
-    values and ``valid``.
+    A value as :class:`SequenceBuffer` is (:meth:`appended` returns a new cache); ``copy``, ``pickle``
+    and ``torch.save`` keep the filled keys, values and ``valid``.
     """
 
     def __init__(self, k_t: torch.Tensor, v_t: torch.Tensor, capacity: int = 256):
@@ -375,11 +356,9 @@ class KVCache:
         return self._values.filled
 
     def detach(self) -> KVCache:
-        """The same keys, values and ``valid`` mask cut from the autograd graph; shares their memory."""
         return KVCache._of(self._keys.detach(), self._values.detach(), self._valid)
 
     def clone(self) -> KVCache:
-        """The same keys, values and ``valid`` mask in memory of their own."""
         valid = None if self._valid is None else self._valid.clone()
         return KVCache._of(self._keys.clone(), self._values.clone(), valid)
 
@@ -401,31 +380,25 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cached keys and values (spare capacity not counted): grows by one
-        position per step."""
         return self._keys.nbytes + self._values.nbytes
 
 
 # ---------------------------------------------------------------- a layer stack's state
 class StackState(list):
     """A layer stack's state: a list with one backend state per layer, as ``Transformer.step`` and
-    ``Transformer.forward(..., return_state=True)`` return it (index, iterate and ``len`` it as a
-    list). It meets :class:`AttentionState` as a whole, like the states it holds: :meth:`detach`,
-    :meth:`clone` and :attr:`nbytes` apply the contract layer by layer. Copies, pickles and saves
-    as the list of its layers' states.
+    ``Transformer.forward(..., return_state=True)`` return it. It meets :class:`AttentionState` as
+    a whole, applying the contract layer by layer; copies, pickles and saves as the list of its
+    layers' states.
     """
 
     def detach(self) -> StackState:
-        """Every layer's state cut from the autograd graph (sharing memory, as each state's ``detach``)."""
         return StackState(detach_state(s) for s in self)
 
     def clone(self) -> StackState:
-        """Every layer's state in memory of its own."""
         return StackState(clone_state(s) for s in self)
 
     @property
     def nbytes(self) -> int:
-        """The bytes of all layers' states."""
         return sum(state_nbytes(s) for s in self)
 
     def __reduce__(self):

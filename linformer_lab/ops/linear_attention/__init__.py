@@ -13,13 +13,11 @@ feature map's output dim), ``v (B, H, N, M)``. One module per form, as in a read
   pass, the sequences' offsets never read on the host.
 * here -- the attention itself: non-causal (eq. 5-6) and causal (eq. 9-12), numerator over
   normaliser, with fp32 accumulation for half inputs; :func:`causal_attention`, the PyTorch
-  candidate of the ``causal_attention`` op (feature map, numerator, normaliser); phi = elu + 1
-  (eq. 7, :func:`elu_plus_one`), the one Python definition that the elu map and the kernels'
-  PyTorch forms share, and :func:`computed_in`, which asks a map which kernels compute it.
+  candidate of the ``causal_attention`` op; phi = elu + 1 (eq. 7, :func:`elu_plus_one`), the one
+  Python definition the elu map and the kernels' PyTorch forms share.
 
-Nothing here chooses a kernel: :mod:`linformer_lab.ops.kernels` imports these forms and chooses,
-and the causal numerator is an argument (``dot_product``; by default the chunked PyTorch one), so
-a caller passes the numerator the router picks (``kernels.causal_dot_product``).
+Nothing here chooses a kernel: :mod:`linformer_lab.ops.kernels` does, and the causal numerator is
+an argument (``dot_product``; by default the chunked PyTorch one).
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     phi to 0 for x below about -17 in fp32 (about -9 in bf16) and makes the normaliser 0/0. In fp16
     even exp(x) underflows below about -17, so half-precision outputs are clamped at the dtype's
     smallest normal number: phi stays > 0. The clamps keep the unused branch finite, so autograd's
-    zero gradient there stays zero. Each branch rounds once, so half inputs get the values of the
-    fp32 computation rounded to their dtype, as the kernels compute them. The kernels' device code
-    keeps an inline copy each, tested against this one."""
+    zero gradient there stays zero. Each branch rounds once, as the kernels' inline copies (tested
+    against this one) compute it."""
     out = torch.exp(x.clamp_max(0.0)) + x.clamp_min(0.0)
     if x.dtype in (torch.float16, torch.bfloat16):
         out = out.clamp_min(torch.finfo(x.dtype).tiny)
@@ -143,7 +140,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 
 def dot_product_with_state(dot_product, phi_q, phi_k, v, initial_state=None, return_final_state=False):
     """Give a causal numerator kernel ``dot_product(phi_q, phi_k, v)`` without a state argument
-    (the CUDA kernel) an initial and a final state, exactly:
+    an initial and a final state, exactly:
 
         out_i = phi(q_i)^T S_0 + kernel(phi_q, phi_k, v)_i,     S_N = S_0 + phi(K)^T V.
 
@@ -179,8 +176,7 @@ def causal_linear_attention(
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;
     ``dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False)`` computes the
-    numerator: the caller's choice (the layers pass ``kernels.causal_dot_product``, which runs the
-    kernel for the device), None for the chunked PyTorch one (:func:`.chunk.causal_dot_product`);
+    numerator (the layers pass ``kernels.causal_dot_product``; None: :func:`.chunk.causal_dot_product`);
     ``initial_state`` ``(S_0 (B, H, C, M), Z_0 (B, H, C))`` is the RNN state before position 0
     (from an earlier segment: the parallel form continues the recurrence), None = empty.
     Returns ``(B, H, N, M)`` in v's dtype; with ``return_state`` also the state after the last

@@ -9,12 +9,11 @@ for a query i in chunk c,
     sum_{j <= i} (q_i . k_j) v_j  =  q_i^T S_{c-1}  +  sum_{j in c, j <= i} (q_i . k_j) v_j
 
 where S_{c-1} = sum over all earlier chunks of k_j v_j^T is the RNN state of eq. 10 at the
-chunk boundary. The second term is an (L x L) masked matrix product inside the chunk. Both
-are matmuls, so there is no loop over time steps at all: the per-chunk states come from one
-cumulative sum over chunks. Chunk states are (N / L) x C x M, which is O(N max(C, M)) because
-L >= min(C, M); the (N, C, M) tensor of per-step states is never formed. The backward pass is
-eq. 13-15 organised the same way: grad Q uses the forward prefix states S, grad K and grad V
-use the suffix states R_i = sum_{j >= i} q_j g_j^T (the backward scan of Algorithm 1).
+chunk boundary, and the second term an (L x L) masked matrix product inside the chunk: matmuls
+and one scan over chunks, no loop over time steps. Chunk states are (N / L) x C x M, which is
+O(N max(C, M)) because L >= min(C, M); the (N, C, M) tensor of per-step states is never formed.
+The backward is eq. 13-15 organised the same way: grad Q uses the forward prefix states S, grad K
+and grad V the suffix states R_i = sum_{j >= i} q_j g_j^T (the backward scan of Algorithm 1).
 """
 
 from __future__ import annotations
@@ -88,8 +87,7 @@ def _exclusive_scan_(x: torch.Tensor, reverse: bool = False, initial: torch.Tens
 
 
 class CausalDotProduct(torch.autograd.Function):
-    """Numerator of eq. 9 with the constant-memory backward of eq. 13-15, optionally continuing
-    from an initial state and returning the final one.
+    """Numerator of eq. 9 with the constant-memory backward of eq. 13-15.
 
     ``apply(q, k, v, chunk_size=None, initial_state=None, return_final_state=False)``:
     ``initial_state`` is S_0 ``(B, H, C, M)`` (the state of everything before position 0), so
@@ -102,8 +100,8 @@ class CausalDotProduct(torch.autograd.Function):
     states and saved scores are written in place (``bmm(out=)``, ``baddbmm_``).
 
     Saved for backward: the inputs, the (N / L, C, M) chunk-boundary states and, when the
-    chunk is no longer than max(C, M), the masked intra-chunk scores q_i . k_j (N L numbers,
-    at most the size of an input). The per-step states (N C M numbers) are never formed.
+    chunk is no longer than max(C, M), the masked intra-chunk scores q_i . k_j (N L numbers, at
+    most the size of an input), which saves a third of the backward's intra-chunk matmuls.
     """
 
     @staticmethod
@@ -121,12 +119,8 @@ class CausalDotProduct(torch.autograd.Function):
         qc, kc, vc = (_chunked(t, chunk, compute) for t in (q, k, v))
         rows, n_chunks, c, m = qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1]
         initial = None if initial_state is None else initial_state.reshape(rows, c, m)
-        # S before each chunk (eq. 10 at chunk boundaries): (B H, n, C, M). Kept for the
-        # backward pass: it is (N / L) C M <= N max(C, M) numbers and saves recomputing it.
-        prefix = qc.new_empty(rows, n_chunks, c, m)
-        # [i, j] = q_i . k_j for j <= i inside each chunk. grad V needs exactly these scores
-        # again; keeping them costs N L numbers and saves a third of the backward's
-        # intra-chunk matmuls. Past max(C, M) they would outgrow the inputs: recomputed.
+        prefix = qc.new_empty(rows, n_chunks, c, m)  # S before each chunk (eq. 10 at chunk boundaries)
+        # [i, j] = q_i . k_j for j <= i inside each chunk, kept for grad V (class docstring)
         keep_scores = chunk <= max(c, m)
         scores = qc.new_empty(rows, n_chunks, chunk, chunk) if keep_scores else None
         out = qc.new_empty(rows, n_chunks, chunk, m)

@@ -7,13 +7,9 @@ over (sequence x head, chunk, tile), state in and out, packed sequences.
   autograd, so ``torch.compile(fullgraph=True)`` traces through it);
 * :func:`chunk_linear_attention_torch` -- the same algorithm and signature in PyTorch
   (``torch_chunk.py``), for tests and as the readable form;
-* ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients (and
-  why half-precision inputs keep states and products with them in fp32's accuracy);
-  ``launch.py`` -- compiling (lazily, per mode: Triton's interpreter runs them on a CPU),
-  one config per shape, no autotuning, a cached direct launch path (``launch.compile_report()``),
-  one-dimensional grids and no host reads;
-  ``backend.py`` -- the kernel with the arguments of the ``causal_attention`` op of
-  :mod:`linformer_lab.ops.kernels`, whose GPU candidate it is, and of ``linear_cuda``.
+* ``forward.py`` / ``backward.py`` -- the kernels and the derivation of their gradients;
+  ``launch.py`` -- compiling and launching them; ``backend.py`` -- the kernel with the arguments
+  of the ``causal_attention`` op of :mod:`linformer_lab.ops.kernels`, whose GPU candidate it is.
 
 Without a GPU only the interpreter runs them (the tests patch it to a GPU's arithmetic for bf16
 and tf32: ``tests/ops/triton_emulation.py``); a GPU session checks them with

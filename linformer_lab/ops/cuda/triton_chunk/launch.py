@@ -1,10 +1,8 @@
 """Compiling and launching the Triton kernels of ``forward.py`` and ``backward.py``.
 
 The kernels are wrapped with ``triton.jit`` on first use, once per mode: under
-``TRITON_INTERPRET=1`` Triton's interpreter runs them on CPU tensors in numpy (fp32, fp16), which
-is how CI tests them. The variable must be set before triton is first imported: triton.language's
-own functions (``tl.sum``) and the kernels' jitted helpers take their mode then
-(``tests/conftest.py`` sets it).
+``TRITON_INTERPRET=1`` (set before triton is first imported, when triton.language and the jitted
+helpers take their mode; ``tests/conftest.py`` does) Triton's interpreter runs them on CPU tensors.
 
 One forward is ``superchunk_deltas`` (more than one super-chunk per sequence) and
 ``superchunk_forward``; one backward ``superchunk_backward_prepare``, ``superchunk_dq`` and
@@ -12,11 +10,10 @@ One forward is ``superchunk_deltas`` (more than one super-chunk per sequence) an
 Each kernel has one config chosen from the shape (``config``), not autotuned: nothing is timed on
 a first call, and a run is the same on every GPU of a kind.
 
-The launch path is cached: the first launch of a kernel at a specialisation (constexprs, dtypes,
-the 16-alignments Triton specialises on) goes through ``JITFunction.run``, which compiles and
-returns the compiled kernel; later launches call that kernel directly (``CompiledKernel[grid]``),
-without Triton's per-call argument binding and cache-key hashing. ``LINFORMER_LAB_TRITON_LAUNCH=jit``
-turns the direct path off. :func:`compile_report` lists each compilation and its seconds.
+The first launch of a kernel at a specialisation (constexprs, dtypes, the 16-alignments Triton
+specialises on) goes through ``JITFunction.run``, which compiles; later launches call the compiled
+kernel directly, without Triton's per-call argument binding and cache-key hashing
+(``LINFORMER_LAB_TRITON_LAUNCH=jit`` turns that off). :func:`compile_report` lists the compilations.
 
 Nothing here reads a device tensor on the host: grids come from shapes alone (packed sequences
 get an upper bound on their super-chunks), so a launch never waits for the GPU.
@@ -64,18 +61,16 @@ def on_device(device: torch.device):
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """Triton's precision for the products with an fp32 operand when they are not split into bf16
-    parts (fp16 and fp32 inputs): for fp16 three tf32 products (``tf32x3``), as exact as fp32
-    (the backward subtracts nearly equal terms built from them; see ``backward.py``); for fp32
-    inputs what ``torch.set_float32_matmul_precision`` asks: tf32, or for "highest" ``tf32x3`` too."""
+    """Triton's precision for the products with an fp32 operand not split into bf16 parts: for fp16
+    ``tf32x3``, as exact as fp32 (the backward subtracts nearly equal terms; ``backward.py``); for
+    fp32 what ``torch.set_float32_matmul_precision`` asks: tf32, or ``tf32x3`` for "highest"."""
     if dtype in _HALF or torch.get_float32_matmul_precision() == "highest":
         return "tf32x3"
     return "tf32"
 
 
 def bf16_parts(dtype: torch.dtype) -> int:
-    """bf16 parts per fp32 operand (``forward.dot_exact_fp32``): bf16 inputs only (the other
-    operand is then bf16-exact); 0 elsewhere (``dot_precision``)."""
+    """bf16 parts per fp32 operand: bf16 inputs only (the other operand is then bf16-exact)."""
     return BF16_PARTS if dtype == torch.bfloat16 else 0
 
 
@@ -226,9 +221,8 @@ def _specialisation(args) -> tuple:
 
 
 def _launch(name: str, launch: tuple, args: tuple, interpret: bool):
-    """Launch kernel ``name`` with its ``plan`` entry ``(grid, constexprs, meta)``: the runtime
-    ``args`` in the kernel's order, then the constexprs (keyword, in the kernel's order after the
-    runtime ones) and ``meta`` (warps, stages)."""
+    """Launch kernel ``name`` with the runtime ``args`` in its order and its ``plan`` entry
+    ``(grid, constexprs, meta)``."""
     grid, constexprs, meta = launch
     kern = getattr(kernels(interpret), name)
     if interpret or not _DIRECT:

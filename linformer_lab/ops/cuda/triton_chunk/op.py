@@ -2,13 +2,8 @@
 registered gradient (defined as ``ops/custom_ops.py`` defines the CPU ones), so
 ``torch.compile(fullgraph=True)`` traces through them, and the public :func:`chunk_linear_attention`.
 
-``linformer_lab::chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps,
-chunk_size, head_first) -> (out, den, S_N, z_N, dS, dz, out32)`` and ``..._bwd`` (the gradients
-of q, k, v, S_0, z_0 from the saved inputs, the output, its denominator, the super-chunk deltas
-dS, dz and, for half inputs, the output before rounding: the states inside a super-chunk are
-recomputed, never saved).
-
-No copies and no host reads: q, k, v and the incoming gradient are read through their strides
+The backward recomputes the states inside a super-chunk from the super-chunk deltas the forward
+saves; they are never saved. No copies and no host reads: q, k, v and the incoming gradient are read through their strides
 (a ``(B, H, N, D)`` view of a layer's ``(B, N, H, D)`` projection included), the output and the
 gradients are allocated in their inputs' memory order (``empty_like``), and ``cu_seqlens`` is
 checked on the device (``torch._assert_async``).
@@ -130,8 +125,7 @@ def _bwd_fake(q, k, v, out, den, deltas_s, deltas_z, out32, grad_out, ds_final, 
             q.new_empty(s, h, c, m, dtype=torch.float32), q.new_empty(s, h, c, dtype=torch.float32))
 
 
-# ``forward`` and ``backward`` serve every device (CUDA; a CPU under Triton's interpreter): they say
-# themselves where they cannot run
+# ``forward`` and ``backward`` serve every device: they say themselves where they cannot run
 #: ``chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map, eps, chunk_size, head_first)``
 #: -> ``(out, den, S_N, z_N, dS, dz, out32)`` (:func:`forward`), differentiable in out, S_N, z_N
 chunk_linear_attention_fwd = custom_ops.define(
@@ -231,16 +225,14 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
             following segment or the RNN step continues from; gradients flow back from it.
         cu_seqlens: int ``[0, n_1, n_1 + n_2, ..., T]``: q, k, v of batch 1 hold packed sequences,
             each attended within itself with its own state row.
-        chunk_size: positions per chunk, 16, 32, 64 or 128; None: :func:`default_chunk` (64 up to
-            32 features and values, else 32 or 16). Chunks are walked in super-chunks of several, each
-            super-chunk's walk one program (``launch.superchunk_length``).
+        chunk_size: positions per chunk, 16, 32, 64 or 128; None: :func:`default_chunk`. Chunks
+            are walked in super-chunks of several, one program each (``launch.superchunk_length``).
         head_first: the layout of q, k, v (and of the output).
 
     Returns:
         out like v, in v's memory order (a ``(B, H, T, M)`` view of ``(B, T, H, M)`` memory gets
         an output laid out so, which a layer flattens without a copy), or ``(out, (S_T, z_T))``
-        with ``return_final_state``. Differentiable in q, k,
-        v and the initial state.
+        with ``return_final_state``. Differentiable in q, k, v and the initial state.
     """
     _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
     s0, z0 = initial_state if initial_state is not None else (None, None)

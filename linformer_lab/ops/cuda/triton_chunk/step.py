@@ -3,9 +3,8 @@
 state update S += phi(k) v^T, Z += phi(k) in place, and the readout
 phi(q)^T S / (phi(q)^T Z + eps).
 
-PyTorch spends about a dozen kernels on this per layer (the two maps, the two state updates, the
-product, the normaliser and the division); in a batch-1 generation step on a GPU each of those is
-a launch of almost no work, so the step's time is their count. Here it is one launch per layer.
+PyTorch spends about a dozen kernels on this per layer, each in a batch-1 generation step a
+launch of almost no work, so the step's time is their count; here it is one launch per layer.
 
 ``linformer_lab::linear_attention_step_`` is a ``torch.library`` operator (fake function included)
 that writes the state in place, so ``torch.compile`` traces the graph step through it; the kernel

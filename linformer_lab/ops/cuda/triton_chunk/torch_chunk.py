@@ -1,8 +1,7 @@
 """The Triton kernels' chunk algorithm in plain PyTorch: same signature, same arithmetic order
 (states before each chunk, masked intra-chunk scores, the normaliser from their row sums),
-differentiated by autograd. It runs on any device and dtype (float64 too), so the tests can hold
-the algorithm to the float64 naive form and the kernels to this, and the kernel dispatch can
-name it as the readable form of the GPU kernel. Slow: a Python loop over sequences."""
+differentiated by autograd, on any device and dtype (float64 too): the tests hold it to the naive
+form and the kernels to it. Slow: a Python loop over sequences."""
 
 from __future__ import annotations
 
