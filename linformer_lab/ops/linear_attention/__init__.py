@@ -162,16 +162,9 @@ def dot_product_with_state(dot_product, phi_q, phi_k, v, initial_state=None, ret
     return out, final
 
 
-def causal_linear_attention(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    key_lengths: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    dot_product: Callable | None = None,
-    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    return_state: bool = False,
-):
+def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                            key_lengths: torch.Tensor | None = None, eps: float = 1e-6, dot_product: Callable | None = None,
+                            initial_state: tuple[torch.Tensor, torch.Tensor] | None = None, return_state: bool = False):
     """Causal linear attention (eq. 9-12): V'_i = phi(Q_i)^T S_i / phi(Q_i)^T Z_i.
 
     Args: phi_q, phi_k ``(B, H, N, C)``, v ``(B, H, N, M)``, key_lengths ``(B,)``;

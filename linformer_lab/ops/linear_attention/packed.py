@@ -14,8 +14,7 @@ so the buffer is under twice T. The chunk states hold S and z together, ``[S | z
 and one product with the queries serve the numerator and the normaliser. Everything is
 accumulated in fp32 for half inputs, and autograd differentiates it.
 
-The prefix states within sequences are a scan over chunks in log2(chunks) vectorised steps
-(each chunk adds the partial sum d chunks before it, when that chunk is of its sequence), not
+The prefix states within sequences are a scan over chunks in log2(chunks) vectorised steps, not
 a difference of running sums, which would cancel the other sequences' sums in rounding.
 """
 

@@ -51,23 +51,16 @@ def check_step_fits_state(phi_k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
         )
 
 
-def linear_attention_step(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    state: tuple[torch.Tensor, torch.Tensor],
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, LinearState]:
+def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
+                          eps: float = 1e-6) -> tuple[torch.Tensor, LinearState]:
     """One RNN step (eq. 18-20).
 
     Args: phi_q, phi_k ``(B, H, C)``, v ``(B, H, M)``, state ``(S (B, H, C, M), Z (B, H, C))``
     in fp32 (fp64 for fp64 inputs), e.g. from :func:`new_linear_state`. Returns
     ``(out (B, H, M), state)`` with ``out`` in the state's dtype and the state after this
-    position a new :class:`LinearState`: the given one is left as it was (a value; gradients
-    flow through time when autograd is on). The update is one product into a new buffer,
-    ``[S + phi(k) v^T | Z + phi(k)] = [S | Z] + phi(k) [v | 1]^T``, and the numerator and the
-    normaliser of eq. 20 come out of one product ``phi(q)^T [S | Z]``. The generation loop's
-    in-place step, for a state it made itself, is ``linformer_lab.models.generation.fast_step``.
+    position a new :class:`LinearState` (the given one is left as it was; gradients flow through
+    time). The update is one product into a new buffer, ``[S | Z] + phi(k) [v | 1]^T``, and the
+    numerator and the normaliser of eq. 20 come out of one product ``phi(q)^T [S | Z]``.
     """
     s, z = state
     check_step_fits_state(phi_k, v, s, z)

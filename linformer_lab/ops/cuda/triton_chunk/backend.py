@@ -1,11 +1,8 @@
 """The Triton chunk kernel as the attention layers call it: the ``causal_attention`` op's GPU
-candidate in :mod:`linformer_lab.ops.kernels` (``linear`` on a GPU; ``linear_cuda`` forces it).
-
-The arguments are those of the op's ``pytorch`` candidate, ``(feature_map, q, k, v, key_lengths, eps,
-dot_product, initial_state, return_state)``, plus ``cu_seqlens``: unmapped q, k ``(B, H, N, D)``, v
-``(B, H, N, M)``, the backend's feature map, its state ``(S, Z)``. The elu map (eq. 7) runs inside
-the kernels; any other map, or elu with ``key_lengths`` (masked keys must be exactly zero after
-the map), is applied here first and the kernels take the mapped inputs.
+candidate in :mod:`linformer_lab.ops.kernels` (``linear`` on a GPU; ``linear_cuda`` forces it), with
+the arguments of the op's ``pytorch`` candidate: unmapped q, k ``(B, H, N, D)``, v ``(B, H, N, M)``.
+The elu map (eq. 7) runs inside the kernels; any other map, or elu with ``key_lengths`` (masked
+keys must be exactly zero after the map), is applied here first.
 """
 
 from __future__ import annotations
