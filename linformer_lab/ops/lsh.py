@@ -58,8 +58,7 @@ def lsh_attention(
         chunk_size: positions per attention chunk.
         key_lengths: ``(B,)``, keys at positions >= length are ignored; query positions past
             the length are padding and return zeros.
-        window: step 4, a function with :func:`window_attention_torch`'s arguments and results
-            (None: that one; the ``lsh`` backend passes ``kernels.lsh_window``).
+        window: step 4, with :func:`window_attention_torch`'s arguments and results (None: that one).
     Returns: ``(B, H, N, M)`` in the dtype of ``v``.
     """
     out_dtype = v.dtype

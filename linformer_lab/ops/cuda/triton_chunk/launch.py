@@ -93,7 +93,7 @@ def pow2(n: int) -> int:
 
 def programs(*counts: int) -> tuple[int]:
     """The one-dimensional grid of ``counts`` folded together (each kernel unfolds its program
-    index); one launch holds at most 2^31 - 1 programs, far more than any tensor that fits a GPU."""
+    index); at most :data:`MAX_PROGRAMS`, far more than any tensor that fits a GPU needs."""
     total = 1
     for n in counts:
         total *= n
