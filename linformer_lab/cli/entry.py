@@ -1,6 +1,6 @@
 """The entry of ``cli.py``: :func:`main` answers ``--help``, ``plugins``, ``export``, ``plot`` and
-``SUBCOMMAND --config X --help`` without importing Lightning (whose start-up is most of a command's
-time), and hands the Lightning subcommands to :mod:`~linformer_lab.cli.lightning_cli`."""
+``SUBCOMMAND --config X --help`` without importing Lightning (most of a command's start-up), and
+hands the Lightning subcommands to :mod:`~linformer_lab.cli.lightning_cli`."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def top_level_help() -> str:
 
 def plugins_command(argv: list[str]) -> int:
     """``python cli.py plugins [--check] [--json]``: every registered backend and feature map with the
-    distribution(s) that register it; ``--check`` also imports each one and checks every kernel that
-    can run here against its reference (a failing one: an error line, exit code 1)."""
+    distribution(s) that register it; ``--check`` also imports each and checks every kernel that runs
+    here against its reference (a failing one: an error line, exit code 1)."""
     from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
     parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
