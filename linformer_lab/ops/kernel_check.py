@@ -128,8 +128,8 @@ PROBES: dict[str, tuple[str, Callable]] = {
 
 def describe() -> list[str]:
     """One line per op and device (the CPU; CUDA where a GPU is visible): the candidate that runs
-    it here, e.g. ``causal op on cpu (float32, C = M = 32): C++ recurrence (...), avx512``; then
-    the switch. Builds the C++ extensions that are not built yet."""
+    it here, e.g. ``lsh_window op on cpu (float32): C++ window kernel (...), avx512``; then the
+    switch. Builds the C++ extensions that are not built yet."""
     lines = []
     for op, (inputs, probe) in PROBES.items():
         for device in _devices():
