@@ -28,6 +28,7 @@ OPS_FLOORS = {
     "ops.cuda": 3,  # the CUDA numerator and the Triton kernel: their states are linear_attention's
     "ops.cpu.causal_recurrence": 3,  # the C++ attention's Python: its PyTorch forms are linear_attention's
     "ops.kernels": 4,  # the router
+    "ops.kernel_check": 5,  # the router's candidates against their references (plugins --check, describe)
 }
 
 

@@ -1,7 +1,5 @@
-"""The command line before the parser: argv as LightningCLI gets it (:func:`prepare_argv`), ``--config
-NAME`` looked up under configs/, and :class:`UsageError`, the one-line error with a did-you-mean
-(exit code 2). Imports neither torch nor Lightning, so that ``cli.py --help`` answers at once.
-"""
+"""The command line before the parser (no torch, no Lightning): argv as LightningCLI gets it
+(:func:`prepare_argv`), ``--config NAME`` found under configs/, :class:`UsageError` (one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -93,27 +91,45 @@ def checked_config(value: str) -> str:
     return found
 
 
-def config_places(argv: list[str]) -> list[tuple[int, str, str]]:
-    """(index, flag form, value) of every ``--config X`` / ``-c X`` / ``--config=X`` in ``argv``."""
-    return [(i, arg, argv[i + 1]) if arg in ("-c", "--config") else (i, "--config=", arg[9:])
-            for i, arg in enumerate(argv)
-            if (arg in ("-c", "--config") and i + 1 < len(argv)) or arg.startswith("--config=")]
+def option_places(argv: list[str], flags: tuple[str, ...] = ("-c", "--config")) -> list[tuple[int, str, str, str]]:
+    """(index of the value, flag, what precedes the value in its argument, value) of every ``FLAG X``
+    and ``FLAG=X`` in ``argv``: ``argv[index] = before + new`` replaces a value."""
+    places = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in flags and eq:
+            places.append((i, flag, flag + eq, value))
+        elif arg in flags and i + 1 < len(argv):
+            places.append((i + 1, arg, "", argv[i + 1]))
+    return places
 
 
 def resolve_config_args(argv: list[str]) -> list[str]:
-    """Rewrite every ``--config X`` / ``-c X`` / ``--config=X`` with :func:`checked_config`."""
+    """Every ``--config X`` / ``-c X`` / ``--config=X`` of ``argv`` through :func:`checked_config`."""
     out = list(argv)
-    for i, form, value in config_places(argv):
-        if form == "--config=":
-            out[i] = "--config=" + checked_config(value)
-        else:
-            out[i + 1] = checked_config(value)
+    for i, _, before, value in option_places(argv):
+        out[i] = before + checked_config(value)
     return out
 
 
 def config_values(argv: list[str]) -> list[str]:
-    """The ``--config`` / ``-c`` values in ``argv``, in order."""
-    return [value for _, _, value in config_places(argv)]
+    return [value for *_, value in option_places(argv)]
+
+
+def config_value(config: str, path: list[str]):
+    """What the config file ``config`` sets at ``path`` (``["model", "n_layer"]``: ``model: {init_args:
+    {n_layer: ...}}`` or ``model: {n_layer: ...}``), else the class KeyError."""
+    import yaml
+
+    try:
+        node = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
+    except (OSError, yaml.YAMLError):
+        return KeyError
+    for key in path:
+        if isinstance(node, dict) and key not in node and isinstance(node.get("init_args"), dict):
+            node = node["init_args"]
+        node = node.get(key, KeyError) if isinstance(node, dict) else KeyError
+    return node
 
 
 def help_class_path(group: str, value: str) -> str:
@@ -153,13 +169,8 @@ def prepare_argv(argv: list[str]) -> list[str]:
     if other:
         raise UsageError(f"error: {' '.join(other)} goes after the subcommand: cli.py {subcommand} {' '.join(other)} ...")
     out = [subcommand, *leading, *argv[i + 1:]]
-    for j, arg in enumerate(out):
-        flag, eq, value = arg.partition("=")
-        if flag in ("--model.help", "--data.help") and (eq or j + 1 < len(out)):
-            if eq:
-                out[j] = f"{flag}={help_class_path(flag[2:-5], value)}"
-            else:
-                out[j + 1] = help_class_path(flag[2:-5], out[j + 1])
+    for j, flag, before, value in option_places(out, ("--model.help", "--data.help")):
+        out[j] = before + help_class_path(flag[2:-5], value)
     return resolve_config_args(out)
 
 

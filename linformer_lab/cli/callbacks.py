@@ -24,13 +24,12 @@ rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """``last.ckpt``, written after *every* validation (else every epoch end), every
-    ``every_n_train_steps`` updates, at the ``max_steps`` step and at any other end. Why: Lightning's
-    ``save_last`` writes only beside a new top-k checkpoint (a run that did not improve had no resume
-    point). Placed after the best-model callback, it records that validation's best (``--ckpt_path
-    best``). Saving at the final batch keeps the epoch open, so a larger ``max_steps`` continues it; a
-    stop requested during a batch (``max_time``) is saved at that batch, and later checkpoints keep
-    its loop state, so a resume continues at the next batch (Lightning 2.6 would close the epoch)."""
+    """``last.ckpt`` after *every* validation (else every epoch end), every ``every_n_train_steps``
+    updates, at the ``max_steps`` step and at any other end: Lightning's ``save_last`` writes only
+    beside a new top-k checkpoint. After the best-model callback, it records that validation's best.
+    Saved at the final batch, the epoch stays open (a larger ``max_steps`` continues it); a stop
+    requested during a batch (``max_time``) keeps that batch's loop state, so a resume continues at
+    the next batch (Lightning 2.6 would close the epoch)."""
 
     def __init__(self, dirpath: str | None, every_n_train_steps: int | None):
         # one well-known last.ckpt rather than last-v1, last-v2 ...
@@ -47,7 +46,7 @@ class LastCheckpoint(ModelCheckpoint):
         self.started_at = trainer.global_step
 
     def saved_step(self) -> int | None:
-        """The step the ``last.ckpt`` on disk holds (written here, else resumed from); None when none."""
+        """The step the ``last.ckpt`` on disk holds (written here, else resumed from), or None."""
         written = compat.last_saved_step(self)
         if self.dirpath is None or not os.path.isfile(os.path.join(self.dirpath, "last.ckpt")):
             return None
@@ -90,9 +89,8 @@ class LastCheckpoint(ModelCheckpoint):
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """The best ``save_top_k`` checkpoints by the task's ``monitor``. Lightning's warning about a
-    non-empty folder is not shown for its own folder: ``checkpoints.claim_checkpoint_dir`` refuses
-    such a folder unless this fit resumes the run in it, where the files are expected."""
+    """The best ``save_top_k`` checkpoints by the task's ``monitor``, without Lightning's warning of a
+    non-empty folder: ``checkpoints.claim_checkpoint_dir`` allows one only to the fit resuming it."""
 
     validated_at: int | None = None  # global_step of this process's latest validation
 
@@ -124,8 +122,7 @@ class BestCheckpoint(ModelCheckpoint):
 
 
 def load_unless_moved(callback: ModelCheckpoint, state_dict: dict) -> None:
-    """Restore ``callback``'s record only when it writes where the checkpoint's run wrote (a resumed
-    fit); any other run that loads a checkpoint writes into its own folder and keeps its own record."""
+    """Restore ``callback``'s record only where it writes where the checkpoint's run wrote (a resumed fit)."""
     if state_dict.get("dirpath", callback.dirpath) == callback.dirpath:
         ModelCheckpoint.load_state_dict(callback, state_dict)
 
@@ -162,8 +159,8 @@ def init_from_error(err: Exception, init_from: str) -> str:
 
 
 def finished_fit_lines(trainer: L.Trainer) -> list[str]:
-    """What a finished fit prints last: its run folder, the best checkpoint (else the resume point) and
-    the commands that use it, naming the config saved by the run that owns the checkpoints."""
+    """What a finished fit prints last: its run folder, best checkpoint, resume point and the commands
+    that use them with the config saved by the run that owns the checkpoints."""
     best = next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
     last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
     if trainer.log_dir is None or last is None or last.dirpath is None:  # fast_dev_run, or checkpoints of the user's

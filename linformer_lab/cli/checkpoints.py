@@ -1,12 +1,8 @@
-"""Checkpoints under the CLI: where a run writes them, which file ``--ckpt_path last|best`` means, and
-the check that a checkpoint fits the configured model before it is used (docs/cli.md, "Resume").
-
-Every process logs into a new ``<root>/version_N/`` and a fresh fit keeps its checkpoints in
-``version_N/checkpoints/``, so no run writes into another's; ``fit --ckpt_path last`` logs into a new
-version but continues writing the checkpoints of the run it resumes. ``last`` and ``best`` name the
-newest run *of the configured model* under the root, so attentions trained from one config into one
-root do not mix. Every fault is one :class:`CheckpointMismatchError` subclass (the tests tell the
-causes apart), reported as one line with exit code 2.
+"""Checkpoints under the CLI (docs/cli.md, "Resume"): every process logs into a new
+``<root>/version_N/`` and a fresh fit keeps its checkpoints in ``version_N/checkpoints/`` (a resumed
+fit keeps writing its run's); ``--ckpt_path last|best`` means the newest run *of the configured
+model* under the root; a checkpoint is checked against the model before use, every fault one
+:class:`CheckpointMismatchError` subclass, reported in one line (exit code 2).
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class CheckpointSetupError(Exception):
 
 
 def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule, dirpath: str | None) -> list:
-    """The best ``save_top_k`` by the task's ``monitor`` (when it has one), then ``last.ckpt``: in
-    this order, as Lightning calls them in list order and last.ckpt records the best."""
+    """The best ``save_top_k`` by the task's ``monitor`` (if any), then ``last.ckpt``, which records the best."""
     task = task_settings(model)
     best = [BestCheckpoint(dirpath=dirpath, monitor=task.monitor, mode=task.monitor_mode, save_top_k=settings.save_top_k,
                            # the metric names hold '/', which would make sub-directories in a file name
@@ -116,12 +111,10 @@ def last_checkpoints(root: str | Path, dirpath: str | None = None) -> list[Path]
 
 def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str | Path, dirpath: str | None = None,
                             fitting: bool = True) -> str | None:
-    """A ``--ckpt_path`` value -> the file it names, checked against ``model``.
-
-    ``last``: the newest ``last.ckpt`` under ``root`` (or ``dirpath``) that fits the model; None when
-    there is none and ``fitting`` (a fit starts from scratch). ``best``: the best checkpoint that
-    ``last.ckpt`` records. ``hpc`` and ``registry`` are Lightning's. An unreadable newest
-    ``last.ckpt`` (being written) stops rather than silently falling back to an older run."""
+    """A ``--ckpt_path`` value -> the file it names, checked against ``model``: ``last``, the newest
+    ``last.ckpt`` under ``root`` (or ``dirpath``) that fits (None for a fit without one), ``best``,
+    the best checkpoint that records; ``hpc`` and ``registry`` are Lightning's. An unreadable newest
+    ``last.ckpt`` (being written) stops rather than fall back to an older run."""
     if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
     if ckpt_path not in ("last", "best"):
@@ -136,7 +129,7 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
             ckpt = check_checkpoint(str(last), model)
         except (UnreadableCheckpointError, CheckpointNotFoundError):
             raise
-        except CheckpointMismatchError as err:
+        except CheckpointMismatchError as err:  # another model's run: look further back
             mismatches.append(str(err))
             continue
         if ckpt_path == "last":
@@ -161,17 +154,15 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
 
 
 def _best_from_last(ckpt: dict) -> str | None:
-    """The path a loaded last.ckpt's checkpoint callback recorded as its best (it may no longer exist)."""
+    """The best checkpoint's path a loaded last.ckpt records (the file may be gone)."""
     return next((state["best_model_path"] for key, state in (ckpt.get("callbacks") or {}).items()
                  if key.startswith("ModelCheckpoint") and state.get("best_model_path")), None)
 
 
 def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object:
     """Make sure this fit may write into ``dirpath`` before any training; returns a lock to keep.
-
-    Refused: a folder that cannot be written (found now, not at the first save), one holding another
-    run's checkpoints this fit does not resume, one another process trains into (an exclusive
-    ``flock`` on ``<dirpath>.lock``, released by the OS even when a run is killed)."""
+    Refused: a folder that cannot be written, one holding checkpoints this fit does not resume, one
+    another process trains into (an ``flock`` on ``<dirpath>.lock``, released even when killed)."""
     folder = Path(dirpath)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -209,8 +200,7 @@ def claim_checkpoint_dir(dirpath: str | Path, resume_from: str | None) -> object
 
 def load_checkpoint_header(path: str) -> dict:
     """``torch.load`` a checkpoint on CPU (memory-mapped when possible) with ``weights_only=True``:
-    tensors and plain data only, so a crafted file cannot run code. The project's tasks keep their
-    hyper-parameters as plain data; a file holding other objects is refused unbuilt."""
+    tensors and plain data only (the tasks' hyper-parameters are), so a crafted file cannot run code."""
     if Path(path).is_dir():
         inside = sorted(p.name for p in Path(path).glob("*.ckpt"))
         raise UnreadableCheckpointError(
@@ -258,10 +248,9 @@ def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
 
 
 def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = None) -> dict:
-    """Raise a :class:`CheckpointMismatchError` unless the checkpoint at ``path`` fits ``model``;
-    returns it loaded. Checked in order: it loads; the same task class (the ``_class_path`` LightningCLI
-    saves); the hyper-parameters agree (but the task's ``hparams_free_to_change``, e.g. the learning
-    rate); the state_dict's keys and shapes; the optimizer state's order."""
+    """The checkpoint at ``path``, loaded, or a :class:`CheckpointMismatchError` unless it fits
+    ``model``: the same task class (``_class_path``), hyper-parameters (but the task's
+    ``hparams_free_to_change``), state_dict keys and shapes, and optimizer state order."""
     ckpt = load_checkpoint_header(path) if ckpt is None else ckpt
     hparams = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if k not in ("_class_path", "_instantiator")}
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"

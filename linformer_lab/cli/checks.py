@@ -1,9 +1,8 @@
-"""A command's faults found at their cause and said in one line (exit code 2) before anything is
-written: jsonargparse's errors read into ``unknown option --x; did you mean --y?`` or ``--x V:
-expected ...`` (:func:`parse_error_line`), values Lightning would refuse only after the run's folder
-exists (:func:`trainer_value_error`), a bad kernel switch; and the precision fallback.
-
-Nothing at module level imports torch or Lightning (``cli.py --help`` and ``plugins`` load neither).
+"""A command's faults said in one line (exit code 2) before anything is written: jsonargparse's
+errors as ``unknown option --x; did you mean --y?`` or ``--x V: expected ...``
+(:func:`parse_error_line`), values Lightning would refuse only after the run's folder exists
+(:func:`trainer_value_error`), a bad kernel switch; and the precision fallback. No torch or
+Lightning at module level (``--help`` and ``plugins`` load neither).
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ import os
 import re
 import sys
 import typing
-from pathlib import Path
 
-from linformer_lab.cli.args import COUNT_OR_FRACTION, config_values, did_you_mean, help_requested, known_configs
+from linformer_lab.cli.args import COUNT_OR_FRACTION, config_value, config_values, did_you_mean, help_requested, known_configs
 from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES as FORMS
 from linformer_lab.cli.compat import UNION_REPORT_FRAME
 from linformer_lab.cli.config_help import TRAINER, class_options
@@ -49,28 +47,14 @@ def _option_names(class_path: str, prefix: str) -> list[str]:
 
 
 def config_holding(path: list[str], configs: typing.Sequence[str]) -> str | None:
-    """The last of the config files ``configs`` that sets the key ``path`` (``["model", "n_layer"]``
-    is ``model: {init_args: {n_layer: ...}}`` or ``model: {n_layer: ...}``); None when none does."""
-    import yaml
-
-    for config in reversed(configs):
-        try:
-            node = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
-        except (OSError, yaml.YAMLError):
-            continue
-        for key in path:
-            if isinstance(node, dict) and key not in node and isinstance(node.get("init_args"), dict):
-                node = node["init_args"]
-            node = node.get(key, KeyError) if isinstance(node, dict) else KeyError
-        if node is not KeyError:
-            return config
-    return None
+    """The last of the config files ``configs`` that sets the key ``path``, or None."""
+    return next((config for config in reversed(configs) if config_value(config, path) is not KeyError), None)
 
 
 def parse_error_line(message: str, options: typing.Iterable[str], prog: str, argv: typing.Sequence[str] = ()) -> str:
-    """One line for a jsonargparse error ``message``: an unknown option with a did-you-mean over
-    ``options`` (the parser's own) and the arguments of the class the message names, and the config
-    file of ``argv`` that holds the key; a value of the wrong type; else the report condensed."""
+    """One line for a jsonargparse error ``message``: an unknown option (with a did-you-mean over the
+    parser's ``options`` and the named class's arguments, and the config file of ``argv`` setting it),
+    a value of the wrong type, else the report condensed."""
     unknown = re.match(FORMS["unrecognized"], message)
     in_group = re.search(FORMS["group_option"], message)  # a config's key of a plain group (trainer)
     rejected = list(re.finditer(FORMS["not_accepted"], message))
@@ -170,8 +154,8 @@ def trainer_value_error(trainer: typing.Mapping) -> str | None:
 
 
 def kernel_switch_error(argv: list[str]) -> str | None:
-    """What is wrong with ``LINFORMER_LAB_KERNELS`` for a command that runs kernels (the first kernel
-    call would find it deep inside the run, after its folder exists); None when nothing is."""
+    """What is wrong with ``LINFORMER_LAB_KERNELS`` for a command that runs kernels (else the first
+    kernel call finds it, after the run's folder exists); None when nothing is."""
     runs_kernels = argv[:1] != ["plugins"] or "--check" in argv
     if not os.environ.get("LINFORMER_LAB_KERNELS") or not runs_kernels or help_requested(argv):
         return None  # imports nothing: --help and plugins answer without torch
@@ -185,8 +169,7 @@ def kernel_switch_error(argv: list[str]) -> str | None:
 
 
 def linked_argument_error(model_class: type, given: typing.Mapping, datamodule, links: typing.Iterable[str]) -> str | None:
-    """A model argument the data sets (``links``) that the user set to another value than the data's:
-    an error rather than silently replaced."""
+    """A model argument the data sets (``links``) given another value than the data's: an error, not replaced."""
     import inspect
 
     defaults = {n: p.default for n, p in inspect.signature(model_class.__init__).parameters.items() if p.default is not p.empty}
@@ -217,10 +200,9 @@ def cpu_bf16_units() -> str | None:
 
 
 def resolve_precision(precision, accelerator):
-    """A precision the device cannot run (well) -> the closest one it can, said in one line
-    (docs/cli.md, "Precision"): fp16 AMP on CPU -> bf16-mixed (CPU autocast is bf16 only); bf16 on a
-    CPU without bf16 units -> 32-true (emulated bf16 is slower than fp32); 16-true on CPU refused
-    (fp16 weights without loss scaling train to NaN); bf16 on a pre-Ampere GPU -> 16-mixed."""
+    """A precision the device cannot run (well) -> the closest it can, in one line (docs/cli.md,
+    "Precision"): fp16 AMP on CPU -> bf16-mixed; bf16 on a CPU without bf16 units -> 32-true;
+    16-true on CPU refused (NaN without loss scaling); bf16 on a pre-Ampere GPU -> 16-mixed."""
     import torch
     from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
@@ -258,8 +240,8 @@ def experiment_name(config) -> str:
 
 
 def none_strings_to_none(node) -> None:
-    """jsonargparse 4.53 parses ``--model.attention.feature_map=null`` (a ``str | None`` field of a
-    dataclass inside a subclass-mode class) as the string "None"; from YAML it is None."""
+    """``"None"`` -> None: jsonargparse 4.53 parses ``--model.attention.feature_map=null`` (a ``str |
+    None`` field of a dataclass in a subclass-mode class) as the string; from YAML it is None."""
     for key, value in list(node.items() if hasattr(node, "items") else []):
         if value == "None":
             node[key] = None
@@ -268,8 +250,7 @@ def none_strings_to_none(node) -> None:
 
 
 def cpu_recipe(config_name: str) -> str | None:
-    """The shipped config that trains a GPU-sized config's model at CPU size: ``mnist_linear`` ->
-    ``mnist_cpu_linear.yaml``; None when there is none."""
+    """The CPU-sized shipped config of a GPU-sized one (``mnist_linear`` -> ``mnist_cpu_linear.yaml``), or None."""
     head, _, rest = config_name.partition("_")
     name = f"{head}_cpu_{rest}.yaml"
     return name if rest and not rest.startswith("cpu_") and name in known_configs() else None

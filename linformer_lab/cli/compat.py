@@ -1,14 +1,8 @@
-"""Every private member of Lightning and jsonargparse the CLI reads, and the forms of jsonargparse's
-error messages it reads facts from.
-
-Why: Lightning has no public way to write ``last.ckpt`` when
-:class:`~linformer_lab.cli.callbacks.LastCheckpoint` needs it, nor to keep LightningCLI from loading
-a checkpoint before we check it; jsonargparse none to list a parser's options or retype an argument.
-A release may rename such members, so each is listed in :data:`MEMBERS`, read only through the
-functions below, and :func:`check` (run before any work) names a missing one in one line instead of
-an ``AttributeError`` an hour into training. jsonargparse hands its errors over as text only:
-:data:`JSONARGPARSE_MESSAGES` holds every form read (``tests/cli/test_compat.py`` makes the installed
-release produce each). Also: the upstream warnings and info lines no setting of ours can avoid.
+"""Every private member of Lightning and jsonargparse the CLI reads (:data:`MEMBERS`, read only
+through the functions below; :func:`check`, run before any work, names a missing one in one line
+rather than an ``AttributeError`` an hour into training), the forms of jsonargparse's error
+messages it reads facts from (``tests/cli/test_compat.py`` makes the installed release write each),
+and the upstream warnings and info lines no setting of ours can avoid.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ import importlib
 import logging
 import re
 import warnings
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 
 _CHECKPOINT, _CLI, _PARSER = ("lightning.pytorch.callbacks:ModelCheckpoint", "lightning.pytorch.cli:LightningCLI",
                                "jsonargparse:ArgumentParser")
@@ -75,8 +69,7 @@ class CompatError(RuntimeError):
 
 
 def _missing() -> list[tuple[str, str]]:
-    """(distribution, ``Owner.member (purpose)``) for every member of :data:`MEMBERS` missing;
-    instance attributes (set in ``__init__``) are looked up on a small instance."""
+    """(distribution, ``Owner.member (purpose)``) for every member of :data:`MEMBERS` missing."""
     missing = []
     for path, member, purpose in MEMBERS:
         module, _, name = path.partition(":")
@@ -96,6 +89,7 @@ def missing_members() -> list[str]:
 
 
 def _instance_attributes(owner) -> set[str]:
+    """The members ``owner`` sets in ``__init__``, read off a small instance."""
     import jsonargparse
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -116,22 +110,14 @@ def _error(missing: list[tuple[str, str]]) -> CompatError:
     by_distribution: dict[str, list[str]] = {}
     for distribution, shown in missing:
         by_distribution.setdefault(distribution, []).append(shown)
-
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:  # pragma: no cover - only the standalone pytorch-lightning package
-            return "unknown"
-
-    lacks = "; ".join(f"{name} {installed(name)} lacks {', '.join(shown)}" for name, shown in by_distribution.items())
+    lacks = "; ".join(f"{name} {version(name)} lacks {', '.join(shown)}" for name, shown in by_distribution.items())
     return CompatError(f"{lacks}: a private member linformer_lab relies on (linformer_lab/cli/compat.py lists them); "
                        f"install the release pyproject.toml pins (uv sync), or adapt cli/compat.py to this one.")
 
 
 def check() -> None:
     """Raise :class:`CompatError` naming every member of :data:`MEMBERS` that is missing."""
-    missing = _missing()
-    if missing:
+    if missing := _missing():
         raise _error(missing)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from linformer_lab.cli.args import SUBCOMMANDS, config_places
+from linformer_lab.cli.args import SUBCOMMANDS, config_value, option_places
 
 #: where ``--model.attention NAME`` finds the fields it resets (:func:`attention_by_name`)
 ATTENTION_CONFIG = "linformer_lab.attention.config.AttentionConfig"
@@ -229,22 +229,10 @@ def attention_by_name(argv: list[str]) -> list[str]:
     def is_a_name(value) -> bool:
         return isinstance(value, str) and bool(re.fullmatch(r"[A-Za-z_][\w-]*", value)) and value.lower() not in ("null", "none")
 
-    named = []  # (index, form "=" or " ", backend) on the command line
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag == "--model.attention" and (eq or i + 1 < len(argv)) and is_a_name(value if eq else argv[i + 1]):
-            named.append((i, eq, value if eq else argv[i + 1]))
-    in_files = []  # (index of a config file's path, the backend it names)
-    for i, form, value in config_places(argv):
-        if not Path(value).is_file():
-            continue
-        at = i if form == "--config=" else i + 1
-        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):  # not a mapping: the parser says so
-            model = (yaml.safe_load(Path(value).read_text()) or {}).get("model")
-            if isinstance(model, dict):
-                attention = (model.get("init_args") if isinstance(model.get("init_args"), dict) else model).get("attention")
-                if is_a_name(attention):
-                    in_files.append((at, attention))
+    named = [(i, before, value) for i, _, before, value in option_places(argv, ("--model.attention",)) if is_a_name(value)]
+    # (index of a config file's path, the backend it names)
+    in_files = [(i, attention) for i, *_, value in option_places(argv)
+                if is_a_name(attention := config_value(value, ["model", "attention"]))]
     if not (named or in_files):
         return argv
     defaults = {}
@@ -252,11 +240,8 @@ def attention_by_name(argv: list[str]) -> list[str]:
         with contextlib.suppress(ValueError, SyntaxError):  # a default that is not a literal: the class's own
             defaults[name] = ast.literal_eval({"dict()": "{}", "list()": "[]"}.get(default or "None", default or "None"))
     out = list(argv)
-    for i, eq, backend in named:
-        if eq:
-            out[i] = f"--model.attention={json.dumps({**defaults, 'backend': backend})}"
-        else:
-            out[i + 1] = json.dumps({**defaults, "backend": backend})
+    for i, before, backend in named:
+        out[i] = before + json.dumps({**defaults, "backend": backend})
     for i, backend in reversed(in_files):  # from the end, so that the earlier places stay where they are
         out.insert(i + 1, f"--model.attention={json.dumps({**defaults, 'backend': backend})}")
     return out

@@ -1,6 +1,6 @@
 """The entry of ``cli.py``: :func:`main` answers ``--help``, ``plugins``, ``export``, ``plot`` and
-``SUBCOMMAND --config X --help`` without importing Lightning (whose start-up is most of a command's
-time), and hands the Lightning subcommands to :mod:`~linformer_lab.cli.lightning_cli`."""
+``SUBCOMMAND --config X --help`` without importing Lightning (most of a command's start-up), and
+hands the Lightning subcommands to :mod:`~linformer_lab.cli.lightning_cli`."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def top_level_help() -> str:
 
 def plugins_command(argv: list[str]) -> int:
     """``python cli.py plugins [--check] [--json]``: every registered backend and feature map with the
-    distribution(s) that register it; ``--check`` also imports each one and checks every kernel that
-    can run here against its reference (a failing one: an error line, exit code 1)."""
+    distribution(s) that register it; ``--check`` also imports each and checks every kernel that runs
+    here against its reference (a failing one: an error line, exit code 1)."""
     from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
     parser = argparse.ArgumentParser(prog="cli.py plugins", description=plugins_command.__doc__)
@@ -71,10 +71,9 @@ def plugins_command(argv: list[str]) -> int:
         report[title] = {"group": registry.group, "plugins": entries}
     kernel_lines, checked = [], []
     if args.check:
-        import linformer_lab.cli.kernel_check as kernel_check
-        from linformer_lab.ops import kernels
+        from linformer_lab.ops import kernel_check
 
-        kernel_lines, checked = kernels.describe(), kernel_check.check_kernels()
+        kernel_lines, checked = kernel_check.describe(), kernel_check.check_kernels(steps=fused_steps)
         failed |= any(result.failed for result in checked)
 
     if args.json:
@@ -94,6 +93,25 @@ def plugins_command(argv: list[str]) -> int:
         if result.failed:
             sys.stderr.write(kernel_check.error_line(result) + "\n")
     return 1 if failed else 0
+
+
+def fused_steps(x, candidate):
+    """``x (B, T, 16)`` through a small linear-attention stack's ``fast_step``, position by position,
+    with the fused-step ``candidate`` forced inside a weight-copy block: the fused step's check."""
+    import torch
+
+    from linformer_lab.models.generation import fast_step, weight_copies_for_steps
+    from linformer_lab.models.transformer import Transformer
+    from linformer_lab.ops import kernels
+
+    torch.manual_seed(0)
+    model = Transformer(2, 16, 4, 32, attention="linear").to(device=x.device, dtype=x.dtype).eval()
+    outputs, state = [], None
+    with kernels.switched(f"fused_step={candidate.name}"), torch.no_grad(), weight_copies_for_steps(model, "model"):
+        for t in range(x.shape[1]):
+            out, state = fast_step(model, x[:, t], state)
+            outputs.append(out)
+    return torch.stack(outputs, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

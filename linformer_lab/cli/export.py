@@ -1,10 +1,7 @@
-"""``python cli.py export SOURCE [--ckpt_path best|last] [--output DIR]``: a trained model as a folder
-of ``model.safetensors`` and ``config.json`` (:mod:`linformer_lab.tasks.export`), which
-``linformer_lab.from_pretrained`` loads without the run, its config or any pickle. The model is
-rebuilt from the checkpoint's own hyper-parameters: no configuration is needed.
-
-The other way round, the Lightning commands read an exported folder where they read a checkpoint:
-``--ckpt_path FOLDER`` of test/predict/validate (:func:`use_export`), ``--model.init_from FOLDER``.
+"""``python cli.py export SOURCE [--ckpt_path best|last] [--output DIR]``: a trained model, rebuilt
+from its checkpoint's hyper-parameters, as a folder of ``model.safetensors`` and ``config.json``
+(:mod:`linformer_lab.tasks.export`) that ``linformer_lab.from_pretrained`` loads. The Lightning
+commands read such a folder where they read a checkpoint (:func:`use_export`, ``--model.init_from``).
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def export_command(argv: list[str]) -> int:
 
 
 def source_checkpoint(source: Path, which: str) -> Path:
-    """The checkpoint file ``cli.py export SOURCE --ckpt_path WHICH`` exports: a file as given; of a
-    run folder or a root of runs, its newest run's ``last.ckpt`` or the best one that records."""
+    """The checkpoint ``cli.py export SOURCE --ckpt_path WHICH`` exports: a file as given, else the
+    newest run's ``last.ckpt`` or the best one that records."""
     if source.is_file():
         return source
     if not source.is_dir():
@@ -111,9 +108,8 @@ def read_checkpoint(path: str) -> dict:
 
 
 def use_export(model, section: dict, subcommand: str) -> bool:
-    """``--ckpt_path FOLDER`` naming an exported model: checked against ``model`` as a checkpoint is,
-    its weights loaded, and ``section["ckpt_path"]`` cleared (Lightning has nothing to restore); True
-    when it did. Refused for ``fit``: an export holds no optimizer state or step to resume."""
+    """``--ckpt_path FOLDER`` naming an exported model (not for ``fit``: no optimizer state or step):
+    checked against ``model``, its weights loaded, ``section["ckpt_path"]`` cleared; True when it did."""
     path = section.get("ckpt_path")
     if not path or not is_export(path):
         return False

@@ -1,11 +1,9 @@
 """The Lightning subcommands (``fit``, ``validate``, ``test``, ``predict``): :class:`LinformerCLI`, a
-LightningCLI in subclass mode for model and data, and the first import of Lightning.
-
-What LightningCLI does (parsing, configs, instantiation, the saved config) it does; this subclass
-adds only what the project needs on top (docs/cli.md): data -> model links, a new ``version_N`` per
-run and checkpoints that never overwrite another run's, ``--ckpt_path last|best`` checked against
-the configured model, the int-first ``int | float`` trainer arguments, the precision fallback, and
-one-line errors (exit code 2) before anything is written.
+LightningCLI in subclass mode for model and data, and the first import of Lightning. LightningCLI
+parses, instantiates and saves the config; this subclass adds (docs/cli.md) data -> model links, a
+new ``version_N`` per run whose checkpoints never overwrite another run's, ``--ckpt_path last|best``
+checked against the configured model, int-first ``int | float`` trainer arguments, the precision
+fallback, and one-line errors (exit code 2) before anything is written.
 """
 
 from __future__ import annotations
@@ -37,16 +35,16 @@ from linformer_lab.tasks.base import Task
 from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
 from linformer_lab.validation import ConfigurationError
 
-#: Data-module attributes copied into the model argument of the same name when both exist
-#: (jsonargparse skips a link whose source or target is missing, so one list serves every task).
+#: Data-module attributes linked to the model argument of the same name (jsonargparse skips a link
+#: whose source or target is missing: one list serves every task).
 DATA_TO_MODEL_LINKS = ("vocab_size", "sequence_length", "num_phonemes")
 #: set to see the traceback behind a one-line error
 TRACEBACK = "LINFORMER_LAB_TRACEBACK"
 
 
 class LinformerArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser whose errors are one line (:func:`~linformer_lab.cli.checks.parse_error_line`)
-    instead of a 60-line usage block. ``JSONARGPARSE_DEBUG=1`` shows jsonargparse's own report."""
+    """Errors in one line (:func:`~linformer_lab.cli.checks.parse_error_line`), not a 60-line usage
+    block; ``JSONARGPARSE_DEBUG=1`` shows jsonargparse's own report."""
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
@@ -96,9 +94,10 @@ class LinformerCLI(LightningCLI):
         # hyper-parameters override the configuration; instantiate_trainer checks it against the configuration
         return
 
-    def _section(self):
-        """The parsed config of the running subcommand (or the whole config without one)."""
-        return self.config[self.subcommand] if self.subcommand else self.config
+    def _section(self, config=None):
+        """The running subcommand's part of ``config`` (default: the parsed config), or all of it."""
+        config = self.config if config is None else config
+        return config[self.subcommand] if self.subcommand else config
 
     def before_instantiate_classes(self) -> None:
         config = self._section()
@@ -128,14 +127,14 @@ class LinformerCLI(LightningCLI):
         contradiction = checks.linked_argument_error(type(self.model), given, self.datamodule, DATA_TO_MODEL_LINKS)
         if contradiction:
             exit_with_error(contradiction)
-        section = self.config_init.get(str(self.subcommand), self.config_init)
+        section = self._section(self.config_init)
         config, settings = section.get("trainer"), section.get("checkpoint")
         root, fitting = Path(config["default_root_dir"]), self.subcommand == "fit"
         resume = self._resolve_ckpt_path(root, settings)
         quick_check = bool(config.get("fast_dev_run"))  # Lightning then logs and saves nothing
 
         if self.subcommand and self.datamodule is not None and rank_zero_only.rank == 0 and not quick_check:
-            # data that is not there stops the run before its folder is made (Lightning's call then finds nothing to do)
+            # missing data stops the run before its folder is made (Lightning's call then has nothing to do)
             try:
                 self.datamodule.prepare_data()
             except ConfigurationError as err:
@@ -213,7 +212,7 @@ class LinformerCLI(LightningCLI):
         return trainer
 
     def _stop(self, message: str) -> None:
-        """Stop before any work (exit code 2): a refused run leaves no folder behind."""
+        """Stop before any work (exit code 2), leaving no folder behind."""
         self._discard_run_dir()
         exit_with_error(message)
 
@@ -224,7 +223,7 @@ class LinformerCLI(LightningCLI):
 
     def _resolve_ckpt_path(self, root: Path, settings: checkpoints.CheckpointSettings) -> str | None:
         """``--ckpt_path`` resolved and checked against the configured model; Lightning gets the file."""
-        section = self.config_init[self.subcommand] if self.subcommand else {}
+        section = self._section(self.config_init)
         if not section.get("ckpt_path") or use_export(self.model, section, self.subcommand):  # an exported folder
             return None
         ckpt_path, dirpath = section["ckpt_path"], settings.dirpath or self._saved_run_checkpoints()
@@ -274,8 +273,7 @@ class LinformerCLI(LightningCLI):
             print("\n".join(lines))
 
     def predict(self, model, datamodule=None, ckpt_path=None, return_predictions=None, **kwargs):
-        """``trainer.predict``, saved to ``<log_dir>/predictions.pt``; refused in one line where neither
-        the data module nor the model says what to predict on."""
+        """``trainer.predict`` into ``<log_dir>/predictions.pt``; one line where nothing says what to predict on."""
         if datamodule is not None and not any(
                 is_overridden("predict_dataloader", owner, base)
                 for owner, base in ((datamodule, L.LightningDataModule), (model, L.LightningModule))):
@@ -291,8 +289,7 @@ class LinformerCLI(LightningCLI):
 
 
 def run_lightning_cli(argv: list[str]) -> int:
-    """Run :class:`LinformerCLI` on ``argv`` as :func:`~linformer_lab.cli.args.prepare_argv` left it;
-    returns the exit code."""
+    """Run :class:`LinformerCLI` on ``argv`` (after :func:`~linformer_lab.cli.args.prepare_argv`); returns the exit code."""
     # the entry points (metadata only), so a config naming a third-party plugin is checked against all installed
     ATTENTION.names()
     FEATURE_MAPS.names()

@@ -1,9 +1,7 @@
 """``python cli.py plot RUN [RUN ...] [--output FILE.png]``: the training and validation curves of
-runs in one PNG, for a machine without a browser (TensorBoard reads the same runs).
-
-A RUN is a run root (``logs/NAME``: its ``version_N/metrics.csv`` read as one run in numeric order,
-so a resumed fit continues the curve it resumes) or one ``version_N`` folder. Imports neither torch
-nor Lightning: matplotlib's file-only Agg backend draws it.
+runs in one PNG, for a machine without a browser, drawn by matplotlib's Agg backend (no torch, no
+Lightning). A RUN is a run root (``logs/NAME``: its ``version_N/metrics.csv`` in numeric order, so a
+resumed fit continues the curve it resumes) or one ``version_N`` folder.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ class PlotError(Exception):
 
 
 def metrics_files(run: str | Path) -> list[Path]:
-    """The ``metrics.csv`` files of a run folder: its own, else its ``version_*/metrics.csv`` in
-    numeric order (version_10 after version_9)."""
+    """A run folder's ``metrics.csv``, else its ``version_*/metrics.csv`` in numeric order."""
     run = Path(run)
     if (run / "metrics.csv").is_file():
         return [run / "metrics.csv"]
@@ -34,15 +31,15 @@ def metrics_files(run: str | Path) -> list[Path]:
 
 
 def metric_rows(run: str | Path) -> Iterator[dict[str, str]]:
-    """Every row of a run's ``metrics.csv`` files (:func:`metrics_files`), as CSV strings."""
+    """Every row of a run's :func:`metrics_files`, as CSV strings."""
     for path in metrics_files(run):
         with open(path, newline="") as f:
             yield from csv.DictReader(f)
 
 
 def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
-    """``{"train/bits_per_dim": {update: value}, ...}``: every ``train/`` and ``val/`` metric of a run
-    by update (the logged ``step`` + 1), the last value logged at an update winning."""
+    """``{"train/bits_per_dim": {update: value}, ...}``: a run's ``train/`` and ``val/`` metrics by
+    update (the logged ``step`` + 1), the last value logged at an update winning."""
     curves: dict[str, dict[int, float]] = {}
     for row in metric_rows(run):
         if not row.get("step"):

@@ -38,9 +38,10 @@ switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 **Adding a kernel** (a GPU one, say): a function with the op's signature (the ``pytorch``
 candidate's beside it in this file says it) and a condition on the op's arguments, both importing
 the kernel's module inside them (:func:`_deferred`), as a :class:`Candidate` in the op's list in
-:data:`CANDIDATES` before the candidates it should win over; ``pytorch`` stays last. ``describe()``,
-``cli.py plugins --check`` and the switch then know it by its name. A GPU kernel has more places
-that must know it: docs/ARCHITECTURE.md, "Where to add", lists them all.
+:data:`CANDIDATES` before the candidates it should win over; ``pytorch`` stays last.
+``ops/kernel_check.py`` (``describe()``, ``cli.py plugins --check``) and the switch then know it by
+its name. A GPU kernel has more places that must know it: docs/ARCHITECTURE.md, "Where to add",
+lists them all.
 """
 
 from __future__ import annotations
@@ -55,10 +56,8 @@ from types import ModuleType
 
 import torch
 
-from linformer_lab.registry import FEATURE_MAPS
-
 __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "SWITCH", "Candidate", "causal_dot_product",
-           "cuda_kernel", "describe", "fallback", "forced", "lsh_window", "select", "switched"]
+           "cuda_kernel", "fallback", "forced", "lsh_window", "select", "switched"]
 
 #: The environment variable that forces candidates (module docstring).
 SWITCH = "LINFORMER_LAB_KERNELS"
@@ -84,7 +83,7 @@ class Candidate:
     when it applies, for people; ``accepts(*args)``: that condition on the op's arguments (device,
     dtype, autocast, shapes); ``available()``: whether its build can be had on this machine (may
     build it on the first call; False, with one warning, where it cannot); ``run``: the op itself;
-    ``detail()``: what :func:`describe` adds (the instruction set in use), or None.
+    ``detail()``: what ``kernel_check.describe`` adds (the instruction set in use), or None.
     """
 
     name: str
@@ -368,33 +367,3 @@ def lsh_window(q, k, v, positions, valid, chunks, causal: bool):
     """lsh attention's window step (``ops/lsh.py``'s ``window_attention_torch`` says its contract)
     on the candidate :func:`select` picks: what ``attention/lsh.py`` gives ``lsh_attention``."""
     return select("lsh_window", q, k, v).run(q, k, v, positions, valid, chunks, causal)
-
-
-# ---------------------------------------------------------------- describe
-
-
-_PROBES = {  # op -> (what the line says the probe is, its arguments on a device)
-    "causal": ("float32, C = M = 32", lambda d: (torch.zeros(1, 1, 1, 32, device=d),) * 3),
-    "lsh_window": ("float32", lambda d: (torch.zeros(1, 1, 1, 1, 32, device=d),) * 3),
-    "fused_step": ("float32, batch 1", lambda d: (torch.zeros(1, 256, device=d),)),
-    # the elu map built through the registry: ops sits below feature_maps (docs/ARCHITECTURE.md)
-    "causal_attention": ("float32, elu map",
-                         lambda d: (FEATURE_MAPS.get("elu")(32), *(torch.zeros(1, 1, 1, 32, device=d),) * 3)),
-}
-
-
-def describe() -> list[str]:
-    """One line per op and device (the CPU; CUDA where a GPU is visible): the candidate that runs
-    it here, e.g. ``causal op on cpu (float32, C = M = 32): C++ recurrence (...), avx512``; then
-    the switch. Builds the C++ extensions that are not built yet."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    lines = []
-    for op, (probe, make) in _PROBES.items():
-        for device in devices:
-            chosen = select(op, *make(device))
-            detail = f", {chosen.detail()}" if chosen.detail is not None else ""
-            lines.append(f"{op} op on {device} ({probe}): {chosen.description}{detail}")
-    value = os.environ.get(SWITCH, "").strip()
-    lines.append(f"{SWITCH}={value}: forced {forced()}" if value
-                 else f"{SWITCH} unset: each op takes its first candidate that applies")
-    return lines

@@ -21,7 +21,7 @@ from conftest import REPO
 WING = REPO / "linformer_lab" / "cli"
 
 #: The modules of ``linformer_lab/cli/``, bottom to top.
-ORDER = ["compat", "args", "config_help", "checks", "callbacks", "checkpoints", "export", "kernel_check", "lightning_cli",
+ORDER = ["compat", "args", "config_help", "checks", "callbacks", "checkpoints", "export", "lightning_cli",
          "plot", "entry"]
 
 

@@ -1,4 +1,4 @@
-"""``cli.py plugins --check`` on the kernels (linformer_lab/cli/kernel_check.py): every candidate that
+"""``cli.py plugins --check`` on the kernels (linformer_lab/ops/kernel_check.py): every candidate that
 runs here is compared, forward and backward, with its op's float64 reference; one that raises
 (a kernel that fails to compile or launch) or disagrees is one error line naming the switch that
 forces the reference, and exit code 1. On a CPU the C++ kernels are checked; the Triton kernel is
@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 
-from linformer_lab.cli import kernel_check
-from linformer_lab.ops import cpu, kernels
+from linformer_lab.cli.entry import fused_steps
+from linformer_lab.ops import cpu, kernel_check, kernels
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _by_name(results):
 
 
 def test_every_cpu_kernel_passes_and_the_gpu_ones_say_why_not(built):
-    results = _by_name(kernel_check.check_kernels(["cpu"]))
+    results = _by_name(kernel_check.check_kernels(["cpu"], steps=fused_steps))
     for key in (("causal", "recurrence", "cpu"), ("lsh_window", "cpp", "cpu"), ("fused_step", "cpp", "cpu")):
         result = results[key]
         assert result.status == "pass" and result.error < 1e-5 <= result.allowed, result
@@ -48,7 +48,7 @@ def test_the_fused_step_check_runs_the_fused_step(built, monkeypatch):
 
     taken, original = [], cpu_step.step
     monkeypatch.setattr(cpu_step, "step", lambda *args: taken.append(r := original(*args)) or r)
-    kernel_check.check_kernels(["cpu"])
+    kernel_check.check_kernels(["cpu"], steps=fused_steps)
     assert any(r is not None for r in taken)
 
 

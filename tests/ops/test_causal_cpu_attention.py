@@ -25,7 +25,7 @@ from conftest import built_in_feature_maps
 
 from linformer_lab.attention.linear import LinearAttention
 from linformer_lab.feature_maps.elu import EluFeatureMap
-from linformer_lab.ops import custom_ops, kernels
+from linformer_lab.ops import custom_ops, kernel_check, kernels
 from linformer_lab.ops.cpu import causal_recurrence
 
 EPS = 1e-6
@@ -204,7 +204,7 @@ def test_dispatch_takes_the_kernel_for_every_map(causal_extension, monkeypatch):
     other = LinearAttention(causal=True, query_dim=8, feature_map="poly2").feature_map
     assert kernels.select("causal_attention", other, x, x, x).name == "cpp"
     assert any(line.startswith("causal_attention op on cpu") and "the normaliser fused" in line
-               for line in kernels.describe())
+               for line in kernel_check.describe())
 
 
 @pytest.mark.parametrize("feature_map", built_in_feature_maps())

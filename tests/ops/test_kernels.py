@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import linformer_lab as ll
-from linformer_lab.ops import kernels
+from linformer_lab.ops import kernel_check, kernels
 from linformer_lab.ops.linear_attention import naive
 
 
@@ -150,14 +150,14 @@ def test_an_unknown_op_names_the_ops():
 def test_describe_names_the_chosen_candidate_per_op(builds, monkeypatch):
     builds(recurrence=True, fused=False)
     monkeypatch.setattr(candidate("causal", "recurrence"), "detail", lambda: "avx2")
-    lines = kernels.describe()
+    lines = kernel_check.describe()
     assert lines[0] == "causal op on cpu (float32, C = M = 32): C++ recurrence (ops/cpu/causal_recurrence.cpp), avx2"
     assert lines[1].startswith("lsh_window op on cpu (float32): PyTorch window step")
     assert lines[2].startswith("fused_step op on cpu (float32, batch 1): Python step")
     assert lines[-1].startswith(f"{kernels.SWITCH} unset")
     monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
-    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked numerator")
-    assert kernels.describe()[-1] == f"{kernels.SWITCH}=causal=pytorch: forced {{'causal': 'pytorch'}}"
+    assert kernel_check.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked numerator")
+    assert kernel_check.describe()[-1] == f"{kernels.SWITCH}=causal=pytorch: forced {{'causal': 'pytorch'}}"
 
 
 # ---------------------------------------------------------------- what linear runs
@@ -201,7 +201,7 @@ def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_pytorch(
 @pytest.mark.slow
 def test_the_real_build_is_selected_for_every_width(causal_extension):
     assert chosen("causal", *qkv(c=32, m=32)) == chosen("causal", *qkv(c=7, m=5)) == "recurrence"
-    assert kernels.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
+    assert kernel_check.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
 
 
 def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):

@@ -1,6 +1,7 @@
-"""What ``cli.py plugins --check`` runs on the kernels: every candidate of every op in
-:mod:`linformer_lab.ops.kernels` that can run here, built or compiled at its first launch, compared
-with its op's PyTorch reference at a small shape, forward and backward.
+"""The kernels' self-check (``cli.py plugins --check``) and :func:`describe`: every candidate of every
+op in :mod:`linformer_lab.ops.kernels` that can run here, built or compiled at its first launch,
+compared with its op's PyTorch reference at a small shape, forward and backward. One table of
+inputs per op, :data:`PROBES`, serves both.
 
 The expectation is the reference in float64 on the same inputs; a candidate passes when the normwise
 relative error of every output and input gradient is within ``max(FLOOR[dtype], SLACK x the
@@ -13,12 +14,15 @@ PyTorch form); one that does not apply or cannot be built here is reported, not 
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from linformer_lab.ops import kernels
+from linformer_lab.registry import FEATURE_MAPS
 
 #: Largest relative error any candidate may have in a dtype, whatever the reference's: float32
 #: products on a GPU's matrix units round to tf32 (10 bits) inside Triton kernels.
@@ -59,7 +63,7 @@ def _leaves(tensors, device, dtype) -> list[torch.Tensor]:
 
 
 def _causal(device: str, dtype: torch.dtype):
-    b, h, n, c, m = 2, 2, 37, 8, 12
+    b, h, n, c, m = 2, 2, 37, 32, 32
     q, k = (_draw(s, b, h, n, c).abs().add(0.1).div(c**0.5) for s in (1, 2))  # feature-mapped: positive
     v, s0 = _draw(3, b, h, n, m).add(1.0), _draw(4, b, h, c, m)
     q, k, v, s0 = _leaves((q, k, v, s0), device, dtype)
@@ -89,15 +93,13 @@ def _lsh_window(device: str, dtype: torch.dtype):
 
 
 def _causal_attention(device: str, dtype: torch.dtype):
-    from linformer_lab.feature_maps import build_feature_map
-
     b, h, n, d, m = 2, 2, 37, 16, 8
     q, k, v = _draw(9, b, h, n, d), _draw(10, b, h, n, d), _draw(11, b, h, n, m).add(1.0)
     s0, z0 = _draw(12, b, h, d, m), _draw(13, b, h, d).abs().add(1.0)
     q, k, v = _leaves((q, k, v), device, dtype)
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     s0, z0 = _leaves((s0, z0), device, state_dtype)
-    feature_map = build_feature_map("elu", d).to(device)
+    feature_map = FEATURE_MAPS.get("elu")(d).to(device)  # through the registry: ops sits below feature_maps
     reference_numerator = kernels.fallback("causal").run
 
     def dot_product(phi_q, phi_k, v, initial_state=None, return_final_state=False):
@@ -110,29 +112,38 @@ def _causal_attention(device: str, dtype: torch.dtype):
     return (feature_map, q, k, v), {"q": q, "k": k, "v": v, "S_0": s0, "Z_0": z0}, call
 
 
-def _fused_step(device: str, dtype: torch.dtype):
-    """The fused step is generation's (no backward): ``fast_step`` over a few positions of a
-    small linear-attention stack with the candidate forced, inside a weight-copy block."""
-    from linformer_lab.models.generation import fast_step, weight_copies_for_steps
-    from linformer_lab.models.transformer import Transformer
-
-    torch.manual_seed(0)
-    model = Transformer(2, 16, 4, 32, attention="linear").to(device=device, dtype=dtype).eval()
-    x = _draw(14, 2, 5, 16).to(device=device, dtype=dtype)
-
-    def call(candidate):
-        outputs, state = [], None
-        with kernels.switched(f"fused_step={candidate.name}"), torch.no_grad(), weight_copies_for_steps(model, "model"):
-            for t in range(x.shape[1]):
-                out, state = fast_step(model, x[:, t], state)
-                outputs.append(out)
-        return {"out": torch.stack(outputs, 1)}
-
-    return (x[:, 0],), {}, call
+def _fused_step(device: str, dtype: torch.dtype, steps: Callable | None = None):
+    """Generation's fused step (no backward): ``steps(x (B, T, D), candidate) -> (B, T, D)`` runs a
+    small model over ``x`` with the candidate forced. Building a model is above ``ops/``: the CLI
+    passes ``steps`` (without it the probe gives :func:`describe` its inputs only, ``call`` None)."""
+    x = _draw(14, 1, 5, 16).to(device=device, dtype=dtype)
+    return (x[:, 0],), {}, (lambda candidate: {"out": steps(x, candidate)}) if steps else None
 
 
-PROBES: dict[str, Callable] = {"causal": _causal, "lsh_window": _lsh_window, "fused_step": _fused_step,
-                               "causal_attention": _causal_attention}
+#: op -> (what :func:`describe` says of the inputs, the probe).
+PROBES: dict[str, tuple[str, Callable]] = {
+    "causal": ("float32, C = M = 32", _causal), "lsh_window": ("float32", _lsh_window),
+    "fused_step": ("float32, batch 1", _fused_step), "causal_attention": ("float32, elu map", _causal_attention)}
+
+
+def describe() -> list[str]:
+    """One line per op and device (the CPU; CUDA where a GPU is visible): the candidate that runs
+    it here, e.g. ``lsh_window op on cpu (float32): C++ window kernel (...), avx512``; then the
+    switch. Builds the C++ extensions that are not built yet."""
+    lines = []
+    for op, (inputs, probe) in PROBES.items():
+        for device in _devices():
+            chosen = kernels.select(op, *probe(device, torch.float32)[0])
+            detail = f", {chosen.detail()}" if chosen.detail is not None else ""
+            lines.append(f"{op} op on {device} ({inputs}): {chosen.description}{detail}")
+    value = os.environ.get(kernels.SWITCH, "").strip()
+    lines.append(f"{kernels.SWITCH}={value}: forced {kernels.forced()}" if value
+                 else f"{kernels.SWITCH} unset: each op takes its first candidate that applies")
+    return lines
+
+
+def _devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _relative(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
@@ -144,9 +155,9 @@ def _relative(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def _evaluate(op: str, device: str, dtype: torch.dtype, candidate) -> tuple[list[torch.Tensor], list[str]]:
-    """The candidate's outputs and input gradients on the op's probe, with their names."""
-    _, leaves, call = PROBES[op](device, dtype)
+def _evaluate(probe: Callable, device: str, dtype: torch.dtype, candidate) -> tuple[list[torch.Tensor], list[str]]:
+    """The candidate's outputs and input gradients on ``probe``, with their names."""
+    _, leaves, call = probe(device, dtype)
     with torch.autocast(device, enabled=False):
         named = call(candidate)
     outputs, names = list(named.values()), list(named)
@@ -158,14 +169,16 @@ def _evaluate(op: str, device: str, dtype: torch.dtype, candidate) -> tuple[list
     return outputs, names
 
 
-def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None) -> list[CheckResult]:
-    """Every candidate but the references of ``ops`` (default: all) on ``devices`` (default: the CPU,
-    and CUDA where a GPU is visible) in float32, on a GPU also in bfloat16."""
+def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None,
+                  steps: Callable | None = None) -> list[CheckResult]:
+    """Every candidate but the references of ``ops`` (default: all, ``fused_step`` where ``steps`` is
+    given: :func:`_fused_step`) on ``devices`` (default: the CPU, and CUDA where a GPU is visible) in
+    float32, on a GPU also in bfloat16."""
     results = []
-    for op in ops or list(PROBES):
-        probe = PROBES[op]
+    for op in ops or [op for op in PROBES if steps or op != "fused_step"]:
+        probe = functools.partial(PROBES[op][1], steps=steps) if op == "fused_step" else PROBES[op][1]
         reference = kernels.fallback(op)
-        for device in devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        for device in devices or _devices():
             for dtype in [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]:
                 label = str(dtype).removeprefix("torch.")
                 want = None
@@ -179,11 +192,11 @@ def check_kernels(devices: list[str] | None = None, ops: list[str] | None = None
                         result.detail = f"cannot be built or loaded here; {op} runs on its next candidate"
                         continue
                     if want is None:  # the expectation, and the reference's own error in this dtype
-                        want, names = _evaluate(op, device, torch.float64, reference)
-                        own = _evaluate(op, device, dtype, reference)[0]
+                        want, names = _evaluate(probe, device, torch.float64, reference)
+                        own = _evaluate(probe, device, dtype, reference)[0]
                         reference_error = max(_relative(g, w) for g, w in zip(own, want))
                     try:
-                        got, _ = _evaluate(op, device, dtype, candidate)
+                        got, _ = _evaluate(probe, device, dtype, candidate)
                     except Exception as err:  # noqa: BLE001 - any failure to build, compile or launch is the finding
                         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
                         result.status, result.detail = "error", f"{type(err).__name__}: {first}"
