@@ -300,7 +300,7 @@ def _on_instruction_set(extension, name: str):
 
 @pytest.fixture(scope="session")
 def causal_extension():
-    """The causal numerator's register recurrence (``ops/cpu/causal_recurrence.cpp``), built."""
+    """The fused causal attention's register recurrence (``ops/cpu/causal_recurrence.cpp``), built."""
     from linformer_lab.ops import cpu
 
     return _built(cpu.CAUSAL_RECURRENCE, "the causal CPU kernel extension")

@@ -1,28 +1,23 @@
-"""The causal numerator on CPU, head-to-head over a grid of shapes (issue #23): our C++ kernel
-(``ops/cpu/causal_recurrence.cpp``, which ``linformer_lab/ops/kernels.py`` selects on CPU; the chunked
-C++ kernel ``causal_dot.cpp`` that it replaced was deleted: its column stays empty), our pure-PyTorch chunk path
-(``linformer_lab.ops.linear_attention.chunk.CausalDotProduct``) and fast-transformers 0.4.0's CPU
-kernel, forward+backward, fp32, 2 threads, timed interleaved in one process.
+"""Causal linear attention on CPU from feature-mapped q, k, head-to-head over a grid of shapes (issue
+#23), forward+backward, fp32, 2 threads, timed interleaved in one process:
+
+* ``kernel``: our fused C++ kernel (``ops/cpu/causal_recurrence.cpp``, the ``cpp`` candidate of the
+  ``causal_attention`` op that ``linformer_lab/ops/kernels.py`` selects on CPU), given phi(q), phi(k)
+  through an identity map: the numerator and the normaliser in one forward and one backward pass;
+* ``chunk``: our pure-PyTorch chunked numerator (``linformer_lab.ops.linear_attention.chunk``), then
+  the normaliser in PyTorch (:func:`normalised`: a cumsum of phi(k), a product, a division);
+* ``fast_transformers``: fast-transformers 0.4.0's CPU numerator kernel, then the same PyTorch normaliser
+  (it has no fused one).
 
 Shapes: D = M in {16, 32, 64, 128} x B*H in {1, 8, 64, 512} (B = B*H / 8 with H = 8, or
 B = H = 1) x N in {256, 4096, 65536}, less those with more than ``--max-elements`` numbers
 per input tensor (memory and time: each is listed as skipped), plus the six shapes of the issue.
 
 Also measured: the machine's fp32 GEMM rate (``torch.mm`` of two square matrices, same
-threads), and per shape the FLOP rate of the algorithm the kernel ran as a fraction of it
-(:func:`kernel_flops`). FLOPs of one fwd+bwd per row:
-
-* the recurrence (``path`` recurrence): 16 C M per position: per pass a rank-1 update of a
-  state and its product with one vector, 4 C M, for the forward and the three backward passes
-  (grad q, grad v, grad k);
-* the chunked algorithm (``path`` chunk), per chunk of l positions (C = D, M value dim; a masked
-  l x l product counts its lower triangle, l^2 X)::
-
-    forward  l^2 (C + M) + 4 l C M         (tril(Q K^T), its product with V, Q S, K^T V)
-    backward l^2 (3 C + 2 M) + 10 l C M    (K^T V again for S, tril(G V^T), tril(Q K^T) again,
-                                            grad q, k, v, Q^T G)
-
-  i.e. l^2 (4 C + 3 M) + 14 l C M. fast-transformers' recurrence does 14 C M per position.
+threads), and per shape the kernel's FLOP rate as a fraction of it: 16 C M per position and row
+(per pass a rank-1 update of a state and its product with one vector, 4 C M, for the forward and
+the three backward passes: grad q, grad v, grad k; the normaliser's O(C + M) left out), and its
+share of the memory bandwidth. fast-transformers' numerator does 14 C M per position.
 
 fast-transformers lives in a separate venv (benchmarks/README.md, "fast-transformers baseline
 venv"); without it the others still run. This is the project's one comparison with
@@ -32,7 +27,9 @@ fast-transformers::
 
 Before / after a change to causal_recurrence.cpp, in one run: ``--before-revision REV`` builds
 the source (and the headers beside it) as at git revision REV under another module name, and
-times it as "kernel before".
+times it as "kernel before" (REV must have the fused attention, ``attention_forward``). Where that
+source and its headers equal the working tree's, the current build serves for both (one build, not
+two: an A/A run times one library in both slots).
 
 Feature maps: per shape also the whole causal ``linear`` attention (feature map, numerator,
 normaliser; fwd+bwd from unmapped q, k) with each map of ``--feature-maps`` (default: every
@@ -56,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
@@ -92,58 +90,56 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)
 
 
-def flops(n: int, c: int, m: int, chunk: int) -> int:
-    """FLOPs of one fwd+bwd of one row of the chunked algorithm (module docstring)."""
-    lengths = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    return sum(l * l * (4 * c + 3 * m) + 14 * l * c * m for l in lengths)
+#: the normaliser's eps, as the layers' default
+EPS = 1e-6
+
+
+#: the identity as a feature map: q and k are phi(q), phi(k) already, which the fused kernel takes as
+#: those of a map applied before it (no ``kernel_form``)
+MAPPED_ALREADY = types.SimpleNamespace(forward_queries=lambda x: x, forward_keys=lambda x: x)
+
+
+def normalised(numerator, phi_q, phi_k):
+    """Eq. 9's normaliser in PyTorch: ``numerator (B, H, N, M) / (phi(q_t) . sum_{s <= t} phi(k_s) + eps)``."""
+    return numerator / ((phi_q * phi_k.cumsum(2)).sum(-1, keepdim=True) + EPS)
 
 
 @functools.cache
-def kernel_algorithm(c: int, m: int) -> str | None:
-    """The C++ algorithm that ``ops/kernels.py`` selects for the causal op on fp32 CPU tensors of
-    (C, M): ``recurrence`` or ``chunk``; None where the PyTorch reference would run."""
+def kernel_available() -> bool:
+    """Whether ``ops/kernels.py`` selects the fused C++ kernel for mapped fp32 CPU inputs (its build can be had)."""
     import torch
 
     from linformer_lab.ops import kernels
 
-    q, v = torch.zeros(1, 1, 1, c), torch.zeros(1, 1, 1, m)
-    name = kernels.select("causal", q, q, v).name
-    return name if name == "recurrence" else None
+    x = torch.zeros(1, 1, 1, 16)
+    return kernels.select("causal_attention", MAPPED_ALREADY, x, x, x).name == "cpp"
 
 
-def kernel_flops(n: int, c: int, m: int) -> tuple[int, str]:
-    """(FLOPs of one fwd+bwd of one row, path) of the algorithm the kernel runs for fp32 (C, M):
-    the recurrence's 16 C M per position, or the chunked algorithm's :func:`flops`."""
-    from linformer_lab.ops.linear_attention import chunk
-
-    path = kernel_algorithm(c, m)
-    if path == "recurrence":
-        return 16 * n * c * m, path
-    return flops(n, c, m, chunk.reference_chunk_size(c, m)), path or "none"
-
-
-def _kernel(q, k, v, chunk):
-    """The causal op on the C++ algorithm the dispatch selects for these (C, M)."""
+def _kernel(q, k, v):
+    """Causal attention from phi(q), phi(k) on the fused C++ kernel."""
     from linformer_lab.ops.cpu import causal_recurrence
 
-    return causal_recurrence.causal_dot_product(q, k, v, chunk)
+    return causal_recurrence.causal_attention(MAPPED_ALREADY, q, k, v, None, EPS)
 
 
 def _kernel_before(commit: str):
     """The kernel with causal_recurrence.cpp as it was at a git ``commit`` (with the headers beside
-    it then), built as a module of another name (Python keeps one module per name) and put in
-    place of the current one for the whole fwd + bwd (``context``): before / after a change,
-    interleaved in one process."""
+    it then), built as a module of another name (Python keeps one module per name), or the current
+    build where the sources are the same, and put in place of the current one for the whole fwd +
+    bwd (``context``): before / after a change, interleaved in one process."""
     from linformer_lab.ops import cpu
 
     with tempfile.TemporaryDirectory(prefix="causal_recurrence_before-") as folder:  # the build is cached elsewhere
         source = os.path.join(common.export_revision(commit, folder), "linformer_lab", "ops", "cpu", "causal_recurrence.cpp")
         if not os.path.isfile(source):
             raise SystemExit(f"--before-revision: {commit} has no linformer_lab/ops/cpu/causal_recurrence.cpp")
-        before = cpu.Extension("linformer_lab_causal_recurrence_before", source, "no before / after").load()
-
-    def run(q, k, v, chunk):
-        return _kernel(q, k, v, chunk)
+        extension = cpu.Extension("linformer_lab_causal_recurrence_before", source, "no before / after")
+        same = extension.source_digest() == cpu.CAUSAL_RECURRENCE.source_digest()
+        before = cpu.CAUSAL_RECURRENCE.load() if same else extension.load()
+    if not hasattr(before, "attention_forward"):
+        raise SystemExit(f"--before-revision: {commit}'s causal_recurrence.cpp has no fused attention (attention_forward)")
+    def run(q, k, v):
+        return _kernel(q, k, v)
     run.context, run.module = (lambda: cpu.CAUSAL_RECURRENCE.substituted(before)), before
     return run
 
@@ -166,15 +162,15 @@ def implementations(torch, before_revision: str | None = None):
     from linformer_lab.ops.linear_attention import chunk
 
     impls = {}
-    if kernel_algorithm(16, 16) is not None:
+    if kernel_available():
         impls["kernel"] = _kernel
         if before_revision:
             impls["kernel_before"] = _kernel_before(before_revision)
-    impls["chunk"] = lambda q, k, v, L: chunk.CausalDotProduct.apply(q, k, v)
+    impls["chunk"] = lambda q, k, v: normalised(chunk.CausalDotProduct.apply(q, k, v), q, k)
     try:
         from fast_transformers.causal_product import causal_dot_product as ft
 
-        impls["fast_transformers"] = lambda q, k, v, L: ft(q, k, v)
+        impls["fast_transformers"] = lambda q, k, v: normalised(ft(q, k, v), q, k)
     except ImportError:
         pass
     return impls
@@ -182,7 +178,6 @@ def implementations(torch, before_revision: str | None = None):
 
 def measure(torch, impls, shape, args) -> dict:
     b, h, n, d = shape
-    chunk = None  # the recurrence has none; the chunk path takes its own
     gen = torch.Generator().manual_seed(0)
     # feature-mapped (elu + 1, positive) queries and keys, as the numerator sees them
     q, k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_() for _ in range(2))
@@ -190,8 +185,7 @@ def measure(torch, impls, shape, args) -> dict:
     grad = torch.randn(b, h, n, d, generator=gen)
 
     def case(fn):
-        return common.forward_backward(lambda: fn(q, k, v, chunk), (q, k, v), grad,
-                                       getattr(fn, "context", contextlib.nullcontext))
+        return common.forward_backward(lambda: fn(q, k, v), (q, k, v), grad, getattr(fn, "context", contextlib.nullcontext))
 
     cases = {name: case(fn) for name, fn in impls.items()}
     cases.update(feature_map_cases(torch, shape, args.feature_maps, args.max_elements))
@@ -201,14 +195,13 @@ def measure(torch, impls, shape, args) -> dict:
     once = time.perf_counter() - start
     repeats = max(3, min(args.repeats, int(args.budget / max(once, 1e-6))))
     times = common.interleaved_medians(cases, repeats, warmup=0, budget_s=args.budget)
-    row = {"B": b, "H": h, "N": n, "D": d, "M": d, "chunk": chunk, "repeats": len(next(iter(times.values()))["samples"]),
+    row = {"B": b, "H": h, "N": n, "D": d, "M": d, "repeats": len(next(iter(times.values()))["samples"]),
            "loadavg_1min": round(os.getloadavg()[0], 2)}
     if "kernel" in cases:  # the kernel's calls back to back, as in a training loop: no other code between them
         row["kernel_alone_ms"] = round(common.median_seconds(cases["kernel"], row["repeats"], warmup=1) * 1e3, 3)
     for name, t in times.items():
         row[f"{name}_ms"] = round(t["median"] * 1e3, 3)
-    per_row, row["path"] = kernel_flops(n, d, d)
-    work = b * h * per_row
+    work = b * h * 16 * n * d * d  # the kernel's FLOPs (module docstring)
     if "kernel" in times:
         row["kernel_gflops"] = round(work / times["kernel"]["median"] / 1e9, 2)
         row["kernel_gemm_fraction"] = round(work / times["kernel"]["median"] / args.gemm_flops, 3)
@@ -222,11 +215,6 @@ def measure(torch, impls, shape, args) -> dict:
             if "fast_transformers" in times:
                 row["ft_over_kernel_before"] = round(times["fast_transformers"]["median"] / times["kernel_before"]["median"],
                                                      2)
-        if "chunk_kernel" in times:
-            row["chunk_kernel_over_kernel"] = round(times["chunk_kernel"]["median"] / times["kernel"]["median"], 2)
-            if "fast_transformers" in times:
-                row["ft_over_chunk_kernel"] = round(times["fast_transformers"]["median"] / times["chunk_kernel"]["median"],
-                                                    2)
     if "fast_transformers" in times:
         row["ft_over_chunk"] = round(times["fast_transformers"]["median"] / times["chunk"]["median"], 2)
     for name in args.feature_maps:
@@ -255,7 +243,7 @@ def feature_map_cases(torch, shape, names, max_elements: int) -> dict:
 
 def write_report(args, rows, skipped, env, path_md) -> str:
     lines = [
-        "# Causal linear-attention numerator on CPU: kernel vs chunk kernel vs chunk path vs fast-transformers",
+        "# Causal linear attention on CPU from mapped q, k: fused kernel vs chunk path vs fast-transformers' numerator",
         "",
         f"Generated by `{env['command']}` on {env['date']}.",
         "",
@@ -270,23 +258,18 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         "three gradients) per second over that rate: near 1, a shape is bound by memory, not arithmetic.",
         "- Kernel alone: the kernel's calls again, back to back after the interleaved rounds (as in a training loop: no "
         "other implementation's allocations and cache traffic between them), and their GEMM fraction.",
-        "- Forward+backward of the numerator, fp32, D = M, median ms of interleaved calls "
-        "(rounds A B C, C B A, B C A, A C B, ...). "
-        "Ratios > 1: the kernel is faster. Kernel: the C++ algorithm `ops/kernels.py` selects, in the `path` column "
-        "(recurrence: causal_recurrence.cpp); chunk kernel: causal_dot.cpp, deleted (odd C, M are zero-padded "
-        "for the recurrence), its columns empty; "
-        "chunk path: the pure-PyTorch chunk.py. GEMM fraction: the FLOPs of the path that ran per second over the "
-        "GEMM rate at the start: the recurrence's 16 C M per position, or the chunked algorithm's "
-        "l^2 (4C + 3M) + 14 l C M per chunk of l positions.",
+        "- Forward+backward of causal attention from feature-mapped q, k (numerator and normaliser), fp32, D = M, "
+        "median ms of interleaved calls (rounds A B C, C B A, B C A, A C B, ...). Ratios > 1: the kernel is faster. "
+        "Kernel: the fused C++ kernel (causal_recurrence.cpp, the `causal_attention` op's `cpp` candidate); chunk "
+        "path: the pure-PyTorch chunk.py numerator; FT: fast-transformers' numerator; both of these then the "
+        "normaliser in PyTorch. GEMM fraction: the kernel's 16 C M FLOPs per position per second over the GEMM "
+        "rate at the start.",
         "",
     ]
-    header = ["B", "H", "N", "D", "path", "kernel ms", "chunk kernel ms", "chunk path ms", "FT ms", "FT / kernel",
-              "FT / chunk kernel", "chunk kernel / kernel", "chunk path / kernel", "kernel GFLOP/s", "GEMM fraction",
-              "copy fraction", "kernel alone ms", "alone GEMM fraction", "load"]
-    table = [[r["B"], r["H"], r["N"], r["D"], r["path"], common.fmt(r.get("kernel_ms"), 2),
-              common.fmt(r.get("chunk_kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
+    header = ["B", "H", "N", "D", "kernel ms", "chunk path ms", "FT ms", "FT / kernel", "chunk path / kernel",
+              "kernel GFLOP/s", "GEMM fraction", "copy fraction", "kernel alone ms", "alone GEMM fraction", "load"]
+    table = [[r["B"], r["H"], r["N"], r["D"], common.fmt(r.get("kernel_ms"), 2), common.fmt(r.get("chunk_ms"), 2),
               common.fmt(r.get("fast_transformers_ms"), 2), common.fmt(r.get("ft_over_kernel"), 2),
-              common.fmt(r.get("ft_over_chunk_kernel"), 2), common.fmt(r.get("chunk_kernel_over_kernel"), 2),
               common.fmt(r.get("chunk_over_kernel"), 2), common.fmt(r.get("kernel_gflops"), 1),
               common.fmt(r.get("kernel_gemm_fraction"), 2), common.fmt(r.get("kernel_copy_fraction"), 2),
               common.fmt(r.get("kernel_alone_ms"), 2), common.fmt(r.get("kernel_alone_gemm_fraction"), 2),
@@ -309,10 +292,6 @@ def write_report(args, rows, skipped, env, path_md) -> str:
     if earlier:
         lines += ["", f"Kernel before / kernel (`--before-revision`): min {earlier[0]:.2f}, "
                       f"median {earlier[len(earlier) // 2]:.2f}, max {earlier[-1]:.2f} over {len(earlier)} shapes."]
-    before = sorted(r["chunk_kernel_over_kernel"] for r in rows if "chunk_kernel_over_kernel" in r)
-    if before:
-        lines += ["", f"Chunk kernel / kernel (before / after the recurrence): min {before[0]:.2f}, "
-                      f"median {before[len(before) // 2]:.2f}, max {before[-1]:.2f} over {len(before)} shapes."]
     if args.feature_maps:
         lines += ["", "### Causal linear attention with each feature map", "",
                   "Fwd+bwd of the whole attention (feature map, numerator, normaliser) from unmapped q, k, median ms "
@@ -348,8 +327,8 @@ def main(argv=None):
                    help="feature maps of the whole-attention columns (default: every built-in one; 'none': no columns)")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--before-revision", default=None, metavar="REV",
-                   help="also time causal_recurrence.cpp as at this git revision (built under another module name), "
-                        "as 'kernel before': before / after a change in one run")
+                   help="also time causal_recurrence.cpp as at this git revision (built under another module name "
+                        "unless its source is the working tree's), as 'kernel before': before / after a change in one run")
     p.add_argument("--out", default=RESULTS)
     common.add_omp_wait_policy_argument(p)
     args = p.parse_args(argv)

@@ -1,17 +1,17 @@
 """The causal linear-attention *layer* on CPU against its bare kernel (issue #45): forward+backward of
-``LinearAttention(causal=True)`` (elu + 1) before and after the fused C++ kernel, the numerator
-kernel alone, and fast-transformers 0.4.0's ``CausalLinearAttention`` layer, fp32, timed
+``LinearAttention(causal=True)`` (elu + 1) before and after the fused C++ kernel, the kernel alone
+on mapped q, k, and fast-transformers 0.4.0's ``CausalLinearAttention`` layer, fp32, timed
 interleaved in one process (1 thread by default), on the timing thread's CPU time by default
 (``--clock``; the machine is shared) with wall times beside them in the csv.
 
 * ``layer after``: the layer as it runs now: the ``cpp`` candidate of the ``causal_attention`` op
   (``ops/cpu/causal_recurrence.cpp``'s ``attention_forward`` / ``attention_backward``: phi, the
   numerator and the normaliser in one forward and one backward);
-* ``layer before``: the same layer with ``LINFORMER_LAB_KERNELS=causal_attention=pytorch``, the
-  path before the fused kernel: the elu map, the recurrence for the numerator and the normaliser
-  in PyTorch (cumsum, product, division) and their gradients;
-* ``kernel``: the bare numerator (``causal_recurrence.causal_dot_product``) on feature-mapped q, k, what the
-  layer must stay within 1.3x of;
+* ``layer before``: the same layer with ``LINFORMER_LAB_KERNELS=causal_attention=pytorch``: the elu
+  map, the numerator and the normaliser in PyTorch and their gradients;
+* ``kernel``: the fused kernel alone (``causal_recurrence.causal_attention``, numerator and
+  normaliser) on feature-mapped q, k given through an identity map, what the layer must stay within
+  1.3x of;
 * ``FT layer``: fast-transformers' layer with its own elu feature map, on its layout (B, N, H, D),
   with its full-length mask objects (no padding).
 
@@ -48,12 +48,16 @@ import shlex
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, which puts the repository on sys.path
 import common  # noqa: E402
 
 RESULTS = str(common.results_dir(__file__))
+#: the identity as a feature map: the kernel row's q, k are phi(q), phi(k) already (taken as a map's
+#: applied before the kernel: no ``kernel_form``)
+MAPPED_ALREADY = types.SimpleNamespace(forward_queries=lambda x: x, forward_keys=lambda x: x)
 #: (B, H, N, D = M): issue #23's six shapes, then the grid of causal_cpu_grid.py
 ISSUE_SHAPES = [(4, 8, 4096, 64), (1, 8, 16384, 32), (1, 8, 4096, 32), (8, 8, 1024, 64), (2, 4, 8192, 128),
                 (16, 8, 512, 32)]
@@ -120,12 +124,13 @@ def measure(torch, shape, args) -> dict:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(3))
     grad = torch.randn(b, h, n, d, generator=gen)
-    # the bare kernel's inputs: feature-mapped, as the numerator sees them
+    # the bare kernel's inputs: feature-mapped
     phi_q, phi_k = ((torch.nn.functional.elu(torch.randn(b, h, n, d, generator=gen)) + 1).requires_grad_()
                     for _ in range(2))
     layer = LinearAttention(causal=True, query_dim=d, feature_map=args.feature_map)
     cases = {
-        "kernel": common.forward_backward(lambda: causal_recurrence.causal_dot_product(phi_q, phi_k, v), (phi_q, phi_k, v), grad),
+        "kernel": common.forward_backward(lambda: causal_recurrence.causal_attention(MAPPED_ALREADY, phi_q, phi_k, v),
+                                          (phi_q, phi_k, v), grad),
         "layer_after": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad),
         "layer_before": common.forward_backward(lambda: layer(q, k, v), (q, k, v), grad,
                                                 lambda: switched("causal_attention=pytorch")),
@@ -323,8 +328,8 @@ def write_report(args, rows, skipped, env, path_md) -> str:
         + f". Layer after: `LinearAttention(causal=True, feature_map={args.feature_map!r})` on the "
         "fused C++ kernel (elu inside it; any other map applied by PyTorch first); layer before: the same layer "
         "with `LINFORMER_LAB_KERNELS=causal_attention=pytorch` "
-        "(the map, the recurrence for the numerator, the normaliser in PyTorch); kernel: the bare numerator on "
-        "feature-mapped q, k; FT layer: fast-transformers' `CausalLinearAttention` (its elu map and normaliser, "
+        "(the map, the numerator, the normaliser in PyTorch); kernel: the fused kernel alone (numerator and "
+        "normaliser) on feature-mapped q, k; FT layer: fast-transformers' `CausalLinearAttention` (its elu map and normaliser, "
         "layout B N H D).",
         "",
     ]

@@ -1,29 +1,18 @@
-"""The C++ and CUDA kernels of the causal numerator as ``torch.library`` custom operators.
+"""The C++ causal attention and the CUDA numerator as ``torch.library`` custom operators.
 
 An operator the dispatcher knows, with a fake-tensor function (output shapes and dtypes without
 running it) and its gradient registered beside it, is something ``torch.compile`` records in
 its graph as one node; an ``autograd.Function`` calling a pybind function would end the graph
 there (a graph break per layer, an error under ``fullgraph=True``). Each CPU operator here is
 defined on a ``torch.library.Library`` with its CPU kernel and fake function; a forward's gradient
-is an ``autograd.Function`` registered as its Autograd kernel (see "registration" below).
+is an ``autograd.Function`` registered as its Autograd kernel (see "registration" below), which
+calls the backward operator; that one has no gradient itself: a second derivative is an error,
+not a wrong number.
 
-CPU, the register recurrence (``ops/cpu/causal_recurrence.cpp``), for float32 / float64 inputs
-whose C and M are multiples of its register width (``ops/cpu/causal_recurrence.py`` pads
-the others with zero columns and calls it):
-
-* ``torch.ops.linformer_lab.causal_recurrence_forward(q, k, v, initial_state)``:
-  ``q, k (B, H, N, C), v (B, H, N, M), S_0 (B, H, C, M) or None`` ->
-  ``(out (B, H, N, M), S_N (B, H, C, M), states (B, H, ceil(N / block), C, M))``, all in q's
-  dtype, ``states`` the S before each block of positions (what the backward starts from);
-* ``torch.ops.linformer_lab.causal_recurrence_backward(q, k, v, grad_out, states, grad_final)``
-  -> ``(grad q, grad k, grad v, grad S_0)``.
-
-The forward's registered gradient calls the backward operator, which has none itself: a second
-derivative is an error, not a wrong number.
-
-CPU, causal attention with the normaliser fused, and phi = elu + 1 too unless ``mapped`` (the same
-source's ``attention_forward`` / ``attention_backward``; ``causal_recurrence.causal_attention`` maps q and k
-for any other feature map, pads C and M and calls it):
+CPU, causal attention with the normaliser fused, and phi = elu + 1 too unless ``mapped``
+(``ops/cpu/causal_recurrence.cpp``'s ``attention_forward`` / ``attention_backward``, for float32 /
+float64 inputs whose C and M are multiples of its register width; ``causal_recurrence.causal_attention``
+maps q and k for any other feature map, pads C and M and calls it):
 
 * ``torch.ops.linformer_lab.causal_attention_forward(q, k, v, s0, z0, cu_seqlens, key_lengths,
   features, eps, mapped)``: unmapped ``q, k (B, H, N, C)`` (``mapped``: phi(q), phi(k) of any map),
@@ -31,10 +20,10 @@ for any other feature map, pads C and M and calls it):
   sequences of ``cu_seqlens [0, n_1, ..., N]`` with B = 1), ``key_lengths (B,)`` or None, C's
   columns from ``features`` on padding ->
   ``(out (B, H, N, M), den (B, H, N), S_N (S, H, C, M), z_N (S, H, C), states, z_states, phi(q),
-  phi(k) (B, H, N, C))``, den and the last four the backward's (den = phi(q_t)^T z_t + eps; S and z
-  at every block start; the maps, 0 at masked keys and padding columns, which autograd keeps in
-  place of q and k: 2 C numbers per position and head, more memory only where q, k stay alive
-  anyway);
+  phi(k) (B, H, N, C))``, all in q's dtype, den and the last four the backward's (den = phi(q_t)^T
+  z_t + eps; S and z at every block start; the maps, 0 at masked keys and padding columns, which
+  autograd keeps in place of q and k: 2 C numbers per position and head, more memory only where q,
+  k stay alive anyway);
 * ``torch.ops.linformer_lab.causal_attention_backward(phi_q, phi_k, v, out, den, grad_out,
   states, z_states, cu_seqlens, grad_s, grad_z, mapped)`` -> ``(grad q, grad k, grad v, grad S_0,
   grad z_0)``: no map to recompute (``mapped``: the gradients of phi(q), phi(k)).
@@ -52,14 +41,8 @@ import torch
 
 from linformer_lab.ops import cpu
 
-__all__ = ["below_autograd", "causal_attention_backward", "causal_attention_forward", "causal_recurrence_backward",
-           "causal_recurrence_forward", "define", "differentiable", "recurrence_block", "register_cuda_ops"]
-
-
-def recurrence_block() -> int:
-    """Positions per saved state of the recurrence (its ``block()``): the forward keeps S at
-    every block start. Builds the extension on the first call."""
-    return cpu.CAUSAL_RECURRENCE.load().block()
+__all__ = ["below_autograd", "causal_attention_backward", "causal_attention_forward", "define", "differentiable",
+           "register_cuda_ops"]
 
 
 # ------------------------------------------------------------------------------------------------ registration
@@ -96,75 +79,6 @@ def below_autograd(operator, *args):
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``(B, H, N, X) -> (B H, N, X)``, contiguous (the kernel reads raw rows)."""
     return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]).contiguous()
-
-
-# ------------------------------------------------------------------------------------------------ numerator
-
-
-def _recurrence_forward_cpu(q, k, v, initial_state):
-    b, h, n, c = q.shape
-    m = v.shape[-1]
-    # the kernel converts S_0 to q's dtype and copies it contiguous whatever its strides
-    initial = None if initial_state is None else initial_state.reshape(b * h, c, m)
-    out, final, states = cpu.CAUSAL_RECURRENCE.load().forward(_rows(q), _rows(k), _rows(v), initial)
-    return out.view(b, h, n, m), final.view(b, h, c, m), states.view(b, h, states.shape[1], c, m)
-
-
-def _recurrence_forward_fake(q, k, v, initial_state):
-    b, h, n, c = q.shape
-    m = v.shape[-1]
-    blocks = (n + recurrence_block() - 1) // recurrence_block()
-    return q.new_empty(b, h, n, m), q.new_empty(b, h, c, m), q.new_empty(b, h, blocks, c, m)
-
-
-def _recurrence_backward_cpu(q, k, v, grad_out, states, grad_final):
-    b, h, n, c = q.shape
-    m = v.shape[-1]
-    final = None if grad_final is None else grad_final.reshape(b * h, c, m)
-    gq, gk, gv, g0 = cpu.CAUSAL_RECURRENCE.load().backward(_rows(q), _rows(k), _rows(v), _rows(grad_out.to(q.dtype)),
-                                                           states.reshape(b * h, *states.shape[2:]).contiguous(), final)
-    return gq.view(b, h, n, c), gk.view(b, h, n, c), gv.view(b, h, n, m), g0.view(b, h, c, m)
-
-
-def _recurrence_backward_fake(q, k, v, grad_out, states, grad_final):
-    b, h, _, c = q.shape
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(b, h, c, v.shape[-1])
-
-
-#: ``causal_recurrence_forward(q, k, v, initial_state)``: out_i = q_i^T (S_0 + sum_{j <= i} k_j v_j^T)
-#: (module docstring for the shapes), differentiable.
-causal_recurrence_forward = define(
-    "causal_recurrence_forward(Tensor q, Tensor k, Tensor v, Tensor? initial_state) -> (Tensor, Tensor, Tensor)",
-    _recurrence_forward_cpu, _recurrence_forward_fake)
-#: ``causal_recurrence_backward(q, k, v, grad_out, states, grad_final)``: the gradients of the forward
-#: (eq. 13-15) from ``grad_out (B, H, N, M)``, its ``states`` and ``grad_final`` (grad S_N, or None):
-#: ``(grad q, grad k, grad v, grad S_0)``.
-causal_recurrence_backward = define(
-    "causal_recurrence_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor states, Tensor? grad_final)"
-    " -> (Tensor, Tensor, Tensor, Tensor)", _recurrence_backward_cpu, _recurrence_backward_fake)
-
-
-class _CausalRecurrence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, initial_state):
-        out, final, states = below_autograd(causal_recurrence_forward, q, k, v, initial_state)
-        ctx.save_for_backward(q, k, v, states)
-        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-        ctx.mark_non_differentiable(states)
-        ctx.set_materialize_grads(False)  # an unused output sends None, not a fresh zero tensor
-        return out, final, states
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward operator has no gradient: an error, not a wrong number
-    def backward(ctx, grad_out, grad_final, _grad_states):
-        q, k, v, states = ctx.saved_tensors
-        if grad_out is None:  # only S_N was used
-            grad_out = torch.zeros_like(v)
-        gq, gk, gv, g0 = causal_recurrence_backward(q, k, v, grad_out, states, grad_final)
-        return gq, gk, gv, None if ctx.initial_dtype is None else g0.to(ctx.initial_dtype)
-
-
-differentiable("causal_recurrence_forward", _CausalRecurrence)
 
 
 # ------------------------------------------------------------------------------------------------ fused attention

@@ -15,7 +15,7 @@ they never import it back; an op that needs another (the ``pytorch`` candidate o
 ====================  ====================================  =========================================
 op                    candidates, first to last             called from
 ====================  ====================================  =========================================
-``causal``            cuda, recurrence, pytorch             :func:`causal_dot_product` (the numerator
+``causal``            cuda, pytorch                         :func:`causal_dot_product` (the numerator
                                                             of eq. 9), which the layers pass to
                                                             ``ops.linear_attention`` as its argument
 ``lsh_window``        cpp, pytorch                          :func:`lsh_window` (``attention/lsh.py``)
@@ -29,7 +29,7 @@ op                    candidates, first to last             called from
 
 **The switch.** ``LINFORMER_LAB_KERNELS`` (read at every selection, parsed once per value):
 unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTorch candidate;
-``op=name`` forces one op's candidate, comma-separated for several (``causal=recurrence``,
+``op=name`` forces one op's candidate, comma-separated for several (``causal_attention=cpp``,
 ``causal=pytorch,lsh_window=pytorch``): the forced candidate runs wherever its condition holds,
 ``pytorch`` elsewhere. A value naming no op or candidate is a ValueError listing the valid ones.
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
@@ -69,7 +69,6 @@ PYTORCH = "pytorch"
 FUSED_MAX_BATCH = 16
 
 _CPU_DTYPES = (torch.float32, torch.float64)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The CUDA kernel's largest C and M (its shared-memory tiles).
 _CUDA_MAX_DIM = 256
@@ -108,14 +107,6 @@ def _cpu_inputs(*tensors) -> bool:
     dtype = present[0].dtype
     return (dtype in _CPU_DTYPES and not torch.is_autocast_enabled("cpu")
             and all(t.device.type == "cpu" for t in present))
-
-
-def _causal_cpu(q, k, v, initial_state=None) -> bool:
-    """CPU tensors, q, k, v of one dtype, under CPU autocast too: the recurrence runs float16 and
-    bfloat16 as float32, as the ``pytorch`` candidate does (``ops/cpu/causal_recurrence.py``)."""
-    tensors = [t for t in (q, k, v, initial_state) if t is not None]
-    return (q.dtype == k.dtype == v.dtype and q.dtype in _CPU_DTYPES + _HALF_DTYPES
-            and all(t.device.type == "cpu" for t in tensors))
 
 
 def _causal_cuda(q, k, v, initial_state=None) -> bool:
@@ -247,11 +238,6 @@ CANDIDATES: dict[str, list[Candidate]] = {
         Candidate("cuda", "CUDA kernel (ops/cuda/causal_linear_attention.cu)",
                   "CUDA tensors of one dtype (float32, float16, bfloat16), 1 <= C, M <= 256, the extension built",
                   _causal_cuda, torch.compiler.assume_constant_result(lambda: cuda_kernel() is not None), _causal_cuda_run),
-        Candidate("recurrence", "C++ recurrence (ops/cpu/causal_recurrence.cpp)",
-                  "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), C, M "
-                  "zero-padded to whole registers",
-                  _causal_cpu, _cpu_available("CAUSAL_RECURRENCE"), _deferred(_recurrence, "causal_dot_product"),
-                  _cpu_isa("CAUSAL_RECURRENCE")),
         _pytorch("PyTorch chunked numerator (ops/linear_attention/chunk.py)", _causal_pytorch),
     ],
     "lsh_window": [

@@ -166,7 +166,7 @@ def test_rnn_step_in_half_precision_matches_float64(backend, dtype):
 
 # ---------------------------------------------------------------- causal linear: long sequences, values of mean 1
 @pytest.mark.parametrize("packed", [False, True], ids=["one sequence", "packed"])
-@pytest.mark.parametrize("kernel", ["pytorch", pytest.param("recurrence", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kernel", ["pytorch", pytest.param("cpp", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_lengths(request, monkeypatch, dtype,
                                                                                   kernel, packed):
@@ -175,11 +175,11 @@ def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_length
     and a normaliser term that nearly cancel when v has a nonzero mean, lost a digit when the two
     were rounded to half precision apart. The output and every gradient must be finite and within
     one half-precision unit (relative, in norm) of the float64 attention of the same half inputs:
-    on the PyTorch chunk path (the ``pytorch`` candidate, what a GPU without Triton runs), on the C++
-    recurrence, and for three packed sequences (one pass, whatever the kernel)."""
-    if kernel == "recurrence":
+    on the PyTorch chunk path (the ``pytorch`` candidates, what a GPU without Triton runs), on the fused
+    C++ kernel (``causal_attention=cpp``), and for three packed sequences."""
+    if kernel == "cpp":
         request.getfixturevalue("causal_extension")
-    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "pytorch" if kernel == "pytorch" else "causal=recurrence")
+    monkeypatch.setenv("LINFORMER_LAB_KERNELS", "pytorch" if kernel == "pytorch" else "causal_attention=cpp")
     gen = torch.Generator().manual_seed(0)
     attn = ll.build_attention("linear", causal=True, query_dim=64)
     n, edges = 2048, [0, 700, 701, 2048]
@@ -188,7 +188,7 @@ def test_causal_linear_in_half_precision_is_exact_to_one_rounding_at_long_length
     grad_out = torch.randn(1, 2, n, 64, generator=gen).to(dtype)
     from linformer_lab.ops import kernels
 
-    assert kernels.select("causal", q.float(), k.float(), v.float()).name == kernel
+    assert kernels.select("causal_attention", attn.feature_map, q, k, v).name == kernel
     out = attn(q, k, v, cu_seqlens=torch.tensor(edges) if packed else None)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]

@@ -179,7 +179,7 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     assert "stopped after" not in report and "failed" not in report, report.split("## Skipped")[1]
     rows = list(csv.DictReader((out / "gpu_check_cpu_dry_run.csv").read_text().splitlines()))
     checked = {(r["op"], r["candidate"]): r["status"] for r in rows if r["part"] == "kernel_check"}
-    assert checked[("causal", "recurrence")] == "pass" and checked[("causal_attention", "triton")] == "not here"
+    assert checked[("causal_attention", "cpp")] == "pass" and checked[("causal_attention", "triton")] == "not here"
     build = [r for r in rows if r["part"] == "build"]
     assert build[0]["method"] == "build 3 extensions at once" and build[0]["result"] == "3 of 3 built or cached"
     tests = [r for r in rows if r["part"] == "tests"]

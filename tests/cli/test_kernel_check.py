@@ -34,7 +34,7 @@ def _by_name(results):
 
 def test_every_cpu_kernel_passes_and_the_gpu_ones_say_why_not(built):
     results = _by_name(kernel_check.check_kernels(["cpu"], steps=fused_steps))
-    for key in (("causal", "recurrence", "cpu"), ("lsh_window", "cpp", "cpu"), ("fused_step", "cpp", "cpu")):
+    for key in (("causal_attention", "cpp", "cpu"), ("lsh_window", "cpp", "cpu"), ("fused_step", "cpp", "cpu")):
         result = results[key]
         assert result.status == "pass" and result.error < 1e-5 <= result.allowed, result
     assert results["causal", "cuda", "cpu"].status == "not here" and "CUDA tensors" in results["causal", "cuda", "cpu"].detail
@@ -66,14 +66,14 @@ def test_a_kernel_that_fails_to_launch_is_one_error_line_naming_the_switch(built
     def broken(*args):
         raise RuntimeError("PTX compilation failed: out of registers\n  (a long compiler log follows)")
 
-    _patched(monkeypatch, "causal", "recurrence", broken)
+    _patched(monkeypatch, "causal_attention", "cpp", broken)
     code, out, err = run_cli(["plugins", "--check"])
     assert code == 1
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert lines == ["error: kernel causal=recurrence on cpu float32 failed to compile or launch: RuntimeError: PTX "
-                     "compilation failed: out of registers; run with LINFORMER_LAB_KERNELS=causal=pytorch (or "
+    assert lines == ["error: kernel causal_attention=cpp on cpu float32 failed to compile or launch: RuntimeError: PTX "
+                     "compilation failed: out of registers; run with LINFORMER_LAB_KERNELS=causal_attention=pytorch (or "
                      "LINFORMER_LAB_KERNELS=pytorch for every op) to use the PyTorch form"]
-    assert "Traceback" not in err and "causal=recurrence on cpu float32: error" in out
+    assert "Traceback" not in err and "causal_attention=cpp on cpu float32: error" in out
     assert "lsh_window=cpp on cpu float32: pass" in out  # the others are still checked
 
 
@@ -115,7 +115,7 @@ def test_plugins_check_through_the_real_cli():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernel check (forward and backward against the float64 reference, small shapes):" in done.stdout
-    for line in ("causal=recurrence on cpu float32: pass", "lsh_window=cpp on cpu float32: pass",
+    for line in ("causal_attention=cpp on cpu float32: pass", "lsh_window=cpp on cpu float32: pass",
                  "fused_step=cpp on cpu float32: pass"):
         assert line in done.stdout
     assert "error:" not in done.stderr

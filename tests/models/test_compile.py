@@ -1,6 +1,7 @@
 """``torch.compile(model, fullgraph=True)`` traces a Transformer with causal linear attention whole
-on CPU: feature map, the C++ causal kernel (a ``torch.library`` operator, linformer_lab/ops/
-custom_ops.py), normaliser and state, with no graph break (``fullgraph=True`` makes one an error).
+on CPU: the fused C++ causal attention (feature map, numerator and normaliser; a ``torch.library``
+operator, linformer_lab/ops/custom_ops.py) and its state, with no graph break (``fullgraph=True``
+makes one an error).
 The compiled model's outputs, states and gradients equal eager ones, and the kernel ran inside it.
 
 The graphs are traced by Dynamo and AOT autograd (fake tensors, the operators' fake functions and
@@ -25,8 +26,7 @@ pytestmark = pytest.mark.slow  # Dynamo and AOT autograd trace for several secon
 
 @pytest.fixture
 def kernel_calls():
-    """Counts the C++ recurrence's forward and backward calls, the numerator's or the fused attention's
-    (elu + 1), whichever the layer takes (its module substituted by a spy)."""
+    """Counts the fused C++ attention's forward and backward calls (its module substituted by a spy)."""
     try:
         real = cpu.CAUSAL_RECURRENCE.load()
     except RuntimeError as error:
@@ -42,7 +42,6 @@ def kernel_calls():
         return call
 
     spy = types.SimpleNamespace(**{name: getattr(real, name) for name in dir(real) if not name.startswith("__")})
-    spy.forward, spy.backward = counted("forward"), counted("backward")
     spy.attention_forward, spy.attention_backward = counted("attention_forward"), counted("attention_backward")
     with cpu.CAUSAL_RECURRENCE.substituted(spy):
         yield calls
@@ -59,7 +58,7 @@ def gradients(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("d_model, heads", [(16, 2), (14, 2)], ids=["head dim 8", "head dim 7 (padded)"])
 def test_compiled_forward_and_backward_equal_eager(kernel_calls, d_model, heads):
-    """elu map, padded sequences (key_lengths), fwd + bwd; head dim 7 runs the recurrence zero-padded."""
+    """elu map, padded sequences (key_lengths), fwd + bwd; head dim 7 runs the kernel zero-padded."""
     eager = model(d_model, heads)
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")

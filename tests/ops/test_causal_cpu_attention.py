@@ -89,7 +89,7 @@ def threads():
     torch.set_num_threads(before)
 
 
-SHAPES = [  # (B, H, N, C, M): one block and several, C != M, odd sizes padded
+SHAPES = [  # (B, H, N, C, M): one block and several, C != M, odd sizes padded, many rows
     (1, 1, 37, 16, 16),
     (2, 3, 300, 32, 16),
     (1, 1, 600, 64, 64),  # one row, several register columns: split on two threads
@@ -97,6 +97,10 @@ SHAPES = [  # (B, H, N, C, M): one block and several, C != M, odd sizes padded
     (2, 1, 280, 7, 7),
     (1, 2, 90, 33, 5),
     (1, 1, 70, 65, 65),
+    (2, 1, 265, 12, 12),  # 12 fills 4-float registers only
+    (1, 1, 265, 3, 16),
+    (4, 8, 70, 16, 32),  # many rows
+    (1, 2, 50, 561, 32),  # poly2's features at D = 32: 1 + 32 + 32 * 33 / 2
 ]
 
 

@@ -1,46 +1,50 @@
-"""The register-resident recurrence (linformer_lab/ops/cpu/causal_recurrence.cpp) against the
-float64 O(N^2) reference: outputs, final state and the gradients of q, k, v and S_0, float32 and
-float64, every instruction-set version this CPU runs, C and M from 12 to 128 including ones that
-take narrower registers (12, 24, 40), N below, at and past the 256-position block and not a
-multiple of anything, an initial state given or not, one to three threads (so the backward runs
-rows in parallel and, for fewer rows than threads, the two passes of a row in parallel). A spy
-asserts that the recurrence is the path taken whether C and M fit it or are zero-padded to it
-(D = 7). Helpers come from tests/ops/test_causal_cpu_kernel.py.
+"""The register-resident recurrence behind the fused CPU attention (linformer_lab/ops/cpu/causal_recurrence.cpp,
+through causal_recurrence.causal_attention) on its own cases, against the float64 O(N^2) attention of
+tests/ops/test_causal_cpu_attention.py (whose helpers it uses): every instruction-set version this
+CPU runs, with C and M that take narrower registers (12, 24, 40) and N below, at and past the
+256-position block, on one to three threads (items in parallel, or a row's columns and passes);
+C, M that fill no register run zero-padded; the register width per shape; the forward keeps S and z
+once per block; float64 finite differences of padded C, M; empty inputs; non-contiguous inputs,
+state and final gradient; the thread count changing between forward and backward; the pool of
+large outputs; another build substituted for the current one; and without the extension, one
+warning and the PyTorch form.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from test_causal_cpu_kernel import _close, _inputs, _recording, _reference, ran  # noqa: F401 - fixtures
+import torch.nn.functional as F
+from test_causal_cpu_attention import EPS, assert_close, fused, inputs, naive_attention, results
 
-from linformer_lab.ops import cpu, kernels
+from linformer_lab.attention.linear import LinearAttention
+from linformer_lab.feature_maps.elu import EluFeatureMap
+from linformer_lab.ops import build_cache, cpu, custom_ops, kernels, linear_attention
 from linformer_lab.ops.cpu import causal_recurrence
-from linformer_lab.ops.kernels import causal_dot_product
-from linformer_lab.ops.linear_attention import chunk
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(tensors, dtype, with_state, n_threads):
-    """Out, final state and gradients through causal_dot_product (the public entry point)."""
-    leaves = [t.detach().to(dtype).requires_grad_() for t in tensors[:4]]
-    grad, grad_final = (t.to(dtype) for t in tensors[4:])
+@contextlib.contextmanager
+def torch_threads(count: int):
     before = torch.get_num_threads()
-    torch.set_num_threads(n_threads)
+    torch.set_num_threads(count)
     try:
-        out, final = causal_dot_product(*leaves[:3], initial_state=leaves[3] if with_state else None,
-                                              return_final_state=True)
-        ((out * grad).sum() + (final * grad_final).sum()).backward()
+        yield
     finally:
         torch.set_num_threads(before)
-    return [out, final] + [t.grad for t in leaves]
+
+
+def _reference(leaves, grads):
+    return results(naive_attention, leaves, grads, torch.float64)
 
 
 CASES = [  # (B, H, N, C, M): C = M over the benchmark dims, C != M, narrower registers, blocks
@@ -55,18 +59,15 @@ CASES = [  # (B, H, N, C, M): C = M over the benchmark dims, C != M, narrower re
 ]
 
 
-@pytest.mark.parametrize("with_state", [True, False], ids=["S0", "no-S0"])
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("shape", CASES, ids=lambda s: "x".join(map(str, s)))
-def test_recurrence_matches_the_float64_reference(causal_isa, ran, shape, dtype, n_threads, with_state):  # noqa: F811
-    tensors = list(_inputs(*shape, seed=n_threads))
-    if not with_state:
-        tensors[3] = torch.zeros_like(tensors[3])
-    got = _run(tensors, dtype, with_state, n_threads)
-    want = _reference(*tensors)
-    _close(got if with_state else got[:5], want if with_state else want[:5], dtype)
-    assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
+def test_every_version_width_block_and_thread_count_matches_the_float64_reference(causal_isa, shape, dtype,
+                                                                                    n_threads):
+    leaves, grads = inputs(*shape, seed=n_threads)
+    with torch_threads(n_threads):
+        got = results(fused(), leaves, grads, dtype)
+    assert_close(got, _reference(leaves, grads), dtype)
 
 
 @pytest.mark.parametrize("dims,dtype,padded", [
@@ -75,14 +76,12 @@ def test_recurrence_matches_the_float64_reference(causal_isa, ran, shape, dtype,
     ((6, 10), torch.float64, False),   # 2 doubles do
     ((16, 8), torch.float32, False),
 ])
-def test_dims_that_do_not_fit_run_zero_padded(causal_extension, ran, dims, dtype, padded):  # noqa: F811
+def test_dims_that_fit_no_register_run_zero_padded(causal_extension, dims, dtype, padded):
     c, m = dims
-    path = "recurrence"
-    assert kernels.select("causal", *(torch.empty(1, 1, 1, d, dtype=dtype) for d in (c, c, m))).name == path
     assert (causal_recurrence.recurrence_dims(c, m, dtype) != dims) == padded
-    tensors = _inputs(2, 1, 150, c, m)
-    _close(_run(tensors, dtype, True, 2), _reference(*tensors), dtype)
-    assert ran == [(path, "forward"), (path, "backward")]
+    leaves, grads = inputs(2, 1, 150, c, m)
+    with torch_threads(2):
+        assert_close(results(fused(), leaves, grads, dtype), _reference(leaves, grads), dtype)
 
 
 def test_register_width_per_shape(causal_isa, causal_extension):
@@ -97,106 +96,119 @@ def test_register_width_per_shape(causal_isa, causal_extension):
     assert causal_extension.width(0, 16, fp32) == 0
 
 
-def test_only_the_final_state_used(causal_extension, ran):  # noqa: F811
-    """No gradient reaches the output (None into the backward): the gradients come from the final state alone."""
-    q, k, v, s0, _, grad_final = _inputs(1, 2, 200, 16, 32)
-    leaves = [t.float().requires_grad_() for t in (q, k, v, s0)]
-    _, final = causal_dot_product(*leaves[:3], initial_state=leaves[3], return_final_state=True)
-    (final * grad_final.float()).sum().backward()
-    want = _reference(q, k, v, s0, torch.zeros(1, 2, 200, 32, dtype=torch.float64), grad_final)
-    assert not leaves[0].grad.any()  # the final state does not depend on q
-    for got, expected in zip([final] + [t.grad for t in leaves[1:]], [want[1]] + want[3:]):
-        scale = expected.abs().max()
-        torch.testing.assert_close(got.double() / scale, expected / scale, rtol=2e-5, atol=2e-5)
-    assert ran == [("recurrence", "forward"), ("recurrence", "backward")]
-
-
-def test_switched_off_runs_the_reference(monkeypatch, causal_extension, ran):  # noqa: F811
-    monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
-    assert kernels.select("causal", *(torch.empty(1, 1, 1, 16),) * 3).name == "pytorch"
-    tensors = _inputs(1, 2, 100, 16, 16)
-    _close(_run(tensors, torch.float32, True, 2), _reference(*tensors), torch.float32)
-    assert ran == []
-
-
 def test_states_kept_for_the_backward_are_one_per_block(causal_extension):
-    """Memory O(N): the forward keeps S before each block of 256 positions, S_0 first."""
-    q, k, v, s0, *_ = (t.float() for t in _inputs(2, 1, 600, 16, 32))
-    rows = [t.reshape(2, *t.shape[2:]).contiguous() for t in (q, k, v, s0)]
-    out, final, states = causal_extension.forward(*rows)
+    """Memory O(N): the forward keeps S and z before each block of 256 positions, S_0 and z_0 first."""
+    leaves, _ = inputs(2, 1, 600, 16, 32)
+    q, k, v, s0, z0 = (t.float() for t in leaves)
+    _, _, s_n, z_n, states, z_states, _, _ = custom_ops.causal_attention_forward(q, k, v, s0, z0, None, None, 16,
+                                                                                EPS, False)
     block = causal_extension.block()
-    assert block == 256 and states.shape == (2, 3, 16, 32)
-    torch.testing.assert_close(states[:, 0], rows[3])
-    torch.testing.assert_close(states[:, 1], rows[3] + rows[1][:, :block].transpose(1, 2) @ rows[2][:, :block])
-    for got, length in ((states[:, 2], 2 * block), (final, 600)):  # float32 sums of up to 600 terms
-        want = rows[3].double() + rows[1][:, :length].double().transpose(1, 2) @ rows[2][:, :length].double()
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert block == 256 and states.shape == (2, 1, 3, 16, 32) and z_states.shape == (2, 1, 3, 16)
+    phi_k, v64 = F.elu(leaves[1]) + 1, leaves[2]
+    for length, s, z in [(i * block, states[:, :, i], z_states[:, :, i]) for i in range(3)] + [(600, s_n, z_n)]:
+        want_s = leaves[3] + phi_k[:, :, :length].transpose(-1, -2) @ v64[:, :, :length]
+        want_z = leaves[4] + phi_k[:, :, :length].sum(-2)
+        torch.testing.assert_close(s.double(), want_s, rtol=1e-5, atol=1e-4)  # float32 sums of up to 600 terms
+        torch.testing.assert_close(z.double(), want_z, rtol=1e-5, atol=1e-4)
 
 
-def test_gradcheck(causal_extension, ran):  # noqa: F811
-    """float64 finite differences, S_0 in and S_N out (C = 4, M = 2: registers of 2 doubles)."""
-    q, k, v, s0, _, _ = _inputs(1, 2, 11, 4, 2)
-    leaves = [t.requires_grad_() for t in (q, k, v, s0)]
-
-    def both(a, b, c, s):
-        return causal_recurrence.causal_dot_product(a, b, c, None, s, True)
-
-    assert torch.autograd.gradcheck(both, leaves)
-    assert {path for path, _ in ran} == {"recurrence"}
+def test_gradcheck_of_padded_dims(causal_extension):
+    """float64 finite differences through the kernel, C = 3 and M = 5 zero-padded, key lengths, S_0
+    and z_0 in, S_N and z_N out."""
+    leaves, _ = inputs(2, 2, 11, 3, 5)
+    assert causal_recurrence.recurrence_dims(3, 5, torch.float64) != (3, 5)
+    assert torch.autograd.gradcheck(fused(torch.tensor([11, 6])), [t.requires_grad_() for t in leaves])
 
 
-def _pooled_call(q, k, v, grad):
-    """(out, grad q, grad k, grad v) of the kernel in float32, and of the pure-PyTorch chunk path in float64."""
-    results = []
-    for dtype, fn in ((torch.float32, causal_recurrence.causal_dot_product), (torch.float64, chunk.CausalDotProduct.apply)):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(grad.to(dtype))
-        results.append([out.detach()] + [t.grad for t in leaves])
-    return results
+@pytest.mark.parametrize("shape", [(1, 2, 0, 4, 4), (0, 2, 5, 4, 4), (1, 2, 0, 3, 5), (2, 1, 9, 4, 0)],
+                         ids=["N=0", "B=0", "N=0 padded", "M=0"])
+def test_empty_inputs(causal_extension, shape):
+    """Nothing to compute, or no value columns (M padded to one zero register): the reference's
+    values, zeros and empty tensors."""
+    leaves, grads = inputs(*shape)
+    for got, want in zip(results(fused(), leaves, grads, torch.float64), _reference(leaves, grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_large_outputs_come_back_from_the_pool(causal_extension, ran):  # noqa: F811
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("c", [16, 7])
+def test_non_contiguous_inputs_state_and_final_gradient(causal_extension, c, dtype):
+    """q, k, v, S_0 and the gradient of S_N transposed in memory: the kernel reads raw rows, so the
+    operators hand it contiguous copies."""
+    leaves, grads = inputs(2, 3, 70, c, 16)
+    strided = [t.mT.contiguous().mT for t in leaves[:4]] + leaves[4:]  # same values, other strides
+    grads[1] = grads[1].mT.contiguous().mT
+    assert not any(t.is_contiguous() for t in strided[:4] + grads[1:2])
+    with torch_threads(2):
+        assert_close(results(fused(), strided, grads, dtype), _reference(leaves, grads), dtype)
+
+
+@pytest.mark.parametrize("forward_threads,backward_threads", [(2, 1), (1, 2)])
+def test_thread_count_changing_between_forward_and_backward(causal_extension, forward_threads, backward_threads):
+    """The backward splits one row's passes over 2 threads, or not, whatever the forward did."""
+    leaves, grads = inputs(1, 1, 300, 16, 32)
+    q, k, v, s0, z0 = (t.detach().float().requires_grad_() for t in leaves)
+    with torch_threads(forward_threads):
+        outs = fused()(q, k, v, s0, z0)
+    with torch_threads(backward_threads):
+        torch.autograd.backward(outs, [g.float() for g in grads])
+    got = [o.detach() for o in outs] + [t.grad for t in (q, k, v, s0, z0)]
+    assert_close(got, _reference(leaves, grads), torch.float32)
+
+
+def _pooled_call(seed):
+    """[out, grad q, grad k, grad v] of the kernel in float32, and of the PyTorch form in float64."""
+    leaves, grads = inputs(2, 4, 8192, 32, 32, seed=seed)
+    q, k, v = leaves[:3]
+    got, want = [], []
+    for dtype, run, into in ((torch.float32, causal_recurrence.causal_attention, got),
+                             (torch.float64, linear_attention.causal_attention, want)):
+        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = run(EluFeatureMap(32), *x, None, EPS, None)
+        out.backward(grads[0].to(dtype))
+        into += [out.detach()] + [t.grad for t in x]
+    return got, want
+
+
+def test_large_outputs_come_back_from_the_pool(causal_extension):
     """Outputs of 4 MiB and more (output_pool.h) are handed out again once their tensors die. A
     reused buffer holds the last call's numbers, so the second call checks that every element is
     written; the pool then keeps no more than its limit, and none at limit 0."""
-    shape = (2, 4, 8192, 32, 32)  # out, grad q, grad k, grad v: 8 MiB each, pooled; the states: 1 MiB, from torch
+    # out, phi(q), phi(k) (saved for the backward), grad q, grad k, grad v: 8 MiB each, pooled; the
+    # states (1 MiB) and den come from torch
     mib8 = 8 << 20
-
-    def call(seed):
-        q, k, v, _, grad, _ = _inputs(*shape, seed=seed)
-        return _pooled_call(q, k, v, grad)
-
     before = causal_extension.set_pool_limit(0)  # empty to start
     try:
         causal_extension.set_pool_limit(1 << 30)
         _, reused, made = causal_extension.pool_stats()
-        call(1)  # its results die at once: their buffers go to the pool
-        assert causal_extension.pool_stats() == [4 * mib8, reused, made + 4]
-        got, want = call(2)
-        assert causal_extension.pool_stats() == [0, reused + 4, made + 4]  # all four reused, nothing fresh
+        _pooled_call(1)  # its results die at once: their buffers go to the pool
+        assert causal_extension.pool_stats() == [6 * mib8, reused, made + 6]
+        got, want = _pooled_call(2)
+        # all six reused, nothing fresh; phi(q), phi(k) back in the pool once the backward freed them
+        assert causal_extension.pool_stats() == [2 * mib8, reused + 6, made + 6]
         for name, g, w in zip(["out", "grad q", "grad k", "grad v"], got, want):
             scale = w.abs().max().item()
             torch.testing.assert_close(g.double() / scale, w / scale, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         del got, want, g, w  # (g: the last, grad v)
-        assert causal_extension.pool_stats()[0] == 4 * mib8
+        assert causal_extension.pool_stats()[0] == 6 * mib8
         causal_extension.set_pool_limit(20 << 20)
         assert causal_extension.pool_stats()[0] == 2 * mib8
         causal_extension.set_pool_limit(0)
         assert causal_extension.pool_stats()[0] == 0
     finally:
         causal_extension.set_pool_limit(before)
-    assert ran[:2] == [("recurrence", "forward"), ("recurrence", "backward")]
 
 
 @pytest.mark.slow
 def test_pool_limit_from_the_environment(causal_extension):
     """$LINFORMER_LAB_CPU_POOL_MIB sets the limit (0: no pool, large outputs from torch as any tensor's)."""
-    code = ("import torch; from linformer_lab.ops import cpu; from linformer_lab.ops.cpu import causal_recurrence; "
-            "m = cpu.CAUSAL_RECURRENCE.load(); q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
-            "causal_recurrence.causal_dot_product(q, q, q).sum().backward(); "
+    code = ("import torch; from linformer_lab.feature_maps.elu import EluFeatureMap; from linformer_lab.ops import cpu; "
+            "from linformer_lab.ops.cpu import causal_recurrence; m = cpu.CAUSAL_RECURRENCE.load(); "
+            "q = torch.rand(1, 8, 16384, 64, requires_grad=True); "
+            "causal_recurrence.causal_attention(EluFeatureMap(64), q, q, q).sum().backward(); "
             "print(*m.pool_stats(), m.set_pool_limit(0))")
-    # out, grad q, grad k, grad v: 32 MiB each, the states 8 MiB; all freed, the pool keeps what fits 48 MiB
+    # out, phi(q), phi(k), grad q, grad k, grad v: 32 MiB each, the states 8 MiB; all freed, the pool
+    # keeps what fits 48 MiB
     for value, limit in (("0", 0), ("48", 48 << 20)):
         env = {**os.environ, "LINFORMER_LAB_CPU_POOL_MIB": value, "PYTHONPATH": str(REPO)}
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -204,22 +216,52 @@ def test_pool_limit_from_the_environment(causal_extension):
         held, reused, made, got_limit = map(int, done.stdout.split())
         assert got_limit == limit
         if limit:
-            assert 32 << 20 <= held <= limit and made >= 4
+            assert 32 << 20 <= held <= limit and made >= 6
         else:
             assert (held, reused, made) == (0, 0, 0)
 
 
-def test_another_build_substitutes_for_the_current_one(causal_extension, ran):  # noqa: F811
+def _recording(original, call, calls):
+    def spy(*args):
+        calls.append(call)
+        return original(*args)
+    return spy
+
+
+def test_another_build_substitutes_for_the_current_one(causal_extension):
     """Extension.substituted (benchmarks time an earlier revision's build beside the current one):
     within the block the kernel calls the given module, after it the process's own again. (A
     stand-in records its calls and passes them to the current build.)"""
-    other_calls = []
-    other = types.SimpleNamespace(fits=causal_extension.fits,
-                                  **{fn: _recording(getattr(causal_extension, fn), ("other", fn), other_calls)
-                                     for fn in ("forward", "backward")})
-    tensors = _inputs(1, 2, 40, 16, 16)
+    calls = []
+    other = types.SimpleNamespace(fits=causal_extension.fits, width=causal_extension.width,
+                                  **{fn: _recording(getattr(causal_extension, fn), fn, calls)
+                                     for fn in ("attention_forward", "attention_backward")})
+    leaves, grads = inputs(1, 2, 40, 16, 16)
     with cpu.CAUSAL_RECURRENCE.substituted(other):
         assert cpu.CAUSAL_RECURRENCE.load() is other and cpu.CAUSAL_RECURRENCE.module() is other
-        _close(_run(tensors, torch.float32, True, 1), _reference(*tensors), torch.float32)
-    assert other_calls == [("other", "forward"), ("other", "backward")]
+        assert_close(results(fused(), leaves, grads, torch.float32), _reference(leaves, grads), torch.float32)
+    assert calls == ["attention_forward", "attention_backward"]
     assert cpu.CAUSAL_RECURRENCE.load() is causal_extension
+
+
+def test_no_extension_falls_back_to_pytorch_with_one_warning(monkeypatch, tmp_path):
+    """No cached build and no compiler: the causal layer warns once and keeps to the PyTorch form."""
+    monkeypatch.setattr(cpu, "CAUSAL_RECURRENCE", cpu.Extension("linformer_lab_causal_recurrence",
+                                                                "causal_recurrence.cpp", cpu.CAUSAL_RECURRENCE.purpose))
+    monkeypatch.setenv(build_cache.VARIABLE, str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-linformer-lab")
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
+    layer = LinearAttention(causal=True, query_dim=4)
+    leaves, _ = inputs(1, 1, 20, 4, 4)
+    q, k, v = leaves[:3]
+    with pytest.warns(RuntimeWarning) as record:
+        out = layer(q, k, v)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and "causal linear attention keeps to PyTorch" in messages[0], messages
+    want, _, _ = naive_attention(q, k, v, torch.zeros(1, 1, 4, 4, dtype=q.dtype), torch.zeros(1, 1, 4, dtype=q.dtype),
+                                 eps=layer.eps)
+    torch.testing.assert_close(out, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(q, k, v)  # not retried, not warned again
+    assert kernels.select("causal_attention", layer.feature_map, q, k, v).name == "pytorch"

@@ -26,13 +26,13 @@ def candidate(op: str, name: str) -> kernels.Candidate:
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Stand-ins for the builds: ``builds(recurrence=True, lsh=False, ...)`` sets whether each
-    candidate's build can be had."""
+    """Stand-ins for the builds: ``builds(cpp=True, lsh=False, ...)`` sets whether each
+    candidate's build can be had (``cpp``: the fused causal attention's)."""
     monkeypatch.delenv(kernels.SWITCH, raising=False)
 
     def set_builds(**available):
         for (op, name), ok in {("causal", "cuda"): available.get("cuda", False),
-                               ("causal", "recurrence"): available.get("recurrence", False),
+                               ("causal_attention", "cpp"): available.get("cpp", False),
                                ("lsh_window", "cpp"): available.get("lsh", False),
                                ("fused_step", "cpp"): available.get("fused", False)}.items():
             monkeypatch.setattr(candidate(op, name), "available", lambda ok=ok: ok)
@@ -48,36 +48,45 @@ def qkv(device="cpu", dtype=torch.float32, c=8, m=8):
     return tuple(torch.zeros(2, 2, 5, d, device=device, dtype=dtype) for d in (c, c, m))
 
 
+def mapped(*args, **kwargs):
+    """The ``causal_attention`` op's probe arguments: the elu map, then :func:`qkv`."""
+    from linformer_lab.feature_maps.elu import EluFeatureMap
+
+    q, k, v = qkv(*args, **kwargs)
+    return EluFeatureMap(q.shape[-1]), q, k, v
+
+
 # ---------------------------------------------------------------- conditions
 
 
 def test_cpu_float32_and_float64_take_the_cpp_kernel_where_it_builds(builds):
-    builds(recurrence=True)
-    assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=torch.float64)) == "recurrence"
-    assert chosen("causal", *qkv(c=7, m=5)) == "recurrence"  # zero-padded to whole registers
+    builds(cpp=True)
+    assert chosen("causal_attention", *mapped()) == chosen("causal_attention", *mapped(dtype=torch.float64)) == "cpp"
+    assert chosen("causal_attention", *mapped(c=7, m=5)) == "cpp"  # zero-padded to whole registers
+    assert chosen("causal", *qkv()) == "pytorch"  # the numerator alone has no CPU kernel
     builds()
-    assert chosen("causal", *qkv()) == "pytorch"
+    assert chosen("causal_attention", *mapped()) == "pytorch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_on_cpu_takes_the_recurrence_for_causal_else_pytorch(builds, dtype):
-    builds(recurrence=True, lsh=True)
-    assert chosen("causal", *qkv(dtype=dtype)) == "recurrence"  # run as float32 (tests/ops/test_kernels_half.py)
+def test_half_precision_on_cpu_takes_the_cpp_kernel_for_causal_attention_else_pytorch(builds, dtype):
+    builds(cpp=True, lsh=True)
+    assert chosen("causal_attention", *mapped(dtype=dtype)) == "cpp"  # run as float32 (tests/ops/test_kernels_half.py)
     assert chosen("lsh_window", *qkv(dtype=dtype)) == "pytorch"
     builds()
-    assert chosen("causal", *qkv(dtype=dtype)) == "pytorch"
+    assert chosen("causal_attention", *mapped(dtype=dtype)) == "pytorch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cpu_autocast_takes_the_recurrence_for_causal_and_mixed_dtypes_pytorch(builds, dtype):
-    builds(recurrence=True, lsh=True, fused=True)
+def test_cpu_autocast_takes_the_cpp_kernel_for_causal_attention_and_mixed_dtypes_pytorch(builds, dtype):
+    builds(cpp=True, lsh=True, fused=True)
     with torch.autocast("cpu", dtype=dtype):
-        assert chosen("causal", *qkv()) == chosen("causal", *qkv(dtype=dtype)) == "recurrence"
+        assert chosen("causal_attention", *mapped()) == chosen("causal_attention", *mapped(dtype=dtype)) == "cpp"
         assert chosen("lsh_window", *qkv()) == "pytorch"
         assert chosen("fused_step", torch.zeros(1, 16)) == "pytorch"
-    q, k, v = qkv()
-    assert chosen("causal", q, k, v.double()) == "pytorch"
-    assert chosen("causal", q, k, v) == "recurrence"
+    feature_map, q, k, v = mapped()
+    assert chosen("causal_attention", feature_map, q, k, v.double()) == "pytorch"
+    assert chosen("causal_attention", feature_map, q, k, v) == "cpp"
 
 
 def test_fused_step_only_for_small_cpu_batches(builds):
@@ -88,7 +97,7 @@ def test_fused_step_only_for_small_cpu_batches(builds):
 
 
 def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
-    builds(recurrence=True, cuda=True)
+    builds(cpp=True, cuda=True)
     with FakeTensorMode():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert chosen("causal", *qkv("cuda", dtype)) == "cuda"
@@ -96,9 +105,11 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
         assert chosen("causal", *qkv("cuda", torch.float64)) == "pytorch"
         assert chosen("lsh_window", *qkv("cuda")) == "pytorch"
         assert chosen("fused_step", torch.zeros(1, 16, device="cuda")) == "pytorch"
-        builds(recurrence=True, cuda=False)
+        assert chosen("causal_attention", *mapped("cuda")) == "pytorch"  # the C++ kernel takes CPU tensors only
+        builds(cpp=True, cuda=False)
         assert chosen("causal", *qkv("cuda")) == "pytorch"
-    assert chosen("causal", *qkv()) == "recurrence"  # CPU tensors never take the CUDA kernel
+    builds(cpp=True, cuda=True)
+    assert chosen("causal", *qkv()) == "pytorch"  # CPU tensors never take the CUDA kernel
 
 
 # ---------------------------------------------------------------- the switch
@@ -106,7 +117,7 @@ def test_cuda_tensors_take_the_cuda_kernel_where_it_is_available(builds):
 
 @pytest.mark.parametrize("value, expected", [
     ("", {}), ("auto", {}), ("pytorch", {op: "pytorch" for op in kernels.CANDIDATES}),
-    ("causal=recurrence", {"causal": "recurrence"}),
+    ("causal_attention=cpp", {"causal_attention": "cpp"}),
     (" causal = pytorch , lsh_window=cpp ", {"causal": "pytorch", "lsh_window": "cpp"}),
 ])
 def test_switch_values(monkeypatch, value, expected):
@@ -115,19 +126,23 @@ def test_switch_values(monkeypatch, value, expected):
 
 
 def test_switch_forces_a_candidate_where_it_applies_and_pytorch_elsewhere(builds, monkeypatch):
-    builds(recurrence=True, lsh=True, fused=True, cuda=True)
-    monkeypatch.setenv(kernels.SWITCH, "causal=recurrence")
-    assert chosen("causal", *qkv()) == "recurrence"
-    assert chosen("lsh_window", *qkv()) == "cpp"  # other ops unaffected
+    builds(cpp=True, lsh=True, fused=True, cuda=True)
+    monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
     with FakeTensorMode():
-        assert chosen("causal", *qkv("cuda")) == "pytorch"  # the recurrence does not apply to CUDA tensors
+        assert chosen("causal", *qkv("cuda")) == "pytorch"  # the CUDA kernel applies, the switch says no
+    assert chosen("lsh_window", *qkv()) == "cpp"  # other ops unaffected
+    monkeypatch.setenv(kernels.SWITCH, "causal_attention=cpp")
+    assert chosen("causal_attention", *mapped()) == "cpp"
+    with FakeTensorMode():
+        assert chosen("causal_attention", *mapped("cuda")) == "pytorch"  # the C++ kernel does not apply to CUDA tensors
+        assert chosen("causal", *qkv("cuda")) == "cuda"
     monkeypatch.setenv(kernels.SWITCH, "pytorch")
-    assert [chosen("causal", *qkv()), chosen("lsh_window", *qkv()), chosen("fused_step", torch.zeros(1, 4))] \
+    assert [chosen("causal_attention", *mapped()), chosen("lsh_window", *qkv()), chosen("fused_step", torch.zeros(1, 4))] \
         == ["pytorch"] * 3
 
 
 @pytest.mark.parametrize("value, names", [
-    ("causal=fast", "its kernels: cuda, recurrence, pytorch"),
+    ("causal=fast", "its kernels: cuda, pytorch"),
     ("attention=pytorch", "an op among causal, lsh_window, fused_step, causal_attention"),
     ("0", "is not 'auto', 'pytorch' or op=kernel"),
     ("reference", "is not 'auto', 'pytorch' or op=kernel"),  # the pytorch candidates' earlier name
@@ -148,16 +163,22 @@ def test_an_unknown_op_names_the_ops():
 
 
 def test_describe_names_the_chosen_candidate_per_op(builds, monkeypatch):
-    builds(recurrence=True, fused=False)
-    monkeypatch.setattr(candidate("causal", "recurrence"), "detail", lambda: "avx2")
-    lines = kernel_check.describe()
-    assert lines[0] == "causal op on cpu (float32, C = M = 32): C++ recurrence (ops/cpu/causal_recurrence.cpp), avx2"
-    assert lines[1].startswith("lsh_window op on cpu (float32): PyTorch window step")
-    assert lines[2].startswith("fused_step op on cpu (float32, batch 1): Python step")
-    assert lines[-1].startswith(f"{kernels.SWITCH} unset")
-    monkeypatch.setenv(kernels.SWITCH, "causal=pytorch")
-    assert kernel_check.describe()[0].startswith("causal op on cpu (float32, C = M = 32): PyTorch chunked numerator")
-    assert kernel_check.describe()[-1] == f"{kernels.SWITCH}=causal=pytorch: forced {{'causal': 'pytorch'}}"
+    builds(cpp=True, fused=False)
+    cpp = candidate("causal_attention", "cpp")
+    monkeypatch.setattr(cpp, "detail", lambda: "avx2")
+
+    def line(op: str) -> str:
+        (found,) = [text for text in kernel_check.describe() if text.startswith(f"{op} op on cpu (")]
+        return found
+
+    assert line("causal_attention").endswith(f"): {cpp.description}, avx2")
+    assert line("causal").endswith(f"): {kernels.fallback('causal').description}")
+    assert line("lsh_window").startswith("lsh_window op on cpu (float32): PyTorch window step")
+    assert line("fused_step").startswith("fused_step op on cpu (float32, batch 1): Python step")
+    assert kernel_check.describe()[-1].startswith(f"{kernels.SWITCH} unset")
+    monkeypatch.setenv(kernels.SWITCH, "causal_attention=pytorch")
+    assert line("causal_attention").endswith(f"): {kernels.fallback('causal_attention').description}")
+    assert kernel_check.describe()[-1] == f"{kernels.SWITCH}=causal_attention=pytorch: forced {{'causal_attention': 'pytorch'}}"
 
 
 # ---------------------------------------------------------------- what linear runs
@@ -200,8 +221,8 @@ def test_linear_on_cpu_runs_the_cpp_kernel_or_under_the_switch_pytorch(
 
 @pytest.mark.slow
 def test_the_real_build_is_selected_for_every_width(causal_extension):
-    assert chosen("causal", *qkv(c=32, m=32)) == chosen("causal", *qkv(c=7, m=5)) == "recurrence"
-    assert kernel_check.describe()[0].startswith("causal op on cpu (float32, C = M = 32): C++ recurrence")
+    assert chosen("causal_attention", *mapped(c=32, m=32)) == chosen("causal_attention", *mapped(c=7, m=5)) == "cpp"
+    assert any(line.startswith("causal_attention op on cpu (") and "C++ recurrence" in line for line in kernel_check.describe())
 
 
 def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
@@ -226,15 +247,15 @@ def test_linear_on_cuda_tensors_calls_the_cuda_kernel(builds, monkeypatch):
 
 
 def test_force_picks_the_named_candidate_where_it_applies_over_the_switch(builds, monkeypatch):
-    builds(recurrence=True, cuda=True)
+    builds(cpp=True, cuda=True)
     monkeypatch.setenv(kernels.SWITCH, "pytorch")
-    assert kernels.select("causal", *qkv(), force="recurrence").name == "recurrence"
+    assert kernels.select("causal_attention", *mapped(), force="cpp").name == "cpp"
     assert kernels.select("causal", *qkv(), force="cuda").name == "pytorch"  # CPU tensors: not the CUDA kernel
     with FakeTensorMode():
         assert kernels.select("causal", *qkv("cuda"), force="cuda").name == "cuda"
     with pytest.raises(ValueError) as error:
         kernels.select("causal", *qkv(), force="triton")
-    assert "\n" not in str(error.value) and "its kernels: cuda, recurrence, pytorch" in str(error.value)
+    assert "\n" not in str(error.value) and "its kernels: cuda, pytorch" in str(error.value)
 
 
 def test_linear_cuda_is_linear_with_the_gpu_kernels_forced(builds, monkeypatch):

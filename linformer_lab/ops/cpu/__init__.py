@@ -3,8 +3,8 @@
 * :data:`FUSED_STEP` (``fused_step.cpp``): the fused RNN step of a stack of linear-attention
   (elu + 1) layers, which :mod:`linformer_lab.models.generation.cpu_step` calls from
   :func:`~linformer_lab.models.generation.fast_step`;
-* :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``): the causal numerator of linear
-  attention, forward and backward, as a register-resident recurrence, which
+* :data:`CAUSAL_RECURRENCE` (``causal_recurrence.cpp``): causal linear attention, numerator and
+  normaliser, forward and backward, as a register-resident recurrence, which
   :mod:`linformer_lab.ops.cpu.causal_recurrence` calls (C and M zero-padded to whole
   registers) through the operators of :mod:`linformer_lab.ops.custom_ops`;
 * :data:`LSH_WINDOW` (``lsh_window.cpp``): the windowed attention step of Reformer's LSH
@@ -229,8 +229,8 @@ class Extension:
 FUSED_STEP = Extension("linformer_lab_fused_step", "fused_step.cpp",
                        "generation keeps to the Python step (linformer_lab.models.generation.fast_step)")
 CAUSAL_RECURRENCE = Extension("linformer_lab_causal_recurrence", "causal_recurrence.cpp",
-                              "the causal linear-attention numerator keeps to PyTorch "
-                              "(linformer_lab.ops.linear_attention.chunk)")
+                              "causal linear attention keeps to PyTorch "
+                              "(linformer_lab.ops.linear_attention: causal_attention)")
 
 LSH_WINDOW = Extension("linformer_lab_lsh_window", "lsh_window.cpp",
                        "lsh attention keeps to its pure-PyTorch window step (linformer_lab.ops.lsh.window_attention_torch)")

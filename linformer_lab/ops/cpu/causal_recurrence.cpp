@@ -1,35 +1,49 @@
-// The causal numerator of linear attention (eq. 9) on CPU as a register-resident recurrence,
-// forward and backward (eq. 13-15):
+// Causal linear attention on CPU (eq. 7, 9-12), forward and backward (eq. 13-15), the numerator
+// and the normaliser in one pass each, phi = elu + 1 computed here too unless `mapped` (then q and
+// k are phi(q), phi(k) of any other feature map, applied by PyTorch, which differentiates it, and
+// the backward leaves out elu's derivative):
 //
-//   out_t = q_t^T S_t,   S_t = S_0 + sum_{s <= t} k_s v_s^T      q, k (rows, N, C), v (rows, N, M)
+//   out_t = phi(q_t)^T S_t / den_t,   den_t = phi(q_t)^T z_t + eps      q, k (rows, N, C), v (rows, N, M)
+//   S_t = S_0 + sum_{s <= t} phi(k_s) v_s^T,   z_t = z_0 + sum_{s <= t} phi(k_s)
 //
-// Every pass is one loop, `sweep`: a tile of a state (P <= 16 rows of one register each) stays in
-// registers while positions stream past; per position, a rank-1 update of the tile (one
-// broadcast FMA per row), then the tile's contribution to one output row (one broadcast FMA per
-// row). 2 P FMAs per position, no shuffles, no scratch: this is the plain recurrence's 4 C M
-// flops per position and pass, against the chunked algorithm's extra l (4 C + 3 M) per position
-// (ops/linear_attention/chunk.py), which at small D is most of the work and runs as inefficiently
-// small GEMMs.
+// Every product with a state is one loop, `sweep`: a tile of the state (P <= 16 rows of one
+// register each) stays in registers while positions stream past; per position, a rank-1 update of
+// the tile (one broadcast FMA per row), then the tile's contribution to one output row (one
+// broadcast FMA per row). 2 P FMAs per position, no shuffles, no scratch: the plain recurrence's
+// 4 C M flops per position and pass, against the chunked algorithm's extra l (4 C + 3 M) per
+// position (ops/linear_attention/chunk.py), which at small D is most of the work and runs as
+// inefficiently small GEMMs. With gn_t = g_t / den_t, gd_t = -(g_t . out_t) / den_t and
+// phi' = min(phi, 1) (exp(x) = phi below 0, 1 above; applied in a pass's last store):
 //
-//   forward  S  (C x M, rows over C) += k_t v_t^T    out_t  = q_t^T S      (in order)
-//   grad q   S' (M x C) = S^T        += v_t k_t^T    gq_t   = g_t^T S'     (in order)
-//   grad v   R  (C x M)              += q_t g_t^T    gv_t   = k_t^T R      (reversed)
-//   grad k   R' (M x C) = R^T        += g_t q_t^T    gk_t   = v_t^T R'     (reversed)
+//   forward  S  (C x M, rows over C) += phi(k_t) v_t^T    out_t = S^T phi(q_t) / den_t          (in order)
+//   grad q   S' (M x C) = S^T        += v_t phi(k_t)^T    gq_t = phi'(q_t) (S'^T gn_t + gd_t z_t)  (in order)
+//   grad v   R  (C x M)              += phi(q_t) gn_t^T   gv_t = R^T phi(k_t)                    (reversed)
+//   grad k   R' (M x C) = R^T        += gn_t phi(q_t)^T   gk_t = phi'(k_t) (R'^T v_t + r_t)       (reversed)
 //
-// with R = grad S_N + sum_{s >= t} q_s g_s^T, so grad S_0 = R after the last (reversed) step.
-// The transposed copies S', R' make every output a broadcast FMA again (a state row times a
-// scalar) instead of a horizontal sum. Positions run in blocks of kBlock: the forward keeps S
-// at every block start ((N / kBlock, C, M), O(N M C / kBlock), no larger than an input for
-// M <= kBlock), so the backward walks the blocks from last to first and runs all three passes
-// on one block while its inputs are in cache (one read of q, k, v, grad from memory).
+// with R_t = grad S_N + sum_{s >= t} phi(q_s) gn_s^T and r_t = grad z_N + sum_{s >= t} gd_s phi(q_s),
+// so grad S_0 = R_0 and grad z_0 = r_0. The transposed copies S', R' make every output a broadcast
+// FMA again (a state row times a scalar) instead of a horizontal sum. z is the column S would get
+// from a value column of ones, carried beside S as one register row over C (z += phi(k_t),
+// den_t = phi(q_t) . z; in registers where C <= 4 registers): as a column of S it would add a whole
+// register of columns to every pass (a quarter more FMAs at M = 64).
 //
-// Threads: both passes split rows where they share out evenly; else the forward splits each row's
-// columns (one piece per thread, or per register tile) and the backward (row, pass) pairs (grad q;
-// grad v with grad k). Loops under ~4 MFLOP run on one thread. Registers: the widest of the
-// instruction set in use that divides C and M (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2
-// doubles), so C and M must be multiples of 4 floats or 2 doubles; causal_recurrence.py zero-pads other
-// C, M up to whole registers (zero columns add nothing). Outputs of 4 MiB and more come from a pool of
-// reused buffers (output_pool.h): no page faults per call.
+// Positions run in blocks of kBlock. Per block the forward maps q and k into its outputs phi(q),
+// phi(k) (phi(k) zeroed past a row's key length, both zeroed in C's padding columns), walks z to
+// get den_t and runs its pass on phi(q_t) / den_t (scaled_by_inverse says how). It keeps S and z at
+// every block start ((N / kBlock, C, M): no larger than an input for M <= kBlock), den, and phi(q),
+// phi(k) in place of q and k (no more memory unless q, k are kept alive elsewhere): the backward
+// maps nothing, walks the blocks from last to first and runs its three passes on one block while
+// its inputs are in cache (one read of them from memory). Rows hold one sequence each, or
+// (cu_seqlens) segments that are sequences of their own: an item is a (segment, row) pair with its
+// own state, states[item = segment * rows + row].
+//
+// Threads: both directions split items where they share out evenly; else the forward splits each
+// item's columns (one piece per thread, or per register tile) and the backward (item, pass) pairs
+// (grad q; grad v with grad k). Loops under ~4 MFLOP run on one thread. Registers: the widest of
+// the instruction set in use that divides C and M (AVX-512: 16 floats, else 8 or 4; 8, 4 or 2
+// doubles), so C and M must be multiples of 4 floats or 2 doubles; causal_recurrence.py zero-pads
+// other C, M up to whole registers (zero columns add nothing). Outputs of 4 MiB and more come from a
+// pool of reused buffers (output_pool.h): no page faults per call.
 //
 // Compiled for AVX-512, AVX2 + FMA and SSE2 (target attributes, no -march) and picked at load
 // (simd.h). Built by linformer_lab/ops/cpu/__init__.py; registered as torch.library operators by
@@ -79,10 +93,10 @@ struct Vec {
 // with a[t, p] = a[t * ld_a + p] (likewise b, c, out). The sum runs in 4 partial accumulators
 // (a dependency chain of P / 4 FMAs); the positions are independent of each other but for the
 // one FMA per row of the update, so out-of-order execution overlaps consecutive positions.
-// kDerivative (the fused attention's gradients of q and k): the stored row is multiplied by
-// min(phi[t, :], 1), the derivative of elu + 1 given its value (phi laid out as out). kScale (the fused
-// attention's 1 / den_t, so that no scaled copy of an operand is written): kScaleSum, the sum is
-// multiplied by scale[t] before it is stored or added; kScaleB, b[t, :] is.
+// kDerivative (the gradients of q and k): the stored row is multiplied by min(phi[t, :], 1), the
+// derivative of elu + 1 given its value (phi laid out as out). kScale (1 / den_t, so that no scaled
+// copy of an operand is written): kScaleSum, the sum is multiplied by scale[t] before it is stored
+// or added; kScaleB, b[t, :] is.
 enum Scale { kScaleNone, kScaleSum, kScaleB };
 template <typename T, int B, int P, bool kDerivative = false, int kScale = kScaleNone>
 INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a, const T* b, int64_t ld_b, const T* c,
@@ -183,27 +197,6 @@ int width_bytes(int64_t c, int64_t m, int64_t size) {
   return 0;
 }
 
-#define DEFINE_FOR(NAME, ATTR, B)                                                                               \
-  template <typename T>                                                                                         \
-  ATTR void pass_##NAME(int64_t t0, int64_t t1, bool reverse, int64_t rows, int64_t cols, const T* a,          \
-                        const T* b, const T* c, T* out, T* state, int64_t col0, int64_t col1) {                 \
-    pass<T, B>(t0, t1, reverse, rows, cols, a, b, c, out, state, col0, col1);                                   \
-  }
-DEFINE_FOR(avx512, TARGET_AVX512, 64)
-DEFINE_FOR(avx2, TARGET_AVX2, 32)
-DEFINE_FOR(baseline, , 16)
-#undef DEFINE_FOR
-
-// One pass in the version for registers of `bytes` (width_bytes).
-template <typename... A>
-void run_pass(int bytes, A&&... a) {
-  switch (bytes) {
-    case 64: return pass_avx512(std::forward<A>(a)...);
-    case 32: return pass_avx2(std::forward<A>(a)...);
-    default: return pass_baseline(std::forward<A>(a)...);
-  }
-}
-
 // Outputs and saved states: large ones from this module's pool of reused buffers (output_pool.h).
 at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return OutputPool::get().empty(sizes, options);
@@ -214,8 +207,8 @@ at::Tensor empty_outputs(at::IntArrayRef sizes, const at::TensorOptions& options
 // OMP_WAIT_POLICY=PASSIVE; else 1.
 int64_t grain(int64_t tasks, int64_t flops) { return flops < (int64_t{4} << 20) ? std::max<int64_t>(tasks, 1) : 1; }
 
-// Whether whole rows (each one thread's) keep every thread busy: many rows, or a multiple of the
-// threads. Both passes then give a task whole rows, which read each input from memory once.
+// Whether whole rows (items) keep every thread busy: many, or a multiple of the threads. The forward
+// and the backward then give a task whole ones, which read each input from memory once.
 bool rows_share_out(int64_t rows) {
   const int64_t threads = at::get_num_threads();
   return rows >= 4 * threads || rows % threads == 0;
@@ -233,131 +226,7 @@ bool fits(int64_t c, int64_t m, at::ScalarType dtype) {
   return (dtype == at::kFloat || dtype == at::kDouble) && width_bytes(c, m, dtype == at::kDouble ? 8 : 4) > 0;
 }
 
-// -> (out (rows, N, M), final state S_N (rows, C, M), states (rows, blocks, C, M): S before each block).
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const c10::optional<at::Tensor>& initial) {
-  check(q, q, -1, "q");
-  check(k, q, q.size(2), "k");
-  check(v, q, -1, "v");
-  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), blocks = (n + kBlock - 1) / kBlock;
-  TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
-  auto out = empty_outputs({rows, n, m}, q.options());
-  // contiguous whatever the strides of S_0 (clone keeps a transposed one's)
-  at::Tensor final = initial ? initial->to(q.scalar_type()).reshape({rows, c, m}).clone(at::MemoryFormat::Contiguous)
-                             : at::zeros({rows, c, m}, q.options());
-  auto states = empty_outputs({rows, blocks, c, m}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_recurrence_forward", [&] {
-    using T = scalar_t;
-    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
-    T *op = out.data_ptr<T>(), *fp = final.data_ptr<T>(), *sp = states.data_ptr<T>();
-    const int bytes = width_bytes(c, m, sizeof(T));
-    const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
-    // Tasks of whole rows, else of a row's columns in one piece per thread (or per register tile): a
-    // task runs its column tiles block by block, so only the first reads q and k from memory. One
-    // task per (row, tile) read them once per tile, which was slower on long rows.
-    const int64_t pieces = rows_share_out(rows) ? 1 : tiles % threads == 0 ? threads : tiles;
-    const int64_t span = m / pieces;
-    at::parallel_for(0, rows * pieces, grain(rows * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) {
-        const int64_t row = e / pieces, j = e % pieces * span;
-        T* s = fp + row * c * m;  // the running state, S_0 to start with; this task's columns j..j+span
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-          T* saved = sp + (row * blocks + blk) * c * m;
-          for (int64_t i = 0; i < c; ++i) std::memcpy(saved + i * m + j, s + i * m + j, span * sizeof(T));
-          const int64_t t0 = row * n + blk * kBlock, t1 = row * n + std::min(n, (blk + 1) * kBlock);
-          run_pass(bytes, t0, t1, false, c, m, kp, vp, qp, op, s, j, j + span);
-        }
-      }
-    });
-  });
-  return {out, final, states};
-}
-
-// -> (grad q, grad k, grad v, grad S_0) from the inputs, the forward's states, the gradient of
-// out and that of the final state (or None).
-std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                 const at::Tensor& states, const c10::optional<at::Tensor>& grad_final) {
-  check(q, q, -1, "q");
-  check(k, q, q.size(2), "k");
-  check(v, q, -1, "v");
-  check(g, q, v.size(2), "grad");
-  const int64_t rows = q.size(0), n = q.size(1), c = q.size(2), m = v.size(2), blocks = (n + kBlock - 1) / kBlock;
-  TORCH_CHECK(fits(c, m, q.scalar_type()), "C and M must be multiples of the register width");
-  TORCH_CHECK(states.is_contiguous() && states.sizes() == at::IntArrayRef({rows, blocks, c, m}) &&
-              states.scalar_type() == q.scalar_type(), "states do not fit the inputs");
-  auto gq = empty_outputs(q.sizes(), q.options()), gk = empty_outputs(k.sizes(), k.options());
-  auto gv = empty_outputs(v.sizes(), v.options());
-  at::Tensor r_all = grad_final ? grad_final->to(q.scalar_type()).reshape({rows, c, m}).clone(at::MemoryFormat::Contiguous)
-                                : at::zeros({rows, c, m}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_recurrence_backward", [&] {
-    using T = scalar_t;
-    const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = g.data_ptr<T>();
-    const T* sp = states.data_ptr<T>();
-    T *gqp = gq.data_ptr<T>(), *gkp = gk.data_ptr<T>(), *gvp = gv.data_ptr<T>(), *rp = r_all.data_ptr<T>();
-    const int64_t cm = c * m;
-    const int bytes = width_bytes(c, m, sizeof(T));
-    // Rows in parallel when they share out evenly: each row walks its blocks from last to first and
-    // runs grad q (in order, from the saved S), then grad v and grad k (reversed) on one block while
-    // it is in cache. Otherwise (fewer rows than threads, say) 2 tasks per row, grad q and
-    // (grad v, grad k), which read the inputs from memory twice but keep 2 threads busy on one row.
-    const bool fused = rows_share_out(rows);
-    const int64_t tasks = fused ? rows : 2 * rows;
-    at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
-      std::vector<T> st(cm), rt(cm);  // S' and R' (M x C)
-      for (int64_t e = begin; e < end; ++e) {
-        const int64_t row = fused ? e : e / 2;
-        const bool do_q = fused || e % 2 == 0, do_kv = fused || e % 2 == 1;
-        T* r = rp + row * cm;
-        if (do_kv) transpose(r, c, m, rt.data());
-        for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t blk = fused || do_kv ? blocks - 1 - i : i;  // grad q alone: in memory order
-          const int64_t t0 = row * n + blk * kBlock, t1 = row * n + std::min(n, (blk + 1) * kBlock);
-          if (do_q) {
-            transpose(sp + (row * blocks + blk) * cm, c, m, st.data());
-            run_pass(bytes, t0, t1, false, m, c, vp, kp, gp, gqp, st.data(), int64_t{0}, c);
-          }
-          if (do_kv) {
-            run_pass(bytes, t0, t1, true, c, m, qp, gp, kp, gvp, r, int64_t{0}, m);
-            run_pass(bytes, t0, t1, true, m, c, gp, qp, vp, gkp, rt.data(), int64_t{0}, c);
-          }
-        }
-      }
-    });
-  });
-  return {gq, gk, gv, r_all};
-}
-
-// ------------------------------------------------------------------ the fused attention
-//
-// Causal linear attention with phi = elu + 1 (eq. 7, 9-12) in one forward and one backward pass,
-// on the passes above; with `mapped`, q and k are phi(q), phi(k) of any other feature map (applied by
-// PyTorch, which differentiates it), copied where elu would map them, and the backward leaves out
-// elu's derivative (the gradients are those of phi(q), phi(k)):
-//
-//   out_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps),   S_t = S_0 + sum_{s <= t} phi(k_s) v_s^T,
-//   z_t = z_0 + sum_{s <= t} phi(k_s)
-//
-// The state is (S, z): z is the column S would get from a value column of ones. It is carried
-// beside S as one register row over C (z += phi(k_t), den_t = phi(q_t) . z): as a column of S it
-// would add a whole register of columns to every pass (a quarter more FMAs at M = 64), where the
-// separate row adds 2 C / W vector operations per position. Per block of kBlock positions the
-// forward maps the block's q and k into its outputs phi(q), phi(k) (phi(k) zeroed past a row's key
-// length, phi of both zeroed in C's padding columns), walks z (in registers where C <= 4 registers)
-// to get den_t and runs the forward pass on phi(q_t) / den_t (scaled_by_inverse says how). The
-// backward, with gn_t = g_t / den_t and gd_t = -(g_t . out_t) / den_t, is the numerator's on (phi(q),
-// phi(k), v, gn) plus the normaliser's terms, and the derivative of phi in the passes' last store:
-//
-//   grad q_t = min(phi(q_t), 1) (S_t gn_t + gd_t z_t)         (in order, from the saved S, z)
-//   grad v_t = R_t^T phi(k_t)                                   (reversed)
-//   grad k_t = min(phi(k_t), 1) (R_t v_t + r_t)                 (reversed)
-//   R_t = grad S_N + sum_{s >= t} phi(q_s) gn_s^T,   r_t = grad z_N + sum_{s >= t} gd_s phi(q_s)
-//
-// so grad S_0 = R_0 and grad z_0 = r_0. The forward saves phi(q), phi(k) (2 C numbers per position,
-// kept for the backward in place of q and k, so no more memory than before unless q, k are kept
-// alive elsewhere), den (one number per position) and S, z at every block start: the backward maps
-// nothing (its phi' is min(phi, 1): exp(x) = phi below 0, 1 above). Rows hold one sequence each,
-// or (cu_seqlens) segments that are sequences of their own: an item is a (segment, row) pair with
-// its own state, states[item = segment * rows + row].
+// ------------------------------------------------------------------ the attention
 
 // exp(x) for x <= 0 in float: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by a polynomial
 // of degree 5 fitted for the least relative error there (~2e-7, as the degree-6 Taylor polynomial;
@@ -440,7 +309,7 @@ INLINE void map_block(int64_t len, int64_t c, int64_t features, int64_t keys, bo
                                       std::fill(kf + t * c + features, kf + (t + 1) * c, T(0));
 }
 
-// Whether the fused attention's passes scale by 1 / den_t themselves (one product per position and
+// Whether the passes scale by 1 / den_t themselves (one product per position and
 // register tile) rather than read a copy of phi(q) or g divided by den (C / W or M / W products and
 // stores per position): at most two row tiles each way, where the copy was the larger cost.
 template <typename T, int B>
@@ -737,8 +606,10 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
     using T = scalar_t;
     const int bytes = width_bytes(c, m, sizeof(T));
     const int64_t w = bytes / sizeof(T), tiles = m / w, threads = at::get_num_threads();
-    // As the numerator's forward: tasks of whole items, else of an item's columns (each piece maps
-    // the block and walks z itself; the first writes den, z and the maps, the others map into scratch)
+    // Tasks of whole items, else of an item's columns in one piece per thread (or per register tile): a
+    // task runs its column tiles block by block, so only the first reads q and k from memory (one task
+    // per (item, tile) read them once per tile, slower on long rows). Each piece maps the block and
+    // walks z itself; the first writes den, z and the maps, the others map into scratch.
     const int64_t pieces = rows_share_out(items) ? 1 : tiles % threads == 0 ? threads : tiles;
     const int64_t span = m / pieces;
     at::parallel_for(0, items * pieces, grain(items * pieces, 4 * rows * n * c * m), [&](int64_t begin, int64_t end) {
@@ -807,8 +678,9 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_attention_backward", [&] {
     using T = scalar_t;
     const int bytes = width_bytes(c, m, sizeof(T));
-    // As the numerator's backward: whole items where they share out evenly, else two tasks per item
-    // (grad q; grad v with grad k), each scaling g itself.
+    // Whole items where they share out evenly, each walking its blocks from last to first with all
+    // three passes on one block; else two tasks per item (grad q; grad v with grad k), which read the
+    // inputs from memory twice but keep two threads busy on one item, each scaling g itself.
     const bool fused = rows_share_out(items);
     const int64_t tasks = fused ? items : 2 * items;
     at::parallel_for(0, tasks, grain(tasks, 12 * rows * n * c * m), [&](int64_t begin, int64_t end) {
@@ -852,9 +724,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& phi_q, const at::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "Causal linear-attention numerator on CPU as a recurrence (linformer_lab/ops/cpu/causal_recurrence.cpp)";
-  module.def("forward", &forward, "(q, k, v, initial_state or None) -> [out, final_state, states]");
-  module.def("backward", &backward, "(q, k, v, grad_out, states, grad_final or None) -> [gq, gk, gv, grad_initial]");
+  module.doc() = "Causal linear attention on CPU as a recurrence (linformer_lab/ops/cpu/causal_recurrence.cpp)";
   module.def("fits", [](int64_t c, int64_t m, const at::Tensor& like) { return fits(c, m, like.scalar_type()); },
              "whether (C, M) in like's dtype runs here (multiples of the register width)");
   module.def("block", [] { return kBlock; }, "positions per saved forward state");

@@ -1,30 +1,23 @@
-"""The causal numerator on CPU through the C++ recurrence (``linformer_lab/ops/cpu/causal_recurrence.cpp``).
+"""Causal linear attention on CPU through the C++ recurrence (``linformer_lab/ops/cpu/causal_recurrence.cpp``):
+the CPU candidate of the ``causal_attention`` op (:mod:`linformer_lab.ops.kernels`; ``attention/linear.py``'s
+causal forward), for every feature map.
 
-Same contract as :class:`~linformer_lab.ops.linear_attention.chunk.CausalDotProduct` (initial
-state in, final state out, gradients into both); :mod:`linformer_lab.ops.kernels` decides where
-it runs (the ``recurrence`` candidate of the ``causal`` op: CPU tensors of one dtype, under CPU
-autocast too). float16 / bfloat16 inputs run as float32, as the PyTorch numerator accumulates them
+:func:`causal_attention` computes the numerator and the normaliser (z, the state's one more row) in
+one forward and one backward pass of the kernel (its ``attention_forward`` / ``attention_backward``,
+the operators ``causal_attention_forward`` / ``_backward`` of :mod:`linformer_lab.ops.custom_ops`,
+so ``torch.compile`` traces through it), and with the elu + 1 map (eq. 7) phi too; other maps are
+applied by PyTorch first (``mapped``), which differentiates them. float16 / bfloat16 inputs run as
+float32, as the PyTorch forms accumulate them
 (:func:`~linformer_lab.ops.linear_attention.chunk.compute_dtype`): the output comes back in the
-inputs' dtype, S_N in float32, the gradients in the inputs' dtypes.
+inputs' dtype, the state in float32.
 
-The recurrence is the plain S_t = S_{t-1} + k_t v_t^T with a tile of the state held in SIMD
-registers while the positions stream past: 16 C M flops per position (fwd+bwd), all of them
-broadcast FMAs, so its loops need C and M in whole registers. Other C, M (odd head sizes, poly2's
-1 + D + D (D + 1) / 2 features) are zero-padded up to whole registers (:func:`recurrence_dims`):
-zero columns of q and k, and zero columns of v, add nothing to any state or output, and the
-padded columns of the results are cut off. The kernel runs as the ``torch.library`` operator of
-:mod:`linformer_lab.ops.custom_ops`, so ``torch.compile`` traces through it. Its large outputs come
-from a pool of reused buffers (``ops/cpu/output_pool.h``), since a fresh buffer costs a page fault
-per 4 KiB. ``tests/ops/test_causal_cpu_kernel.py`` holds it to a float64 O(N^2) reference.
-
-:func:`causal_attention` is the CPU candidate of the ``causal_attention`` op (``attention/linear.py``'s
-causal forward), for every feature map: the same source computes the numerator and the normaliser
-(z, the state's one more row) in one forward and one backward pass (its ``attention_forward`` /
-``attention_backward``, the operators ``causal_attention_forward`` / ``_backward``), and with the
-elu + 1 map (eq. 7) phi too; other maps are applied by PyTorch first (``mapped``), which
-differentiates them. C's padding columns are zero after the map (a zero column of q maps to phi =
-1), and the kernel zeroes phi(k) past ``key_lengths``. ``tests/ops/test_causal_cpu_attention.py``
-holds it to the float64 naive attention.
+The kernel's loops hold a tile of the state in SIMD registers while the positions stream past, so
+they need C and M in whole registers. Other C, M (odd head sizes, poly2's 1 + D + D (D + 1) / 2
+features) are zero-padded up to whole registers (:func:`recurrence_dims`): zero columns of phi(q),
+phi(k) and v add nothing to any state or output (a zero column of q maps to phi = 1, so the kernel
+zeroes phi in C's padding columns, and phi(k) past ``key_lengths``), and the padded columns of the
+results are cut off. ``tests/ops/test_causal_cpu_attention.py`` and ``test_causal_recurrence.py``
+hold it to the float64 naive attention.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from linformer_lab.ops.linear_attention.chunk import compute_dtype
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import LinearState
 
-__all__ = ["accepts_attention", "causal_attention", "causal_dot_product", "recurrence_dims"]
+__all__ = ["accepts_attention", "causal_attention", "recurrence_dims"]
 
 
 def _padded(size: int, width: int) -> int:
@@ -48,7 +41,7 @@ def _padded(size: int, width: int) -> int:
 
 @torch.compiler.assume_constant_result  # traced as its value: the extension is built and asked once per shape
 def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int] | None:
-    """(C', M') that the recurrence runs (C, M) as in ``dtype``: (C, M) where they fill whole
+    """(C', M') that the kernel runs (C, M) as in ``dtype``: (C, M) where they fill whole
     registers, else both zero-padded to the register width with the fewest vector FMAs per
     position (C' M' / width: D = 7 pads to 8 floats, D = 33 to 48 where AVX-512 has 16); None
     where the extension cannot be had (warned once) or ``dtype`` is not float32 / float64."""
@@ -67,50 +60,18 @@ def recurrence_dims(feature_dim: int, value_dim: int, dtype: torch.dtype) -> tup
     return _padded(feature_dim, best), _padded(value_dim, best)
 
 
-def causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int | None = None,
-                       initial_state: torch.Tensor | None = None, return_final_state: bool = False):
-    """:func:`~linformer_lab.ops.linear_attention.chunk.causal_dot_product` on the recurrence:
-    ``q, k (B, H, N, C), v (B, H, N, M)`` of one dtype on CPU, ``initial_state`` S_0
-    ``(B, H, C, M)`` or None -> ``out (B, H, N, M)`` in that dtype, with ``return_final_state``
-    ``(out, S_N)``, S_N in the compute dtype (float32 for float16 / bfloat16 inputs, module
-    docstring). ``chunk_size`` is the PyTorch numerator's and unused here."""
-    dtype = q.dtype
-    compute = compute_dtype(dtype)
-    # the operator takes only float32 / float64: autocast off around it, as around the PyTorch numerator's
-    # two passes, so that nothing on the way in or out is recast to half precision
-    with torch.autocast("cpu", enabled=False):
-        out, final = _recurrence(q.to(compute), k.to(compute), v.to(compute),
-                                 None if initial_state is None else initial_state.to(compute))
-    out = out.to(dtype)
-    return (out, final) if return_final_state else out
-
-
-def _padded_inputs(q, k, v, who: str):
+def _padded_inputs(q, k, v):
     """``(q, k, v, pad_c, pad_m)``: q, k, v of one float32 / float64 dtype zero-padded in C and M to
-    what the recurrence runs, contiguous (the operators read raw rows; the copies are what they save
-    for the backward), and the padding."""
+    what the kernel runs, contiguous (the operators read raw rows), and the padding."""
     c, m = q.shape[-1], v.shape[-1]
     dims = recurrence_dims(c, m, q.dtype)
     if dims is None:
-        raise RuntimeError(f"the {who} does not run {q.dtype} here: it takes float32, float64, "
+        raise RuntimeError(f"the fused CPU attention does not run {q.dtype} here: it takes float32, float64, "
                            "float16 or bfloat16 (as float32), and needs the causal_recurrence.cpp extension built")
     pad_c, pad_m = dims[0] - c, dims[1] - m
     if pad_c or pad_m:
         return F.pad(q, (0, pad_c)), F.pad(k, (0, pad_c)), F.pad(v, (0, pad_m)), pad_c, pad_m
     return q.contiguous(), k.contiguous(), v.contiguous(), 0, 0
-
-
-def _recurrence(q, k, v, initial_state):
-    """The operator on ``q, k, v, initial_state`` of one float32 / float64 dtype, C and M padded to
-    what it runs: ``(out, S_N)``."""
-    c, m = q.shape[-1], v.shape[-1]
-    q, k, v, pad_c, pad_m = _padded_inputs(q, k, v, "C++ causal recurrence")
-    if initial_state is not None and (pad_c or pad_m):
-        initial_state = F.pad(initial_state, (0, pad_m, 0, pad_c))
-    out, final, _ = custom_ops.causal_recurrence_forward(q, k, v, initial_state)
-    if pad_c or pad_m:
-        out, final = out[..., :m], final[..., :c, :m]
-    return out, final
 
 
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -132,10 +93,9 @@ def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
                      return_state=False, cu_seqlens=None):
-    """Causal eq. 9-12 in the fused C++ kernel: the numerator and the normaliser in one pass, and
-    phi too for the elu map (:func:`fuses`); any other map is applied here by PyTorch (autograd
-    differentiates it) and the kernel takes phi(q), phi(k). The ``causal_attention`` op's
-    arguments (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``, ``key_lengths
+    """Causal eq. 9-12 in the fused C++ kernel (module docstring; the elu map inside it where
+    :func:`fuses`, any other applied here first). The ``causal_attention`` op's arguments
+    (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``, ``key_lengths
     (B,)``, ``initial_state (S_0 (S, H, D, M), Z_0 (S, H, D))`` with S = B, or with ``cu_seqlens``
     (int ``[0, n_1, ..., N]``, B = 1) one row per packed sequence. Returns ``(B, H, N, M)`` in v's
     dtype, with ``return_state`` also ``(S_N, Z_N)`` as a :class:`LinearState` in the compute dtype
@@ -152,7 +112,7 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
         s0, z0 = (x.to(compute) for x in _checked_state(initial_state, k, v, cu_seqlens))
     with torch.autocast("cpu", enabled=False):
         c, m = q.shape[-1], v.shape[-1]
-        q, k, v, pad_c, pad_m = _padded_inputs(q.to(compute), k.to(compute), v.to(compute), "fused CPU attention")
+        q, k, v, pad_c, pad_m = _padded_inputs(q.to(compute), k.to(compute), v.to(compute))
         if pad_c or pad_m:
             s0 = None if s0 is None else F.pad(s0, (0, pad_m, 0, pad_c))
             z0 = None if z0 is None else F.pad(z0, (0, pad_c))
