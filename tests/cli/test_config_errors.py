@@ -115,3 +115,11 @@ def test_a_bare_backend_name_trains_that_backend(tmp_path):
     assert saved["backend"] == "softmax" and saved["feature_map"] is None
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "typo", "linear", "--model.attention", "softmx")])
     assert_one_line_error(code, err, "Unknown attention backend 'softmx'. Did you mean 'softmax'?")
+
+
+def test_a_null_feature_map_on_the_command_line_is_none_as_in_yaml(tmp_path):
+    """jsonargparse reads ``--model.attention.feature_map=null`` as the string "None"; the CLI makes
+    it None as a YAML null is, so softmax (which takes no feature map) trains."""
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, "softmax"), "--model.attention.feature_map=null",
+                            "--trainer.fast_dev_run=1"])
+    assert code == 0, err
