@@ -1,16 +1,14 @@
-"""The Python generation step: the one-position RNN step (paper §3.4) made fast at small batch
-sizes, beside the readable step it is tested equal to.
+"""The Python generation step, :func:`fast_step`: the one-position RNN step (paper §3.4) made fast
+at small batch sizes.
 
-:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>` is the readable
-recurrent path: module calls and each backend's own ``step``. At small batch sizes a step is a
-few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs (module
+:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>`, the readable
+recurrent path, is module calls and each backend's own ``step``; at small batch sizes that is a
+few dozen operations on ``(B, d_model)`` rows, whose time goes to per-operation costs (module
 calls, argument handling, thread start-up, reading the weights), not arithmetic.
-:func:`fast_step` is ``Transformer.step`` for inference with fewer operations and no module
-calls; ``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every
-backend and feature map. Layers of the paper's form
-(:func:`~linformer_lab.models.generation.form.why_not_paper_layer`) step here, through the weight
-copies of :mod:`~linformer_lab.models.generation.weights`; other layers through
-``TransformerLayer.step``.
+``tests/models/test_generation.py`` checks :func:`fast_step` equals it for every backend and
+feature map. Layers of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_layer`)
+step here, through the weight copies of :mod:`~linformer_lab.models.generation.weights`; other
+layers through ``TransformerLayer.step``.
 """
 
 from __future__ import annotations
