@@ -91,11 +91,11 @@ class ImagePrediction:
         batch_size = len(images)
 
         wanted = self.hparams.predict_num_samples - state["count"]["samples"]
-        total = self.trainer.num_predict_batches[dataloader_idx]
-        if not is_index_batch and math.isfinite(total) and batch_idx == int(total) - 1:  # the last batch
-            n_samples = wanted  # the remainder, in batches of this size
-        else:
-            n_samples = min(batch_size, wanted)
+        n_samples = min(batch_size, wanted)
+        if not is_index_batch:
+            total = self.trainer.num_predict_batches[dataloader_idx]
+            if math.isfinite(total) and batch_idx == int(total) - 1:  # the last batch: the remainder, in batches of this size
+                n_samples = wanted
         samples = [self._timed_generate("samples", min(batch_size, n_samples - done))
                    for done in range(0, max(n_samples, 0), batch_size)]
         if samples:
