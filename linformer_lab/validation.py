@@ -66,12 +66,6 @@ def check_dropout(value, name: str = "dropout") -> None:
         raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
 
 
-def _divisors_near(number: int, target: int, count: int = 4) -> list[int]:
-    """The ``count`` divisors of ``number`` closest to ``target``, ascending (ties: the smaller)."""
-    divisors = [d for d in range(1, number + 1) if number % d == 0]
-    return sorted(sorted(divisors, key=lambda d: (abs(d - target), d))[:count])
-
-
 def check_transformer_shape(d_model, n_heads, n_layers, d_ff=None, dropout=0.0) -> None:
     """Check a transformer's shape arguments under the names the tasks give them.
 
@@ -85,7 +79,8 @@ def check_transformer_shape(d_model, n_heads, n_layers, d_ff=None, dropout=0.0) 
     check_at_least("d_ff", d_ff, 1, "feed-forward width; None = 4 d_model", allow_none=True)
     check_dropout(dropout)
     if d_model % n_heads:
-        heads = ", ".join(str(h) for h in _divisors_near(d_model, n_heads))
+        divisors = [d for d in range(1, d_model + 1) if d_model % d == 0]  # the four nearest n_heads, ascending
+        heads = ", ".join(str(h) for h in sorted(sorted(divisors, key=lambda d: (abs(d - n_heads), d))[:4]))
         below = d_model - d_model % n_heads
         widths = " or ".join(str(w) for w in (below, below + n_heads) if w > 0)
         raise ValueError(

@@ -67,8 +67,9 @@ class Attention(nn.Module):
         if feature_map is not None and not self.uses_feature_map:
             raise ValueError(
                 f"attention backend {type(self).__name__} does not use a feature map, but "
-                f"feature_map={_describe(feature_map)} was given. Feature maps apply to the "
-                f"backends that use one ({backends_with('uses_feature_map')}); leave feature_map unset here."
+                f"feature_map={repr(feature_map) if isinstance(feature_map, str) else type(feature_map).__name__} was "
+                f"given. Feature maps apply to the backends that use one ({backends_with('uses_feature_map')}); leave "
+                f"feature_map unset here."
             )
         self.causal = bool(causal)
         self.query_dim = query_dim
@@ -209,10 +210,6 @@ def backends_with(capability: str) -> str:
         if getattr(backend, capability, False):
             names.append(name)
     return ", ".join(map(repr, names))
-
-
-def _describe(feature_map) -> str:
-    return repr(feature_map) if isinstance(feature_map, str) else type(feature_map).__name__
 
 
 #: The backends that make each built-in state type, for :func:`state_type_error`.

@@ -3,11 +3,8 @@
 A config is plain data (a registered backend name, an optional feature map, their keyword
 arguments), so it round-trips through YAML, the command line and a checkpoint's hparams;
 :meth:`AttentionConfig.build` makes the :class:`~linformer_lab.attention.base.Attention` module.
-
-What a user writes (None, a backend name, a dict of the fields, a config; for one layer, an
-:class:`Attention` module) is coerced once, by :meth:`AttentionConfig.coerce`, at the constructor
-the user called (a task, a whole model or a building block); the blocks below take the config or
-built modules it hands down as they are (:func:`as_config`, :func:`layer_attention`).
+Where a user's form is coerced, once (:meth:`AttentionConfig.coerce`, :func:`as_config`,
+:func:`layer_attention`): docs/ARCHITECTURE.md, "The configuration boundary".
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from linformer_lab.attention.base import Attention
+from linformer_lab.attention.base import Attention, backends_with
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 
 
@@ -72,7 +69,7 @@ class AttentionConfig:
                 raise ValueError(
                     f"attention backend {self.backend!r} takes no feature map (got feature_map={self.feature_map!r}): "
                     f"set feature_map to None (on the command line: --model.attention.feature_map null); "
-                    f"feature maps apply to: {', '.join(n for n in ATTENTION.names() if _uses_feature_map(n))}"
+                    f"feature maps apply to: {backends_with('uses_feature_map')}"
                 )
         if self.feature_map_kwargs and not uses_feature_map:
             raise ValueError(f"attention backend {self.backend!r} takes no feature map, so feature_map_kwargs must be empty "
@@ -139,10 +136,3 @@ def layer_attention(attention, causal: bool, query_dim: int) -> Attention:
     if isinstance(attention, Attention):
         return attention
     return as_config(attention, "a layer").build(causal=causal, query_dim=query_dim)
-
-
-def _uses_feature_map(name: str) -> bool:
-    try:
-        return bool(getattr(ATTENTION.get(name), "uses_feature_map", False))
-    except PluginError:
-        return False

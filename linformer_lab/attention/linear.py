@@ -27,19 +27,6 @@ NOT_CUDA = (
 )
 
 
-def gpu_kernels_unavailable() -> str | None:
-    """Why the GPU kernels cannot run on this machine, or None."""
-    from linformer_lab.ops import cuda as cuda_ops
-    from linformer_lab.ops.cuda import triton_chunk
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible (use 'linear' here)"
-    if triton_chunk.is_available() or cuda_ops.is_available():
-        return None
-    return (f"neither GPU kernel runs here: Triton's ({triton_chunk.unavailable_reason()}), nor the CUDA "
-            "extension (needs compute capability >= 7.0, CUDA toolkit, ninja)")
-
-
 class LinearAttention(Attention):
     """V' = phi(Q) (phi(K)^T V) / phi(Q) sum_j phi(K_j)  (eq. 5-6), causal as eq. 9-12.
 
@@ -106,7 +93,17 @@ class LinearAttention(Attention):
     def unavailable_reason(gpu_kernels: bool = False) -> str | None:
         """Why the layer cannot run on this machine, or None (``cli.py plugins --check`` asks, with
         the arguments of the name it checks): only the GPU kernels can be missing."""
-        return gpu_kernels_unavailable() if gpu_kernels else None
+        if not gpu_kernels:
+            return None
+        from linformer_lab.ops import cuda as cuda_ops
+        from linformer_lab.ops.cuda import triton_chunk
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU visible (use 'linear' here)"
+        if triton_chunk.is_available() or cuda_ops.is_available():
+            return None
+        return (f"neither GPU kernel runs here: Triton's ({triton_chunk.unavailable_reason()}), nor the CUDA "
+                "extension (needs compute capability >= 7.0, CUDA toolkit, ninja)")
 
     def check_device(self, device: torch.device | str) -> None:
         """With ``gpu_kernels``, a :class:`~linformer_lab.validation.ConfigurationError` unless

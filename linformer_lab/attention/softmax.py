@@ -45,11 +45,8 @@ class SoftmaxAttention(Attention):
                 raise ValueError("SoftmaxAttention: packed sequences (cu_seqlens) take no state; run them padded "
                                  "with key_lengths to carry a KV cache")
             offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
-            return torch.cat([
-                _attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal,
-                                               dropout_p=dropout)
-                for a, b in zip(offsets[:-1], offsets[1:])
-            ], dim=2)
+            return torch.cat([_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal, dropout_p=dropout)
+                              for a, b in zip(offsets[:-1], offsets[1:])], dim=2)
         if state is None and not return_state:
             return self._attend(q, k, v, key_lengths, dropout)
         return self._attend_with_cache(q, k, v, key_lengths, state, return_state, dropout)

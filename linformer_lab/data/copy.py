@@ -140,8 +140,7 @@ class CopyDataModule(PredictsOnTestSplit, L.LightningDataModule):
         check_at_least("num_workers", num_workers, 0, "DataLoader worker processes")
         if not 1 <= min_length <= max_length:
             raise ValueError(f"need 1 <= min_length <= max_length, got {min_length=} {max_length=}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0 (it seeds numpy's SeedSequence), got {seed}")
+        check_at_least("seed", seed, 0, "it seeds numpy's SeedSequence")
         self.save_hyperparameters()
         self.max_length, self.num_symbols, self.min_length = max_length, num_symbols, min_length
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers

@@ -150,6 +150,8 @@ class MNISTDataModule(_ImageDataModule):
         seed: the training order of epoch e is a permutation drawn from (seed, e) (exact on resume).
     """
 
+    image_shape = (1, 28, 28)
+
     def __init__(self, root: str = "data", source: str = "auto", batch_size: int = 64, num_workers: int = 0,
                  download: bool = False, val_size: int = 10000, limit_train: int | None = None,
                  limit_val: int | None = None, limit_test: int | None = None, seed: int = 0,
@@ -160,10 +162,6 @@ class MNISTDataModule(_ImageDataModule):
         self.save_hyperparameters()
         self.root, self.source, self.download, self.val_size = root, source, download, val_size
         self.cache = cache
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        return (1, 28, 28)
 
     @property
     def raw_dir(self) -> str:
@@ -243,6 +241,8 @@ class CIFAR10DataModule(_ImageDataModule):
         seed: the training order of epoch e is a permutation drawn from (seed, e) (exact on resume).
     """
 
+    image_shape = (3, 32, 32)
+
     def __init__(self, root: str = "data", batch_size: int = 64, num_workers: int = 0, download: bool = False,
                  val_size: int = 5000, split_seed: int = 0, verify_checksums: bool = True,
                  limit_train: int | None = None, limit_val: int | None = None, limit_test: int | None = None,
@@ -251,10 +251,6 @@ class CIFAR10DataModule(_ImageDataModule):
         self.save_hyperparameters()
         self.root, self.download, self.val_size = root, download, val_size
         self.split_seed, self.verify_checksums = split_seed, verify_checksums
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        return (3, 32, 32)
 
     @property
     def data_dir(self) -> str:

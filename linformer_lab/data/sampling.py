@@ -143,7 +143,7 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict:
         sampler = self.epoch_sampler
-        trainer = self.datamodule.trainer if self.datamodule is not None else None
+        trainer = getattr(self.datamodule, "trainer", None)
         if trainer is None:
             return {"epoch": sampler.epoch, "batches_done": 0, "world_size": sampler.num_replicas, "epoch_done": False}
         # `processed`: the training steps finished in this epoch (the one saved at

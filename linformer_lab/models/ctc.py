@@ -26,7 +26,7 @@ from torchmetrics import Metric
 
 from linformer_lab.attention.base import backends_with
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models.transformer import Transformer
+from linformer_lab.models.transformer import Transformer, sinusoidal_positions
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.validation import check_at_least, check_transformer_shape
 
@@ -35,26 +35,6 @@ BLANK = 0
 # ================================================================================================
 # Acoustic model
 # ================================================================================================
-
-
-def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The fixed sinusoidal encodings of Vaswani et al.: ``(length, dim)``, computed on the fly
-    because utterances have no fixed maximum length (the paper's WSJ goes to 2,400 frames)."""
-    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
-    half = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
-    angle = position * torch.exp(-math.log(10000.0) * half / dim)  # (length, ceil(dim/2))
-    out = torch.zeros(length, dim, device=device, dtype=torch.float32)
-    out[:, 0::2] = torch.sin(angle)
-    out[:, 1::2] = torch.cos(angle[:, : dim // 2])
-    return out.to(dtype)
-
-
-def subsampled_lengths(lengths: torch.Tensor, factor: int) -> torch.Tensor:
-    """Output frames of a stride-``factor`` convolution with kernel ``factor + 1`` and
-    padding ``factor // 2`` (for factor 2: ``ceil(T / 2)``); identity for factor 1."""
-    if factor == 1:
-        return lengths
-    return (lengths + 2 * (factor // 2) - (factor + 1)) // factor + 1
 
 
 class TransformerCTC(nn.Module):
@@ -148,7 +128,7 @@ class TransformerCTC(nn.Module):
             # end, which must read 0 (as for the utterance alone) whatever the loader padded with.
             features = features * length_mask(lengths, features.shape[1])[..., None].to(features.dtype)
             x = self.input_projection(features.transpose(1, 2)).transpose(1, 2)
-        lengths = subsampled_lengths(lengths, self.subsample)
+            lengths = (lengths + 1) // 2  # ceil(T / 2) frames out of kernel 3, stride 2, padding 1
         n = x.shape[1]
         if self.positions == "sinusoidal":
             x = x + self.position_scale * sinusoidal_positions(n, self.d_model, device=x.device, dtype=x.dtype)

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
 
+from linformer_lab.validation import check_at_least
+
 __all__ = ["DiscretizedMixtureOfLogistics", "BitsPerDim"]
 
 
@@ -123,12 +125,9 @@ class DiscretizedMixtureOfLogistics(nn.Module):
 
     def __init__(self, hidden_dim: int, num_mixtures: int = 10, num_bins: int = 256) -> None:
         super().__init__()
-        if hidden_dim < 1:
-            raise ValueError(f"hidden_dim must be >= 1, got {hidden_dim}")
-        if num_mixtures < 1:
-            raise ValueError(f"num_mixtures must be >= 1, got {num_mixtures}")
-        if num_bins < 2:
-            raise ValueError(f"num_bins must be >= 2, got {num_bins}")
+        check_at_least("hidden_dim", hidden_dim, 1)
+        check_at_least("num_mixtures", num_mixtures, 1, "logistic components")
+        check_at_least("num_bins", num_bins, 2, "discrete values")
         self.hidden_dim = hidden_dim
         self.num_mixtures = num_mixtures
         self.num_bins = num_bins
@@ -168,13 +167,6 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         params = params.float()
         logits, means, log_scales = params.split(self.num_mixtures, dim=-1)
         return logits, means, log_scales.clamp(min=self.LOG_SCALE_MIN)
-
-    @staticmethod
-    def _check_integer(target: Tensor) -> None:
-        # Catch the easy mistake of passing already-rescaled float values: they would be
-        # silently truncated and land in the wrong bins.
-        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-            raise TypeError(f"target must be an integer tensor (uint8 / long), got {target.dtype}")
 
     # ------------------------------------------------------------------ likelihood
 
@@ -216,7 +208,9 @@ class DiscretizedMixtureOfLogistics(nn.Module):
         term of the factorisation as ``d -> 0`` (midpoint rule, relative error ~ ``d^2 / 24``),
         which stays finite for any scale: it needs only ``log s``, never ``1 / s``.
         """
-        self._check_integer(target)
+        # already-rescaled float values would be silently truncated and land in the wrong bins
+        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+            raise TypeError(f"target must be an integer tensor (uint8 / long), got {target.dtype}")
         if params.shape[-1] != self.num_params:
             self._unpack(params)  # raises the error naming the expected shape
         function = _fused_log_prob() if fused else _log_prob

@@ -131,9 +131,6 @@ class PixelTransformer(nn.Module):
         self.head = DiscretizedMixtureOfLogistics(d_model, num_mixtures=num_mixtures, num_bins=NUM_LEVELS)
         #: :meth:`nll` and :meth:`segment_nll` compute the loss with ``head.log_prob(fused=True)``
         self.fused_loss = False
-        self.reset_embeddings()
-
-    def reset_embeddings(self) -> None:
         # Small embeddings (GPT-style 0.02) keep the residual stream from being dominated by
         # the input at initialisation; nn.Embedding's default N(0, 1) is ~16x larger per vector.
         position_tables = ([self.pixel_position_embedding.weight] if self.position_embedding == "pixel"

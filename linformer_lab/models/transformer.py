@@ -9,6 +9,8 @@ per-layer state (generation); a test checks that they agree for every backend.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -210,3 +212,15 @@ def segmented_forward(run_segment, length: int, segment_length: int, detach: boo
             output, state = run_segment(start, stop, state)
         outputs.append(output)
     return outputs
+
+
+def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The fixed position code of Vaswani et al.: ``(length, dim)``, column 2i sin(p / 10000^(2i / dim)),
+    column 2i + 1 its cosine (an odd ``dim`` ends on a sine)."""
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    half = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+    angle = position * torch.exp(-math.log(10000.0) * half / dim)  # (length, ceil(dim/2))
+    out = torch.zeros(length, dim, device=device, dtype=torch.float32)
+    out[:, 0::2] = torch.sin(angle)
+    out[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return out.to(dtype)

@@ -64,11 +64,10 @@ class Task(L.LightningModule):
     distillation: Distillation | None = None
 
     def store_attention(self, config: AttentionConfig) -> AttentionConfig:
-        """Keep ``config`` as ``attention_config`` and in ``hparams`` as plain data; returns it.
+        """Keep ``config`` (coerced by the task or the model it builds: docs/ARCHITECTURE.md, "The
+        configuration boundary") as ``attention_config`` and in ``hparams`` as plain data; returns it.
 
-        The task's ``attention`` argument is coerced once, by the model the task builds
-        (``PixelTransformer``, ``TransformerCTC``) or by the task itself (``CopyTask``). Call after
-        ``save_hyperparameters()``: the checkpoint then holds a dict, which loads under
+        Call after ``save_hyperparameters()``: the checkpoint then holds a dict, which loads under
         ``torch.load(weights_only=True)`` (it refuses arbitrary classes) and keeps hparams.yaml
         readable; ``load_from_checkpoint`` hands that dict back to the task.
         """
@@ -78,7 +77,8 @@ class Task(L.LightningModule):
         self.hparams["attention"] = config.to_hparams()
         return config
 
-    #: processes that split every sequence of a batch (a task's ``context_parallel`` argument)
+    #: processes that split every sequence of a batch (a task's ``context_parallel`` argument; the
+    #: data modules share batches by it: data.sampling.process_share)
     context_parallel: int = 1
     #: this rank's group of ``context_parallel`` processes, made by :meth:`join_context_grid`
     context_group = None
@@ -182,8 +182,8 @@ class Task(L.LightningModule):
         if usable:
             for attribute, states in saved["metrics"].items():
                 metric = getattr(self, attribute)
-                for name, value in states.items():
-                    setattr(metric, name, _on_device_of(value, getattr(metric, name)))
+                for name, value in states.items():  # a tensor state onto the metric's device, a list state as saved
+                    setattr(metric, name, value.to(getattr(metric, name).device) if isinstance(value, torch.Tensor) else value)
 
     def global_mean(self, total: torch.Tensor, count: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, mean)`` of a loss summed over this process's share of the global batch.
@@ -207,10 +207,12 @@ class Task(L.LightningModule):
 
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
         """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot run with
-        ``datamodule`` on ``device`` (None: not checked). The base checks the attention backends
-        against ``device``; tasks add their data checks."""
+        ``datamodule`` on ``device`` (None: not checked). The base asks every submodule that defines
+        ``check_device(device)`` (an attention backend such as ``linear_cuda``); tasks add their data checks."""
         if device is not None:
-            check_attention_devices(self, torch.device(device))
+            for submodule in self.modules():
+                if callable(check := getattr(submodule, "check_device", None)):
+                    check(torch.device(device))
 
 
 class WeightedMean(torchmetrics.Metric):
@@ -257,13 +259,6 @@ def _detached(value):
     return [_detached(v) for v in value]
 
 
-def _on_device_of(value, current):
-    """A saved metric state on the device of the state it replaces (a list state: as saved)."""
-    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
-        return value.to(current.device)
-    return value
-
-
 def check_segment_length(segment_length: int | None, transformer, backend: str) -> None:
     """Raise a ValueError unless ``segment_length`` is None or usable with this transformer."""
     if segment_length is None:
@@ -290,15 +285,6 @@ def check_context_parallel(context_parallel: int, transformer, **exclusive) -> N
         if value and value != "none":
             raise ConfigurationError(f"context_parallel = {context_parallel} splits every sequence over processes; "
                                      f"{name} = {value!r} needs the whole sequence in one: set one of them")
-
-
-def check_attention_devices(module: torch.nn.Module, device: torch.device) -> None:
-    """Raise a ConfigurationError if an attention backend inside ``module`` cannot run on
-    ``device``: backends that can say so define ``check_device(device)`` (``linear_cuda``)."""
-    for submodule in module.modules():
-        check = getattr(submodule, "check_device", None)
-        if callable(check):
-            check(device)
 
 
 class TaskSettings(NamedTuple):

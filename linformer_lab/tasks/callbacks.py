@@ -73,8 +73,7 @@ class ImageSampleCallback(L.Callback):
     def reference_images(self, trainer) -> torch.Tensor | None:
         """The first ``num_samples`` images of the chosen split, uint8 ``(B, C, H, W)``."""
         if self._references is None:
-            datamodule = trainer.datamodule
-            loader_hook = getattr(datamodule, f"{self.split}_dataloader", None) if datamodule is not None else None
+            loader_hook = getattr(trainer.datamodule, f"{self.split}_dataloader", None)
             collected, count = [], 0
             if loader_hook is not None:
                 try:
@@ -318,7 +317,7 @@ def validation_batches(trainer) -> int:
     counted = [b for b in trainer.num_val_batches if not math.isinf(b)]
     if counted:
         return int(sum(counted))
-    loader_hook = getattr(trainer.datamodule, "val_dataloader", None) if trainer.datamodule is not None else None
+    loader_hook = getattr(trainer.datamodule, "val_dataloader", None)
     try:
         batches = len(loader_hook()) if loader_hook is not None else 0
     except Exception:  # no length, no validation split, any data module's own refusal: the line is only advice

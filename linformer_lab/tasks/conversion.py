@@ -60,19 +60,13 @@ class WeightTransfer:
                          for a, b, c, d in rows)
 
 
-def attention_prefixes(model: nn.Module) -> list[str]:
-    """State-dict prefixes (``"model.transformer.layers.0.attention.attention."``) of the attention
-    backends inside ``model``: the weights that may change with the attention (a feature map's)."""
-    return [f"{name}." for name, module in model.named_modules() if isinstance(module, Attention)]
-
-
 def transfer_weights(model: nn.Module, checkpoint_state: dict, source: str) -> WeightTransfer:
     """Load into ``model`` every tensor of ``checkpoint_state`` whose name and shape it has; returns
     what was loaded, new and dropped. A weight outside the attention backends with the same name
     but another shape is a :class:`ConfigurationError` naming it (another architecture: nothing is
     loaded); inside a backend it is new (a feature map of another size)."""
     own = model.state_dict()
-    inside_attention = tuple(attention_prefixes(model))
+    inside_attention = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, Attention))
     mismatched = [name for name, tensor in own.items()
                   if name in checkpoint_state and tuple(checkpoint_state[name].shape) != tuple(tensor.shape)]
     fixed = [name for name in mismatched if not name.startswith(inside_attention)]

@@ -27,24 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
-from linformer_lab.models.transformer import Transformer, segmented_forward
+from linformer_lab.models.transformer import Transformer, segmented_forward, sinusoidal_positions
 from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel, check_segment_length
 from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
 #: ``positions``: a learned embedding added to the tokens' (ours), or the authors' fixed sinusoid concatenated
 POSITIONS = ("learned", "sinusoid_concat")
-
-
-def sinusoid(length: int, width: int) -> torch.Tensor:
-    """Vaswani et al.'s fixed position code, ``(length, width)`` float32: column 2i is
-    sin(p / 10000^(2i / width)), column 2i + 1 its cosine (an odd width ends on a sine)."""
-    position = torch.arange(length, dtype=torch.float64)[:, None]
-    frequency = 10000.0 ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
-    code = torch.zeros(length, width, dtype=torch.float64)
-    code[:, 0::2] = torch.sin(position * frequency)
-    code[:, 1::2] = torch.cos(position * frequency[: width // 2])
-    return code.float()
 
 
 class CopyTask(Task):
@@ -81,7 +70,7 @@ class CopyTask(Task):
             (None: no clipping; the trainer's ``gradient_clip_val`` still clips the global norm).
         norm_first, activation: pre-norm (True) or post-norm layers; ``"gelu"`` or ``"relu"``.
         positions: ``"learned"`` (an embedding added to the tokens') or ``"sinusoid_concat"``
-            (:func:`sinusoid` of d_model // 2 dimensions after a token embedding of the rest).
+            (Vaswani et al.'s fixed sinusoid of d_model // 2 dimensions after a token embedding of the rest).
         score_separator: the training loss also scores the separator (its position is the
             random length); validation and test keep to the copy, comparable across recipes.
         context_parallel: P, the processes that split every sequence of a batch into P
@@ -94,10 +83,8 @@ class CopyTask(Task):
     logits (B, n, vocab_size)`` for any n <= sequence_length.
     """
 
-    #: metric the CLI's "best" checkpoint follows, and in which direction
     monitor = "val/loss"
     monitor_mode = "min"
-    #: hyper-parameters that may differ between a checkpoint and the configuration that loads it
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
                               "detach_state", "init_from", "distill_steps", "distill_lr",
                               "decoupled_weight_decay", "clip_per_parameter", "score_separator", "context_parallel")
@@ -146,7 +133,6 @@ class CopyTask(Task):
         check_non_negative("weight_decay", weight_decay)
         check_conversion(init_from, distill_steps, distill_lr)
         self.save_hyperparameters()
-        #: processes per sequence (the data modules share batches by it: data.sampling.process_share)
         self.context_parallel = context_parallel
         # the public edge: the user's form becomes a config here, the Transformer takes that
         attention = self.store_attention(AttentionConfig.coerce(attention))
@@ -171,7 +157,7 @@ class CopyTask(Task):
             nn.init.normal_(self.token_embedding.weight, std=0.02)
             nn.init.normal_(self.position_embedding.weight, std=0.02)
         else:  # the authors': nn.Embedding's N(0, 1) beside the unit sinusoid, which is fixed (rebuilt, not saved)
-            self.register_buffer("position_code", sinusoid(sequence_length, d_model // 2), persistent=False)
+            self.register_buffer("position_code", sinusoidal_positions(sequence_length, d_model // 2), persistent=False)
 
     # ------------------------------------------------------------------ model
 
@@ -239,7 +225,6 @@ class CopyTask(Task):
         return loss, correct, picked_targets.numel()
 
     def forward_batch(self, batch) -> torch.Tensor:
-        """The training loss's forward pass on ``batch`` (attention distillation runs the teacher on it)."""
         tokens, target_mask = batch
         return self.copy_loss(tokens, target_mask)[0]
 

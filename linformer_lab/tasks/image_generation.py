@@ -95,7 +95,6 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
     monitor_mode = "min"
     #: logged by Task at the end of every whole epoch (its sums kept in checkpoints)
     epoch_metrics = (("train/bits_per_dim_epoch", "train_bpd"),)
-    #: training and generation settings, which may differ between a checkpoint and its configuration
     hparams_free_to_change = ("lr", "weight_decay", "warmup_steps", "lr_schedule", "dropout", "temperature",
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
                               "segment_length", "detach_state", "compile", "cuda_graph", "decoder",
@@ -163,7 +162,6 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         check_segment_length(segment_length, self.model.transformer, config.backend)
         check_context_parallel(context_parallel, self.model.transformer, segment_length=segment_length,
                                compile=compile if compile == "model" else None, cuda_graph=cuda_graph)
-        #: processes per sequence (the data modules share batches by it: data.sampling.process_share)
         self.context_parallel = context_parallel
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
@@ -239,8 +237,7 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         # bits/dim over the global batch of all processes (Task.global_mean)
         loss, mean = self.global_mean(nll.sum() / math.log(2.0), nll.numel())
         self.train_bpd.update(nll)
-        batch_size = nll.shape[0]
-        self.log("train/bits_per_dim", mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+        self.log("train/bits_per_dim", mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=nll.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx):

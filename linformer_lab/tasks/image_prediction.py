@@ -91,10 +91,11 @@ class ImagePrediction:
         batch_size = len(images)
 
         wanted = self.hparams.predict_num_samples - state["count"]["samples"]
-        if not is_index_batch and self._is_last_predict_batch(batch_idx, dataloader_idx):
-            n_samples = wanted  # the remainder, in batches of this size
-        else:
-            n_samples = min(batch_size, wanted)
+        n_samples = min(batch_size, wanted)
+        if not is_index_batch:
+            total = self.trainer.num_predict_batches[dataloader_idx]
+            if math.isfinite(total) and batch_idx == int(total) - 1:  # the last batch: the remainder, in batches of this size
+                n_samples = wanted
         samples = [self._timed_generate("samples", min(batch_size, n_samples - done))
                    for done in range(0, max(n_samples, 0), batch_size)]
         if samples:
@@ -104,14 +105,10 @@ class ImagePrediction:
         if not is_index_batch:
             rows = top_half_rows(self.model.image_shape)
             out["completions"] = self._timed_generate("completions", batch_size, prefix=images[:, :, :rows])
-            self._write("completions", completion_triptychs(images, out["completions"], rows), rows=rows)
+            self._write("completions", completion_triptychs(images, out["completions"], rows))
         return out
 
-    def _is_last_predict_batch(self, batch_idx: int, dataloader_idx: int) -> bool:
-        total = self.trainer.num_predict_batches[dataloader_idx]
-        return math.isfinite(total) and batch_idx == int(total) - 1
-
-    def _write(self, kind: str, images: torch.Tensor, rows: int | None = None) -> None:
+    def _write(self, kind: str, images: torch.Tensor) -> None:
         """Write one PNG per image (per completion triptych for ``completions``)."""
         state = self._predict_state
         images = images.cpu()

@@ -72,11 +72,9 @@ class SpeechRecognitionTask(Task):
     ``test/per``, ``lr`` (at every epoch end).
     """
 
-    #: metric the CLI's "best" checkpoint follows, and in which direction
     monitor = "val/per"
     monitor_mode = "min"
-    #: hyper-parameters that may differ between a checkpoint and the configuration using it
-    #: (fine-tuning, another decoder; lstm_packed only picks how the same LSTMs run)
+    #: fine-tuning and decoding settings; lstm_packed only picks how the same LSTMs run
     hparams_free_to_change = (
         "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
         "lstm_packed", "warmup_steps", "packed",
@@ -122,8 +120,7 @@ class SpeechRecognitionTask(Task):
         if lr is None:
             lr = 1e-4 if encoder == "transformer" else 1e-3
         check_positive("lr", lr, "learning rate; None = the paper's for the encoder")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        check_at_least("warmup_steps", warmup_steps, 0, "updates of linear learning-rate warm-up")
         check_non_negative("weight_decay", weight_decay)
         if not (isinstance(lr_factor, (int, float)) and 0 < lr_factor < 1):
             raise ValueError(f"lr_factor must be in (0, 1) (the plateau schedule multiplies the learning rate by it), "

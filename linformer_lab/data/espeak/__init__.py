@@ -35,7 +35,7 @@ import random
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -112,7 +112,6 @@ def synthesize(
     if isolated and hasattr(os, "fork"):
         return _synthesize_isolated(args)
     return synthesize_in_process(*args)
-
 
 
 class _PristineClient:
@@ -275,9 +274,6 @@ class Speaker:
             seed=seed,
             isolated=isolated,
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_speakers(

@@ -43,6 +43,8 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
     """
 
     feature_dim = FEATURE_DIM
+    #: output classes of the CTC model: phonemes + blank (id 0)
+    num_phonemes = NUM_PHONEMES
 
     def __init__(
         self,
@@ -78,11 +80,6 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
             "test": tuple(librispeech_test),
         }
         self.datasets: dict[str, Dataset] = {}
-
-    @property
-    def num_phonemes(self) -> int:
-        """Output classes of the CTC model: phonemes + blank (id 0)."""
-        return NUM_PHONEMES
 
     def _synthetic(self) -> SyntheticSpeechCorpus:
         hp = self.hparams

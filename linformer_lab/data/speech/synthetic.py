@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +182,7 @@ class SyntheticSpeechCorpus:
                 **self.config,
                 "name": self.name,
                 "splits": {s: stats[s] for s in SPLITS},
-                "speakers": {s: [sp.to_dict() for sp in speakers[s]] for s in SPLITS},
+                "speakers": {s: [asdict(sp) for sp in speakers[s]] for s in SPLITS},
                 "generation_seconds": round(time.perf_counter() - t0, 2),
                 "complete": True,
             }

@@ -1,16 +1,14 @@
-"""The Python generation step: the one-position RNN step (paper §3.4) made fast at small batch
-sizes, beside the readable step it is tested equal to.
+"""The Python generation step, :func:`fast_step`: the one-position RNN step (paper §3.4) made fast
+at small batch sizes.
 
-:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>` is the readable
-recurrent path: module calls and each backend's own ``step``. At small batch sizes a step is a
-few dozen operations on ``(B, d_model)`` rows, so its time goes to per-operation costs (module
+:meth:`Transformer.step <linformer_lab.models.transformer.Transformer.step>`, the readable
+recurrent path, is module calls and each backend's own ``step``; at small batch sizes that is a
+few dozen operations on ``(B, d_model)`` rows, whose time goes to per-operation costs (module
 calls, argument handling, thread start-up, reading the weights), not arithmetic.
-:func:`fast_step` is ``Transformer.step`` for inference with fewer operations and no module
-calls; ``tests/models/test_generation.py`` checks it equals ``Transformer.step`` for every
-backend and feature map. Layers of the paper's form
-(:func:`~linformer_lab.models.generation.form.why_not_paper_layer`) step here, through the weight
-copies of :mod:`~linformer_lab.models.generation.weights`; other layers through
-``TransformerLayer.step``.
+``tests/models/test_generation.py`` checks :func:`fast_step` equals it for every backend and
+feature map. Layers of the paper's form (:func:`~linformer_lab.models.generation.form.why_not_paper_layer`)
+step here, through the weight copies of :mod:`~linformer_lab.models.generation.weights`; other
+layers through ``TransformerLayer.step``.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from linformer_lab.models.transformer import Transformer, TransformerLayer
 from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state, elu_plus_one
 from linformer_lab.ops.state import LinearState, SequenceBuffer, StackState
 
-__all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "split_heads"]
+__all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "layer_norm", "split_heads"]
 
 #: On CPU, :func:`fast_step` computes linear attention's ``phi(q)^T [S | Z]`` as a batched matmul
 #: when the state has at least this many (batch x head) rows, and as a broadcast product + sum
@@ -50,8 +48,7 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
 
     Needs eval mode (it applies no dropout) and no autograd (``torch.no_grad()`` or
     ``torch.inference_mode()``): a linear state it made is updated in place, one from elsewhere
-    copied first. Per layer: ``torch.layer_norm`` called directly (``F.layer_norm`` also reads a
-    backend flag on every call), the linear layers through
+    copied first. Per layer: :func:`layer_norm`, the linear layers through
     :func:`~linformer_lab.models.generation.weights.step_linear`, q, k, v as views of the fused
     projection, feature maps through their ``forward`` (no module call: hooks on sub-modules do
     not run), and for linear attention (a backend that keeps ``LinearAttention.step``) its own
@@ -75,10 +72,11 @@ def fast_step(transformer: Transformer, x_t: torch.Tensor, state: list | Sequenc
     for layer, layer_state in zip(transformer.layers, state or [None] * len(transformer.layers)):
         x_t, layer_state = _layer_step(layer, x_t, layer_state)
         new_state.append(layer_state)
-    return _layer_norm(x_t, transformer.norm), new_state
+    return layer_norm(x_t, transformer.norm), new_state
 
 
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(x)`` through ``torch.layer_norm`` directly (``F.layer_norm`` reads a backend flag at every call)."""
     return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
@@ -101,10 +99,10 @@ def _layer_step(layer: TransformerLayer, x_t: torch.Tensor, state):
     """``TransformerLayer.step`` in eval mode (every dropout the identity): ``(B, d_model) -> ((B, d_model), state)``."""
     if not _is_paper_layer(layer):
         return layer.step(x_t, state)  # e.g. the authors' post-norm / ReLU layer: the readable step, written for all
-    attended, state = _attention_step(layer.attention, _layer_norm(x_t, layer.norm_attention), state)
+    attended, state = _attention_step(layer.attention, layer_norm(x_t, layer.norm_attention), state)
     x_t = x_t + attended
     up, activation, _, down = layer.feedforward  # Linear, GELU, Dropout, Linear
-    hidden = F.gelu(step_linear(_layer_norm(x_t, layer.norm_ff), up), approximate=activation.approximate)
+    hidden = F.gelu(step_linear(layer_norm(x_t, layer.norm_ff), up), approximate=activation.approximate)
     return x_t + step_linear(hidden, down), state
 
 

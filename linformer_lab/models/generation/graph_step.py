@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.attention.linear import LinearAttention
-from linformer_lab.models.generation.dynamic_step import split_heads
+from linformer_lab.models.generation.dynamic_step import layer_norm, split_heads
 from linformer_lab.models.generation.form import LINEAR_OR_SOFTMAX, why_not_paper_form
 from linformer_lab.models.generation.weights import step_linear
 from linformer_lab.ops.cuda.triton_chunk import backend as triton_backend
@@ -190,17 +190,13 @@ class StaticDecoder:
         x = self.x
         for layer, buffers in self.layers:
             attention = layer.attention
-            h = torch.layer_norm(x, layer.norm_attention.normalized_shape, layer.norm_attention.weight,
-                                 layer.norm_attention.bias, layer.norm_attention.eps)
-            q, k, v = split_heads(attention, step_linear(h, attention.qkv))
+            q, k, v = split_heads(attention, step_linear(layer_norm(x, layer.norm_attention), attention.qkv))
             out = buffers.attend(q, k, v, self.position, span)
             x = x + step_linear(out.flatten(1), attention.out)
             up, activation, _, down = layer.feedforward
-            h = torch.layer_norm(x, layer.norm_ff.normalized_shape, layer.norm_ff.weight, layer.norm_ff.bias,
-                                 layer.norm_ff.eps)
-            x = x + step_linear(F.gelu(step_linear(h, up), approximate=activation.approximate), down)
-        norm = self.model.transformer.norm
-        self.hidden.copy_(torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps))
+            hidden = F.gelu(step_linear(layer_norm(x, layer.norm_ff), up), approximate=activation.approximate)
+            x = x + step_linear(hidden, down)
+        self.hidden.copy_(layer_norm(x, self.model.transformer.norm))
         return self.hidden
 
     def step(self, span: int) -> None:
