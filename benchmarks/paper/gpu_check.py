@@ -24,8 +24,8 @@ stopped: every row it measured is already in its journal, so the report keeps th
    then the GPU tests through pytest (:data:`GPU_TESTS`), with a junit file;
 5. ``figure2``: ``figure2_copy.py --paper`` (the paper's copy task) for the time left.
 
-The compiled extensions (three C++ ones, the ``.cu`` numerator) are built at the start, one
-process each, beside the first parts (:class:`Prebuild`): the kernel part times the ``.cu``
+The compiled extensions (three C++ ones, the ``.cu`` numerator; those the chosen parts use) are
+built at the start, one process each, beside the first parts (:class:`Prebuild`): the kernel part times the ``.cu``
 numerator last, once it is built, and the tests wait for the builds. ``--cache DIR`` (the
 git-ignored ``.gpu_cache``) brings what an earlier run compiled (Triton's cache: ours, fla's,
 their autotune results; the extensions' builds) and the previous revision of our kernel
@@ -196,15 +196,19 @@ def _env() -> dict:
 
 
 class Prebuild:
-    """Every compiled extension built at once, one process each, into the build cache that the
-    parts then load from (a failed build is no failure here: ``plugins --check`` reports it). In
-    the background: the parts run meanwhile; when all are done, :data:`gpu_check_kernel.PREBUILD_FILE`
-    appears in ``work`` (the kernel part and the tests wait for it). :meth:`row` waits."""
+    """The compiled extensions that the chosen ``parts`` use built at once, one process each, into
+    the build cache that the parts then load from (a failed build is no failure here: ``plugins
+    --check`` reports it): the C++ ones for the tests, the ``.cu`` one on a GPU for the kernel part
+    and the tests; every one for the whole command. In the background: the parts run meanwhile;
+    when all are done, :data:`gpu_check_kernel.PREBUILD_FILE` appears in ``work`` (the kernel part
+    and the tests wait for it). :meth:`row` waits."""
 
-    def __init__(self, device: str, work: Path):
-        names = [f"cpu.{name}" for name in CPU_EXTENSIONS] + (["linear_cuda"] if device == "cuda" else [])
-        commands = [["-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"] for name in CPU_EXTENSIONS]
-        commands += [["-m", "linformer_lab.ops.cuda", "build"]] if device == "cuda" else []
+    def __init__(self, device: str, work: Path, parts: list[str]):
+        cpu = CPU_EXTENSIONS if "tests" in parts else ()
+        cu = device == "cuda" and bool({"kernel", "tests"} & set(parts))
+        names = [f"cpu.{name}" for name in cpu] + (["linear_cuda"] if cu else [])
+        commands = [["-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"] for name in cpu]
+        commands += [["-m", "linformer_lab.ops.cuda", "build"]] if cu else []
         self.work, self.start, self.names = work, time.monotonic(), names
         with open(work / "prebuild.log", "a") as log:
             self.children = [subprocess.Popen([sys.executable, *c], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -353,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRITON_CACHE_AUTOTUNING"] = "1"  # the parts' autotune results land in Triton's cache, then the archive
     notes = carried(args, device)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    prebuild = Prebuild(device, work)
-    end, skipped, rows = time.monotonic() + args.budget_s, [], []
     names = [p for p in PARTS if p in args.parts]
+    prebuild = Prebuild(device, work, names)
+    end, skipped, rows = time.monotonic() + args.budget_s, [], []
     for i, name in enumerate(names):
         left = end - time.monotonic()
         share = max(left * PARTS[name] / sum(PARTS[p] for p in names[i:]), 0)

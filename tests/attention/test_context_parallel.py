@@ -313,7 +313,10 @@ def worker(rank: int, size: int, store: str) -> None:
 @needs_gloo
 @pytest.mark.parametrize("processes", [2, 4])
 def test_context_parallel_equals_one_process(processes, tmp_path):
-    mp.spawn(worker, args=(processes, str(tmp_path / "store")), nprocs=processes, join=True)
+    # forked, not spawned: the workers start with this process's imports (a spawned one imports
+    # torch and the package again, 4-12 s each on two cores); none has a process group yet
+    mp.start_processes(worker, args=(processes, str(tmp_path / "store")), nprocs=processes, join=True,
+                       start_method="fork")
 
 
 @needs_gloo

@@ -4,8 +4,10 @@ runs resume from their checkpoints, and invocations merge their results."""
 from __future__ import annotations
 
 import csv
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,39 @@ try:
     import figure2_copy
 finally:
     sys.path.remove(str(REPO / "benchmarks" / "paper"))
+
+
+class InThisThread:
+    """A ThreadPoolExecutor's ``map`` in the calling thread, one item after another (the CLI sets
+    signal handlers, which only the main thread may)."""
+
+    def __init__(self, max_workers: int):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def map(self, fn, items):
+        return [fn(item) for item in items]
+
+
+@pytest.fixture
+def runs_in_this_process(monkeypatch):
+    """figure2_copy.py's runs (``python cli.py fit ...``, its train()) call cli.py's main in this
+    process with the same arguments, one at a time: a process start costs more than these runs.
+    The runs as child processes, with the environment train() gives them: the GPU command's dry
+    run (tests/benchmarks/test_gpu_check.py runs figure2_copy.py --quick as a process)."""
+    def run(command, cwd, env, capture_output, text):
+        assert command[:2] == [sys.executable, "cli.py"] and env["OMP_NUM_THREADS"] == "1", command
+        code, out, err = run_cli(command[2:], cwd=cwd)
+        return subprocess.CompletedProcess(command, code, out, err)
+
+    monkeypatch.setattr(figure2_copy, "subprocess", SimpleNamespace(run=run))
+    for module in (figure2_copy, figure2_copy.figure2_matrix):
+        monkeypatch.setattr(module, "ThreadPoolExecutor", InThisThread)
 
 
 @pytest.mark.slow
@@ -97,7 +132,7 @@ def test_figure2_device_flags_reach_the_command(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_figure2_runs_resume_from_their_checkpoints(tmp_path):
+def test_figure2_runs_resume_from_their_checkpoints(tmp_path, runs_in_this_process):
     """figure2_copy.py through the real CLI: a run writes last.ckpt every --save-every updates; --resume
     continues it (a new version, the same checkpoint) to more updates; --from-logs reports the curve of
     both versions with the seconds of Lightning's Timer from the checkpoint (over both invocations)."""
@@ -175,7 +210,7 @@ def test_the_loss_without_dropout_is_the_training_loss_when_nothing_drops(tmp_pa
 
 
 @pytest.mark.slow
-def test_quick_matrix_trains_both_recipes_through_the_cli(tmp_path):
+def test_quick_matrix_trains_both_recipes_through_the_cli(tmp_path, runs_in_this_process):
     """--quick: the paper's matrix at toy size through cli.py fit (here reduced to linear in bf16), both
     recipes; the summary, each recipe's report and curve with and without dropout."""
     out = tmp_path / "out"

@@ -239,6 +239,10 @@ def test_the_kernel_part_runs_alone(tmp_path, monkeypatch):
     assert "### Median ms" in report and "| ours |" in report
     # without --cache nothing is carried, and the report says how to time the previous revision
     assert "Nothing carried (no `--cache`)" in report and "gpu_check.py --export-previous REV" in report
+    rows = list(csv.DictReader((tmp_path / "gpu_check_cpu_dry_run.csv").read_text().splitlines()))
+    assert {r["part"] for r in rows} >= {"kernel", "agreement"} and not {"train", "tests", "figure2"} & {r["part"] for r in rows}
+    # the kernel part needs no compiled extension on a CPU: none is built beside it
+    assert next(r for r in rows if r["part"] == "build")["method"] == "build 0 extensions at once"
 
 
 def test_the_kernel_report_shows_each_compilation_and_their_sum():

@@ -48,45 +48,61 @@ def _sass_and_resources(cubin: bytes, tmp_path: Path) -> tuple[str, str]:
 
 #: Compiles the kernels for a GPU in a fresh interpreter (the compiler needs the real
 #: triton.language, which an earlier import under TRITON_INTERPRET=1 replaced) and writes the cubins:
-#: argv capability, dtype, C = M, packed, out dir; the chunk the op takes by default at that width.
+#: argv capability, C = M, out dir, then a dtype and packed (0 or 1) per build, into out/DTYPE-PACKED;
+#: the chunk the op takes by default at that width.
 _COMPILE = """
 import sys, torch
+from pathlib import Path
 from linformer_lab.ops.cuda.triton_chunk import launch, op
-capability, dtype, width = tuple(map(int, sys.argv[1].split("."))), getattr(torch, sys.argv[2]), int(sys.argv[3])
-chunk = op.default_chunk(width, width, dtype)
-for name, kernel in launch.compile_for(capability, dtype, width, width, chunk, varlen=sys.argv[4] == "1").items():
-    open(f"{sys.argv[5]}/{name}.cubin", "wb").write(kernel.asm["cubin"])
+capability, width, out = tuple(map(int, sys.argv[1].split("."))), int(sys.argv[2]), Path(sys.argv[3])
+for build in sys.argv[4:]:
+    dtype, varlen = getattr(torch, build.split("-")[0]), build.endswith("-1")
+    (out / build).mkdir()
+    chunk = op.default_chunk(width, width, dtype)
+    for name, kernel in launch.compile_for(capability, dtype, width, width, chunk, varlen=varlen).items():
+        (out / build / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
 """
 #: every Triton kernel, the graph decoder's step included: one added to launch.KERNELS is compiled and checked here
 KERNEL_NAMES = set(launch.KERNELS)
+#: (dtype, packed) of the Hopper builds: the training dtype, fp16 packed, fp32
+HOPPER_BUILDS = [("bfloat16", False), ("float16", True), ("float32", False)]
 
 
-def _compile(tmp_path: Path, capability: str, dtype: str, width: int, varlen: bool) -> dict[str, tuple[str, int]]:
-    """{kernel: (SASS, stack bytes)} of every kernel compiled for ``capability`` at C = M = width."""
+def _compile(tmp_path: Path, capability: str, width: int, builds: list[tuple[str, bool]]) -> dict:
+    """{(dtype, packed): {kernel: (SASS, stack bytes)}} of every kernel compiled for ``capability``
+    at C = M = width, all builds in one child process (its start costs as much as a build)."""
     if not _tool("cuobjdump").exists():
         pytest.skip("this Triton wheel carries no cuobjdump")
     if torch.cuda.is_available():
         pytest.skip("a check for machines without a GPU: on a GPU the kernels compile for it when they run")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    subprocess.run([sys.executable, "-c", _COMPILE, capability, dtype, str(width), str(int(varlen)), str(tmp_path)],
+    names = [f"{dtype}-{int(varlen)}" for dtype, varlen in builds]
+    subprocess.run([sys.executable, "-c", _COMPILE, capability, str(width), str(tmp_path), *names],
                    env=env, check=True, cwd=REPO, timeout=600)
-    assert {p.stem for p in tmp_path.glob("*.cubin")} == KERNEL_NAMES
     result = {}
-    for name in sorted(KERNEL_NAMES):
-        sass, resources = _sass_and_resources((tmp_path / f"{name}.cubin").read_bytes(), tmp_path)
-        result[name] = (sass, int(re.search(r"STACK:(\d+)", resources).group(1)))
+    for build, name in zip(builds, names):
+        assert {p.stem for p in (tmp_path / name).glob("*.cubin")} == KERNEL_NAMES
+        result[build] = {}
+        for kernel in sorted(KERNEL_NAMES):
+            sass, resources = _sass_and_resources((tmp_path / name / f"{kernel}.cubin").read_bytes(), tmp_path)
+            result[build][kernel] = (sass, int(re.search(r"STACK:(\d+)", resources).group(1)))
     return result
 
 
+@pytest.fixture(scope="module")
+def hopper_kernels(tmp_path_factory) -> dict:
+    """Every kernel of every :data:`HOPPER_BUILDS` compiled for sm_90 at C = M = 128."""
+    return _compile(tmp_path_factory.mktemp("hopper"), "9.0", 128, HOPPER_BUILDS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, varlen", [("bfloat16", False), ("float16", True), ("float32", False)],
-                         ids=["bf16", "fp16-packed", "fp32"])
-def test_kernels_compile_for_hopper(tmp_path, dtype, varlen):
+@pytest.mark.parametrize("dtype, varlen", HOPPER_BUILDS, ids=["bf16", "fp16-packed", "fp32"])
+def test_kernels_compile_for_hopper(hopper_kernels, dtype, varlen):
     """Every kernel compiles for sm_90 at C = M = 128 with the op's default chunk; in bf16 (the
     training dtype) nothing spills to local memory and the walks run on Hopper's warpgroup
     tensor-core instructions (HGMMA). fp16 and fp32 keep fp32-exact tf32 products, which may
     spill a little at this width: compiled, their stack printed (-s)."""
-    for name, (sass, stack) in _compile(tmp_path, "9.0", dtype, 128, varlen).items():
+    for name, (sass, stack) in hopper_kernels[dtype, varlen].items():
         print(f"{dtype} {name}: stack {stack} bytes, HGMMA {'HGMMA' in sass}")
         if dtype != "bfloat16":
             continue

@@ -3,14 +3,18 @@ train as one job, equal to one process at twice the batch; they resume exactly, 
 ``max_steps`` stop and after ``kill -9`` of both; ``best`` picks the best; a checkpoint of another
 process count continues from an epoch's end and is refused mid-epoch; bf16-mixed runs.
 
+Context parallelism through ``cli.py`` (``--model.context_parallel 2``): the two processes split
+every copy sequence (and every MNIST image's sub-pixels) in two and train, validate, test and
+predict as one process given the same batches (docs/CONTEXT_PARALLEL.md).
+
 One ``torchrun`` job (``copy_job``, module-scoped) holds most runs: two "nodes" of one process
 each (``torchrun --nnodes 2 --node_rank 0/1``, rendezvous on 127.0.0.1, ``--trainer.num_nodes
-2``), every process running the commands of a plan in order (tests/tasks/ddp_driver.py). The
-run killed with ``kill -9`` uses the documented line instead (``--trainer.devices 2
---trainer.strategy ddp``: Lightning starts the second process); the job resumes it. The
-one-process references run in this process.
+2``), every process running the commands of a plan in order (tests/tasks/ddp_driver.py), the
+context-parallel runs after the data-parallel ones. The run killed with ``kill -9`` uses the
+documented line instead (``--trainer.devices 2 --trainer.strategy ddp``: Lightning starts the
+second process); the job resumes it. The one-process references run in this process.
 
-Why the two are equal: ``p`` processes at batch size ``b`` see, at every step, the sequences one
+Why data parallelism equals one process: ``p`` processes at batch size ``b`` see, at every step, the sequences one
 process sees at ``p * b`` (linformer_lab/data/sampling.py); the loss is the mean over the copied
 tokens of the whole global batch (``Task.global_mean``) and DDP averages the gradients; the
 validation loss is weighted by copied tokens and summed over the processes. What differs is the
@@ -30,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, checkpoint_dir, run_cli, tiny_copy_args
+from conftest import REPO, checkpoint_dir, run_cli, tiny_copy_args, tiny_mnist_args
 from ddp_driver import assert_same_weights, free_port, job_env, metrics, only, run_job, save_weights, torchrun, weights
 from test_resume import assert_resumed_like_straight
 
@@ -60,7 +64,7 @@ def copy_job(tmp_path_factory) -> Path:
     4 updates), then one job on two "nodes" of one process each: ``killed`` resumed with
     ``--ckpt_path last`` to 8 updates, ``straight`` (8 updates), ``stopped`` (stopped by
     max_steps at 4, resumed to 8, then validate ``best``, test and predict ``last``) and ``bf16``
-    (4 updates, bf16-mixed)."""
+    (4 updates, bf16-mixed); then the context-parallel runs (:func:`context_parallel_plan`)."""
     out = tmp_path_factory.mktemp("copy_ddp")
     straight, stopped, bf16, killed = out / "straight", out / "stopped", out / "bf16", out / "killed"
     start_and_kill_9(killed, out / "killed.log")
@@ -75,6 +79,7 @@ def copy_job(tmp_path_factory) -> Path:
         ["predict", *copy_args(stopped, *TWO_NODES), "--ckpt_path", "last"],
         ["fit", *copy_args(bf16, f"--trainer.max_steps={STOP_AT}", "--trainer.precision=bf16-mixed",
                            save_weights(bf16 / "weights_"), *TWO_NODES)],
+        *context_parallel_plan(out),
     ]
     port = free_port()
     nodes = [(torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
@@ -177,6 +182,85 @@ def test_resume_after_kill_9_of_both_processes_continues_the_uninterrupted_run(c
     killed, straight = copy_job / "killed", copy_job / "straight"
     assert_resumed_like_straight(straight, killed / "version_1", range(STOP_AT, TOTAL_STEPS))
     assert_same_weights(weights(killed / "weights_rank0.pt"), weights(straight / "weights_rank0.pt"))
+
+
+# ---------------------------------------------------------------- context parallelism through the CLI
+#
+# Why equal: the two processes form one context group, so the data module gives both the whole
+# batch (data.sampling.process_share) and each its half of the positions; the loss is summed over
+# each half's copied tokens and divided by the count of the whole batch (Task.global_mean), and DDP
+# averages the two processes' gradients. What differs is the order of float32 sums, hence the
+# tolerances.
+
+CONTEXT_STEPS = "--trainer.max_steps=4"  # an epoch of 3 batches, its validation, and one update more
+
+
+def context_args(root: Path) -> list[str]:
+    return tiny_copy_args(root, "linear", "--model.context_parallel=2", *TWO_NODES)
+
+
+def context_parallel_plan(out: Path) -> list[list[str]]:
+    """The copy run stopped after 2 updates, mid-epoch, resumed from its checkpoint to 4 (version_0,
+    version_1), then test and predict; MNIST (784 sub-pixels, 392 on each process) fit and validate."""
+    split, mnist = out / "context_split", tiny_mnist_args(out / "context_mnist", "--model.context_parallel=2", *TWO_NODES)
+    return [["fit", *context_args(split), "--trainer.max_steps=2"],
+            ["fit", *context_args(split), CONTEXT_STEPS, "--ckpt_path", "last", save_weights(split / "weights_")],
+            ["test", *context_args(split), CONTEXT_STEPS, "--ckpt_path", "last"],
+            ["predict", *context_args(split), CONTEXT_STEPS, "--ckpt_path", "last"],
+            ["fit", *mnist, "--trainer.max_steps=2"], ["validate", *mnist, "--ckpt_path", "last"]]
+
+
+def printed_by(log: str, command: str, root: str) -> list[str]:
+    """The lines one command of a job's plan printed: those before ddp_driver's line after it."""
+    lines, start = log.splitlines(), 0
+    for i, line in enumerate(lines):
+        if line.startswith("ddp_driver: "):
+            if line.endswith(f": {command} {root}"):
+                return lines[start:i]
+            start = i + 1
+    raise AssertionError(f"no {command} of {root} in the log")
+
+
+def test_two_context_processes_fit_test_and_predict_as_one_process(copy_job):
+    """The same training losses at every step as the uninterrupted one process, the same validation
+    loss, the same weights after, the same test loss from the checkpoint written, and the same copy
+    accuracy of ``predict``; MNIST's training and validation bits/dim."""
+    split, one = copy_job / "context_split", copy_job / "context_one"
+    mnist_split, mnist_one = copy_job / "context_mnist", copy_job / "context_mnist_one"
+    printed = []
+    for command in (["fit", *tiny_copy_args(one, "linear", CONTEXT_STEPS), save_weights(one / "weights_")],
+                    ["test", *tiny_copy_args(one, "linear", CONTEXT_STEPS), "--ckpt_path", "last"],
+                    ["predict", *tiny_copy_args(one, "linear", CONTEXT_STEPS), "--ckpt_path", "last"]):
+        code, out, err = run_cli(command)
+        assert code == 0, err[-3000:]
+        printed.append(out)
+    for command in (["fit", *tiny_mnist_args(mnist_one), "--trainer.max_steps=2"],
+                    ["validate", *tiny_mnist_args(mnist_one), "--ckpt_path", "last"]):
+        code, out, err = run_cli(command)
+        assert code == 0, err[-3000:]
+    for stage, key in ((0, "train/bits_per_dim"), (0, "val/bits_per_dim"), (1, "val/bits_per_dim")):
+        got, want = (metrics(root / f"version_{stage}", key) for root in (mnist_split, mnist_one))
+        assert sorted(got) == sorted(want) and want, (key, got, want)
+        for step, value in want.items():
+            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+    # the stopped and resumed run's losses are the uninterrupted one process's
+    losses = {**metrics(split / "version_0", "train/loss"), **metrics(split / "version_1", "train/loss")}
+    want = metrics(one / "version_0", "train/loss")
+    assert sorted(losses) == sorted(want) and len(want) == 4, (losses, want)
+    for step, loss in want.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert only(metrics(split / "version_1", "val/loss")) == pytest.approx(only(metrics(one / "version_0", "val/loss")),
+                                                                          rel=1e-5)
+    # the checkpoint written under context parallelism tests as the one process's
+    assert only(metrics(split / "version_2", "test/loss")) == pytest.approx(
+        only(metrics(one / "version_1", "test/loss")), rel=1e-5)
+    # predict runs whole sequences on both processes (the RNN step); one of them counts each batch
+    accuracy = [line for line in printed_by((copy_job / "process0.log").read_text(), "predict", "context_split")
+                if line.startswith("copy accuracy")]
+    assert accuracy and accuracy == [line for line in printed[2].splitlines() if line.startswith("copy accuracy")]
+    rank0, rank1 = weights(split / "weights_rank0.pt"), weights(split / "weights_rank1.pt")
+    assert_same_weights(rank1, rank0)  # one model: DDP summed the halves' gradients
+    assert_same_weights(rank0, weights(one / "weights_rank0.pt"), atol=1e-5)
 
 
 def start_and_kill_9(root: Path, log_path: Path) -> None:
