@@ -314,7 +314,9 @@ def worker(rank: int, size: int, store: str) -> None:
 @pytest.mark.parametrize("processes", [2, 4])
 def test_context_parallel_equals_one_process(processes, tmp_path):
     # forked, not spawned: the workers start with this process's imports (a spawned one imports
-    # torch and the package again, 4-12 s each on two cores); none has a process group yet
+    # torch and the package again, 4-12 s each on two cores); none has a process group yet. The
+    # worker's first line sets one thread: a forked child's first parallel op hangs on the OpenMP
+    # pool of a parent that has run one
     mp.start_processes(worker, args=(processes, str(tmp_path / "store")), nprocs=processes, join=True,
                        start_method="fork")
 
