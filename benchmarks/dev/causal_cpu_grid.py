@@ -138,6 +138,7 @@ def _kernel_before(commit: str):
         before = cpu.CAUSAL_RECURRENCE.load() if same else extension.load()
     if not hasattr(before, "attention_forward"):
         raise SystemExit(f"--before-revision: {commit}'s causal_recurrence.cpp has no fused attention (attention_forward)")
+
     def run(q, k, v):
         return _kernel(q, k, v)
     run.context, run.module = (lambda: cpu.CAUSAL_RECURRENCE.substituted(before)), before

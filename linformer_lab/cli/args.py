@@ -116,19 +116,23 @@ def config_values(argv: list[str]) -> list[str]:
     return [value for *_, value in option_places(argv)]
 
 
+#: what :func:`config_value` answers for a key a config file does not set (None is a value: ``key: null``)
+UNSET = object()
+
+
 def config_value(config: str, path: list[str]):
     """What the config file ``config`` sets at ``path`` (``["model", "n_layer"]``: ``model: {init_args:
-    {n_layer: ...}}`` or ``model: {n_layer: ...}``), else the class KeyError."""
+    {n_layer: ...}}`` or ``model: {n_layer: ...}``), else :data:`UNSET`."""
     import yaml
 
     try:
         node = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
     except (OSError, yaml.YAMLError):
-        return KeyError
+        return UNSET
     for key in path:
         if isinstance(node, dict) and key not in node and isinstance(node.get("init_args"), dict):
             node = node["init_args"]
-        node = node.get(key, KeyError) if isinstance(node, dict) else KeyError
+        node = node.get(key, UNSET) if isinstance(node, dict) else UNSET
     return node
 
 

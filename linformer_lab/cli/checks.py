@@ -13,7 +13,15 @@ import re
 import sys
 import typing
 
-from linformer_lab.cli.args import COUNT_OR_FRACTION, config_value, config_values, did_you_mean, help_requested, known_configs
+from linformer_lab.cli.args import (
+    COUNT_OR_FRACTION,
+    UNSET,
+    config_value,
+    config_values,
+    did_you_mean,
+    help_requested,
+    known_configs,
+)
 from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES as FORMS
 from linformer_lab.cli.compat import UNION_REPORT_FRAME
 from linformer_lab.cli.config_help import TRAINER, class_options
@@ -48,7 +56,7 @@ def _option_names(class_path: str, prefix: str) -> list[str]:
 
 def config_holding(path: list[str], configs: typing.Sequence[str]) -> str | None:
     """The last of the config files ``configs`` that sets the key ``path``, or None."""
-    return next((config for config in reversed(configs) if config_value(config, path) is not KeyError), None)
+    return next((config for config in reversed(configs) if config_value(config, path) is not UNSET), None)
 
 
 def parse_error_line(message: str, options: typing.Iterable[str], prog: str, argv: typing.Sequence[str] = ()) -> str:
