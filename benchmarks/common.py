@@ -353,7 +353,7 @@ def metric_rows(root: str | Path) -> Iterator[dict[str, str]]:
     """Every row of a run root's ``version_N/metrics.csv`` files, versions in numeric order
     (version_10 after version_9): a resumed version's rows come after those its killed one logged
     past the checkpoint, and win where read last. The library's reader, which ``cli.py plot`` uses."""
-    from linformer_lab.cli.plot import metric_rows as run_rows  # imported here: the package imports torch
+    from linformer_lab.tasks.curves import metric_rows as run_rows
 
     return run_rows(root)
 

@@ -17,6 +17,7 @@ Public API::
     kept = ll.clone_state(state)                # any state (a backend's, a stack's) in memory of its own
     task = ll.from_pretrained("export")         # a folder cli.py export wrote, in eval mode
     ll.context_parallel(stack)                  # each process's input: its consecutive segment of one sequence
+    ll.plot_runs(["logs/mnist_linear"], "curves.png")  # runs' training and validation curves (cli.py plot)
 """
 
 import importlib
@@ -43,6 +44,7 @@ _EXPORTS = {
     "from_pretrained": "linformer_lab.tasks.export",
     "list_attention": "linformer_lab.attention.config",
     "list_feature_maps": "linformer_lab.feature_maps",
+    "plot_runs": "linformer_lab.tasks.curves",
 }
 
 __all__ = sorted(_EXPORTS)

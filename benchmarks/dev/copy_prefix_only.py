@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: com
 from common import machine_info, results_dir  # noqa: E402
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
-from linformer_lab.cli.checkpoints import load_checkpoint_header  # noqa: E402
 from linformer_lab.data.copy import CopyDataModule  # noqa: E402
+from linformer_lab.tasks.checkpoint_files import load_checkpoint_header  # noqa: E402
 from linformer_lab.tasks.copy_task import CopyTask  # noqa: E402
 
 RESULTS = results_dir(__file__)

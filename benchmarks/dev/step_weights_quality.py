@@ -53,7 +53,7 @@ def load_model(args) -> tuple[PixelTransformer, str]:
     if args.random:
         torch.manual_seed(0)
         return PixelTransformer("linear", n_layers=8).eval(), "random weights (paper-size MNIST model)"
-    from linformer_lab.cli.checkpoints import CheckpointMismatchError, load_checkpoint_header
+    from linformer_lab.tasks.checkpoint_files import CheckpointMismatchError, load_checkpoint_header
     from linformer_lab.tasks.image_generation import ImageGenerationTask
 
     try:  # the header first: it refuses a file holding anything but tensors and plain data, before it runs

@@ -66,10 +66,10 @@ import common  # noqa: E402
 from generation_report import DATASETS, METHODS, RECURRENT, header_lines, plot, write_reports  # noqa: E402
 
 from linformer_lab.attention.config import AttentionConfig  # noqa: E402
-from linformer_lab.cli.checkpoints import CheckpointMismatchError, load_checkpoint_header  # noqa: E402
 from linformer_lab.models.generation import STEP_WEIGHT_FORMATS, dynamic_step  # noqa: E402
 from linformer_lab.models.pixel_transformer import PixelTransformer  # noqa: E402
 from linformer_lab.ops.state import SequenceBuffer, state_nbytes  # noqa: E402  (SequenceBuffer: lsh's step state, to time one step)
+from linformer_lab.tasks.checkpoint_files import CheckpointMismatchError, load_checkpoint_header  # noqa: E402
 from linformer_lab.tasks.image_generation import ImageGenerationTask  # noqa: E402
 
 RESULTS = str(common.results_dir(__file__))

@@ -2,5 +2,5 @@
 
 Its modules import bottom to top (``tests/cli/test_cli_imports.py``), so that ``--help`` and
 ``plugins`` load neither torch nor Lightning: compat < args < config_help < checks < callbacks <
-checkpoints < export < lightning_cli (the first import of Lightning) < plot < entry (:func:`main`).
+checkpoints < export < lightning_cli (the first import of Lightning) < entry (:func:`main`).
 """

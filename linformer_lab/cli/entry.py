@@ -71,9 +71,10 @@ def plugins_command(argv: list[str]) -> int:
         report[title] = {"group": registry.group, "plugins": entries}
     kernel_lines, checked = [], []
     if args.check:
+        from linformer_lab.models.generation import dynamic_step
         from linformer_lab.ops import kernel_check
 
-        kernel_lines, checked = kernel_check.describe(), kernel_check.check_kernels(steps=fused_steps)
+        kernel_lines, checked = kernel_check.describe(), kernel_check.check_kernels(steps=dynamic_step.fused_steps)
         failed |= any(result.failed for result in checked)
 
     if args.json:
@@ -95,23 +96,27 @@ def plugins_command(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def fused_steps(x, candidate):
-    """``x (B, T, 16)`` through a small linear-attention stack's ``fast_step``, position by position,
-    with the fused-step ``candidate`` forced inside a weight-copy block: the fused step's check."""
-    import torch
+def plot_command(argv: list[str]) -> int:
+    """``cli.py plot RUN [RUN ...] [--output FILE.png] [--title TEXT]``: runs' curves in one PNG
+    (:mod:`linformer_lab.tasks.curves`); returns the exit code."""
+    from linformer_lab.tasks import curves  # matplotlib, neither torch nor Lightning
 
-    from linformer_lab.models.generation import fast_step, weight_copies_for_steps
-    from linformer_lab.models.transformer import Transformer
-    from linformer_lab.ops import kernels
-
-    torch.manual_seed(0)
-    model = Transformer(2, 16, 4, 32, attention="linear").to(device=x.device, dtype=x.dtype).eval()
-    outputs, state = [], None
-    with kernels.switched(f"fused_step={candidate.name}"), torch.no_grad(), weight_copies_for_steps(model, "model"):
-        for t in range(x.shape[1]):
-            out, state = fast_step(model, x[:, t], state)
-            outputs.append(out)
-    return torch.stack(outputs, 1)
+    parser = argparse.ArgumentParser(prog="cli.py plot", description=curves.__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run root (logs/NAME) or one of its version_N folders")
+    parser.add_argument("--output", "-o", default="curves.png", help="the PNG to write (default: curves.png)")
+    parser.add_argument("--title", default=None, help="a line above the panels")
+    args = parser.parse_args(argv)
+    if not args.output.lower().endswith(".png"):
+        sys.stderr.write(f"error: --output {args.output}: the picture is a PNG; name a file ending in .png\n")
+        return 2
+    try:
+        metrics, names = curves.plot_runs(args.runs, args.output, args.title)
+    except curves.PlotError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    print(f"wrote {args.output}: {', '.join(metrics)} of {len(names)} run{'s' * (len(names) != 1)} ({', '.join(names)})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_command(argv[1:])
     if argv[:1] == ["plot"]:  # reads metrics.csv files: neither torch nor Lightning
-        from linformer_lab.cli.plot import plot_command
-
         return plot_command(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(top_level_help())

@@ -1,7 +1,8 @@
 """``python cli.py export SOURCE [--ckpt_path best|last] [--output DIR]``: a trained model, rebuilt
 from its checkpoint's hyper-parameters, as a folder of ``model.safetensors`` and ``config.json``
 (:mod:`linformer_lab.tasks.export`) that ``linformer_lab.from_pretrained`` loads. The Lightning
-commands read such a folder where they read a checkpoint (:func:`use_export`, ``--model.init_from``).
+commands read such a folder where they read a checkpoint (:func:`use_export`, ``--model.init_from``:
+:func:`~linformer_lab.tasks.checkpoint_files.read_checkpoint`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,14 @@ from pathlib import Path
 
 from linformer_lab.cli import checkpoints
 from linformer_lab.cli.checks import exit_with_error
-from linformer_lab.tasks.export import (
-    CONFIG_NAME,
-    TASKS,
-    WEIGHTS_NAME,
-    ExportError,
-    build_task,
-    is_export,
-    read_config,
-    read_weights,
-    save_pretrained,
+from linformer_lab.tasks.checkpoint_files import (
+    CheckpointMismatchError,
+    check_checkpoint,
+    checkpoint_task,
+    load_checkpoint_header,
+    read_checkpoint,
 )
+from linformer_lab.tasks.export import CONFIG_NAME, WEIGHTS_NAME, ExportError, is_export, save_pretrained
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -43,9 +41,9 @@ def export_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         checkpoint = source_checkpoint(Path(args.source), args.ckpt_path)
-        ckpt = checkpoints.load_checkpoint_header(str(checkpoint))
+        ckpt = load_checkpoint_header(str(checkpoint))
         task = checkpoint_task(ckpt, checkpoint)
-        checkpoints.check_checkpoint(str(checkpoint), task, ckpt)
+        check_checkpoint(str(checkpoint), task, ckpt)
         task.load_state_dict(ckpt["state_dict"])
         # the run folder of version_N/checkpoints/X.ckpt, else the checkpoint's own folder
         run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
@@ -58,7 +56,7 @@ def export_command(argv: list[str]) -> int:
             raise ExportError(f"--output {output} holds other files ({', '.join(others[:3])}); name a new or empty folder, "
                               f"or one holding an earlier export")
         save_pretrained(task, output)
-    except (checkpoints.CheckpointMismatchError, ExportError) as err:
+    except (CheckpointMismatchError, ExportError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
     attention = task.hparams.get("attention") or {}
@@ -82,29 +80,8 @@ def source_checkpoint(source: Path, which: str) -> Path:
     if not runs:
         raise ExportError(f"{source} holds no checkpoints/last.ckpt of a run; pass a run folder (logs/NAME/version_N), "
                           f"a root of runs or a checkpoint file")
-    task = checkpoint_task(checkpoints.load_checkpoint_header(str(runs[0])), runs[0])
+    task = checkpoint_task(load_checkpoint_header(str(runs[0])), runs[0])
     return Path(checkpoints.resolve_checkpoint_path(which, task, source, dirpath=str(runs[0].parent), fitting=False))
-
-
-def checkpoint_task(ckpt: dict, path: Path):
-    """The task a loaded checkpoint was written by, built (untrained) from its hyper-parameters."""
-    hparams = dict(ckpt.get("hyper_parameters") or {})
-    if hparams.get("_class_path") is None:
-        raise ExportError(f"checkpoint {path} does not name its task class (_class_path, which cli.py fit saves); "
-                          f"export a task built in Python with task.save_pretrained(folder) (valid tasks: {', '.join(TASKS)})")
-    return build_task(hparams["_class_path"], {k: v for k, v in hparams.items() if not k.startswith("_")}, path)
-
-
-def read_checkpoint(path: str) -> dict:
-    """``path`` read as a checkpoint: an exported folder as ``{"state_dict", "hyper_parameters"}``,
-    anything else by :func:`~linformer_lab.cli.checkpoints.load_checkpoint_header`."""
-    if not is_export(path):
-        return checkpoints.load_checkpoint_header(path)
-    try:
-        class_path, init_args = read_config(path)
-        return {"state_dict": read_weights(path), "hyper_parameters": {**init_args, "_class_path": class_path}}
-    except ExportError as err:
-        raise checkpoints.UnreadableCheckpointError(str(err)) from None
 
 
 def use_export(model, section: dict, subcommand: str) -> bool:
@@ -117,8 +94,8 @@ def use_export(model, section: dict, subcommand: str) -> bool:
         exit_with_error(f"--ckpt_path {path} is an exported model: weights only, no optimizer state or step to resume; "
                         f"start a new run from its weights with --model.init_from {path}")
     try:
-        ckpt = checkpoints.check_checkpoint(path, model, read_checkpoint(path))
-    except checkpoints.CheckpointMismatchError as err:
+        ckpt = check_checkpoint(path, model, read_checkpoint(path))
+    except CheckpointMismatchError as err:
         exit_with_error(str(err))
     model.load_state_dict(ckpt["state_dict"])
     section["ckpt_path"] = None

@@ -29,10 +29,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from linformer_lab.cli import callbacks, checkpoints, checks, compat
 from linformer_lab.cli.args import COUNT_OR_FRACTION, SUBCOMMANDS, with_ckpt_path
 from linformer_lab.cli.checks import exit_with_error
-from linformer_lab.cli.export import read_checkpoint, use_export
+from linformer_lab.cli.export import use_export
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
 from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
+from linformer_lab.tasks.checkpoint_files import CheckpointMismatchError, read_checkpoint
 from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes linked to the model argument of the same name (jsonargparse skips a link
@@ -187,7 +188,7 @@ class LinformerCLI(LightningCLI):
             elif fitting and init_from:  # a trained model of another attention to start from (tasks/conversion.py)
                 try:
                     self.model.initialise_from(read_checkpoint(init_from), init_from)
-                except (checkpoints.CheckpointMismatchError, ConfigurationError) as err:
+                except (CheckpointMismatchError, ConfigurationError) as err:
                     self._stop(callbacks.init_from_error(err, init_from))
 
         if ours:
@@ -229,7 +230,7 @@ class LinformerCLI(LightningCLI):
         ckpt_path, dirpath = section["ckpt_path"], settings.dirpath or self._saved_run_checkpoints()
         try:
             path = checkpoints.resolve_checkpoint_path(ckpt_path, self.model, root, dirpath, fitting=self.subcommand == "fit")
-        except checkpoints.CheckpointMismatchError as err:
+        except CheckpointMismatchError as err:
             exit_with_error(str(err))
         if ckpt_path in ("last", "best"):
             # DDP's other ranks re-run sys.argv: they get the same file (the newest run could change

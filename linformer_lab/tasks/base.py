@@ -108,7 +108,7 @@ class Task(L.LightningModule):
             # a silent fit from scratch would look like a converted model
             raise ConfigurationError(
                 f"init_from {init_from} is read by the command line (python cli.py fit); from Python, call "
-                f"task.initialise_from(linformer_lab.cli.checkpoints.load_checkpoint_header(path), path) before trainer.fit"
+                f"task.initialise_from(linformer_lab.tasks.checkpoint_files.read_checkpoint(path), path) before trainer.fit"
             )
         self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linformer_lab.cli.checkpoints import UnsafeCheckpointError
+from linformer_lab.tasks.checkpoint_files import UnsafeCheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 for room in ("paper", "dev"):

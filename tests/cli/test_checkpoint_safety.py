@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import checkpoint_dir, run_cli, tiny_copy_args
 
-from linformer_lab.cli.checkpoints import (
+from linformer_lab.tasks.checkpoint_files import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     OptimizerStateMismatchError,

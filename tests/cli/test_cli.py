@@ -15,11 +15,12 @@ from conftest import REPO, checkpoint_dir, read_metrics, run_cli, tiny_copy_args
 
 import linformer_lab as ll
 from linformer_lab.cli.args import resolve_config_args
-from linformer_lab.cli.checkpoints import CheckpointMismatchError, resolve_checkpoint_path
+from linformer_lab.cli.checkpoints import resolve_checkpoint_path
 from linformer_lab.cli.checks import CHECKPOINT_ERROR_EXIT_CODE, resolve_precision
 from linformer_lab.cli.lightning_cli import LinformerCLI
 from linformer_lab.data.copy import CopyDataModule
 from linformer_lab.registry import ATTENTION, FEATURE_MAPS
+from linformer_lab.tasks.checkpoint_files import CheckpointMismatchError
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 
-from linformer_lab.cli.entry import fused_steps
+from linformer_lab.models.generation.dynamic_step import fused_steps
 from linformer_lab.ops import cpu, kernel_check, kernels
 
 

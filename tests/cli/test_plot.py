@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO, run_cli, tiny_mnist_args
 
-from linformer_lab.cli.plot import metrics_files, run_curves
+from linformer_lab.tasks.curves import metrics_files, run_curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -172,3 +172,16 @@ def test_a_misspelt_plot_is_suggested():
     """``cli.py plto`` names ``plot`` with the other subcommands, in one line, before Lightning loads."""
     code, _, err = run_cli(["plto", "logs"])
     assert code == 2 and "unknown subcommand 'plto'; did you mean plot?" in err and "\n" not in err.strip()
+
+
+def test_plot_runs_from_python_draws_what_the_cli_draws(tmp_path):
+    """``linformer_lab.plot_runs`` (the public name) writes the PNG ``cli.py plot`` writes and
+    returns its metrics and legend names."""
+    import linformer_lab as ll
+
+    run = fake_run(tmp_path / "run", "0,0,2.0,\n0,0,,1.9\n0,1,1.5,\n0,1,,1.4\n")
+    metrics, names = ll.plot_runs([run], tmp_path / "py.png", title="one run")
+    code, out, _ = run_cli(["plot", str(run), "-o", str(tmp_path / "cli.png"), "--title", "one run"])
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'cli.png'}: {', '.join(metrics)} of 1 run ({names[0]})")
+    assert (tmp_path / "py.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert (tmp_path / "py.png").stat().st_size == (tmp_path / "cli.png").stat().st_size

@@ -25,12 +25,13 @@ from linformer_lab.feature_maps import FeatureMap
 from linformer_lab.feature_maps.elu import EluFeatureMap
 from linformer_lab.models.generation import cpu_step
 from linformer_lab.models.generation.form import ANY_ATTENTION, has_linear_step, why_not_paper_layer
-from linformer_lab.models.generation.weights import step_linear
+from linformer_lab.models.generation.weights import step_linear, weight_copies_for_steps
 from linformer_lab.models.transformer import Transformer, TransformerLayer
+from linformer_lab.ops import kernels
 from linformer_lab.ops.linear_attention import StateOwner, check_step_fits_state, elu_plus_one
 from linformer_lab.ops.state import LinearState, SequenceBuffer, StackState
 
-__all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "layer_norm", "split_heads"]
+__all__ = ["CPU_MATMUL_MIN_ROWS", "fast_step", "fused_steps", "layer_norm", "split_heads"]
 
 #: On CPU, :func:`fast_step` computes linear attention's ``phi(q)^T [S | Z]`` as a batched matmul
 #: when the state has at least this many (batch x head) rows, and as a broadcast product + sum
@@ -182,3 +183,17 @@ def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False):  # a normal tensor, usable outside inference mode too
             scalar = _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
     return scalar
+
+
+def fused_steps(x, candidate):
+    """``x (B, T, 16)`` through a small linear-attention stack's ``fast_step``, position by position,
+    with the fused-step ``candidate`` forced inside a weight-copy block: the fused step's probe for
+    ``cli.py plugins --check`` (:func:`linformer_lab.ops.kernel_check.check_kernels`)."""
+    torch.manual_seed(0)
+    model = Transformer(2, 16, 4, 32, attention="linear").to(device=x.device, dtype=x.dtype).eval()
+    outputs, state = [], None
+    with kernels.switched(f"fused_step={candidate.name}"), torch.no_grad(), weight_copies_for_steps(model, "model"):
+        for t in range(x.shape[1]):
+            out, state = fast_step(model, x[:, t], state)
+            outputs.append(out)
+    return torch.stack(outputs, 1)

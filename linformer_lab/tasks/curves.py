@@ -1,15 +1,14 @@
-"""``python cli.py plot RUN [RUN ...] [--output FILE.png]``: the training and validation curves of
-runs in one PNG, for a machine without a browser, drawn by matplotlib's Agg backend (no torch, no
-Lightning). A RUN is a run root (``logs/NAME``: its ``version_N/metrics.csv`` in numeric order, so a
-resumed fit continues the curve it resumes) or one ``version_N`` folder.
+"""Runs' curves: the training and validation metrics a fit logs (``metrics.csv``) drawn into one PNG
+by matplotlib's Agg backend, for a machine without a browser: ``python cli.py plot RUN ...`` or
+``linformer_lab.plot_runs([RUN, ...], "curves.png")``; no torch, no Lightning. A RUN is a run root
+(``logs/NAME``: its ``version_N/metrics.csv`` in numeric order, so a resumed fit continues the
+curve it resumes) or one ``version_N`` folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,23 +93,3 @@ def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = No
     figure.savefig(output, dpi=100)
     plt.close(figure)
     return metrics, list(curves)
-
-
-def plot_command(argv: list[str]) -> int:
-    """``cli.py plot RUN [RUN ...] [--output FILE.png] [--title TEXT]``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="cli.py plot", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="a run root (logs/NAME) or one of its version_N folders")
-    parser.add_argument("--output", "-o", default="curves.png", help="the PNG to write (default: curves.png)")
-    parser.add_argument("--title", default=None, help="a line above the panels")
-    args = parser.parse_args(argv)
-    if not args.output.lower().endswith(".png"):
-        sys.stderr.write(f"error: --output {args.output}: the picture is a PNG; name a file ending in .png\n")
-        return 2
-    try:
-        metrics, names = plot_runs(args.runs, args.output, args.title)
-    except PlotError as err:
-        sys.stderr.write(f"error: {err}\n")
-        return 2
-    print(f"wrote {args.output}: {', '.join(metrics)} of {len(names)} run{'s' * (len(names) != 1)} ({', '.join(names)})")
-    return 0
