@@ -35,11 +35,18 @@ class LastCheckpoint(ModelCheckpoint):
         # one well-known last.ckpt rather than last-v1, last-v2 ...
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
         self.every_n_steps = every_n_train_steps or 0
+        self._saved_at = 0  # global_step of the last.ckpt this process wrote (0: none yet)
         self._loops_at_stop: dict | None = None  # fit-loop state at the batch where a stop was requested
         self.started_at: int | None = None  # global_step this process started from
 
     def _can_save(self, trainer: L.Trainer) -> bool:
         return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
+    def _save(self, trainer: L.Trainer) -> None:
+        """Write ``last.ckpt`` now through the Trainer's public save (every rank calls it, as any save)."""
+        self.last_model_path = os.path.join(self.dirpath, "last.ckpt")  # set first: it is part of the state saved
+        trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
+        self._saved_at = trainer.global_step
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._loops_at_stop = None  # a second fit of the same trainer starts clean
@@ -47,7 +54,7 @@ class LastCheckpoint(ModelCheckpoint):
 
     def saved_step(self) -> int | None:
         """The step the ``last.ckpt`` on disk holds (written here, else resumed from), or None."""
-        written = compat.last_saved_step(self)
+        written = self._saved_at
         if self.dirpath is None or not os.path.isfile(os.path.join(self.dirpath, "last.ckpt")):
             return None
         return written if written and written >= (self.started_at or 0) else self.started_at
@@ -59,8 +66,8 @@ class LastCheckpoint(ModelCheckpoint):
         # checkpoint callbacks run last, so a Timer's stop of this batch is seen here
         stopping = trainer.should_stop and compat.stop_is_allowed(trainer)
         self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if stopping else None
-        if (periodic or final or stopping) and self._can_save(trainer) and compat.last_saved_step(self) != step:
-            compat.save_last_checkpoint(self, trainer)
+        if (periodic or final or stopping) and self._can_save(trainer) and self._saved_at != step:
+            self._save(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
         # called for every checkpoint this trainer writes (best models too), not only ours
@@ -72,17 +79,17 @@ class LastCheckpoint(ModelCheckpoint):
         # once the best-model callback has seen this validation (where it saves, so do we); again
         # when the batch end wrote this step: the best may have changed since
         if self._can_save(trainer) and not compat.saves_at_train_epoch_end(self, trainer):
-            compat.save_last_checkpoint(self, trainer)
+            self._save(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
         if self._can_save(trainer) and compat.saves_at_train_epoch_end(self, trainer) and epoch_ran_to_end(trainer):
-            compat.save_last_checkpoint(self, trainer)
+            self._save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
-        if self._can_save(trainer) and (self._loops_at_stop is not None or compat.last_saved_step(self) != trainer.global_step):
-            compat.save_last_checkpoint(self, trainer)
+        if self._can_save(trainer) and (self._loops_at_stop is not None or self._saved_at != trainer.global_step):
+            self._save(trainer)
 
     def load_state_dict(self, state_dict: dict) -> None:
         load_unless_moved(self, state_dict)

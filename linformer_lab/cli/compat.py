@@ -17,9 +17,6 @@ _CHECKPOINT, _CLI, _PARSER = ("lightning.pytorch.callbacks:ModelCheckpoint", "li
                                "jsonargparse:ArgumentParser")
 #: (owner as ``module:attribute``, member, what linformer_lab uses it for)
 MEMBERS: tuple[tuple[str, str, str], ...] = (
-    (_CHECKPOINT, "_save_last_checkpoint", "LastCheckpoint writes last.ckpt after every validation and at a stop"),
-    (_CHECKPOINT, "_monitor_candidates", "LastCheckpoint names last.ckpt from the logged metrics"),
-    (_CHECKPOINT, "_last_global_step_saved", "LastCheckpoint skips a second save at the same step"),
     (_CHECKPOINT, "_should_save_on_train_epoch_end",
      "LastCheckpoint saves where the best-model callback does (validation or epoch end)"),
     ("lightning.pytorch.loops.fit_loop:_FitLoop", "_can_stop_early",
@@ -91,9 +88,8 @@ def missing_members() -> list[str]:
 def _instance_attributes(owner) -> set[str]:
     """The members ``owner`` sets in ``__init__``, read off a small instance."""
     import jsonargparse
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    if owner in (ModelCheckpoint, jsonargparse.ArgumentParser):
+    if owner is jsonargparse.ArgumentParser:
         return set(vars(owner()))
     if owner.__name__ == "ActionTypeHint":  # what the parser makes of a typed argument
         parser = jsonargparse.ArgumentParser()
@@ -126,16 +122,6 @@ def _member(obj, name: str, distribution: str = "lightning"):
         return getattr(obj, name)
     except AttributeError:
         raise _error([(distribution, f"{type(obj).__name__}.{name}")]) from None
-
-
-def save_last_checkpoint(callback, trainer) -> None:
-    """Write ``callback``'s ``last.ckpt`` now, named from the metrics logged so far."""
-    _member(callback, "_save_last_checkpoint")(trainer, _member(callback, "_monitor_candidates")(trainer))
-
-
-def last_saved_step(callback) -> int:
-    """The ``global_step`` of the last checkpoint ``callback`` wrote (0 before any)."""
-    return _member(callback, "_last_global_step_saved")
 
 
 def saves_at_train_epoch_end(callback, trainer) -> bool:

@@ -26,7 +26,6 @@ def test_every_member_exists_in_the_installed_lightning_and_jsonargparse():
 
 
 @pytest.mark.parametrize("owner, member, shown", [
-    (ModelCheckpoint, "_save_last_checkpoint", "ModelCheckpoint._save_last_checkpoint"),
     (ModelCheckpoint, "_should_save_on_train_epoch_end", "ModelCheckpoint._should_save_on_train_epoch_end"),
     (_FitLoop, "_can_stop_early", "_FitLoop._can_stop_early"),
 ])
@@ -42,33 +41,19 @@ def test_a_removed_member_is_named_and_only_it(monkeypatch, owner, member, shown
     assert not any(other in message for other in others), message
 
 
-def test_an_instance_member_removed_from_init_is_named(monkeypatch):
-    # _last_global_step_saved is set in ModelCheckpoint.__init__, not on the class
-    original = ModelCheckpoint.__init__
-
-    def init_without(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        del self._last_global_step_saved
-
-    monkeypatch.setattr(ModelCheckpoint, "__init__", init_without)
-    assert [m.split(" ")[0] for m in compat.missing_members()] == ["ModelCheckpoint._last_global_step_saved"]
-    with pytest.raises(compat.CompatError, match=re.escape("LastCheckpoint._last_global_step_saved")):
-        compat.last_saved_step(LastCheckpoint(dirpath=None, every_n_train_steps=None))
-
-
 def test_a_wrapper_names_the_member_it_cannot_find(monkeypatch):
     callback = LastCheckpoint(dirpath=None, every_n_train_steps=None)
-    monkeypatch.delattr(ModelCheckpoint, "_monitor_candidates")
-    with pytest.raises(compat.CompatError, match=re.escape("LastCheckpoint._monitor_candidates")):
-        compat.save_last_checkpoint(callback, trainer=None)
+    monkeypatch.delattr(ModelCheckpoint, "_should_save_on_train_epoch_end")
+    with pytest.raises(compat.CompatError, match=re.escape("LastCheckpoint._should_save_on_train_epoch_end")):
+        compat.saves_at_train_epoch_end(callback, trainer=None)
 
 
 def test_the_cli_stops_before_any_work_naming_the_member(monkeypatch, tmp_path):
-    monkeypatch.delattr(ModelCheckpoint, "_save_last_checkpoint")
+    monkeypatch.delattr(ModelCheckpoint, "_should_save_on_train_epoch_end")
     code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=1"])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
-    assert lines[0].startswith("error: lightning ") and "ModelCheckpoint._save_last_checkpoint" in lines[0]
+    assert lines[0].startswith("error: lightning ") and "ModelCheckpoint._should_save_on_train_epoch_end" in lines[0]
     assert not list(tmp_path.glob("version_*")), "a refused run created its run directory"
 
 
