@@ -204,3 +204,24 @@ def test_an_optimizer_state_saved_in_another_parameter_order_is_refused_with_the
         check_checkpoint(str(swapped), model)
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "run"), "--trainer.max_steps=4", "--ckpt_path", str(swapped)])
     assert code == 2 and f"--model.init_from {swapped}" in one_error_line(err)
+
+
+def test_a_checkpoint_read_rebuilt_and_checked_from_python(tmp_path):
+    """The three calls of ``tasks/checkpoint_files.py``'s docstring: read (weights only), rebuild the
+    task from its hyper-parameters, check and load: the weights come back bit for bit."""
+    from linformer_lab.tasks.checkpoint_files import checkpoint_task, read_checkpoint
+    from linformer_lab.tasks.copy_task import CopyTask
+
+    torch.manual_seed(0)
+    task = CopyTask(attention="linear", d_model=16, n_heads=2, n_layers=1)
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": task.state_dict(),
+                "hyper_parameters": {**task.hparams, "_class_path": "linformer_lab.tasks.copy_task.CopyTask"}}, path)
+    ckpt = read_checkpoint(str(path))
+    rebuilt = checkpoint_task(ckpt, path)
+    rebuilt.load_state_dict(check_checkpoint(str(path), rebuilt, ckpt)["state_dict"])
+    assert type(rebuilt) is CopyTask and rebuilt.state_dict().keys() == task.state_dict().keys()
+    assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in task.state_dict().items())
+    rebuilt.hparams["d_model"] = 32  # another model: refused with its reason
+    with pytest.raises(CheckpointMismatchError, match="d_model: checkpoint 16, configuration 32"):
+        check_checkpoint(str(path), rebuilt, ckpt)
