@@ -182,6 +182,7 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     assert checked[("causal_attention", "cpp")] == "pass" and checked[("causal_attention", "triton")] == "not here"
     build = [r for r in rows if r["part"] == "build"]
     assert build[0]["method"] == "build 3 extensions at once" and build[0]["result"] == "3 of 3 built or cached"
+    assert [build[0][f"cpu.{name}"] for name in gpu_check.CPU_EXTENSIONS] == ["0"] * 3  # each one's exit: its process's
     tests = [r for r in rows if r["part"] == "tests"]
     assert tests[0]["method"] == "cli.py plugins --check" and tests[0]["exit"] == "0"
     assert tests[1]["method"] == " ".join(gpu_check.GPU_TESTS) and "collected" in tests[1]["result"]
