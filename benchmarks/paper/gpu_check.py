@@ -93,7 +93,9 @@ GRACE_S = 20
 #: The C++ extensions of ``linformer_lab.ops.cpu`` that :class:`Prebuild` builds (the .cu one too on a GPU).
 CPU_EXTENSIONS = ("CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW")
 #: Longest the extensions' builds may take together (one after another, two of the three C++ ones
-#: took 120 s on a bare H200 machine; at once, beside the kernel part, on its 16 cores).
+#: took 120 s on a bare H200 machine; at once, beside the kernel part, on its 16 cores), times the
+#: extensions a process builds one after another (a dry run's one process builds the three C++
+#: ones: 130 s without a cached build on an idle 2-core CPU).
 PREBUILD_S = 150
 #: pytest is interrupted (SIGINT: it still writes its junit file and summary) this long before the
 #: tests part's budget ends.
@@ -202,8 +204,8 @@ class Prebuild:
     --check`` reports it): the C++ ones for the tests, the ``.cu`` one on a GPU for the kernel part
     and the tests; every one for the whole command. In the background: the parts run meanwhile;
     when all are done, :data:`gpu_check_kernel.PREBUILD_FILE` appears in ``work`` (the kernel part
-    and the tests wait for it). :meth:`row` waits. A dry run builds the C++ ones in one process:
-    cached (as the suite's other tests leave them) they only load, and on a CPU each process's
+    and the tests wait for it). :meth:`row` waits. A dry run builds the C++ ones in one process,
+    one after another: cached (as the suite's other tests leave them) they only load, and on a CPU each process's
     start, importing torch, costs more than loading (~5 s against ~0.1 s)."""
 
     def __init__(self, device: str, work: Path, parts: list[str]):
@@ -224,9 +226,9 @@ class Prebuild:
 
     def _wait(self) -> None:
         codes = []
-        for child in self.children:
+        for child, names in zip(self.children, self.built_by):
             try:
-                codes.append(child.wait(timeout=max(self.start + PREBUILD_S - time.monotonic(), 1)))
+                codes.append(child.wait(timeout=max(self.start + PREBUILD_S * len(names) - time.monotonic(), 1)))
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
