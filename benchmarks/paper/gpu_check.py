@@ -25,8 +25,9 @@ stopped: every row it measured is already in its journal, so the report keeps th
 5. ``figure2``: ``figure2_copy.py --paper`` (the paper's copy task) for the time left.
 
 The compiled extensions (three C++ ones, the ``.cu`` numerator; those the chosen parts use) are
-built at the start, one process each, beside the first parts (:class:`Prebuild`): the kernel part times the ``.cu``
-numerator last, once it is built, and the tests wait for the builds. ``--cache DIR`` (the
+built at the start, one process each (a dry run: the C++ ones in one), beside the first parts
+(:class:`Prebuild`): the kernel part times the ``.cu`` numerator last, once it is built, and the
+tests wait for the builds. ``--cache DIR`` (the
 git-ignored ``.gpu_cache``) brings what an earlier run compiled (Triton's cache: ours, fla's,
 their autotune results; the extensions' builds) and the previous revision of our kernel
 (``--export-previous``); ``gpu_check_cache.py`` says what each holds.
@@ -92,7 +93,9 @@ GRACE_S = 20
 #: The C++ extensions of ``linformer_lab.ops.cpu`` that :class:`Prebuild` builds (the .cu one too on a GPU).
 CPU_EXTENSIONS = ("CAUSAL_RECURRENCE", "FUSED_STEP", "LSH_WINDOW")
 #: Longest the extensions' builds may take together (one after another, two of the three C++ ones
-#: took 120 s on a bare H200 machine; at once, beside the kernel part, on its 16 cores).
+#: took 120 s on a bare H200 machine; at once, beside the kernel part, on its 16 cores), times the
+#: extensions a process builds one after another (a dry run's one process builds the three C++
+#: ones: 130 s without a cached build on an idle 2-core CPU).
 PREBUILD_S = 150
 #: pytest is interrupted (SIGINT: it still writes its junit file and summary) this long before the
 #: tests part's budget ends.
@@ -201,15 +204,20 @@ class Prebuild:
     --check`` reports it): the C++ ones for the tests, the ``.cu`` one on a GPU for the kernel part
     and the tests; every one for the whole command. In the background: the parts run meanwhile;
     when all are done, :data:`gpu_check_kernel.PREBUILD_FILE` appears in ``work`` (the kernel part
-    and the tests wait for it). :meth:`row` waits."""
+    and the tests wait for it). :meth:`row` waits. A dry run builds the C++ ones in one process,
+    one after another: cached (as the suite's other tests leave them) they only load, and on a CPU each process's
+    start, importing torch, costs more than loading (~5 s against ~0.1 s)."""
 
     def __init__(self, device: str, work: Path, parts: list[str]):
         cpu = CPU_EXTENSIONS if "tests" in parts else ()
         cu = device == "cuda" and bool({"kernel", "tests"} & set(parts))
-        names = [f"cpu.{name}" for name in cpu] + (["linear_cuda"] if cu else [])
-        commands = [["-c", f"from linformer_lab.ops import cpu; cpu.{name}.load()"] for name in cpu]
+        groups = [[name] for name in cpu] if device == "cuda" else [list(cpu)] if cpu else []
+        commands = [["-c", "from linformer_lab.ops import cpu; " + "; ".join(f"cpu.{name}.load()" for name in group)]
+                    for group in groups]
         commands += [["-m", "linformer_lab.ops.cuda", "build"]] if cu else []
-        self.work, self.start, self.names = work, time.monotonic(), names
+        # the extensions of each process, in the processes' order
+        self.built_by = [[f"cpu.{name}" for name in group] for group in groups] + ([["linear_cuda"]] if cu else [])
+        self.work, self.start = work, time.monotonic()
         with open(work / "prebuild.log", "a") as log:
             self.children = [subprocess.Popen([sys.executable, *c], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                               env=_env(), start_new_session=True) for c in commands]
@@ -218,16 +226,19 @@ class Prebuild:
 
     def _wait(self) -> None:
         codes = []
-        for child in self.children:
+        for child, names in zip(self.children, self.built_by):
             try:
-                codes.append(child.wait(timeout=max(self.start + PREBUILD_S - time.monotonic(), 1)))
+                codes.append(child.wait(timeout=max(self.start + PREBUILD_S * len(names) - time.monotonic(), 1)))
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 codes.append(None)
-        self.result = {"part": "build", "method": f"build {len(codes)} extensions at once",
+        # an extension's exit code: its process's
+        by_name = {name: code for names, code in zip(self.built_by, codes) for name in names}
+        built = list(by_name.values())
+        self.result = {"part": "build", "method": f"build {len(built)} extensions at once",
                        "seconds": time.monotonic() - self.start, "exit": next((c for c in codes if c != 0), 0),
-                       "result": f"{codes.count(0)} of {len(codes)} built or cached", **dict(zip(self.names, codes))}
+                       "result": f"{built.count(0)} of {len(built)} built or cached", **by_name}
         (self.work / gpu_check_kernel.PREBUILD_FILE).write_text(json.dumps(self.result))
 
     def row(self) -> dict:

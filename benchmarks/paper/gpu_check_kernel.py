@@ -344,6 +344,8 @@ def measure(device: str, budget, dry_run: bool, work: Path | None = None,
     grid = DRY_GRID if dry_run else GRID
     dtype = torch.float32 if dry_run else torch.bfloat16
     rounds, inner = (1, 1) if dry_run else (7, 3)
+    # profiled steps per pass: a dry run's only show that the rows come (each interpreted step costs ~0.5 s)
+    profile_steps = 1 if dry_run else 3
     bandwidth = copy_bandwidth(device)  # first: the roofline row needs it as soon as its shape is timed
     rows += budget.keep([{"part": "bandwidth", "method": "device copy", "bandwidth_gb_s": bandwidth / 1e9}])
 
@@ -362,7 +364,7 @@ def measure(device: str, budget, dry_run: bool, work: Path | None = None,
             for name in profiled if shape == ROOFLINE_SHAPE or dry_run else ():  # which kernels the time goes to
                 if name in members:
                     try:
-                        rows += budget.keep(kernel_profile(shape, members[name][0], dtype, device, name))
+                        rows += budget.keep(kernel_profile(shape, members[name][0], dtype, device, name, profile_steps))
                     except Exception as err:  # noqa: BLE001 - a profiler that cannot run here: no rows
                         budget.skipped.append(f"kernel profile of {name} at {shape}: {type(err).__name__}: {str(err)[:160]}")
             # fla's first call at the next shape: planned at what it took at this one

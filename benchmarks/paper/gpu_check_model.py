@@ -127,7 +127,7 @@ def training(device: str, budget, dry_run: bool) -> list[dict]:
     """Eager and graphed at the config batch (the paper's), the same at :data:`BIG_BATCH`, then
     compiled (eager and graphed) at the config batch: each pair eager / graphed, softmax beside linear."""
     rows = []
-    seconds = 0.5 if dry_run else 3.0
+    seconds = 0.0 if dry_run else 3.0  # a dry run's rows: the three timed updates every row has
     graphs = (False, True) if device == "cuda" else (False,)
     plan = [(c, "none", batch, g) for batch in (None, BIG_BATCH) for g in graphs for c in CONFIGS]
     plan += [] if dry_run else [(c, "model", None, g) for g in graphs for c in CONFIGS]

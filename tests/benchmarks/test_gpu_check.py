@@ -115,7 +115,8 @@ def test_a_part_over_its_budget_is_stopped_with_its_children_and_keeps_its_rows(
               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
               "print('grandchild', child.pid, flush=True)\n"
               "time.sleep(120)\n")
-    code, seconds = gpu_check.run_part([sys.executable, "-c", script], 5, log)
+    # 3 s: the part journals and starts its child within a fraction of one (0.05 s each alone)
+    code, seconds = gpu_check.run_part([sys.executable, "-c", script], 3, log)
     assert code is None and seconds < 30
     assert gpu_check.read_journal(journal)[0] == [{"part": "x", "n": 1}]
     text = log.read_text()
@@ -138,10 +139,11 @@ def test_pytest_stopped_at_its_budget_still_writes_its_junit_file_and_summary(tm
     junit, log = tmp_path / "junit.xml", tmp_path / "pytest.log"
     command = [sys.executable, "-m", "pytest", str(tmp_path / "test_slow.py"), "-v", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "--rootdir", str(tmp_path)]
-    # no plugins autoloaded: pytest starts in a second (none is needed here). Under xdist this
-    # process ignores SIGINT; run_part must not pass that on, or the interrupt is lost
+    # no plugins autoloaded: pytest starts in a second (0.8 s alone; none is needed here), and
+    # test_quick has passed long before the 6 s budget. Under xdist this process ignores SIGINT;
+    # run_part must not pass that on, or the interrupt is lost
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    code, seconds = gpu_check.run_part(command, 8, log, env=env, first=signal.SIGINT)
+    code, seconds = gpu_check.run_part(command, 6, log, env=env, first=signal.SIGINT)
     assert code is None and seconds < 40
     cases = {c.get("name"): c for c in ElementTree.parse(junit).getroot().iter("testcase")}
     assert "test_quick" in cases and not list(cases["test_quick"])  # passed: no failure or skip element
@@ -182,6 +184,7 @@ def test_the_readme_commands_dry_run_writes_every_table(tmp_path):
     assert checked[("causal_attention", "cpp")] == "pass" and checked[("causal_attention", "triton")] == "not here"
     build = [r for r in rows if r["part"] == "build"]
     assert build[0]["method"] == "build 3 extensions at once" and build[0]["result"] == "3 of 3 built or cached"
+    assert [build[0][f"cpu.{name}"] for name in gpu_check.CPU_EXTENSIONS] == ["0"] * 3  # each one's exit: its process's
     tests = [r for r in rows if r["part"] == "tests"]
     assert tests[0]["method"] == "cli.py plugins --check" and tests[0]["exit"] == "0"
     assert tests[1]["method"] == " ".join(gpu_check.GPU_TESTS) and "collected" in tests[1]["result"]
