@@ -334,6 +334,12 @@ def main(argv=None):
     common.add_omp_wait_policy_argument(p)
     args = p.parse_args(argv)
     common.apply_omp_wait_policy(args.omp_wait_policy)
+    args.before_revision_id = None
+    if args.before_revision:
+        try:  # resolved once, before any measuring: HEAD may move on during the run
+            args.before_revision_id = common.resolve_commit(args.before_revision)
+        except ValueError as error:
+            raise SystemExit(f"--before-revision: {error}") from None
     if args.quick:
         args.repeats, args.budget, args.gemm_size = 3, 1.0, 1024
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -352,12 +358,6 @@ def main(argv=None):
     args.copy_bytes = copy_rate(torch, args.copy_mib)
     print(f"fp32 GEMM {args.gemm_flops / 1e9:.1f} GFLOP/s, copy {args.copy_bytes / 1e9:.1f} GB/s; {common.load_line()}",
           flush=True)
-    args.before_revision_id = None
-    if args.before_revision:
-        try:  # resolved once: HEAD may move on during the run
-            args.before_revision_id = common.resolve_commit(args.before_revision)
-        except ValueError as error:
-            raise SystemExit(f"--before-revision: {error}") from None
     impls = implementations(torch, args.before_revision_id)
     if "kernel" in impls:
         from linformer_lab.ops import cpu

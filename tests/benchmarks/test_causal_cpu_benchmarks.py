@@ -32,9 +32,11 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     """causal_cpu_grid.py --before-revision: causal_recurrence.cpp as at a revision (here HEAD: the
     current build serves where the working tree's source is the same, so at most one build) runs as
     'kernel before', interleaved, with its ratio in the report; a revision git cannot read is a clear
-    error. Through the script's command line."""
+    error before any measuring. Through the script's command line; no feature-map columns (seconds
+    of whole-attention timings that this test reads nothing of)."""
     command = [sys.executable, "benchmarks/dev/causal_cpu_grid.py", "--shapes", "1x2x256x16", "--repeats", "3",
-               "--budget", "0.05", "--gemm-size", "128", "--out", str(tmp_path), "--tag", "_t", "--before-revision"]
+               "--budget", "0.05", "--gemm-size", "128", "--feature-maps", "none", "--out", str(tmp_path), "--tag", "_t",
+               "--before-revision"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     done = subprocess.run(command + [head], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -48,6 +50,7 @@ def test_causal_grid_times_an_earlier_revision_beside_the_current_one(tmp_path):
     assert "alone GEMM fraction" in report and float(row["kernel_alone_ms"]) > 0 and float(row["kernel_alone_gemm_fraction"]) > 0
     missing = subprocess.run(command + ["no-such-revision"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert missing.returncode != 0 and "--before-revision: git cannot resolve the revision 'no-such-revision'" in missing.stderr
+    assert "GEMM" not in missing.stdout  # refused before the machine's rates were measured
 
 
 @pytest.mark.slow

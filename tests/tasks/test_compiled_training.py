@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._inductor import cpu_vec_isa
 
 from linformer_lab.models.mixture_of_logistics import DiscretizedMixtureOfLogistics
 from linformer_lab.tasks.image_generation import ImageGenerationTask
@@ -38,10 +39,11 @@ def test_log_prob_keeps_float64():
 
 @pytest.mark.slow
 def test_fused_loss_equals_the_eager_loss_with_gradients(monkeypatch):
-    # inductor trusts the CPU's flags for AVX2 and AVX-512 instead of proving each with a test
-    # build that a fresh Python loads (a torch import each: ~20 s of this test on two cores); the
-    # same choice wherever the compiler builds what the CPU runs
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", True)
+    # inductor trusts the CPU's flags (torch.cpu's) for AVX2, AVX-512, VNNI and AMX instead of
+    # proving each with a test build that a fresh Python loads: a torch import each, six on a CPU
+    # with AMX, most of this test on two cores (config.cpp.vec_isa_ok spares the base checks, not
+    # those of AVX-512 bf16, VNNI and AMX); the same choice wherever the compiler builds what the CPU runs
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: True)
     head = DiscretizedMixtureOfLogistics(8, 4)
     params, target = _params_and_targets()
     eager, fused = params.clone().requires_grad_(), params.clone().requires_grad_()
