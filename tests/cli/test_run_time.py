@@ -15,7 +15,7 @@ from linformer_lab.cli.checks import cpu_recipe
 from linformer_lab.tasks.callbacks import format_duration, validations_within
 
 LINE = re.compile(r"time: about (.+?) for this run on this machine.*?\(([\d,]+) updates at ([\d.e-]+) s, "
-                  r"([\d,]+) validations of (\d+) batch(?:es)? at ([\d.e-]+) s")
+                  r"([\d,]+) validations? of (\d+) batch(?:es)? at ([\d.e-]+) s")
 
 
 class StopAt(L.Callback):
@@ -49,6 +49,10 @@ def test_a_fit_prints_once_the_projected_time_of_its_updates_and_validations(tmp
     assert (updates, batches) == (60, 2) and ran["train"] == 60
     assert validations * batches == ran["validate"]  # the validations the run then ran
     assert "CPU recipe" not in lines[0]  # a few seconds: nothing to suggest
+    # one epoch: its one validation is said in the singular
+    code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path / "one"), "--data.train_batches_per_epoch=45",
+                              "--trainer.max_steps=45"])
+    assert code == 0 and ", 1 validation of 2 batches at " in time_lines(out)[0], out
 
 
 @pytest.mark.slow
