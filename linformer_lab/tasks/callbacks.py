@@ -293,7 +293,8 @@ class RunTimeEstimate(L.Callback):
         remaining = left * per_update + validations * val_batches * per_batch
         line = (f"time: about {format_duration(in_all)} for this run on this machine"
                 f"{f', {format_duration(remaining)} of it left' if 0 < left < total else ''} ({total:,} updates at "
-                f"{per_update:.3g} s, {all_validations:,} validation{'s' * (all_validations != 1)} of {val_batches} batch{'es' * (val_batches != 1)} at "
+                f"{per_update:.3g} s, {all_validations:,} validation{'s' * (all_validations != 1)} of {val_batches} "
+                f"batch{'es' * (val_batches != 1)} at "
                 f"{per_batch:.3g} s{'' if measured_val else ' (estimated: a third of an update)'})")
         if self.cpu_recipe and in_all > 3600 and trainer.strategy.root_device.type == "cpu":
             line += f"; this config is sized for a GPU, its CPU recipe: python cli.py fit --config {self.cpu_recipe}"
