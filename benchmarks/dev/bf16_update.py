@@ -2,7 +2,7 @@
 clipping, RAdam; ``common.image_training_update``) of a CPU recipe's MNIST model in fp32 and under
 bf16 autocast, interleaved in one process (``common.interleaved_medians``: a change of load hits
 both alike), with the CPU's bf16 units as the CLI's precision rule reads them
-(``linformer_lab.cli.checks.cpu_bf16_units``).
+(``linformer_lab.ops.cpu.isa.bf16_units``).
 
     OMP_NUM_THREADS=1 uv run python benchmarks/dev/bf16_update.py
     uv run python benchmarks/dev/bf16_update.py --quick      # smoke run
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from linformer_lab.cli.checks import cpu_bf16_units
+    from linformer_lab.ops.cpu.isa import bf16_units
 
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         print(f"{config}: fp32 {a['median']:.3f} s, bf16 autocast {b['median']:.3f} s", flush=True)
     text = "\n".join([
         "# One update in fp32 and under bf16 autocast", "", *header,
-        f"- bf16 units here (cli/checks.py: cpu_bf16_units): {cpu_bf16_units() or 'none'}; "
+        f"- bf16 units here (ops/cpu/isa.py: bf16_units): {bf16_units() or 'none'}; "
         f"{args.threads} torch thread(s); {(time.perf_counter() - start) / 60:.1f} min; {common.load_line()} at end", "",
         common.markdown_table(["config", "batch", "rounds", "fp32 s/update", "bf16 s/update", "bf16 / fp32",
                                "per round"], rows), ""])

@@ -190,23 +190,6 @@ def linked_argument_error(model_class: type, given: typing.Mapping, datamodule, 
     return None
 
 
-#: Overrides the CPU probe of :func:`cpu_bf16_units` (a test's, or a user's who wants bf16 emulated).
-CPU_BF16_VARIABLE = "LINFORMER_LAB_CPU_BF16"
-CPU_BF16_CHOICES = ("amx", "avx512_bf16", "none")
-
-
-def cpu_bf16_units() -> str | None:
-    """The CPU's bf16 units: ``"amx"``, ``"avx512_bf16"`` or None (``LINFORMER_LAB_CPU_BF16`` if set)."""
-    value = os.environ.get(CPU_BF16_VARIABLE)
-    if value:
-        if value not in CPU_BF16_CHOICES:
-            exit_with_error(f"{CPU_BF16_VARIABLE}={value!r}: expected one of {', '.join(CPU_BF16_CHOICES)}")
-        return None if value == "none" else value
-    from linformer_lab.ops.cpu import isa
-
-    return isa.matrix_units()
-
-
 def resolve_precision(precision, accelerator):
     """A precision the device cannot run (well) -> the closest it can, in one line (docs/cli.md,
     "Precision"): fp16 AMP on CPU -> bf16-mixed; bf16 on a CPU without bf16 units -> 32-true;
@@ -225,7 +208,13 @@ def resolve_precision(precision, accelerator):
         exit_with_error("--trainer.precision 16-true: fp16 weights on a CPU train to NaN within a few updates "
                         "(no loss scaling); use 32-true, or bf16-mixed on a CPU with bf16 units")
     if cpu and value in ("16", "16-mixed", "bf16", "bf16-mixed", "bf16-true"):
-        if cpu_bf16_units() is None:
+        from linformer_lab.ops.cpu import isa
+
+        try:
+            units = isa.bf16_units()
+        except ValueError as err:  # a bad LINFORMER_LAB_CPU_BF16
+            exit_with_error(str(err))
+        if units is None:
             if rank_zero_only.rank == 0:
                 sys.stderr.write(f"precision {value}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
                                  f"is slower than fp32: training in fp32 (32-true; docs/cli.md, Precision)\n")

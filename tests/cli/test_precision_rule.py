@@ -14,8 +14,9 @@ import pytest
 import yaml
 from conftest import run_cli, tiny_copy_args
 
-from linformer_lab.cli.checks import CPU_BF16_VARIABLE, cpu_bf16_units, resolve_precision
-from linformer_lab.ops.cpu.isa import cpuinfo_flags, matrix_units, units_of
+from linformer_lab.cli.checks import resolve_precision
+from linformer_lab.ops.cpu.isa import BF16_UNITS_VARIABLE as CPU_BF16_VARIABLE
+from linformer_lab.ops.cpu.isa import bf16_units, cpuinfo_flags, matrix_units, units_of
 
 
 class RecordPrecision(L.Callback):
@@ -76,8 +77,10 @@ def test_the_rule_maps_each_precision(monkeypatch):
 
 def test_a_bad_override_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv(CPU_BF16_VARIABLE, "yes")
-    with pytest.raises(SystemExit):
-        cpu_bf16_units()
+    with pytest.raises(ValueError, match=f"^{CPU_BF16_VARIABLE}='yes': expected one of amx, avx512_bf16, none$"):
+        bf16_units()
+    with pytest.raises(SystemExit):  # the command line's precision rule reads it: one line, exit code 2
+        resolve_precision("bf16-mixed", "cpu")
     assert capsys.readouterr().err == f"error: {CPU_BF16_VARIABLE}='yes': expected one of amx, avx512_bf16, none\n"
 
 
@@ -101,4 +104,4 @@ def test_the_detection_agrees_with_this_machines_cpuinfo(monkeypatch):
     if not cpuinfo_flags(text):
         pytest.skip("no x86 flags line in /proc/cpuinfo")
     monkeypatch.delenv(CPU_BF16_VARIABLE)
-    assert cpu_bf16_units() == matrix_units() == units_of(cpuinfo_flags(text))
+    assert bf16_units() == matrix_units() == units_of(cpuinfo_flags(text))

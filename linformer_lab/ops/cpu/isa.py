@@ -4,11 +4,27 @@ them bf16 runs faster than fp32, without them bf16 is emulated and slower."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import torch
 
-__all__ = ["cpuinfo_flags", "matrix_units", "units_of"]
+__all__ = ["BF16_UNITS_VARIABLE", "bf16_units", "cpuinfo_flags", "matrix_units", "units_of"]
+
+#: Overrides the CPU probe of :func:`bf16_units` (a test's, or a user's who wants bf16 emulated).
+BF16_UNITS_VARIABLE = "LINFORMER_LAB_CPU_BF16"
+BF16_UNITS_CHOICES = ("amx", "avx512_bf16", "none")
+
+
+def bf16_units() -> str | None:
+    """The CPU's bf16 units: ``"amx"``, ``"avx512_bf16"`` or None; ``LINFORMER_LAB_CPU_BF16`` if set
+    (a value other than :data:`BF16_UNITS_CHOICES`: a one-line ValueError)."""
+    value = os.environ.get(BF16_UNITS_VARIABLE)
+    if not value:
+        return matrix_units()
+    if value not in BF16_UNITS_CHOICES:
+        raise ValueError(f"{BF16_UNITS_VARIABLE}={value!r}: expected one of {', '.join(BF16_UNITS_CHOICES)}")
+    return None if value == "none" else value
 
 
 @functools.cache
