@@ -25,7 +25,8 @@ from linformer_lab.tasks.export import TASKS, ExportError, build_task, is_export
 
 
 class CheckpointMismatchError(Exception):
-    """A ``--ckpt_path`` that cannot be used with the configured model (the message says why)."""
+    """A checkpoint that cannot be used with the task at hand (``--ckpt_path``, ``--model.init_from``, or
+    :func:`check_checkpoint` from Python): the one-line message says why."""
 
 
 class CheckpointNotFoundError(CheckpointMismatchError): ...  # no such file, or none that last|best finds
