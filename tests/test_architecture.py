@@ -4,7 +4,7 @@ small, and comments (Python, C++, CUDA) say why without timing diaries (docs/ARC
 Read from the source with ``ast``, so imports inside functions (the usual way to hide a cycle)
 count too. The layers, bottom to top::
 
-    registry, validation  <  ops  <  feature_maps  <  attention  <  models, data  <  tasks  <  cli
+    registry, validation, compat  <  ops  <  feature_maps  <  attention  <  models, data  <  tasks  <  cli
 
 A module may import its own layer and the layers below it, except that ``models`` and ``data``
 do not import each other. Nothing imports the package root ``linformer_lab`` (its
@@ -24,13 +24,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "linformer_lab"
 
 LAYER_OF = {
-    "registry": 0, "validation": 0,
+    "registry": 0, "validation": 0, "compat": 0,
     "ops": 1,
     "feature_maps": 2,  # poly2's exact kernel is ops.reference.polynomial_similarity
     "attention": 3,
     "models": 4, "data": 4,
     "tasks": 5,
-    "cli": 6,  # the command line's wing: entry, Lightning CLI, checkpoints, compat, plugins --check
+    "cli": 6,  # the command line's wing: entry, Lightning CLI, checkpoints, plugins --check
 }
 #: Pairs of one layer that stay apart: (importer, imported).
 SEPARATE = {("models", "data"), ("data", "models")}

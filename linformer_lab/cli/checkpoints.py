@@ -15,7 +15,6 @@ from pathlib import Path
 
 import lightning as L
 
-from linformer_lab.cli.callbacks import BestCheckpoint, LastCheckpoint
 from linformer_lab.tasks.base import task_settings
 from linformer_lab.tasks.checkpoint_files import (
     CheckpointMismatchError,
@@ -23,6 +22,7 @@ from linformer_lab.tasks.checkpoint_files import (
     UnreadableCheckpointError,
     check_checkpoint,
 )
+from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint
 
 
 @dataclass

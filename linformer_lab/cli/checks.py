@@ -22,9 +22,9 @@ from linformer_lab.cli.args import (
     help_requested,
     known_configs,
 )
-from linformer_lab.cli.compat import JSONARGPARSE_MESSAGES as FORMS
-from linformer_lab.cli.compat import UNION_REPORT_FRAME
 from linformer_lab.cli.config_help import TRAINER, class_options
+from linformer_lab.compat import JSONARGPARSE_MESSAGES as FORMS
+from linformer_lab.compat import UNION_REPORT_FRAME
 
 #: exit code of every error the CLI reports before any work (bad config value, checkpoint, run directory)
 CHECKPOINT_ERROR_EXIT_CODE = 2

@@ -26,7 +26,8 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from linformer_lab.cli import callbacks, checkpoints, checks, compat
+import linformer_lab.compat as compat
+from linformer_lab.cli import callbacks, checkpoints, checks
 from linformer_lab.cli.args import COUNT_OR_FRACTION, SUBCOMMANDS, with_ckpt_path
 from linformer_lab.cli.checks import exit_with_error
 from linformer_lab.cli.export import use_export

@@ -21,7 +21,7 @@ from conftest import REPO
 WING = REPO / "linformer_lab" / "cli"
 
 #: The modules of ``linformer_lab/cli/``, bottom to top.
-ORDER = ["compat", "args", "config_help", "checks", "callbacks", "checkpoints", "export", "lightning_cli", "entry"]
+ORDER = ["args", "config_help", "checks", "callbacks", "checkpoints", "export", "lightning_cli", "entry"]
 
 
 def wing_imports(path: Path, wing: Path = WING) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""The private Lightning and jsonargparse members the CLI relies on (``linformer_lab.cli.compat``):
+"""The private Lightning and jsonargparse members linformer_lab relies on (``linformer_lab.compat``):
 all present in the pinned releases, each missing one named exactly (also through the CLI, before
 any work), none used outside the compat module; the forms of jsonargparse's error messages it
 reads, each produced by the installed jsonargparse; the upstream warning filter matching its message."""
@@ -14,8 +14,8 @@ from conftest import run_cli, tiny_copy_args
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fit_loop import _FitLoop
 
-import linformer_lab.cli.compat as compat
-from linformer_lab.cli.callbacks import LastCheckpoint
+import linformer_lab.compat as compat
+from linformer_lab.tasks.checkpointing import LastCheckpoint
 
 PACKAGE = Path(__file__).resolve().parents[2] / "linformer_lab"
 
@@ -36,7 +36,7 @@ def test_a_removed_member_is_named_and_only_it(monkeypatch, owner, member, shown
     with pytest.raises(compat.CompatError, match=re.escape(shown)) as caught:
         compat.check()
     message = str(caught.value)
-    assert "\n" not in message and "cli/compat.py" in message
+    assert "\n" not in message and "linformer_lab/compat.py" in message
     others = [f"{path.partition(':')[2]}.{name}" for path, name, _ in compat.MEMBERS if name != member]
     assert not any(other in message for other in others), message
 
@@ -59,12 +59,12 @@ def test_the_cli_stops_before_any_work_naming_the_member(monkeypatch, tmp_path):
 
 def test_no_module_but_the_compat_module_reads_a_listed_member():
     """The CLI may override the two LightningCLI hooks (``def name``, ``super().name``); every
-    other use of a listed member goes through cli/compat.py."""
+    other use of a listed member goes through compat.py."""
     names = {member for _, member, _ in compat.MEMBERS}
     overridable = {"_parse_ckpt_path", "_run_subcommand"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.relative_to(PACKAGE).as_posix() == "cli/compat.py":
+        if path.relative_to(PACKAGE).as_posix() == "compat.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for name in names:

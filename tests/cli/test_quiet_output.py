@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.model_summary import ModelSummary
 
-from linformer_lab.cli import compat
+from linformer_lab import compat
 from linformer_lab.ops import cpu
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,8 +1,9 @@
-"""Every private member of Lightning and jsonargparse the CLI reads (:data:`MEMBERS`, read only
-through the functions below; :func:`check`, run before any work, names a missing one in one line
-rather than an ``AttributeError`` an hour into training), the forms of jsonargparse's error
-messages it reads facts from (``tests/cli/test_compat.py`` makes the installed release write each),
-and the upstream warnings and info lines no setting of ours can avoid.
+"""Every private member of Lightning and jsonargparse linformer_lab reads, in the checkpoint callbacks
+(``tasks/checkpointing.py``) and the CLI (:data:`MEMBERS`, read only through the functions below;
+:func:`check`, run before any work, names a missing one in one line rather than an
+``AttributeError`` an hour into training), the forms of jsonargparse's error messages the CLI
+reads facts from (``tests/cli/test_compat.py`` makes the installed release write each), and the
+upstream warnings and info lines no setting of ours can avoid.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ UPSTREAM_INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fab
 
 
 class CompatError(RuntimeError):
-    """The installed Lightning or jsonargparse lacks a private member the CLI relies on."""
+    """The installed Lightning or jsonargparse lacks a private member linformer_lab relies on."""
 
 
 def _missing() -> list[tuple[str, str]]:
@@ -107,8 +108,8 @@ def _error(missing: list[tuple[str, str]]) -> CompatError:
     for distribution, shown in missing:
         by_distribution.setdefault(distribution, []).append(shown)
     lacks = "; ".join(f"{name} {version(name)} lacks {', '.join(shown)}" for name, shown in by_distribution.items())
-    return CompatError(f"{lacks}: a private member linformer_lab relies on (linformer_lab/cli/compat.py lists them); "
-                       f"install the release pyproject.toml pins (uv sync), or adapt cli/compat.py to this one.")
+    return CompatError(f"{lacks}: a private member linformer_lab relies on (linformer_lab/compat.py lists them); "
+                       f"install the release pyproject.toml pins (uv sync), or adapt compat.py to this one.")
 
 
 def check() -> None:

@@ -1,0 +1,140 @@
+"""Checkpoint callbacks a fit resumes from exactly, for any Lightning Trainer (the CLI adds both to
+every fit: docs/cli.md, "Checkpoints")::
+
+    trainer = L.Trainer(max_steps=2000, callbacks=[
+        BestCheckpoint(monitor=task.monitor, mode=task.monitor_mode),  # before LastCheckpoint
+        LastCheckpoint(),  # last.ckpt: after every validation, at max_steps, at a stop
+    ])
+    trainer.fit(task, datamodule=data, ckpt_path="last")  # later: continues where it stopped
+
+:class:`LastCheckpoint` is the resume point; :class:`BestCheckpoint` keeps the best by the task's
+monitored metric, and ``last.ckpt`` records it. Both write into the run's ``checkpoints/`` unless
+given a ``dirpath``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import warnings
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import linformer_lab.compat as compat
+from linformer_lab.tasks.base import epoch_ran_to_end
+
+__all__ = ["BestCheckpoint", "LastCheckpoint"]
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` after *every* validation (else every epoch end), every ``every_n_train_steps``
+    updates, at the ``max_steps`` step and at any other end: Lightning's ``save_last`` writes only
+    beside a new top-k checkpoint. After the best-model callback, it records that validation's best.
+    Saved at the final batch, the epoch stays open (a larger ``max_steps`` continues it); a stop
+    requested during a batch (``max_time``) keeps that batch's loop state, so a resume continues at
+    the next batch (Lightning 2.6 would close the epoch)."""
+
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = None):
+        # one well-known last.ckpt rather than last-v1, last-v2 ...
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, enable_version_counter=False)
+        self.every_n_steps = every_n_train_steps or 0
+        self._saved_at = 0  # global_step of the last.ckpt this process wrote (0: none yet)
+        self._loops_at_stop: dict | None = None  # fit-loop state at the batch where a stop was requested
+        self.started_at: int | None = None  # global_step this process started from
+
+    def _can_save(self, trainer: L.Trainer) -> bool:
+        return not (trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
+    def _save(self, trainer: L.Trainer) -> None:
+        """Write ``last.ckpt`` now through the Trainer's public save (every rank calls it, as any save)."""
+        self.last_model_path = os.path.join(self.dirpath, "last.ckpt")  # set first: it is part of the state saved
+        trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
+        self._saved_at = trainer.global_step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._loops_at_stop = None  # a second fit of the same trainer starts clean
+        self.started_at = trainer.global_step
+
+    def saved_step(self) -> int | None:
+        """The step the ``last.ckpt`` on disk holds (written here, else resumed from), or None."""
+        written = self._saved_at
+        if self.dirpath is None or not os.path.isfile(os.path.join(self.dirpath, "last.ckpt")):
+            return None
+        return written if written and written >= (self.started_at or 0) else self.started_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        final = trainer.max_steps is not None and 0 < trainer.max_steps <= step
+        # checkpoint callbacks run last, so a Timer's stop of this batch is seen here
+        stopping = trainer.should_stop and compat.stop_is_allowed(trainer)
+        self._loops_at_stop = copy.deepcopy(trainer.fit_loop.state_dict()) if stopping else None
+        if (periodic or final or stopping) and self._can_save(trainer) and self._saved_at != step:
+            self._save(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> dict:
+        # called for every checkpoint this trainer writes (best models too), not only ours
+        if self._loops_at_stop is not None and "loops" in checkpoint:
+            checkpoint["loops"]["fit_loop"] = self._loops_at_stop
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # once the best-model callback has seen this validation (where it saves, so do we); again
+        # when the batch end wrote this step: the best may have changed since
+        if self._can_save(trainer) and not compat.saves_at_train_epoch_end(self, trainer):
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # not for an epoch cut short by max_steps: the batch-end save holds the open epoch
+        if self._can_save(trainer) and compat.saves_at_train_epoch_end(self, trainer) and epoch_ran_to_end(trainer):
+            self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # after a stop, again: the validation it ran may have found a new best, which last.ckpt records
+        if self._can_save(trainer) and (self._loops_at_stop is not None or self._saved_at != trainer.global_step):
+            self._save(trainer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_unless_moved(self, state_dict)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """The best ``save_top_k`` checkpoints by the task's ``monitor``, ranked only at validated steps,
+    without Lightning's warning of a non-empty folder (a resumed fit writes into its own): refusing
+    another run's folder is the caller's (the CLI's ``checkpoints.claim_checkpoint_dir``)."""
+
+    validated_at: int | None = None  # global_step of this process's latest validation
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.validated_at = trainer.global_step
+        super().on_validation_end(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # Some epoch ends have no validation of their weights (an epoch cut short by max_steps, the one
+        # Lightning replays at a resume): ranked, they would get an earlier validation's metric, or none.
+        if self.validated_at == trainer.global_step:
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        with warnings.catch_warnings():
+            if self.dirpath is not None:
+                expected = f"Checkpoint directory {self.dirpath} exists and is not empty."
+                warnings.filterwarnings("ignore", message=re.escape(expected) + "$")
+            super().setup(trainer, pl_module, stage)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_unless_moved(self, state_dict)
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key: the record in checkpoints written before this class still loads
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
+def load_unless_moved(callback: ModelCheckpoint, state_dict: dict) -> None:
+    """Restore ``callback``'s record only where it writes where the checkpoint's run wrote (a resumed fit)."""
+    if state_dict.get("dirpath", callback.dirpath) == callback.dirpath:
+        ModelCheckpoint.load_state_dict(callback, state_dict)
