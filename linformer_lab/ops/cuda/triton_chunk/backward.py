@@ -57,6 +57,9 @@ from linformer_lab.ops.cuda.triton_chunk.forward import (
     initial_state,
     load_rows,
     superchunk_program,
+    tile_columns,
+    walk_chunk,
+    walk_chunks,
 )
 
 
@@ -72,18 +75,15 @@ def superchunk_backward_prepare(
     super-chunk; DELTAS: DH ``(slots H, C, M)`` fp32, sum q_i g_i^T over each super-chunk."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
+    cv, ck, vmask, kmask = tile_columns(i_v, BV, M, BK, C)
     cm = tl.arange(0, MF)
-    kmask, vmask, mmask = ck < C, cv < M, cm < M
+    mmask = cm < M
     tt = tl.arange(0, BT)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     dh = tl.zeros([BK], dtype=tl.float32)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
-    for c in range(0, LS // BT if INTERPRET else n_chunks):
-        start = bos + first + c * BT
-        tmask = first + c * BT + tt < length
+    for c in range(0, walk_chunks(first, length, BT, LS, INTERPRET)):
+        start, tmask = walk_chunk(bos, first, c, tt, length, BT)
         q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         pos = (b * H + h).to(tl.int64) * T + start + tt
         den = tl.load(DEN + pos, mask=tmask, other=1.0)
@@ -129,17 +129,13 @@ def superchunk_dq(
     dq_i = sum_j B_ij k_j + S_c g_i + r_i z_c. DS, DZ: the forward's deltas."""
     i_k, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(C, BK), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    ck = i_k * BK + tl.arange(0, BK)
-    cm = tl.arange(0, MF)
-    kmask, mmask = ck < C, cm < M
+    ck, cm, kmask, mmask = tile_columns(i_k, BK, C, MF, M)
     tt = tl.arange(0, BT)
     state, z = initial_state(S0, Z0, seq * H + h, ck, cm, kmask, mmask, C, M, HAS_INIT, BK, MF)
     state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, tl.where(s < n_sc, s, 0), ck, cm, kmask, mmask, C, M, NS_MAX, INTERPRET)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
-    for c in range(0, LS // BT if INTERPRET else n_chunks):
-        start = bos + first + c * BT
-        tmask = first + c * BT + tt < length
+    for c in range(0, walk_chunks(first, length, BT, LS, INTERPRET)):
+        start, tmask = walk_chunk(bos, first, c, tt, length, BT)
         kq_mask = tmask[:, None] & kmask[None, :]
         k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         do, v, den, r, bmat = chunk_gradient_rows(DO, V, DEN, R, b, h, start, tt, tmask, cm, mmask, T, H,
@@ -165,19 +161,17 @@ def dk_walk(Q, K, V, DO, DEN, R, DSN, DZN, DH, DHZ, DK, DS0, DZ0, i_k, b, h, row
             NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """``superchunk_dk_dv``'s feature-tile programs: dk_j = sum_i B_ij q_i + dH_c v_j + dh_c on the
     tile, dH's rows of the tile and dh on it carried from the last chunk to the first."""
-    ck = i_k * BK + tl.arange(0, BK)
-    cm = tl.arange(0, MF)
-    kmask, mmask = ck < C, cm < M
+    ck, cm, kmask, mmask = tile_columns(i_k, BK, C, MF, M)
     tt = tl.arange(0, BT)
     dstate, dz = initial_state(DSN, DZN, row, ck, cm, kmask, mmask, C, M, HAS_DFINAL, BK, MF)
     dstate, dz = delta_sum(dstate, dz, DH, DHZ, g0, h, H, s + 1, n_sc, ck, cm, kmask, mmask, C, M, NS_MAX,
                            INTERPRET)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
+    n_chunks = walk_chunks(first, length, BT, LS, INTERPRET)
+    # the interpreter's range() takes no assigned count (walk_chunks): there the constant bound
     for i in range(0, LS // BT if INTERPRET else n_chunks):
-        c = (LS // BT if INTERPRET else n_chunks) - 1 - i
-        start = bos + first + c * BT
-        tmask = first + c * BT + tt < length
+        c = n_chunks - 1 - i  # last chunk first
+        start, tmask = walk_chunk(bos, first, c, tt, length, BT)
         kq_mask = tmask[:, None] & kmask[None, :]
         q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         do, v, den, r, bmat = chunk_gradient_rows(DO, V, DEN, R, b, h, start, tt, tmask, cm, mmask, T, H,
@@ -205,20 +199,18 @@ def dv_walk(Q, K, DO, DEN, DSN, DZN, DH, DHZ, DV, i_v, b, h, row, bos, length, s
             NS_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """``superchunk_dk_dv``'s value-tile programs: dv_j = sum_i (q_i . k_j) g_i + dH_c^T k_j on the
     tile, dH's columns of the tile carried from the last chunk to the first."""
-    ck = tl.arange(0, KF)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask, vmask = ck < C, cv < M
+    cv, ck, vmask, kmask = tile_columns(i_v, BV, M, KF, C)
     tt = tl.arange(0, BT)
     causal = tt[:, None] >= tt[None, :]
     dstate, _ = initial_state(DSN, DZN, row, ck, cv, kmask, vmask, C, M, HAS_DFINAL, KF, BV)
     dstate, _ = delta_sum(dstate, tl.zeros([KF], dtype=tl.float32), DH, DHZ, g0, h, H, s + 1, n_sc, ck, cv, kmask,
                           vmask, C, M, NS_MAX, INTERPRET)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
+    n_chunks = walk_chunks(first, length, BT, LS, INTERPRET)
+    # the interpreter's range() takes no assigned count (walk_chunks): there the constant bound
     for i in range(0, LS // BT if INTERPRET else n_chunks):
-        c = (LS // BT if INTERPRET else n_chunks) - 1 - i
-        start = bos + first + c * BT
-        tmask = first + c * BT + tt < length
+        c = n_chunks - 1 - i  # last chunk first
+        start, tmask = walk_chunk(bos, first, c, tt, length, BT)
         q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         do = load_rows(DO, b, h, start, tt, cv, tmask, vmask, sd_b, sd_h, sd_t, sd_d)

@@ -129,6 +129,32 @@ def superchunk_program(pid, TILES, CU, SC_OFF, SC_TABLE, T, H, NSC, LS: tl.const
 
 
 @triton.jit
+def tile_columns(i, TILE: tl.constexpr, N: tl.constexpr, ALL: tl.constexpr, N_ALL: tl.constexpr):
+    """A program's columns, ``(TILE,)`` and ``(ALL,)``, and their masks: its tile i of a dimension N
+    wide (values or features) and the whole of the other, N_ALL wide (ALL >= N_ALL) ->
+    (tiled, whole, tiled < N, whole < N_ALL)."""
+    tiled = i * TILE + tl.arange(0, TILE)
+    whole = tl.arange(0, ALL)
+    return tiled, whole, tiled < N, whole < N_ALL
+
+
+@triton.jit
+def walk_chunks(first, end, BT: tl.constexpr, LS: tl.constexpr, INTERPRET: tl.constexpr):
+    """How many chunks of BT the walk of the super-chunk from position ``first`` takes: those that
+    start before ``end``. In the interpreter all LS // BT, the ones past ``end`` masked: numpy 2
+    refuses range() over the interpreter's scalars, so there the count is a plain int, and a range()
+    bound only as the call itself (the interpreter turns a value assigned to a name into a scalar)."""
+    return LS // BT if INTERPRET else tl.cdiv(tl.minimum(end - first, LS), BT)
+
+
+@triton.jit
+def walk_chunk(bos, first, c, tt, end, BT: tl.constexpr):
+    """Chunk c of the walk from ``first`` (rows first + c BT + tt of the sequence at ``bos``) ->
+    (start, tmask): the position of its first row, and ``(BT,)`` its rows before ``end``."""
+    return bos + first + c * BT, first + c * BT + tt < end
+
+
+@triton.jit
 def base_offset(b, h, position, sb, sh, st):
     """64-bit offset of (batch row b, head h, position)."""
     return b.to(tl.int64) * sb + h.to(tl.int64) * sh + position.to(tl.int64) * st
@@ -192,20 +218,17 @@ def superchunk_deltas(
     super-chunk) H + head; the last's row holds zeros)."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask, vmask = ck < C, cv < M
+    cv, ck, vmask, kmask = tile_columns(i_v, BV, M, BK, C)
     tt = tl.arange(0, BT)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     first = s * LS
     # a sequence's last super-chunk: no later walk starts from its delta, so none is summed
     end = tl.where(s < n_sc - 1, length, first)
-    n_chunks = tl.cdiv(tl.minimum(end - first, LS), BT)
-    for c in range(0, LS // BT if INTERPRET else n_chunks):
-        tmask = first + c * BT + tt < end
-        k = feature_rows(K, b, h, bos + first + c * BT, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
-        v = load_rows(V, b, h, bos + first + c * BT, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
+    for c in range(0, walk_chunks(first, end, BT, LS, INTERPRET)):
+        start, tmask = walk_chunk(bos, first, c, tt, end, BT)
+        k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
+        v = load_rows(V, b, h, start, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
         acc = dot_inputs(tl.trans(k), v, acc, PREC)
         z += tl.sum(k.to(tl.float32), axis=0)
     g = ((g0 + s) * H + h).to(tl.int64)
@@ -228,19 +251,15 @@ def superchunk_forward(
     ``superchunk_deltas``' sums."""
     i_v, b, h, seq, bos, length, s, g0, n_sc = superchunk_program(tl.program_id(0), tl.cdiv(M, BV), CU, SC_OFF,
                                                                   SC_TABLE, T, H, NSC, LS, VARLEN)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    kmask, vmask = ck < C, cv < M
+    cv, ck, vmask, kmask = tile_columns(i_v, BV, M, BK, C)
     tt = tl.arange(0, BT)
     causal = tt[:, None] >= tt[None, :]
     row = seq * H + h
     state, z = initial_state(S0, Z0, row, ck, cv, kmask, vmask, C, M, HAS_INIT, BK, BV)
     state, z = delta_sum(state, z, DS, DZ, g0, h, H, 0, tl.where(s < n_sc, s, 0), ck, cv, kmask, vmask, C, M, NS_MAX, INTERPRET)
     first = s * LS
-    n_chunks = tl.cdiv(tl.minimum(length - first, LS), BT)
-    for c in range(0, LS // BT if INTERPRET else n_chunks):
-        start = bos + first + c * BT
-        tmask = first + c * BT + tt < length
+    for c in range(0, walk_chunks(first, length, BT, LS, INTERPRET)):
+        start, tmask = walk_chunk(bos, first, c, tt, length, BT)
         q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
         k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
         v = load_rows(V, b, h, start, tt, cv, tmask, vmask, sv_b, sv_h, sv_t, sv_d)
