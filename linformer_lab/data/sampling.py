@@ -48,6 +48,26 @@ class PredictsOnTestSplit:
         return self.test_dataloader()
 
 
+class SplitLoaders(PredictsOnTestSplit):
+    """The train / val / test loaders of a data module that defines ``_loader(split, cls)``
+    (``split`` one of "train", "val", "test"; ``cls`` the DataLoader class to build): training
+    gets a :class:`ResumableLoader` tied to the module, evaluation a plain DataLoader."""
+
+    def _loader(self, split: str, cls: type[DataLoader]) -> DataLoader:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        loader = self._loader("train", ResumableLoader)
+        loader.datamodule = self
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", DataLoader)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", DataLoader)
+
+
 def process_share(datamodule) -> tuple[int, int]:
     """``(num_replicas, rank)`` of the run ``datamodule`` is attached to, ``(1, 0)`` without a
     trainer: the trainer's world size and global rank, each divided by the task's

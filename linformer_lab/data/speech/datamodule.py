@@ -9,7 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.phonemes import NUM_PHONEMES
-from linformer_lab.data.sampling import PredictsOnTestSplit, ResumableLoader, process_share
+from linformer_lab.data.sampling import SplitLoaders, process_share
 from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
@@ -18,7 +18,7 @@ from linformer_lab.data.speech.synthetic_dataset import SPLITS, ensure_feature_c
 from linformer_lab.validation import check_at_least, check_positive
 
 
-class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
+class SpeechDataModule(SplitLoaders, L.LightningDataModule):
     """Speech batches for CTC phoneme recognition (format: the :mod:`linformer_lab.data.speech` docstring).
 
     Args:
@@ -115,12 +115,12 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
             for split, subsets in self.librispeech_subsets.items():
                 self.datasets[split] = LibriSpeechCorpus(self._librispeech_root(), subsets)
 
-    def _loader(self, split: str, shuffle: bool, cls=DataLoader) -> DataLoader:
+    def _loader(self, split: str, cls: type[DataLoader]) -> DataLoader:
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
         ds, hp = self.datasets[split], self.hparams
         replicas, rank = process_share(self)
         sampler = LengthBucketBatchSampler(
-            ds.lengths, batch_size=self.batch_size, max_frames_per_batch=hp.max_frames_per_batch, shuffle=shuffle,
+            ds.lengths, batch_size=self.batch_size, max_frames_per_batch=hp.max_frames_per_batch, shuffle=split == "train",
             pool_batches=hp.bucket_pool_batches, seed=hp.seed, num_replicas=replicas, rank=rank,
         )
         # the sampler yields whole batches of indices (batch_size=None): as a loader's sampler,
@@ -134,14 +134,3 @@ class SpeechDataModule(PredictsOnTestSplit, L.LightningDataModule):
             pin_memory=hp.pin_memory,
             persistent_workers=hp.num_workers > 0,
         )
-
-    def train_dataloader(self) -> DataLoader:
-        loader = self._loader("train", shuffle=True, cls=ResumableLoader)
-        loader.datamodule = self
-        return loader
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
