@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
@@ -50,6 +51,27 @@ def test_synthesis_is_deterministic_and_history_free():
     assert np.array_equal(a, b)
     c = espeak.synthesize(text, voice="en-us+f3", rate=220, pitch=60, seed=7)
     assert len(c) < len(a)  # faster speech is shorter
+
+
+def test_helper_pool_serves_threads_within_its_cap():
+    """Six threads synthesising at once through a pool of two helpers get the samples of calls
+    made one at a time, and start no third helper (every helper started ends up idle); a helper
+    that died while idle is replaced."""
+    texts = [f"number {i} is a quiet word" for i in range(6)]
+    want = [espeak.synthesize(text, seed=i) for i, text in enumerate(texts)]
+    requests = [(text, espeak.DEFAULT_LANGUAGE, 175, 50, 50, 0, 100, i) for i, text in enumerate(texts)]
+    pool = espeak._HelperPool(2)
+    try:
+        with ThreadPoolExecutor(len(texts)) as threads:
+            got = list(threads.map(pool.synthesize, requests))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        assert 1 <= len(pool.idle) <= 2
+        pool.idle[-1].proc.kill()
+        pool.idle[-1].proc.wait()
+        assert np.array_equal(pool.synthesize(requests[0]), want[0])
+        assert all(client.alive() for client in pool.idle) and len(pool.idle) <= 2
+    finally:
+        pool.close()
 
 
 def test_audio_non_silent_with_plausible_phoneme_durations():

@@ -13,7 +13,7 @@ in-process call into it is serialised by a module-level re-entrant lock; paralle
 processes, each with its own copy of that state. The library is initialised lazily, so a
 DataLoader worker started with ``spawn``/``forkserver`` initialises its own; one started with
 ``fork`` inherits the parent's, which is safe because eSpeak starts no threads in synchronous
-mode (fork hooks re-create the locks, so a lock held by another parent thread cannot deadlock
+mode (a fork hook re-creates the lock, so a lock held by another parent thread cannot deadlock
 the child). Each process starts one synthesis helper per concurrently synthesising thread, up to
 the CPU count, so threads *do* synthesise in parallel through :func:`synthesize`.
 
@@ -68,16 +68,6 @@ __all__ = [
     "synthesize",
     "version",
 ]
-
-
-def _renew_pool_lock_after_fork() -> None:
-    # as library._renew_lock_after_fork: a lock held by another parent thread would never be released
-    global _pool_lock
-    _pool_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_pool_lock_after_fork)
 
 
 def synthesize(
@@ -160,79 +150,59 @@ class _PristineClient:
 
 
 class _HelperPool:
-    """Helpers of this process: one per concurrently synthesising thread, up to ``max_helpers``."""
+    """Helpers of one process: one per concurrently synthesising thread, up to ``max_helpers``.
+
+    A thread holds one of the ``max_helpers`` slots while it synthesises and takes an idle
+    helper, or starts one if none is idle; helpers alive (idle or in use) never outnumber the
+    slots. ``idle`` needs no lock: ``list.append`` and ``list.pop`` are atomic."""
 
     def __init__(self, max_helpers: int) -> None:
-        self.pid = os.getpid()
-        self.max_helpers = max(1, max_helpers)
+        self.slots = threading.BoundedSemaphore(max(1, max_helpers))
         self.idle: list[_PristineClient] = []
-        self.count = 0
-        self.cond = threading.Condition()
 
-    def acquire(self) -> _PristineClient:
-        with self.cond:
-            while True:
-                while self.idle:
-                    client = self.idle.pop()
-                    if client.alive():
-                        return client
-                    client.close()
-                    self.count -= 1
-                if self.count < self.max_helpers:
-                    self.count += 1
-                    break
-                self.cond.wait()
+    def _pop_idle(self) -> _PristineClient | None:
         try:
-            return _PristineClient()  # outside the lock: a helper process takes long to start
-        except BaseException:
-            with self.cond:
-                self.count -= 1
-                self.cond.notify()
-            raise
+            return self.idle.pop()
+        except IndexError:
+            return None
 
-    def release(self, client: _PristineClient) -> None:
-        with self.cond:
+    def synthesize(self, args: tuple) -> np.ndarray:
+        with self.slots:
+            client = self._pop_idle()
+            while client is not None and not client.alive():  # died while idle
+                client.close()
+                client = self._pop_idle()
+            client = client or _PristineClient()
+            try:
+                result = client.synthesize(args)
+            except BaseException:
+                client.close()  # a helper in an unknown state is not reused
+                raise
             self.idle.append(client)
-            self.cond.notify()
+            return result
 
     def close(self) -> None:
-        with self.cond:
-            for client in self.idle:
-                client.close()
-            self.count -= len(self.idle)
-            self.idle.clear()
+        while (client := self._pop_idle()) is not None:
+            client.close()
 
 
-_pool: _HelperPool | None = None
-_pool_lock = threading.Lock()
+# One pool per process, by pid: a pool inherited through fork belongs to the parent (its pipes
+# are shared with it), so a forked process (e.g. a DataLoader worker) starts helpers of its own.
+# dict.setdefault is atomic, so threads starting at once share one pool, with no lock a fork
+# could leave held.
+_pools: dict[int, _HelperPool] = {}
 
 
 def _synthesize_isolated(args: tuple) -> np.ndarray:
-    global _pool
-    with _pool_lock:
-        # A pool inherited through fork belongs to the parent (its pipes are shared with it),
-        # so a forked process (e.g. a DataLoader worker) starts helpers of its own.
-        if _pool is None or _pool.pid != os.getpid():
-            _pool = _HelperPool(os.cpu_count() or 1)
-        pool = _pool
-    client = pool.acquire()
-    try:
-        result = client.synthesize(args)
-    except BaseException:
-        client.close()  # a helper in an unknown state is not reused
-        with pool.cond:
-            pool.count -= 1
-            pool.cond.notify()
-        raise
-    pool.release(client)
-    return result
+    pool = _pools.get(os.getpid()) or _pools.setdefault(os.getpid(), _HelperPool(os.cpu_count() or 1))
+    return pool.synthesize(args)
 
 
 def shutdown() -> None:
     """Stop this process's idle synthesis helpers (restarted on demand; also run at exit)."""
-    with _pool_lock:
-        if _pool is not None and _pool.pid == os.getpid():
-            _pool.close()
+    pool = _pools.get(os.getpid())
+    if pool is not None:
+        pool.close()
 
 
 atexit.register(shutdown)
