@@ -35,7 +35,7 @@ faster to read than computing features on the fly. ``cache_features=False`` comp
 the fly instead, as the LibriSpeech loader always does.
 """
 
-from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech, padding_fraction
+from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.datamodule import SpeechDataModule
 from linformer_lab.data.speech.features import (
     FEATURE_DIM,
@@ -46,7 +46,7 @@ from linformer_lab.data.speech.features import (
     normalize_features,
     num_frames,
 )
-from linformer_lab.data.speech.grammar import VOCABULARY, SentenceGenerator
+from linformer_lab.data.speech.grammar import SentenceGenerator
 from linformer_lab.data.speech.librispeech import (
     AudioBackendError,
     LibriSpeechCorpus,
@@ -61,7 +61,6 @@ __all__ = [
     "FEATURE_DIM",
     "HOP_LENGTH",
     "SAMPLE_RATE",
-    "VOCABULARY",
     "AudioBackendError",
     "LengthBucketBatchSampler",
     "LibriSpeechCorpus",
@@ -77,5 +76,4 @@ __all__ = [
     "load_audio",
     "normalize_features",
     "num_frames",
-    "padding_fraction",
 ]

@@ -34,17 +34,6 @@ def collate_speech(items: Sequence[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """Fraction of padded frames: ``1 - sum(lengths) / sum(len(batch) * max length in batch)``."""
-    lengths = np.asarray(lengths)
-    real = padded = 0
-    for b in batches:
-        lb = lengths[np.asarray(b)]
-        real += int(lb.sum())
-        padded += int(lb.max()) * len(b)
-    return 1.0 - real / max(padded, 1)
-
-
 class LengthBucketBatchSampler(EpochSampler):
     """Batches of similar length, so padding stays small, with seeded per-epoch shuffling; yields
     lists of item indices (a DataLoader takes it as its ``sampler`` with ``batch_size=None``

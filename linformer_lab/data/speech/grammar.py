@@ -115,24 +115,6 @@ _SAY_VERBS = ("said", "thought", "believed", "explained", "noticed", "decided")
 _FUNCTION_WORDS = ("did", "not", "why", "where", "how", "is", "were", "never", "already", "there")
 
 
-def _vocabulary() -> frozenset[str]:
-    words: set[str] = set()
-    groups: list[Sequence[str]] = [
-        _NAMES, _ADJECTIVES, _ADVERBS, _PREPOSITIONS, _DETERMINERS, _PLURAL_DETERMINERS, _TIMES,
-        _NUMBERS, _MODALS, _DEGREE, _CONJUNCTIONS, _COPULA_VERBS, _SAY_VERBS, _FUNCTION_WORDS,
-        [w for pair in _NOUNS for w in pair], [w for pair in _VERBS_T for w in pair],
-        [w for pair in _VERBS_I for w in pair], ("an", "that", "so"),
-    ]  # fmt: skip
-    for group in groups:
-        for phrase in group:
-            words.update(phrase.split())
-    return frozenset(words)
-
-
-#: Every word the grammar can produce (names capitalised, everything else lower case).
-VOCABULARY: frozenset[str] = _vocabulary()
-
-
 class SentenceGenerator:
     """Deterministic stream of distinct English sentences, such as ``"The tired farmer carried a
     golden basket across the bridge, because Anna never whispered."``; each appears at most once
@@ -255,7 +237,3 @@ class SentenceGenerator:
     def give_back(self, sentences: Sequence[str]) -> None:
         """Return drawn but unused sentences; they are served again, in order, before new ones."""
         self._returned[:0] = list(sentences)
-
-    def take(self, n: int) -> list[str]:
-        """The next ``n`` distinct sentences."""
-        return [next(self) for _ in range(n)]
