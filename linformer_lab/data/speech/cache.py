@@ -7,7 +7,11 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 
 def temporary_name(name: str) -> str:
@@ -43,12 +47,29 @@ def remove_stale_temporaries(parent: Path, name: str) -> list[Path]:
     return removed
 
 
-def commit_directory(tmp: Path, final: Path) -> None:
-    """Atomically publish ``tmp`` as ``final``; if another process won the race, keep theirs."""
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Build the directory ``final`` atomically: yields an empty temporary directory beside it
+    (after removing the ones dead writers left) for the block to fill, publishes it as ``final``
+    when the block ends (if another process won the race, keeps theirs) and deletes it if the
+    block raises. The block runs with one intra-op torch thread: its parallelism, if any, comes
+    from worker threads, and utterance-sized STFTs gain nothing from more (on a loaded machine
+    two OpenMP threads spin-wait on each other)."""
+    remove_stale_temporaries(final.parent, final.name)
+    tmp = final.parent / temporary_name(final.name)
+    tmp.mkdir()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        os.rename(tmp, final)
-    except OSError:
-        if final.exists():
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)

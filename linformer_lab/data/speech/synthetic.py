@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from linformer_lab.data import espeak
 from linformer_lab.data.phonemes import PHONEMES, phonemes_to_ids
-from linformer_lab.data.speech.cache import commit_directory, remove_stale_temporaries, temporary_name
+from linformer_lab.data.speech.cache import atomic_directory
 from linformer_lab.data.speech.features import SAMPLE_RATE, stable_seed
 from linformer_lab.data.speech.grammar import SentenceGenerator
 from linformer_lab.data.speech.synthetic_dataset import META, SPLITS, SyntheticSpeechDataset
@@ -108,7 +108,6 @@ class SyntheticSpeechCorpus:
             if self.path.exists():  # published but damaged (files deleted by hand, disk trouble)
                 warnings.warn(f"speech corpus at {self.path} is incomplete; regenerating it", stacklevel=2)
                 shutil.rmtree(self.path)
-            remove_stale_temporaries(self.root, self.name)
             self._generate()
             self.generated = True
         with open(self.path / META) as f:
@@ -151,11 +150,7 @@ class SyntheticSpeechCorpus:
         return speakers
 
     def _generate(self) -> None:
-        tmp = self.root / temporary_name(self.name)
-        tmp.mkdir()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # parallelism comes from the worker threads
-        try:
+        with atomic_directory(self.path) as tmp:
             t0 = time.perf_counter()
             speakers = self._speakers()
             targets_s = {s: self.hours * 3600.0 * f for s, f in zip(SPLITS, self.split_fractions)}
@@ -188,12 +183,6 @@ class SyntheticSpeechCorpus:
             }
             with open(tmp / META, "w") as f:
                 json.dump(meta, f, indent=1)
-            commit_directory(tmp, self.path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            torch.set_num_threads(threads)
 
     def _generate_split(self, tmp, split, speakers, sentences, target_seconds, resampler, pool, bar, done) -> dict:
         rng = random.Random(f"assign:{self.seed}:{split}")

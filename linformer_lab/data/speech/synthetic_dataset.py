@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from linformer_lab.data.speech.cache import commit_directory, remove_stale_temporaries, temporary_name
+from linformer_lab.data.speech.cache import atomic_directory
 from linformer_lab.data.speech.features import (
     FEATURE_DIM,
     HOP_LENGTH,
@@ -142,14 +141,7 @@ def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: boo
     if (final / "done").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final.parent, final.name)
-    tmp = final.parent / temporary_name(final.name)
-    tmp.mkdir()
-    # One intra-op thread: utterance-sized STFTs gain nothing from more, and on a loaded machine
-    # two OpenMP threads spin-wait on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with atomic_directory(final) as tmp:
         for split in SPLITS:
             ds = SyntheticSpeechDataset(corpus, split, noise_snr_db=noise_snr_db, cache_features=False)
             frame_offsets = np.zeros(len(ds) + 1, dtype=np.int64)
@@ -164,10 +156,4 @@ def ensure_feature_cache(corpus: Path, noise_snr_db: float | None, progress: boo
             del feats
             np.save(tmp / f"{split}.frame_offsets.npy", frame_offsets)
         (tmp / "done").write_text("complete\n")
-        commit_directory(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        torch.set_num_threads(threads)
     return final
