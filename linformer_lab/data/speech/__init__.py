@@ -37,15 +37,7 @@ the fly instead, as the LibriSpeech loader always does.
 
 from linformer_lab.data.speech.batching import LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.datamodule import SpeechDataModule
-from linformer_lab.data.speech.features import (
-    FEATURE_DIM,
-    HOP_LENGTH,
-    SAMPLE_RATE,
-    LogMelFilterbank,
-    add_noise,
-    normalize_features,
-    num_frames,
-)
+from linformer_lab.data.speech.features import SAMPLE_RATE
 from linformer_lab.data.speech.grammar import SentenceGenerator
 from linformer_lab.data.speech.librispeech import (
     AudioBackendError,
@@ -55,25 +47,17 @@ from linformer_lab.data.speech.librispeech import (
     load_audio,
 )
 from linformer_lab.data.speech.synthetic import SyntheticSpeechCorpus
-from linformer_lab.data.speech.synthetic_dataset import SyntheticSpeechDataset
 
 __all__ = [
-    "FEATURE_DIM",
-    "HOP_LENGTH",
     "SAMPLE_RATE",
     "AudioBackendError",
     "LengthBucketBatchSampler",
     "LibriSpeechCorpus",
     "LibriSpeechNotFoundError",
-    "LogMelFilterbank",
     "SentenceGenerator",
     "SpeechDataModule",
     "SyntheticSpeechCorpus",
-    "SyntheticSpeechDataset",
-    "add_noise",
     "collate_speech",
     "flac_info",
     "load_audio",
-    "normalize_features",
-    "num_frames",
 ]
