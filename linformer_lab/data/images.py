@@ -248,52 +248,43 @@ class CIFAR10DataModule(_ImageDataModule):
     def prepare_data(self) -> None:
         """Download (``download=True``), else check that the files are there and, with
         ``verify_checksums``, that they are the official release: the CLI calls this before it
-        makes the run's folder, so missing or damaged files stop a run before anything is written."""
-        if self.download:
+        makes the run's folder, so missing or damaged files stop a run before anything is written.
+        Done once per process (the CLI, Lightning and setup each call it): setup then reads the
+        files without checking them again."""
+        if self._prepared:
+            return
+        if self.download:  # torchvision verifies the archive and, with verify_checksums, the files
             _CIFAR10(self.root, train=True, download=True, verify_checksums=self.verify_checksums)
-            return
-        if self._verified:  # called twice in one process (by the CLI, then by Lightning)
-            return
-        self._check_files()
-        if self.verify_checksums:
-            listed = [*torchvision.datasets.CIFAR10.train_list, *torchvision.datasets.CIFAR10.test_list,
-                      [torchvision.datasets.CIFAR10.meta["filename"], torchvision.datasets.CIFAR10.meta["md5"]]]
-            bad = [name for name, md5 in listed
-                   if not torchvision.datasets.utils.check_integrity(os.path.join(self.data_dir, name), md5)]
-            if bad:
-                raise self._checksum_error(f"{', '.join(bad)} differ")
-            self._verified = True  # setup need not hash the same files again
+        else:
+            missing = _missing_files(self.data_dir, CIFAR10_FILES)
+            if missing:
+                raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
+                                 "Get them with --data.download true (needs internet): torchvision downloads "
+                                 "cifar-10-python.tar.gz and extracts it there.")
+            if self.verify_checksums:
+                listed = [*torchvision.datasets.CIFAR10.train_list, *torchvision.datasets.CIFAR10.test_list,
+                          [torchvision.datasets.CIFAR10.meta["filename"], torchvision.datasets.CIFAR10.meta["md5"]]]
+                bad = [name for name, md5 in listed
+                       if not torchvision.datasets.utils.check_integrity(os.path.join(self.data_dir, name), md5)]
+                if bad:
+                    raise DataChecksumError(
+                        f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
+                        f"official release ({', '.join(bad)} differ). Re-download them (delete the directory, "
+                        f"--data.download true), or pass --data.verify_checksums false if they are a deliberate "
+                        f"local copy in the same format.")
+        self._prepared = True
 
-    _verified = False
-
-    def _check_files(self) -> None:
-        missing = _missing_files(self.data_dir, CIFAR10_FILES)
-        if missing:
-            raise _not_found("CIFAR-10", self.data_dir, CIFAR10_FILES, missing,
-                             "Get them with --data.download true (needs internet): torchvision downloads "
-                             "cifar-10-python.tar.gz and extracts it there.")
-
-    def _checksum_error(self, finding: str) -> DataChecksumError:
-        return DataChecksumError(
-            f"CIFAR-10 files in {os.path.abspath(self.data_dir)!r} do not match the MD5 checksums of the "
-            f"official release ({finding}). Re-download them (delete the directory, --data.download true), or pass "
-            f"--data.verify_checksums false if they are a deliberate local copy in the same format."
-        )
+    _prepared = False
 
     def _read(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> images uint8 (N, 3, 32, 32), labels int64 (N,)."""
-        verify = self.verify_checksums and not self._verified
-        try:
-            ds = _CIFAR10(self.root, train=train, download=self.download, verify_checksums=verify)
-        except RuntimeError as e:  # the files exist (checked before), so this is torchvision's MD5 check
-            raise self._checksum_error(str(e)) from e
+        """-> images uint8 (N, 3, 32, 32), labels int64 (N,), from the files :meth:`prepare_data` passed."""
+        ds = _CIFAR10(self.root, train=train, download=False, verify_checksums=False)
         # torchvision stores HWC (N, 32, 32, 3); the rows on disk are CHW, so this is a plain transpose back.
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
         return images, torch.tensor(ds.targets, dtype=torch.int64)
 
     def _load(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if not self.download:
-            self._check_files()
+        self.prepare_data()  # a no-op once done; checks the files of a data module set up without a Trainer
         train_images, train_labels = self._read(train=True)
         test_images, test_labels = self._read(train=False)
         if not 0 < self.val_size < len(train_images):
