@@ -12,7 +12,7 @@ from linformer_lab.data.phonemes import NUM_PHONEMES
 from linformer_lab.data.sampling import SplitLoaders, process_share
 from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
-from linformer_lab.data.speech.librispeech import LIBRISPEECH_LAYOUT, LibriSpeechCorpus, LibriSpeechNotFoundError
+from linformer_lab.data.speech.librispeech import LibriSpeechCorpus, check_subset
 from linformer_lab.data.speech.synthetic import DEFAULT_CACHE, SyntheticSpeechCorpus
 from linformer_lab.data.speech.synthetic_dataset import SPLITS, ensure_feature_cache
 from linformer_lab.validation import check_at_least, check_positive
@@ -97,12 +97,7 @@ class SpeechDataModule(SplitLoaders, L.LightningDataModule):
         else:
             for subsets in self.librispeech_subsets.values():
                 for subset in subsets:
-                    d = self._librispeech_root() / "LibriSpeech" / subset
-                    if not d.is_dir():
-                        raise LibriSpeechNotFoundError(
-                            f"LibriSpeech subset {subset!r} not found: {d} does not exist. "
-                            f"Expected layout: {LIBRISPEECH_LAYOUT}."
-                        )
+                    check_subset(self._librispeech_root(), subset)
 
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:

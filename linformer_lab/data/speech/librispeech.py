@@ -31,6 +31,17 @@ class LibriSpeechNotFoundError(FileNotFoundError, ConfigurationError):
     the CLI reports it as one line before training)."""
 
 
+def check_subset(root: Path, subset: str) -> None:
+    """Raise :class:`LibriSpeechNotFoundError` unless ``root/LibriSpeech/subset`` holds FLAC files."""
+    subset_dir = root / "LibriSpeech" / subset
+    if not subset_dir.is_dir() or next(subset_dir.glob("*/*/*.flac"), None) is None:
+        raise LibriSpeechNotFoundError(
+            f"LibriSpeech subset {subset!r} not found: {subset_dir} "
+            f"{'has no FLAC files' if subset_dir.is_dir() else 'does not exist'}. Expected layout: "
+            f"{LIBRISPEECH_LAYOUT}."
+        )
+
+
 class AudioBackendError(ImportError):
     """No installed package can decode the audio file format."""
 
@@ -114,13 +125,7 @@ class LibriSpeechCorpus(Dataset):
         self.transcripts: list[str] = []
         lengths = []
         for subset in self.subsets:
-            subset_dir = self.root / "LibriSpeech" / subset
-            if not subset_dir.is_dir() or next(subset_dir.glob("*/*/*.flac"), None) is None:
-                raise LibriSpeechNotFoundError(
-                    f"LibriSpeech subset {subset!r} not found: {subset_dir} "
-                    f"{'has no FLAC files' if subset_dir.is_dir() else 'does not exist'}. Expected layout: "
-                    f"{LIBRISPEECH_LAYOUT}."
-                )
+            check_subset(self.root, subset)
             ds = LIBRISPEECH(os.fspath(self.root), url=subset, download=False)
             for n in range(len(ds)):
                 rel_path, _, transcript, *_ = ds.get_metadata(n)
