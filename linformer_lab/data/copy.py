@@ -99,11 +99,6 @@ class BatchKeySampler(EpochSampler):
     @property
     def num_batches(self) -> int:
         return self._num_batches
-
-    def __len__(self) -> int:
-        # the whole epoch, also when resuming: Lightning counts the batches already done
-        return self.num_batches
-
     def __iter__(self):
         epoch = self.epoch if self.split == TRAIN else 0
         for i in range(self.start_batch(), self.num_batches):

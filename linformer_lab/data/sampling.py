@@ -83,7 +83,8 @@ def process_share(datamodule) -> tuple[int, int]:
 class EpochSampler(DistributedSampler):
     """Epoch bookkeeping, this process's share and mid-epoch resume; subclasses define
     :meth:`__iter__` (this share's batches of the current epoch, starting at
-    :meth:`start_batch`) and :attr:`num_batches` (this share's batches per epoch).
+    :meth:`start_batch`) and :attr:`num_batches` (this share's batches per epoch, also its ``len()``
+    where it yields whole batches; one that yields samples for the DataLoader to batch counts those).
 
     Lightning calls ``set_epoch`` before each epoch on a loader's ``sampler``; with ``datamodule``
     set (:class:`ResumableLoader` does) the epoch is the trainer's ``current_epoch`` instead of
@@ -107,6 +108,10 @@ class EpochSampler(DistributedSampler):
     @property
     def num_batches(self) -> int:
         raise NotImplementedError
+
+    def __len__(self) -> int:
+        # batches of the whole epoch, also when resuming: Lightning counts the batches already done
+        return self.num_batches
 
     def set_epoch(self, epoch: int) -> None:
         trainer = getattr(self.datamodule, "trainer", None)

@@ -172,11 +172,6 @@ class LengthBucketBatchSampler(EpochSampler):
         self.epoch += 1  # for loops that never call set_epoch
         return iter(batches)
 
-    def __len__(self) -> int:
-        # the whole epoch, also when resuming (Lightning counts the batches already done)
-        return self.num_batches
-
-
 class ItemLists(Dataset):
     """``dataset[[i, j, ...]]`` -> ``[dataset[i], dataset[j], ...]``: the items of one batch, fetched
     by a DataLoader with ``batch_size=None`` whose sampler yields lists of indices (a

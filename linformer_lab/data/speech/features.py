@@ -59,13 +59,15 @@ def normalize_features(features: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
 _extractors: dict[int, LogMelFilterbank] = {}
 
 
-def feature_extractor() -> LogMelFilterbank:
+def compute_log_mel(waveform: torch.Tensor) -> torch.Tensor:
+    """:class:`LogMelFilterbank` features ``(frames, 40)`` of ``waveform (samples,)``, without autograd."""
     # One module per process (the mel filter bank is built once); keyed by pid so a forked
     # DataLoader worker does not share the parent's instance in unexpected ways.
     pid = os.getpid()
     if pid not in _extractors:
         _extractors[pid] = LogMelFilterbank()
-    return _extractors[pid]
+    with torch.no_grad():
+        return _extractors[pid](waveform)
 
 
 def add_noise(waveform: torch.Tensor, snr_db: float, generator: torch.Generator) -> torch.Tensor:

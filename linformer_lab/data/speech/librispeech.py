@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from linformer_lab.data import espeak
 from linformer_lab.data.phonemes import UnknownPhonemeError, phonemes_to_ids
-from linformer_lab.data.speech.features import SAMPLE_RATE, feature_extractor, normalize_features, num_frames
+from linformer_lab.data.speech.features import SAMPLE_RATE, compute_log_mel, normalize_features, num_frames
 from linformer_lab.validation import ConfigurationError
 
 LIBRISPEECH_LAYOUT = (
@@ -166,6 +166,4 @@ class LibriSpeechCorpus(Dataset):
         return wav
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            feats = feature_extractor()(self.waveform(i))
-        return {"features": normalize_features(feats), "targets": self.target_ids(i)}
+        return {"features": normalize_features(compute_log_mel(self.waveform(i))), "targets": self.target_ids(i)}

@@ -18,7 +18,7 @@ from linformer_lab.data.speech.features import (
     HOP_LENGTH,
     SAMPLE_RATE,
     add_noise,
-    feature_extractor,
+    compute_log_mel,
     normalize_features,
     stable_seed,
 )
@@ -112,8 +112,7 @@ class SyntheticSpeechDataset(Dataset):
                 self._feats = np.load(self.feature_dir / f"{self.split}.feats.npy", mmap_mode="r")
             a, b = self._frame_offsets[i], self._frame_offsets[i + 1]
             return torch.from_numpy(np.asarray(self._feats[a:b], dtype=np.float32))
-        with torch.no_grad():
-            return feature_extractor()(self.waveform(i))
+        return compute_log_mel(self.waveform(i))
 
     def target_ids(self, i: int) -> torch.Tensor:
         """Phoneme ids ``int64 (S,)`` of item ``i`` (1..NUM_PHONEMES-1)."""
