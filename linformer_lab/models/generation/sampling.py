@@ -110,6 +110,12 @@ def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = 
 NOISE_BLOCK = 128
 
 
+def _noise_blocks(head, batch_size: int, positions: int, generator: torch.Generator | None, device: torch.device):
+    """``head.sampling_noise`` for ``positions``, :data:`NOISE_BLOCK` at a time: what both decoders draw."""
+    for start in range(0, positions, NOISE_BLOCK):
+        yield head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
+
+
 def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, positions: int, temperature: float,
                        generator: torch.Generator | None, device: torch.device):
     """Yields, per sampled position, the ``noise`` argument of ``head.sample``: slices of noise
@@ -119,8 +125,7 @@ def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, pos
     if temperature == 0:
         yield from itertools.repeat(None, positions)
         return
-    for start in range(0, positions, NOISE_BLOCK):
-        gumbel, logistic = head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
+    for gumbel, logistic in _noise_blocks(head, batch_size, positions, generator, device):
         for i in range(gumbel.shape[1]):
             yield gumbel[:, i], logistic[:, i]
 
@@ -130,6 +135,5 @@ def whole_image_noise(head, batch: int, positions: int, temperature: float, gene
     ``(gumbel (B, P, K), logistic (B, P))``; None at temperature 0."""
     if temperature == 0 or positions == 0:
         return None
-    blocks = [head.sampling_noise((batch, min(NOISE_BLOCK, positions - start)), generator, device)
-              for start in range(0, positions, NOISE_BLOCK)]
-    return torch.cat([g for g, _ in blocks], dim=1), torch.cat([u for _, u in blocks], dim=1)
+    gumbel, logistic = zip(*_noise_blocks(head, batch, positions, generator, device))
+    return torch.cat(gumbel, dim=1), torch.cat(logistic, dim=1)
