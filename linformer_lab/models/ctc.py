@@ -161,20 +161,6 @@ class TransformerCTC(nn.Module):
 # ================================================================================================
 
 
-def collapse(path: Sequence[int], blank: int = BLANK) -> list[int]:
-    """CTC's many-to-one map on one frame-level path: merge repeats, then drop blanks.
-
-    ``[a, a, blank, a, b, b, blank] -> [a, a, b]`` (the blank separates the two a's).
-    """
-    out: list[int] = []
-    prev = None
-    for token in path:
-        if token != prev and token != blank:
-            out.append(int(token))
-        prev = token
-    return out
-
-
 def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor | None = None, blank: int = BLANK) -> list[list[int]]:
     """Best-path decoding of a batch.
 

@@ -25,6 +25,7 @@ of all bins sum to one for any parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -89,16 +90,11 @@ def _log_prob(params: Tensor, target: Tensor, num_mixtures: int, num_bins: int, 
         return torch.logsumexp(F.log_softmax(logits, dim=-1) + log_mass, dim=-1)
 
 
-_FUSED = None
-
-
+@functools.cache
 def _fused_log_prob():
     """:func:`_log_prob` through ``torch.compile``, built on first use (importing this module
     compiles nothing)."""
-    global _FUSED
-    if _FUSED is None:
-        _FUSED = torch.compile(_log_prob)
-    return _FUSED
+    return torch.compile(_log_prob)
 
 
 class DiscretizedMixtureOfLogistics(nn.Module):

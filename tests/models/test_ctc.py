@@ -11,13 +11,22 @@ import torch
 from linformer_lab.models.ctc import (
     PhonemeErrorRate,
     beam_decode,
-    collapse,
     edit_distance,
     greedy_decode,
     prefix_beam_search,
 )
 
 BLANK, A, B, C = 0, 1, 2, 3
+
+
+def collapse(path: list[int]) -> list[int]:
+    """CTC's many-to-one map on one frame path, written out: merge repeats, then drop blanks."""
+    out, previous = [], None
+    for token in path:
+        if token != previous and token != BLANK:
+            out.append(token)
+        previous = token
+    return out
 
 
 def one_hot_log_probs(path: list[int], num_classes: int = 4, peak: float = 0.9) -> torch.Tensor:

@@ -66,36 +66,6 @@ def sample(model, values: torch.Tensor, known: int, first: int, state, x_t: torc
                 x_t = model.step_input(values[:, position], position + 1, table, batch_size)
 
 
-@contextlib.contextmanager
-def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
-    """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate`
-    steps under: oneDNN off on CPU (:func:`_native_cpu_kernels`) and one intra-op thread for small
-    recurrent batches (:func:`_single_thread_for_small_steps`). Process-global, restored on exit.
-
-    Code that steps the model by hand and must draw what ``generate`` draws runs under this too:
-    with oneDNN on (on CPUs with bf16 instructions) a bf16 step copy goes through oneDNN's bf16
-    matmul, which rounds differently from the native kernel.
-    """
-    with _native_cpu_kernels(device), _single_thread_for_small_steps(device, batch_size, recurrent):
-        yield
-
-
-@contextlib.contextmanager
-def _native_cpu_kernels(device: torch.device):
-    """Turn oneDNN (mkldnn) off while stepping on CPU: it runs GELU in a thread-parallel region on
-    every call, even for one step's (B, d_ff) tensor, which ATen's own kernel runs inline, many
-    times faster. Nothing else on the fp32 step path uses oneDNN (linear layers go to BLAS), so
-    fp32 results are identical."""
-    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
-        yield
-        return
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = True
-
-
 #: On CPU, :func:`generation_kernels` runs recurrent steps of at most this many sequences with
 #: one intra-op thread (restored afterwards). Such a step is a few dozen operations on
 #: (B, d_model) rows; a thread-parallel region costs more than the work in it.
@@ -103,18 +73,34 @@ SINGLE_THREAD_MAX_BATCH = 16
 
 
 @contextlib.contextmanager
-def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurrent: bool):
-    """One intra-op thread while stepping a small batch on CPU (:data:`SINGLE_THREAD_MAX_BATCH`);
-    left as set for backends without a recurrent form (lsh), whose steps re-run the whole prefix."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or not recurrent or batch_size > SINGLE_THREAD_MAX_BATCH or threads == 1:
+def generation_kernels(device: torch.device, batch_size: int, recurrent: bool = True):
+    """The kernel settings :meth:`~linformer_lab.models.pixel_transformer.PixelTransformer.generate`
+    steps under on CPU, process-global and restored on exit:
+
+    - oneDNN (mkldnn) off: it runs GELU in a thread-parallel region on every call, even for one
+      step's (B, d_ff) tensor, which ATen's own kernel runs inline, many times faster. Nothing else
+      on the fp32 step path uses oneDNN (linear layers go to BLAS), so fp32 results are identical.
+    - one intra-op thread for a recurrent batch of at most :data:`SINGLE_THREAD_MAX_BATCH`; left as
+      set for backends without a recurrent form (lsh), whose steps re-run the whole prefix.
+
+    Code that steps the model by hand and must draw what ``generate`` draws runs under this too:
+    with oneDNN on (on CPUs with bf16 instructions) a bf16 step copy goes through oneDNN's bf16
+    matmul, which rounds differently from the native kernel.
+    """
+    if device.type != "cpu":
         yield
         return
-    torch.set_num_threads(1)
+    # only the flag itself: torch.backends.mkldnn.flags() would reset oneDNN's other settings too
+    mkldnn_enabled, threads = torch.backends.mkldnn.enabled, torch.get_num_threads()
     try:
+        torch.backends.mkldnn.enabled = False
+        if recurrent and batch_size <= SINGLE_THREAD_MAX_BATCH:
+            torch.set_num_threads(1)
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.backends.mkldnn.enabled = mkldnn_enabled
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- sampling noise
@@ -122,6 +108,12 @@ def _single_thread_for_small_steps(device: torch.device, batch_size: int, recurr
 #: :meth:`PixelTransformer.generate` draws the sampling noise of this many positions per call
 #: (``B x block x (K + 1)`` fp32 numbers, about 360 KB for 64 images and 10 logistics).
 NOISE_BLOCK = 128
+
+
+def _noise_blocks(head, batch_size: int, positions: int, generator: torch.Generator | None, device: torch.device):
+    """``head.sampling_noise`` for ``positions``, :data:`NOISE_BLOCK` at a time: what both decoders draw."""
+    for start in range(0, positions, NOISE_BLOCK):
+        yield head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
 
 
 def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, positions: int, temperature: float,
@@ -133,8 +125,7 @@ def noise_per_position(head: DiscretizedMixtureOfLogistics, batch_size: int, pos
     if temperature == 0:
         yield from itertools.repeat(None, positions)
         return
-    for start in range(0, positions, NOISE_BLOCK):
-        gumbel, logistic = head.sampling_noise((batch_size, min(NOISE_BLOCK, positions - start)), generator, device)
+    for gumbel, logistic in _noise_blocks(head, batch_size, positions, generator, device):
         for i in range(gumbel.shape[1]):
             yield gumbel[:, i], logistic[:, i]
 
@@ -144,6 +135,5 @@ def whole_image_noise(head, batch: int, positions: int, temperature: float, gene
     ``(gumbel (B, P, K), logistic (B, P))``; None at temperature 0."""
     if temperature == 0 or positions == 0:
         return None
-    blocks = [head.sampling_noise((batch, min(NOISE_BLOCK, positions - start)), generator, device)
-              for start in range(0, positions, NOISE_BLOCK)]
-    return torch.cat([g for g, _ in blocks], dim=1), torch.cat([u for _, u in blocks], dim=1)
+    gumbel, logistic = zip(*_noise_blocks(head, batch, positions, generator, device))
+    return torch.cat(gumbel, dim=1), torch.cat(logistic, dim=1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,6 @@ __all__ = [
     "check_step_weight_format",
     "fused_plan",
     "quantize_int8",
-    "release_fused_plans",
     "step_linear",
     "weight_copies_for_steps",
 ]
@@ -198,22 +198,21 @@ def weight_copies_for_steps(module: nn.Module, format: str = "model", enabled: b
     finally:
         for linear in added:
             linear.__dict__.pop(_ATTRIBUTE, None)
-        release_fused_plans(module)  # and the fused steps that read the copies
+        for sub in module.modules():  # and the fused plans that read the copies
+            _PLANS.pop(sub, None)
 
 
 # ---------------------------------------------------------------- the fused plan
 
 
-class FusedPlan:
-    """A stack's fused step for one block of weight copies: ``marker`` is the copy held by the
-    first layer's qkv projection when the plan was made (a new block makes new copies);
-    ``stack`` the extension's ``FusedStack`` (None where the stack is not of the form it
-    computes), ``dtype`` its weights' dtype, ``layers`` the stack's depth."""
+class FusedPlan(NamedTuple):
+    """A stack's fused step for one block of weight copies."""
 
-    __slots__ = ("qkv", "marker", "stack", "dtype", "layers")
-
-    def __init__(self, qkv: nn.Linear, marker, stack, dtype: torch.dtype | None, layers: int):
-        self.qkv, self.marker, self.stack, self.dtype, self.layers = qkv, marker, stack, dtype, layers
+    qkv: nn.Linear  # the first layer's qkv projection
+    marker: object  # the copy ``qkv`` held when the plan was made (a new block makes new copies)
+    stack: object  # the extension's ``FusedStack``; None where the stack is not of the form it computes
+    dtype: torch.dtype | None  # the ``FusedStack``'s weights' dtype
+    layers: int  # the stack's depth
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Transformer -> FusedPlan
@@ -243,13 +242,6 @@ def fused_plan(transformer: Transformer, make_stack) -> FusedPlan | None:
             stack = None
     plan = _PLANS[transformer] = FusedPlan(qkv, marker, stack, dtype, len(transformer.layers))
     return plan
-
-
-def release_fused_plans(module: nn.Module) -> None:
-    """Forget the fused plans made for the transformers in ``module`` (and the weight copies they
-    hold): :func:`weight_copies_for_steps` calls it when its block ends."""
-    for sub in module.modules():
-        _PLANS.pop(sub, None)
 
 
 def _fused_weights(transformer: Transformer):
