@@ -47,20 +47,9 @@ class SoftmaxAttention(Attention):
             offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
             return torch.cat([_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal, dropout_p=dropout)
                               for a, b in zip(offsets[:-1], offsets[1:])], dim=2)
-        if state is None and not return_state:
-            return self._attend(q, k, v, key_lengths, dropout)
-        return self._attend_with_cache(q, k, v, key_lengths, state, return_state, dropout)
+        return self._attend(q, k, v, key_lengths, state, return_state, dropout)
 
-    def _attend(self, q, k, v, key_lengths, dropout):
-        if key_lengths is None:
-            return _attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
-        n = q.shape[2]
-        visible = length_mask(key_lengths, k.shape[2])[:, None, None, :]  # (B, 1, 1, L)
-        if self.causal:  # L = N (check_inputs)
-            visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return _attention(q, k, v, attn_mask=visible, dropout_p=dropout)
-
-    def _attend_with_cache(self, q, k, v, key_lengths, state, return_state, dropout):
+    def _attend(self, q, k, v, key_lengths, state, return_state, dropout):
         b, _, n, _ = q.shape
         length = k.shape[2]  # L new keys (= N but for non-causal cross attention)
         valid_new = None if key_lengths is None else length_mask(key_lengths, length)  # (B, L)
@@ -80,12 +69,15 @@ class SoftmaxAttention(Attention):
                 new = valid_new if valid_new is not None else torch.ones(b, length, dtype=torch.bool, device=q.device)
                 valid = torch.cat([prior, new], dim=1)
         total = keys.shape[2]
-        visible = None
-        if self.causal:  # query i (absolute position total - n + i) sees keys j <= total - n + i
-            visible = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
-        if valid is not None:
-            visible = valid[:, None, None, :] if visible is None else visible & valid[:, None, None, :]
-        out = _attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
+        if valid is None and total == n:  # no cache, no padding: SDPA's own causal mask (and its fast kernels)
+            out = _attention(q, keys, values, is_causal=self.causal, dropout_p=dropout)
+        else:
+            visible = None
+            if self.causal:  # query i (absolute position total - n + i) sees keys j <= total - n + i
+                visible = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+            if valid is not None:
+                visible = valid[:, None, None, :] if visible is None else visible & valid[:, None, None, :]
+            out = _attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
         if not return_state:
             return out
         return out, KVCache.from_sequence(keys, values, valid)
