@@ -7,7 +7,7 @@ from torch import nn
 
 from linformer_lab.ops.masks import check_on_device
 from linformer_lab.ops.state import KVCache, LinearState, SequenceBuffer, StackState
-from linformer_lab.registry import ATTENTION, PluginError
+from linformer_lab.registry import ATTENTION
 
 __all__ = ["Attention", "backends_with", "check_cu_seqlens", "check_key_lengths", "state_type_error"]
 
@@ -201,15 +201,7 @@ def backends_with(capability: str) -> str:
     """The registered backends whose class sets ``capability`` (``supports_state``, ...), quoted and
     comma-separated, for error messages; a plugin that fails to import is left out (``cli.py
     plugins --check`` reports it)."""
-    names = []
-    for name in ATTENTION.names():
-        try:
-            backend = ATTENTION.get(name)
-        except PluginError:
-            continue
-        if getattr(backend, capability, False):
-            names.append(name)
-    return ", ".join(map(repr, names))
+    return ", ".join(repr(name) for name, backend in ATTENTION.loadable() if getattr(backend, capability, False))
 
 
 #: The backends that make each built-in state type, for :func:`state_type_error`.

@@ -33,7 +33,7 @@ from linformer_lab.ops.linear_attention import check_linear_state, joint_state, 
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import LinearState
-from linformer_lab.registry import ATTENTION, PluginError
+from linformer_lab.registry import ATTENTION
 from linformer_lab.validation import ConfigurationError
 
 __all__ = ["GatherOverRanks", "check_splittable", "context_grid", "context_parallel", "context_segment",
@@ -212,13 +212,7 @@ def _packed_segment(layer, group, rank: int, size: int, q, k, v, cu_seqlens, sta
 
 
 def _backend_name(module: Attention) -> str:
-    for name in ATTENTION.names():
-        try:
-            if ATTENTION.get(name) is type(module):
-                return name
-        except PluginError:
-            continue
-    return type(module).__name__
+    return next((name for name, cls in ATTENTION.loadable() if cls is type(module)), type(module).__name__)
 
 
 def check_splittable(model: nn.Module) -> list[Attention]:
