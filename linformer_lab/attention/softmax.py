@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
+from linformer_lab.attention.base import Attention, check_cu_seqlens
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import KVCache
 
@@ -56,8 +56,7 @@ class SoftmaxAttention(Attention):
         if state is None:
             keys, values, valid = k, v, valid_new
         else:
-            if not isinstance(state, KVCache):
-                raise state_type_error(f"{type(self).__name__}.forward", state, "a KVCache or None")
+            self.check_state_type(state, "forward")
             if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
                     or state.values.shape[-1] != v.shape[-1]:
                 raise ValueError(f"SoftmaxAttention: state must be the KVCache of keys (B, H, T, {k.shape[-1]}) and "
@@ -83,7 +82,7 @@ class SoftmaxAttention(Attention):
         return out, KVCache.from_sequence(keys, values, valid)
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        state = self.appended_cache(q_t, k_t, v_t, state, "a KVCache or None")
+        state = self.appended_cache(q_t, k_t, v_t, state)
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]
         out = _attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)
