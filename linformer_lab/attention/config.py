@@ -96,11 +96,6 @@ class AttentionConfig:
         """Plain dict of the fields (what a checkpoint stores; :meth:`coerce` reads it back)."""
         return dataclasses.asdict(self)
 
-    @property
-    def has_recurrent_form(self) -> bool:
-        """Whether the backend has an RNN form (lsh has none; see :class:`Attention`)."""
-        return bool(getattr(ATTENTION.get(self.backend), "has_recurrent_form", True))
-
     def build(self, causal: bool, query_dim: int) -> Attention:
         """The backend module for one attention layer of per-head size ``query_dim``."""
         kwargs = dict(self.kwargs)
