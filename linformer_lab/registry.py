@@ -116,6 +116,25 @@ class Registry:
         self._loaded[name] = obj
         return obj
 
+    def loadable(self):
+        """``(name, class)`` of every registered name in sorted order whose plugin imports; a broken
+        one is left out (``cli.py plugins --check`` reports it)."""
+        for name in self.names():
+            try:
+                yield name, self.get(name)
+            except PluginError:
+                continue
+
+    def build(self, name: str, base: type, **kwargs) -> Any:
+        """An instance of the class registered as ``name``, which must subclass ``base``, from the
+        arguments its name fixes (:meth:`arguments`) and ``kwargs``; else a PluginError."""
+        cls = self.get(name)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            # the group is the package that exports the base class: what a plugin's author imports
+            raise PluginError(f"{self.kind} {name!r} is registered as {cls!r}, which is not a "
+                              f"{self.group}.{base.__name__} subclass")
+        return cls(**self.arguments(name), **kwargs)
+
 
 def _source_checkout_entry_points(group: str) -> list[metadata.EntryPoint]:
     """This project's own entry points of ``group`` from the ``pyproject.toml`` beside the package,

@@ -7,9 +7,9 @@ from torch import nn
 
 from linformer_lab.ops.masks import check_on_device
 from linformer_lab.ops.state import KVCache, LinearState, SequenceBuffer, StackState
-from linformer_lab.registry import ATTENTION, PluginError
+from linformer_lab.registry import ATTENTION
 
-__all__ = ["Attention", "backends_with", "check_cu_seqlens", "check_key_lengths", "state_type_error"]
+__all__ = ["Attention", "backends_with", "check_cu_seqlens", "check_key_lengths"]
 
 
 class Attention(nn.Module):
@@ -35,7 +35,7 @@ class Attention(nn.Module):
     Every state (from ``forward`` and from ``step``) meets :class:`~linformer_lab.ops.state.AttentionState`
     (``detach()``, ``nbytes``), all the code around the backends uses; plain lists and tuples of
     states (a stack's per-layer states, a hand-made ``(S, Z)``) are walked member by member. A
-    state of another backend's type is a TypeError naming both types (:func:`state_type_error`).
+    state of another backend's type is a TypeError naming both types (:meth:`check_state_type`).
 
     Packed variable-length sequences (backends with ``supports_packed``):
     ``forward(q, k, v, cu_seqlens=offsets)`` with ``q, k (1, H, T, D)``, ``v (1, H, T, M)``,
@@ -61,6 +61,10 @@ class Attention(nn.Module):
     supports_state: bool = False
     #: Backends whose ``forward`` takes ``cu_seqlens=`` (packed sequences) set this.
     supports_packed: bool = False
+    #: The type(s) of the state this backend's ``step`` (and ``forward``, with ``supports_state``)
+    #: takes, and how :meth:`check_state_type`'s error says it.
+    state_type: type | tuple[type, ...] = KVCache
+    state_description: str = "a KVCache or None"
 
     def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None):
         super().__init__()
@@ -145,16 +149,23 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}.step: {label} must be a 3-d tensor (batch, heads, dim), got {shape}")
         self.check_inputs(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2))
 
-    def appended_cache(self, q_t, k_t, v_t, state: KVCache | None, takes: str, key_t=None) -> KVCache:
+    def check_state_type(self, state, method: str) -> None:
+        """A TypeError naming ``state``'s type, the backend that makes it and what ``method``
+        (``"step"``, ``"forward"``) takes, unless ``state`` is None or a :attr:`state_type`."""
+        if state is not None and not isinstance(state, self.state_type):
+            made_by = _MADE_BY.get(type(state), type(state).__module__)
+            raise TypeError(f"{type(self).__name__}.{method} got a {type(state).__qualname__} state (from {made_by}?); "
+                            f"it takes {self.state_description}")
+
+    def appended_cache(self, q_t, k_t, v_t, state: KVCache | None, key_t=None) -> KVCache:
         """A KV-cache step's new cache: ``state`` with ``(key_t, v_t)`` appended (``key_t``: ``k_t``
         unless given; lsh caches its queries), ``state`` unchanged. The inputs are checked in full
         on a sequence's first step only (``state`` None; see LinearAttention.step)."""
         key_t = k_t if key_t is None else key_t
+        self.check_state_type(state, "step")
         if state is None:
             self.check_step_inputs(q_t, k_t, v_t)
             state = KVCache(key_t, v_t)
-        elif not isinstance(state, KVCache):
-            raise state_type_error(f"{type(self).__name__}.step", state, takes)
         return state.appended(key_t, v_t)
 
     def extra_repr(self) -> str:
@@ -201,18 +212,10 @@ def backends_with(capability: str) -> str:
     """The registered backends whose class sets ``capability`` (``supports_state``, ...), quoted and
     comma-separated, for error messages; a plugin that fails to import is left out (``cli.py
     plugins --check`` reports it)."""
-    names = []
-    for name in ATTENTION.names():
-        try:
-            backend = ATTENTION.get(name)
-        except PluginError:
-            continue
-        if getattr(backend, capability, False):
-            names.append(name)
-    return ", ".join(map(repr, names))
+    return ", ".join(repr(name) for name, backend in ATTENTION.loadable() if getattr(backend, capability, False))
 
 
-#: The backends that make each built-in state type, for :func:`state_type_error`.
+#: The backends that make each built-in state type, for :meth:`Attention.check_state_type`.
 _MADE_BY = {
     LinearState: "linear attention",
     tuple: "linear attention",
@@ -222,10 +225,3 @@ _MADE_BY = {
     list: "a Transformer, whose state is a list of per-layer states",
 }
 
-
-def state_type_error(who: str, state, takes: str) -> TypeError:
-    """The TypeError for a state of the wrong type given to ``who`` (a backend's ``step`` or
-    ``forward``): the type, the backend that makes it, and what ``who`` takes."""
-    cls = type(state)
-    made_by = _MADE_BY.get(cls, cls.__module__)
-    return TypeError(f"{who} got a {cls.__qualname__} state (from {made_by}?); it takes {takes}")

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from linformer_lab.attention.base import Attention, backends_with
-from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
+from linformer_lab.registry import ATTENTION, FEATURE_MAPS
 
 
 def list_attention() -> list[str]:
@@ -27,13 +27,7 @@ def build_attention(name: str, causal: bool = False, query_dim: int | None = Non
     ``feature_map``: a registered name, a FeatureMap instance or None (the backend's default,
     ``elu`` for linear backends); an error for backends that take none (softmax, lsh).
     """
-    cls = ATTENTION.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, Attention)):
-        raise PluginError(
-            f"attention backend {name!r} is registered as {cls!r}, which is not a "
-            f"linformer_lab.attention.Attention subclass"
-        )
-    return cls(causal=causal, query_dim=query_dim, feature_map=feature_map, **ATTENTION.arguments(name), **kwargs)
+    return ATTENTION.build(name, Attention, causal=causal, query_dim=query_dim, feature_map=feature_map, **kwargs)
 
 
 @dataclass
@@ -101,11 +95,6 @@ class AttentionConfig:
     def to_hparams(self) -> dict:
         """Plain dict of the fields (what a checkpoint stores; :meth:`coerce` reads it back)."""
         return dataclasses.asdict(self)
-
-    @property
-    def has_recurrent_form(self) -> bool:
-        """Whether the backend has an RNN form (lsh has none; see :class:`Attention`)."""
-        return bool(getattr(ATTENTION.get(self.backend), "has_recurrent_form", True))
 
     def build(self, causal: bool, query_dim: int) -> Attention:
         """The backend module for one attention layer of per-head size ``query_dim``."""

@@ -10,9 +10,10 @@ bytes exchanged per layer do not depend on the sequence length; softmax and lsh,
 every key, cannot do this. Packed (causal) sequences work so per sequence. Every collective
 carries the segment's length, so segments of unequal length stop every rank with one message.
 
-Gradients: ``delta_r`` reaches rank r's own prefix never and every later rank's prefix once (and
-the returned final state of every rank), so its gradient is ``sum_{r' > r} dprefix_r' + sum_r'
-dfinal_r'``: one all-gather of each rank's ``(dprefix, dfinal)`` in the backward.
+Gradients: every rank sums the gathered deltas itself (its prefix the earlier ranks' rows, the
+final state all of them), so ``delta_r`` reaches rank r's own prefix never and every later rank's
+prefix once (and the final state of every rank): its gradient ``sum_{r' > r} dprefix_r' + sum_r'
+dfinal_r'`` is the sum over the ranks of their gradients of row r, one all-reduce in the backward.
 
 Tensors replicated on every rank (the weights, an initial state, a returned final state) get on
 each rank its share of the gradient; their sum over the group, which DDP's all-reduce forms for
@@ -32,10 +33,10 @@ from linformer_lab.ops.linear_attention import check_linear_state, joint_state, 
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import LinearState
-from linformer_lab.registry import ATTENTION, PluginError
+from linformer_lab.registry import ATTENTION
 from linformer_lab.validation import ConfigurationError
 
-__all__ = ["ExclusivePrefix", "GatherOverRanks", "check_splittable", "context_grid", "context_parallel", "context_segment",
+__all__ = ["GatherOverRanks", "check_splittable", "context_grid", "context_parallel", "context_segment",
            "segment_attention"]
 
 
@@ -60,40 +61,10 @@ def _gather(x: torch.Tensor, n: int, group, size: int) -> list[torch.Tensor]:
     return [part[:-1].view_as(x) for part in parts]
 
 
-class ExclusivePrefix(torch.autograd.Function):
-    """``delta (...)`` on each rank -> ``(prefix, total)``: the sum of the earlier ranks' deltas and
-    the sum of all of them, both in rank order (so ``total`` is the same bits on every rank).
-    Forward: one all-gather of ``delta`` (with the segment's length ``n``, checked equal);
-    backward: one all-gather of ``(dprefix, dtotal)``."""
-
-    @staticmethod
-    def forward(ctx, delta: torch.Tensor, group, n: int):
-        rank, size = _rank_and_size(group)
-        ctx.group, ctx.rank, ctx.size = group, rank, size
-        running, prefix = torch.zeros_like(delta), None
-        for r, part in enumerate(_gather(delta, n, group, size)):  # the running sum in rank order: the recurrence's
-            if r == rank:
-                prefix = running
-            running = running + part
-        return prefix, running
-
-    @staticmethod
-    def backward(ctx, grad_prefix: torch.Tensor, grad_total: torch.Tensor):
-        both = torch.stack([grad_prefix, grad_total]).contiguous()
-        parts = [torch.empty_like(both) for _ in range(ctx.size)]
-        dist.all_gather(parts, both, group=ctx.group)
-        # delta_r enters the prefix of every later rank and the total of every rank
-        grad = torch.zeros_like(grad_prefix)
-        for r, part in enumerate(parts):
-            grad = grad + (part[0] + part[1] if r > ctx.rank else part[1])
-        return grad, None, None
-
-
 class GatherOverRanks(torch.autograd.Function):
     """``x (...)`` on each rank -> ``(P, ...)``, every rank's in rank order (one all-gather, the
-    segment's length ``n`` checked equal); one's own row's gradient is the sum of every rank's (one
-    all-reduce of P states, where :class:`ExclusivePrefix`'s backward sends 2). For packed
-    sequences, whose ranks read the gathered sums by rank-dependent sequence."""
+    segment's length ``n`` checked equal); one's own row's gradient is the sum over the ranks of
+    their gradients of that row (one all-reduce of the ``(P, ...)`` gradient)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, n: int):
@@ -150,11 +121,10 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
     q, k ``(B, H, N, D)``, v ``(B, H, N, M)``: positions ``[r N, (r + 1) N)`` of the sequence, every
     rank the same N; ``key_lengths (B,)`` and ``state`` (the state before position 0, the same on
     every rank) are the whole sequence's. Returns ``(B, H, N, M)``, with ``return_state`` also the
-    state after the sequence's last position (the same on every rank).
+    state after the sequence's last position (the same on every rank). The layer's forward has
+    checked q, k, v.
     """
     name = type(layer).__name__
-    if k.shape[2] != q.shape[2] and layer.causal:
-        layer.check_cross_attention(q.shape[2], k.shape[2])
     rank, size = _rank_and_size(group)
     n = k.shape[2]
     layer.check_state_request(state, return_state, cu_seqlens, key_lengths)
@@ -175,8 +145,10 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
     if state is not None:
         s0, z0 = check_linear_state(state, phi_k, v, name)
         initial = joint_state(s0, z0).joint.to(delta.dtype)
+    # (P, B, H, C, M + 1), every rank summing them alike: the same bits on every rank and every rerun
+    deltas = GatherOverRanks.apply(delta, group, n)
     if not layer.causal:
-        total = ExclusivePrefix.apply(delta, group, n)[1]
+        total = deltas.sum(dim=0)
         if initial is not None:
             total = initial + total
         total_state = LinearState(total)
@@ -184,7 +156,7 @@ def segment_attention(layer, group, q, k, v, key_lengths=None, state=None, retur
         phi_q = layer.feature_map.forward_queries(q)
         out = linear_attention(phi_q, phi_k[..., :0, :], v[..., :0, :], eps=layer.eps, initial_state=total_state)
         return (out, total_state) if return_state else out
-    prefix, total = ExclusivePrefix.apply(delta, group, n)
+    prefix, total = deltas[:rank].sum(dim=0), deltas.sum(dim=0)
     if initial is not None:
         prefix, total = initial + prefix, initial + total
     out = layer.attend(q, k, v, key_lengths=local_lengths, state=LinearState(prefix))
@@ -240,13 +212,7 @@ def _packed_segment(layer, group, rank: int, size: int, q, k, v, cu_seqlens, sta
 
 
 def _backend_name(module: Attention) -> str:
-    for name in ATTENTION.names():
-        try:
-            if ATTENTION.get(name) is type(module):
-                return name
-        except PluginError:
-            continue
-    return type(module).__name__
+    return next((name for name, cls in ATTENTION.loadable() if cls is type(module)), type(module).__name__)
 
 
 def check_splittable(model: nn.Module) -> list[Attention]:

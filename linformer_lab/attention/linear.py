@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
+from linformer_lab.attention.base import Attention, check_cu_seqlens
 from linformer_lab.attention.context_parallel import segment_attention
 from linformer_lab.feature_maps import FeatureMap, build_feature_map
 from linformer_lab.ops import kernels
@@ -58,6 +58,8 @@ class LinearAttention(Attention):
     uses_feature_map = True
     supports_state = True
     supports_packed = True
+    state_type = (tuple, list)  # a LinearState, or (S, Z) built by hand
+    state_description = "a LinearState (S, Z) or None"
 
     def __init__(
         self,
@@ -129,8 +131,7 @@ class LinearAttention(Attention):
         # device (key_lengths and cu_seqlens are checked by assertions on it)
         self.check_inputs(q, k, v, key_lengths)
         self.check_state_request(state, return_state, cu_seqlens, key_lengths)
-        if state is not None and not isinstance(state, (tuple, list)):
-            raise state_type_error(f"{type(self).__name__}.forward", state, "a LinearState (S, Z) or None")
+        self.check_state_type(state, "forward")
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2], read=False,
                              device=q.device)
@@ -154,8 +155,7 @@ class LinearAttention(Attention):
             # full checks on a sequence's first step only (later ones: fit to the state, in
             # linear_attention_step): per-step checks would cost as much as the tiny step
             self.check_step_inputs(q_t, k_t, v_t)
-        elif not isinstance(state, (tuple, list)):  # a LinearState, or (S, Z) built by hand
-            raise state_type_error(f"{type(self).__name__}.step", state, "a LinearState (S, Z) or None")
+        self.check_state_type(state, "step")
         phi_q = self.feature_map.forward_queries(q_t)
         phi_k = self.feature_map.forward_keys(k_t)
         if state is None:

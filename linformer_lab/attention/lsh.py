@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.attention.base import Attention, state_type_error
+from linformer_lab.attention.base import Attention
 from linformer_lab.ops import kernels
 from linformer_lab.ops.lsh import lsh_attention
 from linformer_lab.ops.state import KVCache
@@ -32,6 +32,7 @@ class LSHAttention(Attention):
     shares_query_key = True
     has_recurrent_form = False
     supports_state = True
+    state_description = "the KVCache of its prefix or None"
 
     def __init__(self, causal: bool = False, query_dim: int | None = None, feature_map=None,
                  n_hashes: int = 1, bucket_size: int = 32, n_buckets: int = 64, seed: int = 0):
@@ -67,8 +68,7 @@ class LSHAttention(Attention):
             raise ValueError("LSHAttention: a state (return_state / state=) needs sequences of equal length "
                              "(key_lengths all equal to the sequence length)")
         if state is not None:
-            if not isinstance(state, KVCache):
-                raise state_type_error(f"{type(self).__name__}.forward", state, "the KVCache of its prefix or None")
+            self.check_state_type(state, "forward")
             if state.keys.shape[:2] != q.shape[:2] or state.keys.shape[-1] != q.shape[-1]:
                 raise ValueError(f"LSHAttention: state must be the KVCache prefix (B, H, T, {q.shape[-1]}) with "
                                  f"B, H = {tuple(q.shape[:2])}, as returned by forward or step")
@@ -80,7 +80,7 @@ class LSHAttention(Attention):
         return (out, KVCache.from_sequence(q_all, v_all)) if return_state else out
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        state = self.appended_cache(q_t, k_t, v_t, state, "the KVCache of its prefix or None", key_t=q_t)
+        state = self.appended_cache(q_t, k_t, v_t, state, key_t=q_t)
         out = lsh_attention(state.keys, state.values, self.rotations, self.bucket_size, causal=True, window=kernels.lsh_window)
         return out[:, :, -1], state
 

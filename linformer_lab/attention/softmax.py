@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linformer_lab.attention.base import Attention, check_cu_seqlens, state_type_error
+from linformer_lab.attention.base import Attention, check_cu_seqlens
 from linformer_lab.ops.masks import length_mask
 from linformer_lab.ops.state import KVCache
 
@@ -47,28 +47,16 @@ class SoftmaxAttention(Attention):
             offsets = check_cu_seqlens(cu_seqlens, q.shape[2], q.shape[0], type(self).__name__, keys=k.shape[2])
             return torch.cat([_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=self.causal, dropout_p=dropout)
                               for a, b in zip(offsets[:-1], offsets[1:])], dim=2)
-        if state is None and not return_state:
-            return self._attend(q, k, v, key_lengths, dropout)
-        return self._attend_with_cache(q, k, v, key_lengths, state, return_state, dropout)
+        return self._attend(q, k, v, key_lengths, state, return_state, dropout)
 
-    def _attend(self, q, k, v, key_lengths, dropout):
-        if key_lengths is None:
-            return _attention(q, k, v, is_causal=self.causal, dropout_p=dropout)
-        n = q.shape[2]
-        visible = length_mask(key_lengths, k.shape[2])[:, None, None, :]  # (B, 1, 1, L)
-        if self.causal:  # L = N (check_inputs)
-            visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return _attention(q, k, v, attn_mask=visible, dropout_p=dropout)
-
-    def _attend_with_cache(self, q, k, v, key_lengths, state, return_state, dropout):
+    def _attend(self, q, k, v, key_lengths, state, return_state, dropout):
         b, _, n, _ = q.shape
         length = k.shape[2]  # L new keys (= N but for non-causal cross attention)
         valid_new = None if key_lengths is None else length_mask(key_lengths, length)  # (B, L)
         if state is None:
             keys, values, valid = k, v, valid_new
         else:
-            if not isinstance(state, KVCache):
-                raise state_type_error(f"{type(self).__name__}.forward", state, "a KVCache or None")
+            self.check_state_type(state, "forward")
             if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
                     or state.values.shape[-1] != v.shape[-1]:
                 raise ValueError(f"SoftmaxAttention: state must be the KVCache of keys (B, H, T, {k.shape[-1]}) and "
@@ -80,18 +68,21 @@ class SoftmaxAttention(Attention):
                 new = valid_new if valid_new is not None else torch.ones(b, length, dtype=torch.bool, device=q.device)
                 valid = torch.cat([prior, new], dim=1)
         total = keys.shape[2]
-        visible = None
-        if self.causal:  # query i (absolute position total - n + i) sees keys j <= total - n + i
-            visible = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
-        if valid is not None:
-            visible = valid[:, None, None, :] if visible is None else visible & valid[:, None, None, :]
-        out = _attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
+        if valid is None and total == n:  # no cache, no padding: SDPA's own causal mask (and its fast kernels)
+            out = _attention(q, keys, values, is_causal=self.causal, dropout_p=dropout)
+        else:
+            visible = None
+            if self.causal:  # query i (absolute position total - n + i) sees keys j <= total - n + i
+                visible = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+            if valid is not None:
+                visible = valid[:, None, None, :] if visible is None else visible & valid[:, None, None, :]
+            out = _attention(q, keys, values, attn_mask=visible, dropout_p=dropout)
         if not return_state:
             return out
         return out, KVCache.from_sequence(keys, values, valid)
 
     def step(self, q_t, k_t, v_t, state: KVCache | None = None):
-        state = self.appended_cache(q_t, k_t, v_t, state, "a KVCache or None")
+        state = self.appended_cache(q_t, k_t, v_t, state)
         valid = state.valid
         mask = None if valid is None else valid[:, None, None, :]
         out = _attention(q_t.unsqueeze(2), state.keys, state.values, attn_mask=mask)

@@ -7,7 +7,7 @@ Each lives in its own module and is registered by entry point (group
 from __future__ import annotations
 
 from linformer_lab.feature_maps.base import FeatureMap
-from linformer_lab.registry import FEATURE_MAPS, PluginError
+from linformer_lab.registry import FEATURE_MAPS
 
 
 def list_feature_maps() -> list[str]:
@@ -17,12 +17,7 @@ def list_feature_maps() -> list[str]:
 
 def build_feature_map(name: str, query_dim: int, **kwargs) -> FeatureMap:
     """Build the feature map registered as ``name``: an nn.Module ``(..., D) -> (..., output_dim)``."""
-    cls = FEATURE_MAPS.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
-        raise PluginError(
-            f"feature map {name!r} is registered as {cls!r}, which is not a linformer_lab.feature_maps.FeatureMap subclass"
-        )
-    return cls(query_dim=query_dim, **kwargs)
+    return FEATURE_MAPS.build(name, FeatureMap, query_dim=query_dim, **kwargs)
 
 
 __all__ = ["FeatureMap", "build_feature_map", "list_feature_maps"]

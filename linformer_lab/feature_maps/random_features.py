@@ -53,11 +53,6 @@ class RandomFeatureMap(FeatureMap):
         with torch.no_grad():
             self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
 
-    def approximated_kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """The softmax kernel ``exp(q^T k / sqrt(D))`` the features estimate without bias:
-        ``(..., N, D), (..., L, D) -> (..., N, L)``; tests check the estimate against it statistically."""
-        return torch.exp(q @ k.transpose(-1, -2) / self.query_dim**0.5)
-
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale x by D^(-1/4) (so x'^T y' = x^T y / sqrt(D)) and project; computed in at
         least fp32 because the maps exponentiate. Returns ``(x' W^T, |x'|^2 / 2)``."""

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from linformer_lab.attention.base import Attention
-from linformer_lab.attention.config import AttentionConfig, as_config, layer_attention
-from linformer_lab.attention.multihead import MultiHeadAttention, head_dims
+from linformer_lab.attention.config import AttentionConfig, as_config
+from linformer_lab.attention.multihead import MultiHeadAttention
 from linformer_lab.ops.state import SequenceBuffer, StackState, detach_state
 
 #: The feed-forward activations a layer offers (``activation``).
@@ -54,7 +54,6 @@ class TransformerLayer(nn.Module):
         # Registration order is the order of parameters(), which an optimizer's saved state is keyed
         # by: norm, attention, norm, feed-forward, as checkpoints have always had it.
         self.norm_attention = nn.LayerNorm(d_model) if norm_first else None
-        attention = layer_attention(attention, causal=causal, query_dim=head_dims(d_model, n_heads)[0])
         self.attention = MultiHeadAttention(d_model, n_heads, attention=attention, causal=causal)
         self.norm_ff = nn.LayerNorm(d_model) if norm_first else None
         if not norm_first:

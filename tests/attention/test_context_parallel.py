@@ -76,7 +76,7 @@ def check_layer(causal: bool, rank: int, size: int, feature_map: str = "elu", gr
     mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)] + [x.clone().requires_grad_() for x in (s0, z0)]
     # the final state is the same on every rank: one rank's loss reads it, as the one process's does
     out, state, params = run(*mine, weight_out[:, :, part], rank == 0)
-    # a rerun gives the same bits: the gathered states are summed in rank order on every rank
+    # a rerun gives the same bits: every rank sums the gathered states alike
     again = [x.detach().clone().requires_grad_() for x in mine]
     out_again, state_again, params_again = run(*again, weight_out[:, :, part], rank == 0)
     assert torch.equal(out_again, out) and torch.equal(state_again.joint, state.joint)

@@ -22,11 +22,12 @@ from linformer_lab.models.generation.dynamic_step import CPU_MATMUL_MIN_ROWS
 from linformer_lab.models.pixel_transformer import PixelTransformer, images_to_sequence
 from linformer_lab.models.transformer import Transformer
 from linformer_lab.ops.state import SequenceBuffer
+from linformer_lab.registry import ATTENTION
 
 D_MODEL, HEADS, LENGTH = 16, 4, 9
 RANDOM_MAPS = {"favor": {"num_features": 8}, "random_fourier": {"num_features": 8}}
 CONFIGS = attention_configs(feature_map_kwargs=RANDOM_MAPS)
-RECURRENT = [c for c in CONFIGS if c.has_recurrent_form]
+RECURRENT = [c for c in CONFIGS if ATTENTION.get(c.backend).has_recurrent_form]
 #: batch sizes whose batch x heads rows fall below and above CPU_MATMUL_MIN_ROWS: both CPU
 #: products of the fast linear step
 BATCHES = [1, 9]
@@ -137,7 +138,7 @@ def test_fast_step_keeps_the_state_product_in_fp32_under_cpu_autocast(batch):
 def test_a_stack_without_a_recurrent_form_steps_through_transformer_step():
     """lsh has no recurrent form: fast_step is Transformer.step, which re-runs the stack on the
     prefix it keeps as the state."""
-    (config,) = [c for c in CONFIGS if not c.has_recurrent_form]
+    (config,) = [c for c in CONFIGS if not ATTENTION.get(c.backend).has_recurrent_form]
     model = _transformer(config)
     x = torch.randn(2, LENGTH, D_MODEL, dtype=torch.float64)
     with torch.inference_mode():
