@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
-from linformer_lab.ops.linear_attention import computed_in, joint_state
-from linformer_lab.ops.masks import length_mask
+from linformer_lab.ops.linear_attention import computed_in, joint_state, mask_keys
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,9 +40,7 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
         q, k, mapped = q.to(v.dtype), k.to(v.dtype), "elu"
     else:
         q, k, mapped = feature_map.forward_queries(q).to(v.dtype), feature_map.forward_keys(k).to(v.dtype), None
-        if key_lengths is not None:  # keys past a row's length enter neither the outputs nor the state
-            valid = length_mask(key_lengths, k.shape[-2])[:, None, :, None]
-            k, v = k * valid, v * valid
+        k, v = mask_keys(k, v, key_lengths)  # keys past a row's length enter neither the outputs nor the state
     state = None if initial_state is None else (initial_state[0], initial_state[1])
     result = chunk_linear_attention(q, k, v, feature_map=mapped, eps=eps, initial_state=state,
                                     return_final_state=return_state, cu_seqlens=cu_seqlens)
