@@ -23,12 +23,10 @@ def fuses(feature_map) -> bool:
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """CUDA tensors on one device, v float32, float16 or bfloat16 (q and k are cast to it), self
-    attention of one length, something to compute, and the kernels runnable here."""
-    from linformer_lab.ops.cuda import triton_chunk
-
+    attention of one length, something to compute (whether the kernels run on this machine is the
+    candidate's ``available``: ``triton_chunk.is_available``)."""
     return (q.device.type == "cuda" and k.device == q.device and v.device == q.device and v.dtype in _DTYPES
-            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0
-            and triton_chunk.is_available())
+            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0)
 
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
