@@ -8,7 +8,8 @@ tested against the op's float64 reference: the naive O(N^2) forms
 (``ops/linear_attention/naive.py``, ``ops/lsh.py: lsh_attention_naive``, ``ops/reference.py``) or
 the ``pytorch`` candidate run in float64.
 
-This module is the router: it imports the implementations (inside the functions below), and
+This module is the router: it imports the implementations (their Python; a C++ or CUDA
+extension is built or loaded only where a candidate may run, Triton only when its kernel runs), and
 they never import it back; an op that needs another (the ``pytorch`` candidate of
 ``causal_attention`` needs the numerator) gets it as an argument from the layer.
 
@@ -35,9 +36,9 @@ unset or ``auto`` chooses by the conditions; ``pytorch`` forces every op's PyTor
 A caller may force a candidate for one call the same way (``select(..., force=name)``, over the
 switch): a layer's ``forced_kernels`` (``linear_cuda``'s GPU kernels).
 
-**Adding a kernel** (a GPU one, say): a function with the op's signature (the ``pytorch``
-candidate's beside it in this file says it) and a condition on the op's arguments, both importing
-the kernel's module inside them (:func:`_deferred`), as a :class:`Candidate` in the op's list in
+**Adding a kernel** (a GPU one, say): a function with the op's signature (the comment over the
+op's list in :data:`CANDIDATES` says it) and a condition on the op's arguments, both in the kernel's
+module (imported above, looked up at the call: :func:`_late`), as a :class:`Candidate` in the op's list in
 :data:`CANDIDATES` before the candidates it should win over; ``pytorch`` stays last.
 ``ops/kernel_check.py`` (``describe()``, ``cli.py plugins --check``) and the switch then know it by
 its name. A GPU kernel has more places that must know it: docs/ARCHITECTURE.md, "Where to add",
@@ -55,6 +56,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from linformer_lab.ops import cpu, cuda, linear_attention, lsh
+from linformer_lab.ops.cpu import causal_recurrence
+from linformer_lab.ops.cuda import triton_chunk
+from linformer_lab.ops.cuda.triton_chunk import backend as triton_backend
+from linformer_lab.ops.linear_attention import chunk
 
 __all__ = ["CANDIDATES", "FUSED_MAX_BATCH", "PYTORCH", "SWITCH", "Candidate", "causal_dot_product",
            "cuda_kernel", "fallback", "forced", "lsh_window", "select", "switched"]
@@ -129,8 +136,6 @@ def _fused_cpu(x_t) -> bool:
 
 def _cpu_module(name: str):
     """The C++ extension ``linformer_lab.ops.cpu.<name>``'s module, None where it cannot be built."""
-    from linformer_lab.ops import cpu
-
     return getattr(cpu, name).module()
 
 
@@ -147,8 +152,6 @@ def _cpu_isa(name: str) -> Callable[[], str]:
 def cuda_kernel():
     """``linformer_lab.ops.cuda`` where its kernel runs here (a CUDA GPU, the extension cached or
     built now), else None; tried once per process, a failed build warned once."""
-    from linformer_lab.ops import cuda
-
     if not cuda.is_available():
         return None
     try:
@@ -163,42 +166,13 @@ def cuda_kernel():
 # ---------------------------------------------------------------- the ops' implementations
 
 
-def _causal_pytorch(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
-    """The op's signature: ``(B, H, N, C), (B, H, N, C), (B, H, N, M)`` -> ``(B, H, N, M)`` (and
-    S_N with ``return_final_state``); :mod:`linformer_lab.ops.linear_attention.chunk`."""
-    from linformer_lab.ops.linear_attention import chunk
-
-    return chunk.causal_dot_product(q, k, v, chunk_size, initial_state, return_final_state)
-
-
-def _deferred(module: Callable[[], ModuleType], function: str) -> Callable:
-    """``module()``'s ``function``, imported at the call: building or importing a kernel costs only where it may run."""
-    return lambda *args, **kwargs: getattr(module(), function)(*args, **kwargs)
-
-
-def _recurrence():
-    from linformer_lab.ops.cpu import causal_recurrence
-
-    return causal_recurrence
-
-
-def _lsh():
-    """``ops/lsh.py``: the window step ``(q, k, v, positions, valid, chunks, causal) -> (out, lse)``."""
-    from linformer_lab.ops import lsh
-
-    return lsh
-
-
-def _triton_backend():
-    """``ops/cuda/triton_chunk/backend.py``: the ``pytorch`` candidate's arguments on the Triton chunk kernel."""
-    from linformer_lab.ops.cuda.triton_chunk import backend
-
-    return backend
+def _late(module: ModuleType, function: str) -> Callable:
+    """``module.function``, looked up at each call: what a test patches there is what runs."""
+    return lambda *args, **kwargs: getattr(module, function)(*args, **kwargs)
 
 
 def _causal_cuda_run(q, k, v, chunk_size=None, initial_state=None, return_final_state=False):
-    from linformer_lab.ops import cuda  # loaded: the candidate applies only where cuda_kernel() loaded it
-
+    # the extension is loaded: the candidate applies only where cuda_kernel() loaded it
     return cuda.causal_dot_product(q, k, v, initial_state, return_final_state)
 
 
@@ -208,25 +182,6 @@ def _fused_stack(*args):
     return _cpu_module("FUSED_STEP").FusedStack(*args)
 
 
-def _causal_attention_pytorch(*args, **kwargs):
-    """The op's signature: causal eq. 9-12 from the unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``
-    with the backend's ``feature_map`` and numerator ``dot_product`` (the caller's: the layers pass
-    :func:`causal_dot_product`), ``(feature_map, q, k, v, key_lengths, eps, dot_product,
-    initial_state=None, return_state=False, cu_seqlens=None)``, packed sequences (``cu_seqlens``,
-    B = 1) included: :func:`linformer_lab.ops.linear_attention.causal_attention`. A fused candidate
-    computes the same in one kernel for the maps it knows (its ``accepts(feature_map, q, k, v)`` says
-    which)."""
-    from linformer_lab.ops import linear_attention
-
-    return linear_attention.causal_attention(*args, **kwargs)
-
-
-def _triton_available() -> bool:
-    from linformer_lab.ops.cuda import triton_chunk
-
-    return triton_chunk.is_available()
-
-
 def _pytorch(description: str, run: Callable) -> Candidate:
     """An op's last candidate, the op in PyTorch: it applies to every argument, and is always available."""
     return Candidate(PYTORCH, description, "always", lambda *args: True, lambda: True, run)
@@ -234,18 +189,21 @@ def _pytorch(description: str, run: Callable) -> Candidate:
 
 #: op -> its candidates, first to last; ``pytorch`` is last (module docstring: adding a kernel).
 CANDIDATES: dict[str, list[Candidate]] = {
+    # (q, k, v, chunk_size=None, initial_state=None, return_final_state=False): causal_dot_product below
     "causal": [
         Candidate("cuda", "CUDA kernel (ops/cuda/causal_linear_attention.cu)",
                   "CUDA tensors of one dtype (float32, float16, bfloat16), 1 <= C, M <= 256, the extension built",
                   _causal_cuda, torch.compiler.assume_constant_result(lambda: cuda_kernel() is not None), _causal_cuda_run),
-        _pytorch("PyTorch chunked numerator (ops/linear_attention/chunk.py)", _causal_pytorch),
+        _pytorch("PyTorch chunked numerator (ops/linear_attention/chunk.py)", _late(chunk, "causal_dot_product")),
     ],
+    # (q, k, v, positions, valid, chunks, causal) -> (out, lse): ops/lsh.py's window_attention_torch
     "lsh_window": [
         Candidate("cpp", "C++ window kernel (ops/cpu/lsh_window.cpp)",
                   "CPU tensors, float32 or float64, CPU autocast off",
-                  _lsh_cpu, _cpu_available("LSH_WINDOW"), _deferred(_lsh, "window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
-        _pytorch("PyTorch window step (ops/lsh.py: window_attention_torch)", _deferred(_lsh, "window_attention_torch")),
+                  _lsh_cpu, _cpu_available("LSH_WINDOW"), _late(lsh, "window_attention_cpp"), _cpu_isa("LSH_WINDOW")),
+        _pytorch("PyTorch window step (ops/lsh.py: window_attention_torch)", _late(lsh, "window_attention_torch")),
     ],
+    # (weights, norm eps, heads, query dim, value dim, eps, GELU approximate) -> a FusedStack: _fused_stack
     "fused_step": [
         Candidate("cpp", "C++ fused step (ops/cpu/fused_step.cpp)",
                   f"CPU, float32 or float64, CPU autocast off, at most {FUSED_MAX_BATCH} rows "
@@ -253,18 +211,24 @@ CANDIDATES: dict[str, list[Candidate]] = {
                   _fused_cpu, _cpu_available("FUSED_STEP"), _fused_stack),
         _pytorch("Python step (models/generation/dynamic_step.py: fast_step)", lambda *args: None),
     ],
+    # causal eq. 9-12 from the unmapped q, k (B, H, N, D), v (B, H, N, M) with the layer's feature map and
+    # numerator (the layers pass causal_dot_product), packed sequences (cu_seqlens, B = 1) included:
+    # (feature_map, q, k, v, key_lengths, eps, dot_product, initial_state=None, return_state=False,
+    # cu_seqlens=None), ops/linear_attention: causal_attention. A fused candidate computes the same in one
+    # kernel for the maps it knows (its accepts(feature_map, q, k, v) says which).
     "causal_attention": [
         Candidate("triton", "Triton chunk kernel, elu and the normaliser fused (ops/cuda/triton_chunk)",
                   "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
                   "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
-                  _deferred(_triton_backend, "accepts"), _triton_available, _deferred(_triton_backend, "causal_attention")),
+                  _late(triton_backend, "accepts"), _late(triton_chunk, "is_available"),
+                  _late(triton_backend, "causal_attention")),
         Candidate("cpp", "C++ recurrence, the normaliser fused, and elu (ops/cpu/causal_recurrence.cpp)",
                   "CPU tensors of one dtype (float16, bfloat16 run as float32; CPU autocast too), any map (elu "
                   "runs inside the kernel, the others are applied first), C, M zero-padded to whole registers",
-                  _deferred(_recurrence, "accepts_attention"), _cpu_available("CAUSAL_RECURRENCE"),
-                  _deferred(_recurrence, "causal_attention"), _cpu_isa("CAUSAL_RECURRENCE")),
+                  _late(causal_recurrence, "accepts_attention"), _cpu_available("CAUSAL_RECURRENCE"),
+                  _late(causal_recurrence, "causal_attention"), _cpu_isa("CAUSAL_RECURRENCE")),
         _pytorch("feature map, then the causal op and the normaliser in PyTorch (ops/linear_attention: causal_attention)",
-                 _causal_attention_pytorch),
+                 _late(linear_attention, "causal_attention")),
     ],
 }
 

@@ -216,6 +216,12 @@ class SequenceBuffer:
         return self
 
     @classmethod
+    def _owning(cls, data: torch.Tensor, dim: int, length: int | None = None) -> SequenceBuffer:
+        """A buffer on storage of its own, ``data``, holding its first ``length`` positions (None: all)."""
+        length = data.shape[dim] if length is None else length
+        return cls._holding(_Storage(data, length), dim, length)
+
+    @classmethod
     def from_tensor(cls, x: torch.Tensor, dim: int, spare: int = 256) -> SequenceBuffer:
         """A buffer already holding the ``x.shape[dim]`` positions of ``x`` (a parallel forward's
         keys, say). Under autograd ``x`` itself is the storage, so gradients flow back into it
@@ -223,12 +229,12 @@ class SequenceBuffer:
         for ``spare`` more positions."""
         length = x.shape[dim]
         if torch.is_grad_enabled() and x.requires_grad:
-            return cls._holding(_Storage(x, length), dim, length)
+            return cls._owning(x, dim)
         shape = list(x.shape)
         shape[dim] += spare
         data = x.new_empty(shape)
         data.narrow(dim, 0, length).copy_(x)
-        return cls._holding(_Storage(data, length), dim, length)
+        return cls._owning(data, dim, length)
 
     def appended(self, x_t: torch.Tensor) -> SequenceBuffer:
         """A buffer holding this one's positions and then ``x_t`` (the buffer's shape without
@@ -241,7 +247,7 @@ class SequenceBuffer:
         store, dim, length = self._store, self.dim, self.length
         if torch.is_grad_enabled() and (x_t.requires_grad or store.data.requires_grad):
             data = torch.cat([self.filled, x_t.unsqueeze(dim)], dim=dim)
-            return SequenceBuffer._holding(_Storage(data, length + 1), dim, length + 1)
+            return SequenceBuffer._owning(data, dim)
         if store.used != length or length == store.data.shape[dim] or \
                 (store.data.is_inference() and not torch.is_inference_mode_enabled()):
             # a longer buffer holds position `length` already, or there is no room (or the storage
@@ -270,12 +276,12 @@ class SequenceBuffer:
         if not self._store.data.requires_grad:
             return self
         data = self.filled.detach()  # no spare room: an append copies instead of writing into it
-        return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
+        return SequenceBuffer._owning(data, self.dim)
 
     def clone(self) -> SequenceBuffer:
         """Storage of exactly the filled positions' size; the first append copies them into storage with room."""
         data = self.filled.clone(memory_format=torch.contiguous_format)
-        return SequenceBuffer._holding(_Storage(data, self.length), self.dim, self.length)
+        return SequenceBuffer._owning(data, self.dim)
 
     def __getstate__(self) -> dict:
         # the filled positions alone: saving (or deep-copying) the view would write the whole shared
@@ -368,15 +374,11 @@ class KVCache:
                 "valid": None if valid is None else _own_storage(valid)}
 
     def __setstate__(self, state: dict) -> None:
+        # the tensors as they came, as SequenceBuffer.__setstate__ keeps them (never written)
         valid = state["valid"]
-        self._keys = SequenceBuffer.__new__(SequenceBuffer)
-        self._keys.__setstate__({"filled": state["keys"], "dim": 2})
-        self._values = SequenceBuffer.__new__(SequenceBuffer)
-        self._values.__setstate__({"filled": state["values"], "dim": 2})
-        self._valid = None
-        if valid is not None:
-            self._valid = SequenceBuffer.__new__(SequenceBuffer)
-            self._valid.__setstate__({"filled": valid, "dim": 1})
+        self._keys = SequenceBuffer._owning(state["keys"], dim=2)
+        self._values = SequenceBuffer._owning(state["values"], dim=2)
+        self._valid = None if valid is None else SequenceBuffer._owning(valid, dim=1)
 
     @property
     def nbytes(self) -> int:

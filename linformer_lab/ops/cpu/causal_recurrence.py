@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from linformer_lab.ops import cpu, custom_ops
-from linformer_lab.ops.linear_attention import computed_in
+from linformer_lab.ops.linear_attention import check_linear_state, computed_in, joint_state
 from linformer_lab.ops.linear_attention.chunk import compute_dtype
 from linformer_lab.ops.masks import length_mask
-from linformer_lab.ops.state import LinearState
 
 __all__ = ["accepts_attention", "causal_attention", "recurrence_dims"]
 
@@ -77,12 +76,6 @@ def _padded_inputs(q, k, v):
 _ATTENTION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def fuses(feature_map) -> bool:
-    """True when the fused kernel applies ``feature_map`` itself: its ``kernel_form`` names ``"cpp"``
-    (the elu + 1 map of eq. 7)."""
-    return computed_in("cpp", feature_map)
-
-
 def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Any feature map, CPU tensors of one dtype (float16 / bfloat16 run as float32), self-attention
     ``(B, H, N, D)`` of one length: what :func:`causal_attention` takes."""
@@ -93,23 +86,29 @@ def accepts_attention(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
                      return_state=False, cu_seqlens=None):
-    """Causal eq. 9-12 in the fused C++ kernel (module docstring; the elu map inside it where
-    :func:`fuses`, any other applied here first). The ``causal_attention`` op's arguments
-    (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``, ``v (B, H, N, M)``, ``key_lengths
-    (B,)``, ``initial_state (S_0 (S, H, D, M), Z_0 (S, H, D))`` with S = B, or with ``cu_seqlens``
-    (int ``[0, n_1, ..., N]``, B = 1) one row per packed sequence. Returns ``(B, H, N, M)`` in v's
-    dtype, with ``return_state`` also ``(S_N, Z_N)`` as a :class:`LinearState` in the compute dtype
-    (float32 for half inputs). ``dot_product`` is not used: the kernel computes the numerator."""
+    """Causal eq. 9-12 in the fused C++ kernel (module docstring; the map inside it where its
+    ``kernel_form`` names ``"cpp"``, the elu map, any other applied here first). The
+    ``causal_attention`` op's arguments (``ops/kernels.py``): unmapped ``q, k (B, H, N, D)``,
+    ``v (B, H, N, M)``, ``key_lengths (B,)``, ``initial_state (S_0 (S, H, D, M), Z_0 (S, H, D))``
+    with S = B, or with ``cu_seqlens`` (int ``[0, n_1, ..., N]``, B = 1) one row per packed
+    sequence. Returns ``(B, H, N, M)`` in v's dtype, with ``return_state`` also ``(S_N, Z_N)`` as a
+    :class:`LinearState` in the compute dtype (float32 for half inputs). ``dot_product`` is not
+    used: the kernel computes the numerator."""
     dtype = v.dtype
     compute = compute_dtype(dtype)
-    mapped = not fuses(feature_map)
+    mapped = not computed_in("cpp", feature_map)
     if mapped:
         q, k = feature_map.forward_queries(q), feature_map.forward_keys(k)  # (B, H, N, C)
         if key_lengths is not None:  # masked keys out here too: the kernel zeroes them, autograd must see it
             k = k * length_mask(key_lengths, k.shape[2])[:, None, :, None].to(k.dtype)
     s0 = z0 = None
-    if initial_state is not None:
-        s0, z0 = (x.to(compute) for x in _checked_state(initial_state, k, v, cu_seqlens))
+    if initial_state is not None:  # one row per batch entry, or per packed sequence
+        if cu_seqlens is None:
+            s0, z0 = check_linear_state(initial_state, k, v, "causal linear attention")
+        else:
+            s0, z0 = check_linear_state(initial_state, k, v, "packed causal linear attention",
+                                        rows=cu_seqlens.shape[0] - 1)
+        s0, z0 = s0.to(compute), z0.to(compute)
     with torch.autocast("cpu", enabled=False):
         c, m = q.shape[-1], v.shape[-1]
         q, k, v, pad_c, pad_m = _padded_inputs(q.to(compute), k.to(compute), v.to(compute))
@@ -127,16 +126,4 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
     out = out.to(dtype)
     if not return_state:
         return out
-    return out, LinearState(torch.cat([s_n, z_n.unsqueeze(-1)], dim=-1))
-
-
-def _checked_state(state, k: torch.Tensor, v: torch.Tensor, cu_seqlens):
-    """``(S_0, Z_0)`` fitting the inputs (one row per batch entry, or per packed sequence), or the
-    ValueError of the PyTorch path saying what was expected."""
-    from linformer_lab.ops.linear_attention import check_linear_state
-
-    if cu_seqlens is None:
-        return check_linear_state(state, k, v, "causal linear attention")
-    rows = cu_seqlens.shape[0] - 1  # one state row per packed sequence
-    return check_linear_state(state, k.new_empty(rows, *k.shape[1:2], 0, k.shape[-1]),
-                              v.new_empty(rows, *v.shape[1:2], 0, v.shape[-1]), "packed causal linear attention")
+    return out, joint_state(s_n, z_n)

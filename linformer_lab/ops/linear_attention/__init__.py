@@ -52,6 +52,7 @@ __all__ = [
     "joint_state",
     "linear_attention",
     "linear_attention_step",
+    "mask_keys",
     "new_linear_state",
     "packed_linear_attention",
     "reference_chunk_size",
@@ -81,8 +82,9 @@ def computed_in(kernel: str, feature_map) -> bool:
     return form is not None and kernel in form.kernels
 
 
-def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None):
-    """Zero keys and values at positions >= key_lengths so they add nothing to any sum."""
+def mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None):
+    """Zero keys ``(B, H, N, C)`` and values ``(B, H, N, M)`` at positions >= ``key_lengths (B,)``
+    so they add nothing to any sum."""
     if key_lengths is None:
         return phi_k, v
     valid = length_mask(key_lengths, phi_k.shape[-2])  # (B, N)
@@ -90,10 +92,13 @@ def _mask_keys(phi_k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor |
     return phi_k * valid, v * valid
 
 
-def check_linear_state(state, phi_k: torch.Tensor, v: torch.Tensor, who: str = "linear attention"):
+def check_linear_state(state, phi_k: torch.Tensor, v: torch.Tensor, who: str = "linear attention",
+                       rows: int | None = None):
     """``state`` as ``(S (B, H, C, M), Z (B, H, C))`` fitting ``phi_k (B, H, N, C)`` and ``v (B, H, N, M)``,
-    or a ValueError that says what was expected."""
+    or a ValueError that says what was expected; ``rows``: B where it is not phi_k's (one row per
+    packed sequence)."""
     b, h, _, c = phi_k.shape
+    b = b if rows is None else rows
     m = v.shape[-1]
     if not (isinstance(state, (tuple, list)) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
         raise ValueError(f"{who}: state must be a pair (S (B, H, C, M), Z (B, H, C)) of tensors, e.g. a returned "
@@ -126,7 +131,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     """
     compute, out_dtype = compute_dtype(phi_q.dtype), v.dtype
     with torch.autocast(phi_q.device.type, enabled=False):  # keep the fp32 accumulation under autocast
-        phi_k, v = _mask_keys(phi_k, v, key_lengths)
+        phi_k, v = mask_keys(phi_k, v, key_lengths)
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
         kv = phi_k.transpose(-1, -2) @ v  # (B, H, C, M)
         z = phi_k.sum(dim=-2)  # (B, H, C)
@@ -189,7 +194,7 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
     with torch.autocast(phi_q.device.type, enabled=False):
         # under autocast the feature maps may return fp32 for half inputs: one dtype for the kernel
         phi_q, phi_k, values = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-        phi_k, values = _mask_keys(phi_k, values, key_lengths)
+        phi_k, values = mask_keys(phi_k, values, key_lengths)
         s0 = z0 = None
         if initial_state is not None:
             s0, z0 = check_linear_state(initial_state, phi_k, values, "causal linear attention")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
-from linformer_lab.ops.linear_attention import computed_in, joint_state
-from linformer_lab.ops.masks import length_mask
+from linformer_lab.ops.linear_attention import computed_in, joint_state, mask_keys
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -24,12 +23,10 @@ def fuses(feature_map) -> bool:
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """CUDA tensors on one device, v float32, float16 or bfloat16 (q and k are cast to it), self
-    attention of one length, something to compute, and the kernels runnable here."""
-    from linformer_lab.ops.cuda import triton_chunk
-
+    attention of one length, something to compute (whether the kernels run on this machine is the
+    candidate's ``available``: ``triton_chunk.is_available``)."""
     return (q.device.type == "cuda" and k.device == q.device and v.device == q.device and v.dtype in _DTYPES
-            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0
-            and triton_chunk.is_available())
+            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0)
 
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,
@@ -41,9 +38,7 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
         q, k, mapped = q.to(v.dtype), k.to(v.dtype), "elu"
     else:
         q, k, mapped = feature_map.forward_queries(q).to(v.dtype), feature_map.forward_keys(k).to(v.dtype), None
-        if key_lengths is not None:  # keys past a row's length enter neither the outputs nor the state
-            valid = length_mask(key_lengths, k.shape[-2])[:, None, :, None]
-            k, v = k * valid, v * valid
+        k, v = mask_keys(k, v, key_lengths)  # keys past a row's length enter neither the outputs nor the state
     state = None if initial_state is None else (initial_state[0], initial_state[1])
     result = chunk_linear_attention(q, k, v, feature_map=mapped, eps=eps, initial_state=state,
                                     return_final_state=return_state, cu_seqlens=cu_seqlens)
