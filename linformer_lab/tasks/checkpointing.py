@@ -28,7 +28,16 @@ from linformer_lab.tasks.base import epoch_ran_to_end
 __all__ = ["BestCheckpoint", "LastCheckpoint"]
 
 
-class LastCheckpoint(ModelCheckpoint):
+class _ResumingCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint that takes up a checkpoint's record (best scores, last path) only where it
+    writes where that checkpoint's run wrote: a resumed fit, not a new run started from its weights."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state_dict)
+
+
+class LastCheckpoint(_ResumingCheckpoint):
     """``last.ckpt`` after *every* validation (else every epoch end), every ``every_n_train_steps``
     updates, at the ``max_steps`` step and at any other end: Lightning's ``save_last`` writes only
     beside a new top-k checkpoint. After the best-model callback, it records that validation's best.
@@ -96,11 +105,8 @@ class LastCheckpoint(ModelCheckpoint):
         if self._can_save(trainer) and (self._loops_at_stop is not None or self._saved_at != trainer.global_step):
             self._save(trainer)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        load_unless_moved(self, state_dict)
 
-
-class BestCheckpoint(ModelCheckpoint):
+class BestCheckpoint(_ResumingCheckpoint):
     """The best ``save_top_k`` checkpoints by the task's ``monitor``, ranked only at validated steps,
     without Lightning's warning of a non-empty folder (a resumed fit writes into its own): refusing
     another run's folder is the caller's (the CLI's ``checkpoints.claim_checkpoint_dir``)."""
@@ -125,16 +131,7 @@ class BestCheckpoint(ModelCheckpoint):
                 warnings.filterwarnings("ignore", message=re.escape(expected) + "$")
             super().setup(trainer, pl_module, stage)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        load_unless_moved(self, state_dict)
-
     @property
     def state_key(self) -> str:
         # ModelCheckpoint's key: the record in checkpoints written before this class still loads
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
-
-
-def load_unless_moved(callback: ModelCheckpoint, state_dict: dict) -> None:
-    """Restore ``callback``'s record only where it writes where the checkpoint's run wrote (a resumed fit)."""
-    if state_dict.get("dirpath", callback.dirpath) == callback.dirpath:
-        ModelCheckpoint.load_state_dict(callback, state_dict)
