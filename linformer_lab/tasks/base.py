@@ -83,14 +83,22 @@ class Task(L.LightningModule):
     #: this rank's group of ``context_parallel`` processes, made by :meth:`join_context_grid`
     context_group = None
 
-    def join_context_grid(self, model: torch.nn.Module) -> None:
+    def set_context_parallel(self, context_parallel: int, **exclusive) -> None:
+        """Keep ``context_parallel`` (processes per sequence) once it is checked against this task's
+        attention layers and the ``exclusive`` settings (:func:`check_context_parallel`): call from
+        ``__init__`` after the model is built."""
+        check_context_parallel(context_parallel, self, **exclusive)
+        self.context_parallel = context_parallel
+
+    def join_context_grid(self) -> None:
         """With ``context_parallel`` P > 1: this rank's group of the run's (data x context) grid, P
-        consecutive ranks per batch, and ``model``'s linear attention layers split over it
-        (:func:`~linformer_lab.attention.context_parallel.context_parallel`). Call from :meth:`setup`:
-        groups are made collectively, by every process in the same order."""
+        consecutive ranks per batch, and this task's linear attention layers split over it
+        (:func:`~linformer_lab.attention.context_parallel.context_parallel`). :meth:`setup` calls it:
+        groups are made collectively, by every process in the same order. A distillation's teacher
+        is no submodule (``self.distillation`` is plain data): it stays whole."""
         if self.context_parallel > 1 and self.context_group is None:
             self.context_group = context_grid(self.context_parallel)
-            context_parallel(model, group=self.context_group)
+            context_parallel(self, group=self.context_group)
 
     def context_positions(self, length: int) -> tuple[int, int]:
         """``(start, stop)``: the positions of a sequence of ``length`` this process runs, its
@@ -111,6 +119,7 @@ class Task(L.LightningModule):
                 f"task.initialise_from(linformer_lab.tasks.checkpoint_files.read_checkpoint(path), path) before trainer.fit"
             )
         self.check_run(getattr(trainer, "datamodule", None), trainer.strategy.root_device)
+        self.join_context_grid()
 
     # ------------------------------------------------------------------ exported models (tasks/export.py)
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from linformer_lab.attention.config import AttentionConfig
 from linformer_lab.models.transformer import Transformer, segmented_forward, sinusoidal_positions
-from linformer_lab.tasks.base import Task, WeightedMean, check_context_parallel, check_segment_length
+from linformer_lab.tasks.base import Task, WeightedMean, check_segment_length
 from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.validation import check_at_least, check_non_negative, check_positive, check_transformer_shape
 
@@ -133,7 +133,6 @@ class CopyTask(Task):
         check_non_negative("weight_decay", weight_decay)
         check_conversion(init_from, distill_steps, distill_lr)
         self.save_hyperparameters()
-        self.context_parallel = context_parallel
         # the public edge: the user's form becomes a config here, the Transformer takes that
         attention = self.store_attention(AttentionConfig.coerce(attention))
         self.sequence_length = sequence_length
@@ -147,7 +146,7 @@ class CopyTask(Task):
         )
         self.head = nn.Linear(d_model, vocab_size)
         check_segment_length(segment_length, self.transformer, attention.backend)
-        check_context_parallel(context_parallel, self.transformer, segment_length=segment_length)
+        self.set_context_parallel(context_parallel, segment_length=segment_length)
         # evaluation loss and accuracy per copied token, over all processes
         self.eval_means = nn.ModuleDict({f"{stage}_{name}": WeightedMean()
                                          for stage in ("val", "test") for name in ("loss", "accuracy")})
@@ -181,10 +180,6 @@ class CopyTask(Task):
             )
         positions = torch.arange(start, start + n, device=tokens.device)
         return self.head(self.transformer(self.embed(tokens, positions)))
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.join_context_grid(self.transformer)
 
     def segment_logits(self, tokens: torch.Tensor, start: int, stop: int, state=None):
         """Logits of positions ``start..stop-1`` given the state after ``< start``:

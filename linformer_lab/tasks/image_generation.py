@@ -20,7 +20,7 @@ from linformer_lab.models.generation.sampling import DECODERS
 from linformer_lab.models.mixture_of_logistics import BitsPerDim
 from linformer_lab.models.pixel_transformer import PixelTransformer
 from linformer_lab.models.transformer import segmented_forward
-from linformer_lab.tasks.base import Task, check_context_parallel, check_segment_length
+from linformer_lab.tasks.base import Task, check_segment_length
 from linformer_lab.tasks.conversion import check_conversion
 from linformer_lab.tasks.graphed_update import GraphedTraining
 from linformer_lab.tasks.image_prediction import ImagePrediction
@@ -160,9 +160,8 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         self.model.fused_loss = compile == "loss"
         self._batch_nll = self.model.nll  # compiled in configure_model with compile="model"
         check_segment_length(segment_length, self.model.transformer, config.backend)
-        check_context_parallel(context_parallel, self.model.transformer, segment_length=segment_length,
-                               compile=compile if compile == "model" else None, cuda_graph=cuda_graph)
-        self.context_parallel = context_parallel
+        self.set_context_parallel(context_parallel, segment_length=segment_length,
+                                  compile=compile if compile == "model" else None, cuda_graph=cuda_graph)
         self.train_bpd = BitsPerDim()
         self.val_bpd = BitsPerDim()
         self.test_bpd = BitsPerDim()
@@ -192,10 +191,6 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
         module and its state dict stay the eager ones)."""
         if self.hparams.get("compile", "none") == "model" and self._batch_nll == self.model.nll:
             self._batch_nll = torch.compile(self.model.nll)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.join_context_grid(self.model.transformer)
 
     def _nll(self, batch) -> torch.Tensor:
         """``(B, N)`` nats; under context parallelism ``(B, N / P)``, this process's positions."""
