@@ -2,14 +2,15 @@
 every fit: docs/cli.md, "Checkpoints")::
 
     trainer = L.Trainer(max_steps=2000, callbacks=[
-        BestCheckpoint(monitor=task.monitor, mode=task.monitor_mode),  # before LastCheckpoint
-        LastCheckpoint(),  # last.ckpt: after every validation, at max_steps, at a stop
+        BestCheckpoint("runs/copy", monitor=task.monitor, mode=task.monitor_mode),  # before LastCheckpoint
+        LastCheckpoint("runs/copy"),  # last.ckpt: after every validation, at max_steps, at a stop
     ])
-    trainer.fit(task, datamodule=data, ckpt_path="last")  # later: continues where it stopped
+    trainer.fit(task, datamodule=data, ckpt_path="last")  # again later: continues where it stopped
 
 :class:`LastCheckpoint` is the resume point; :class:`BestCheckpoint` keeps the best by the task's
-monitored metric, and ``last.ckpt`` records it. Both write into the run's ``checkpoints/`` unless
-given a ``dirpath``.
+monitored metric, and ``last.ckpt`` records it. Without a ``dirpath`` both write into the logger's
+``version_N/checkpoints/``, a new one per Trainer, where ``ckpt_path="last"`` does not look: give a
+folder of the run's own (as above), or the file (the CLI's ``--ckpt_path last`` finds it for you).
 """
 
 from __future__ import annotations

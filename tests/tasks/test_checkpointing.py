@@ -20,7 +20,7 @@ def _fit(root, max_steps: int, ckpt_path=None) -> tuple[CopyTask, list]:
     data = CopyDataModule(max_length=6, batch_size=4, train_batches_per_epoch=3, val_batches=2, min_length=1)
     task = CopyTask("linear", vocab_size=data.vocab_size, sequence_length=data.sequence_length, d_model=16,
                     n_layers=1, n_heads=2, dropout=0.0)
-    callbacks = [BestCheckpoint(dirpath=root, monitor=task.monitor, mode=task.monitor_mode), LastCheckpoint(root)]
+    callbacks = [BestCheckpoint(root, monitor=task.monitor, mode=task.monitor_mode), LastCheckpoint(root)]
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, deterministic=True,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=callbacks)
@@ -35,7 +35,8 @@ def test_last_checkpoint_at_max_steps_mid_epoch_records_the_best_and_resumes_exa
     recorded = [state["best_model_path"] for key, state in saved["callbacks"].items() if key.startswith("ModelCheckpoint")]
     assert best.best_model_path.endswith(".ckpt") and best.best_model_path in recorded
 
-    resumed, _ = _fit(tmp_path / "run", max_steps=7, ckpt_path=str(tmp_path / "run" / "last.ckpt"))
+    resumed, (_, last) = _fit(tmp_path / "run", max_steps=7, ckpt_path="last")  # as the module's example
+    assert last.started_at == 4
     straight, _ = _fit(tmp_path / "straight", max_steps=7)
     want = straight.state_dict()
     for name, value in resumed.state_dict().items():
