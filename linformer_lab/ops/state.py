@@ -207,13 +207,14 @@ class SequenceBuffer:
         self.dim = dim
         self.length = 0
 
+    def _hold(self, store: _Storage, dim: int, length: int) -> SequenceBuffer:
+        self._store, self.dim, self.length = store, dim, length
+        self._position_shape = store.data.shape[:dim] + store.data.shape[dim + 1 :]
+        return self
+
     @classmethod
     def _holding(cls, store: _Storage, dim: int, length: int) -> SequenceBuffer:
-        self = cls.__new__(cls)
-        self._store, self.dim, self.length = store, dim, length
-        data = store.data
-        self._position_shape = data.shape[:dim] + data.shape[dim + 1 :]
-        return self
+        return cls.__new__(cls)._hold(store, dim, length)
 
     @classmethod
     def _owning(cls, data: torch.Tensor, dim: int, length: int | None = None) -> SequenceBuffer:
@@ -292,8 +293,7 @@ class SequenceBuffer:
         data, dim = state["filled"], state["dim"]
         # the tensor as it came (a shallow copy's is the original's view): no spare room, so it
         # is never written; the first append copies
-        self._store, self.dim, self.length = _Storage(data, data.shape[dim]), dim, data.shape[dim]
-        self._position_shape = data.shape[:dim] + data.shape[dim + 1 :]
+        self._hold(_Storage(data, data.shape[dim]), dim, data.shape[dim])
 
     @property
     def nbytes(self) -> int:

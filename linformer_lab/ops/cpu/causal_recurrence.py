@@ -103,11 +103,9 @@ def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_produ
             k = k * length_mask(key_lengths, k.shape[2])[:, None, :, None].to(k.dtype)
     s0 = z0 = None
     if initial_state is not None:  # one row per batch entry, or per packed sequence
-        if cu_seqlens is None:
-            s0, z0 = check_linear_state(initial_state, k, v, "causal linear attention")
-        else:
-            s0, z0 = check_linear_state(initial_state, k, v, "packed causal linear attention",
-                                        rows=cu_seqlens.shape[0] - 1)
+        packed = cu_seqlens is not None
+        s0, z0 = check_linear_state(initial_state, k, v, f"{'packed ' * packed}causal linear attention",
+                                    rows=cu_seqlens.shape[0] - 1 if packed else None)
         s0, z0 = s0.to(compute), z0.to(compute)
     with torch.autocast("cpu", enabled=False):
         c, m = q.shape[-1], v.shape[-1]
