@@ -91,6 +91,8 @@ def test_the_test_part_runs_both_triton_files_and_the_graph_decoder_on_the_gpu()
     assert {"tests/ops/test_triton_chunk.py", "tests/ops/test_triton_chunk_gpu.py",
             "tests/models/test_generation_graph.py"} <= set(gpu_check.GPU_TESTS)
     assert gpu_check.GPU_TESTS[0] == "tests/ops/test_triton_chunk_gpu.py"  # the GPU checks proper first
+    (tests_row,) = [line for line in readme_section().splitlines() if line.startswith("| tests |")]
+    assert re.findall(r"`(tests/[\w/]+\.py)`", tests_row) == gpu_check.GPU_TESTS  # the README says what runs, in order
     # the switch that makes the interpreter file run compiled on a GPU instead of skipping there
     assert gpu_check.GPU_TEST_ENV == {"LINFORMER_LAB_TRITON_TESTS": "cuda"}
     assert 'os.environ.get("LINFORMER_LAB_TRITON_TESTS") == "cuda"' in (REPO / "tests/ops/test_triton_chunk.py").read_text()
