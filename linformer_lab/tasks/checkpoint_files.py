@@ -21,6 +21,7 @@ import lightning as L
 import torch
 
 from linformer_lab.tasks.base import task_settings
+from linformer_lab.tasks.conversion import differing_hparams
 from linformer_lab.tasks.export import TASKS, ExportError, build_task, is_export, read_config, read_weights, weight_problems
 
 
@@ -92,7 +93,6 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
     ``model``: the same task class (``_class_path``), hyper-parameters (but the task's
     ``hparams_free_to_change``), state_dict keys and shapes, and optimizer state order."""
     ckpt = load_checkpoint_header(path) if ckpt is None else ckpt
-    hparams = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if k not in ("_class_path", "_instantiator")}
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"
     saved_class = (ckpt.get("hyper_parameters") or {}).get("_class_path")
     saved_config = next((d / "config.yaml" for d in Path(path).resolve().parents[:3] if (d / "config.yaml").is_file()), None)
@@ -102,11 +102,9 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
     if saved_class is not None and saved_class != want_class:
         raise OtherTaskCheckpointError(f"checkpoint {path} belongs to another task: it was written by {saved_class}, but "
                                        f"the configuration builds {want_class}." + hint)
-    ours, theirs = _flatten(dict(model.hparams)), _flatten(hparams)
-    allowed = set(task_settings(model).hparams_free_to_change)
-    differ = [key for key in sorted(theirs)
-              if key in ours and key.split(".")[0] not in allowed and not _same(theirs[key], ours[key])]
-    problems = [f"{key}: checkpoint {theirs[key]!r}, configuration {ours[key]!r}" for key in differ]
+    differ = differing_hparams(ckpt.get("hyper_parameters") or {}, dict(model.hparams),
+                               task_settings(model).hparams_free_to_change)
+    problems = list(differ.values())
     problems += weight_problems(model.state_dict(), ckpt["state_dict"], "checkpoint")
     if problems:
         attention = any(key.split(".")[0] == "attention" for key in differ)
@@ -126,26 +124,6 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
                 f"{parameters[index][0]}: state {tuple(saved.shape)}, parameter {tuple(parameters[index][1].shape)}), so it "
                 f"cannot resume; start a new run from its weights with --model.init_from {path}.")
     return ckpt
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if hasattr(v, "__dataclass_fields__"):
-            v = {f: getattr(v, f) for f in v.__dataclass_fields__}
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a in (None, {}) and b in (None, {}):
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def checkpoint_task(ckpt: dict, path: Path):

@@ -87,23 +87,46 @@ def transfer_weights(model: nn.Module, checkpoint_state: dict, source: str) -> W
     return transfer
 
 
+def differing_hparams(saved: dict, ours: dict, free: Iterable[str]) -> dict[str, str]:
+    """The hyper-parameters in which a checkpoint's ``saved`` differ from ``ours``, each as
+    ``{key: "key: checkpoint X, configuration Y"}`` in key order. Nested dicts (and dataclasses) are
+    compared entry by entry (``attention.backend``); keys whose top level is ``free`` or starts with
+    ``_`` (Lightning's ``_class_path``), and keys only ``ours`` has, are left out."""
+    free = set(free)
+    theirs, ours = _flatten(saved), _flatten(ours)
+    return {key: f"{key}: checkpoint {theirs[key]!r}, configuration {ours[key]!r}" for key in sorted(theirs)
+            if key in ours and key.split(".")[0] not in free and not key.startswith("_") and not _same(theirs[key], ours[key])}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if hasattr(v, "__dataclass_fields__"):
+            v = {f: getattr(v, f) for f in v.__dataclass_fields__}
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a in (None, {}) and b in (None, {}):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 def check_same_settings(saved: dict, ours: dict, free: Iterable[str], source: str) -> None:
     """A :class:`ConfigurationError` naming the hyper-parameters (other than the attention and the
     ``free`` ones, which a converted model may change) in which the checkpoint's ``saved`` differ from ``ours``."""
-    free = set(free) | {"attention"}
-    differ = [f"{key}: checkpoint {saved[key]!r}, configuration {ours[key]!r}" for key in sorted(saved)
-              if key in ours and key not in free and not key.startswith("_") and not _same(saved[key], ours[key])]
+    differ = list(differing_hparams(saved, ours, {*free, "attention"}).values())
     if differ:
         raise ConfigurationError(
             f"init_from {source}: the checkpoint's model differs from the configured one beyond its attention "
             f"({'; '.join(differ[:4])}{'; ...' if len(differ) > 4 else ''}); set these as the checkpoint has them"
         )
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return list(a) == list(b)
-    return a == b
 
 
 # ---------------------------------------------------------------------- attention distillation

@@ -12,6 +12,7 @@ from linformer_lab.ops.reference import softmax_similarity
 from linformer_lab.tasks.conversion import (
     attention_weight_loss,
     check_conversion,
+    differing_hparams,
     distill_feature_maps,
     feature_map_parameters,
     transfer_weights,
@@ -65,6 +66,18 @@ def test_init_from_refuses_another_task_or_architecture():
     # lsh shares queries and keys: its projection has another shape, which no conversion can fill
     with pytest.raises(ConfigurationError, match="outside the attention have another shape .*attention.qkv.weight"):
         transfer_weights(_task("lsh"), teacher.state_dict(), "softmax.ckpt")
+
+
+def test_differing_hparams_names_each_nested_entry_and_leaves_out_free_private_and_new_keys():
+    saved = {"attention": {"backend": "softmax", "feature_map": None}, "d_model": 16, "lr": 1e-3,
+             "kernel_sizes": [3, 5], "_class_path": "a.B", "d_ff": None}
+    ours = {"attention": {"backend": "linear", "feature_map": None}, "d_model": 32, "lr": 5e-4,
+            "kernel_sizes": (3, 5), "_class_path": "c.D", "d_ff": {}, "segment_length": 8}
+    assert differing_hparams(saved, ours, free=("lr",)) == {
+        "attention.backend": "attention.backend: checkpoint 'softmax', configuration 'linear'",
+        "d_model": "d_model: checkpoint 16, configuration 32",
+    }
+    assert differing_hparams(saved, ours, free=("lr", "attention", "d_model")) == {}
 
 
 def test_distillation_needs_init_from_a_softmax_teacher_and_a_learned_map():
