@@ -16,7 +16,6 @@ replaces. Each layer's loss is back-propagated before the next one's ``(B, H, N,
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from torch import nn
 
 from linformer_lab.attention.base import Attention
 from linformer_lab.attention.config import AttentionConfig
+from linformer_lab.tasks.export import init_arguments
 from linformer_lab.validation import ConfigurationError, check_at_least, check_positive
 
 
@@ -291,9 +291,7 @@ def _teacher(task, attention: AttentionConfig, state: dict, source: str) -> nn.M
         raise ConfigurationError(
             f"distill_steps: feature map {task.hparams['attention'].get('feature_map') or 'elu'!r} has no weights to "
             f"train; distillation needs a learned one (t2r, hedgehog, rebased)")
-    accepted = inspect.signature(type(task).__init__).parameters
-    arguments = {k: v for k, v in task.hparams.items() if k in accepted}
-    teacher = type(task)(**{**arguments, "attention": attention.to_hparams(), "init_from": None, "distill_steps": 0})
+    teacher = type(task)(**{**init_arguments(task), "attention": attention.to_hparams()})
     teacher.load_state_dict(state)
     return teacher.eval().requires_grad_(False)
 

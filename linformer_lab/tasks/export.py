@@ -42,18 +42,15 @@ class ExportError(ValueError):
 
 def export_config(task: torch.nn.Module) -> dict:
     """What ``config.json`` holds for ``task``: its class path (one of :data:`TASKS`) and the
-    arguments it was built with (its ``hparams``), :data:`MADE_FROM` reset, as JSON data."""
+    arguments that rebuild it (:func:`init_arguments`), as JSON data."""
     class_path = f"{type(task).__module__}.{type(task).__qualname__}"
     if class_path not in TASKS:
         raise ExportError(f"cannot export a {type(task).__name__}: only the registered tasks load back "
                           f"(valid: {', '.join(TASKS)})")
-    accepted = inspect.signature(type(task).__init__).parameters
-    init_args = {key: value for key, value in dict(task.hparams).items() if key in accepted and not key.startswith("_")}
-    init_args.update({key: value for key, value in MADE_FROM.items() if key in init_args})
     config = {
         "architectures": [type(task).__name__],
         "class_path": class_path,
-        "init_args": init_args,
+        "init_args": init_arguments(task),
         "torch_dtype": str(next(t.dtype for t in task.state_dict().values() if t.is_floating_point())).removeprefix("torch."),
         "export_format": EXPORT_FORMAT,
     }
@@ -61,6 +58,14 @@ def export_config(task: torch.nn.Module) -> dict:
         return json.loads(json.dumps(config, allow_nan=False))
     except (TypeError, ValueError) as err:
         raise ExportError(f"cannot export {type(task).__name__}: an argument is not JSON data ({err})") from None
+
+
+def init_arguments(task: torch.nn.Module) -> dict:
+    """The arguments that rebuild ``task`` as it is: its ``hparams`` that its class's ``__init__``
+    takes, :data:`MADE_FROM` reset (the rebuilt task starts from no checkpoint and distils nothing)."""
+    accepted = inspect.signature(type(task).__init__).parameters
+    init_args = {key: value for key, value in dict(task.hparams).items() if key in accepted and not key.startswith("_")}
+    return {**init_args, **{key: value for key, value in MADE_FROM.items() if key in init_args}}
 
 
 def save_pretrained(task: torch.nn.Module, folder: str | Path) -> Path:
