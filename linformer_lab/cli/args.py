@@ -184,14 +184,12 @@ def help_requested(argv: list[str]) -> bool:
 
 def with_ckpt_path(argv: list[str], path: str | None) -> list[str]:
     """``argv`` with every ``--ckpt_path last|best`` replaced by ``path`` (removed when None)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == "--ckpt_path" and i + 1 < len(argv) and argv[i + 1] in ("last", "best"):
-            out += ["--ckpt_path", path] if path else []
-            i += 1
-        elif argv[i] in ("--ckpt_path=last", "--ckpt_path=best"):
-            out += [f"--ckpt_path={path}"] if path else []
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
+    out, drop = list(argv), set()
+    for index, _, before, value in option_places(argv, ("--ckpt_path",)):
+        if value not in ("last", "best"):
+            continue
+        if path:
+            out[index] = before + path
+        else:  # ``--ckpt_path=last`` is one argument, ``--ckpt_path last`` two
+            drop |= {index} if before else {index - 1, index}
+    return [arg for i, arg in enumerate(out) if i not in drop]
