@@ -214,6 +214,17 @@ class Task(L.LightningModule):
         sums = trainer.strategy.reduce(sums, reduce_op="sum")  # every process gets both sums
         return total * (world_size / sums[1]), sums[0] / sums[1]
 
+    def summed_predict_tally(self, names: tuple[str, ...]) -> dict | None:
+        """The ``_predict_tally`` that ``predict_step`` filled (a dict of counts and examples), its
+        counts ``names`` summed over processes, or None when there is none or nothing was counted."""
+        tally = getattr(self, "_predict_tally", None)
+        if not tally:
+            return None
+        # under DDP each process predicted its share: the counts are of all of them
+        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
+        tally.update(zip(names, counts.tolist()))
+        return tally if any(tally[n] for n in names) else None
+
     def check_run(self, datamodule=None, device: torch.device | str | None = None) -> None:
         """Raise a :class:`~linformer_lab.validation.ConfigurationError` if this task cannot run with
         ``datamodule`` on ``device`` (None: not checked). The base asks every submodule that defines

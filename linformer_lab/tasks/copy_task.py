@@ -278,14 +278,8 @@ class CopyTask(Task):
         return {"tokens": tokens, "predicted": predicted, "target_mask": target_mask, "exact": exact}
 
     def on_predict_epoch_end(self) -> None:
-        tally = getattr(self, "_predict_tally", None)
-        if not tally:
-            return
-        # under DDP each process predicted its share: the counts are of all of them
-        names = ("correct", "copied", "exact", "sequences")
-        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
-        tally.update(zip(names, counts.tolist()))
-        if not tally["sequences"]:
+        tally = self.summed_predict_tally(("correct", "copied", "exact", "sequences"))
+        if tally is None:
             return
         self.print(f"copy accuracy {tally['correct'] / max(tally['copied'], 1):.4f} ({tally['correct']} of "
                    f"{tally['copied']} copied symbols, greedy from the prefix alone); "

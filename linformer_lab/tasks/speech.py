@@ -245,14 +245,8 @@ class SpeechRecognitionTask(Task):
         return {"predictions": predictions, "references": references}
 
     def on_predict_epoch_end(self) -> None:
-        tally = getattr(self, "_predict_tally", None)
-        if not tally:
-            return
-        # under DDP each process predicted its share: the counts are of all of them
-        names = ("errors", "phonemes", "utterances")
-        counts = self.trainer.strategy.reduce(torch.tensor([tally[n] for n in names], device=self.device), reduce_op="sum")
-        tally.update(zip(names, counts.tolist()))
-        if not tally["utterances"]:
+        tally = self.summed_predict_tally(("errors", "phonemes", "utterances"))
+        if tally is None:
             return
         decoder = "greedy" if self.hparams.beam_width <= 1 else f"beam search of width {self.hparams.beam_width}"
         self.print(f"phoneme error rate {tally['errors'] / max(tally['phonemes'], 1):.4f} ({tally['errors']} edits "
