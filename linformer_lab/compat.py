@@ -81,11 +81,6 @@ def _missing() -> list[tuple[str, str]]:
     return missing
 
 
-def missing_members() -> list[str]:
-    """``Owner.member (purpose)`` for every member of :data:`MEMBERS` missing."""
-    return [shown for _, shown in _missing()]
-
-
 def _instance_attributes(owner) -> set[str]:
     """The members ``owner`` sets in ``__init__``, read off a small instance."""
     import jsonargparse

@@ -157,6 +157,18 @@ class Attention(nn.Module):
             raise TypeError(f"{type(self).__name__}.{method} got a {type(state).__qualname__} state (from {made_by}?); "
                             f"it takes {self.state_description}")
 
+    def with_prefix(self, state: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV-cache forward's keys ``(B, H, T + L, D)`` and values ``(B, H, T + L, M)``: the
+        cached prefix ``state`` (T positions) followed by the new ``k (B, H, L, D)`` and
+        ``v (B, H, L, M)``, after checking that ``state`` is a KVCache of matching B, H, D, M."""
+        self.check_state_type(state, "forward")
+        if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
+                or state.values.shape[-1] != v.shape[-1]:
+            raise ValueError(f"{type(self).__name__}: state must be the KVCache of keys (B, H, T, {k.shape[-1]}) and "
+                             f"values (B, H, T, {v.shape[-1]}) with B, H = {tuple(k.shape[:2])}, as returned by "
+                             f"forward or step; got keys {tuple(state.keys.shape)}, values {tuple(state.values.shape)}")
+        return torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+
     def appended_cache(self, q_t, k_t, v_t, state: KVCache | None, key_t=None) -> KVCache:
         """A KV-cache step's new cache: ``state`` with ``(key_t, v_t)`` appended (``key_t``: ``k_t``
         unless given; lsh caches its queries), ``state`` unchanged. The inputs are checked in full

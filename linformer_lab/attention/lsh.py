@@ -67,14 +67,8 @@ class LSHAttention(Attention):
             # the prefix is one sequence of inputs for every row; padding inside it would be attended
             raise ValueError("LSHAttention: a state (return_state / state=) needs sequences of equal length "
                              "(key_lengths all equal to the sequence length)")
-        if state is not None:
-            self.check_state_type(state, "forward")
-            if state.keys.shape[:2] != q.shape[:2] or state.keys.shape[-1] != q.shape[-1]:
-                raise ValueError(f"LSHAttention: state must be the KVCache prefix (B, H, T, {q.shape[-1]}) with "
-                                 f"B, H = {tuple(q.shape[:2])}, as returned by forward or step")
-            q_all, v_all = torch.cat([state.keys, q], dim=2), torch.cat([state.values, v], dim=2)
-        else:
-            q_all, v_all = q, v
+        # the cache holds the queries: they are the keys (shared-QK)
+        q_all, v_all = (q, v) if state is None else self.with_prefix(state, q, v)
         out = lsh_attention(q_all, v_all, self.rotations, self.bucket_size, self.causal,
                             window=kernels.lsh_window)[:, :, q_all.shape[2] - q.shape[2]:]
         return (out, KVCache.from_sequence(q_all, v_all)) if return_state else out

@@ -56,12 +56,7 @@ class SoftmaxAttention(Attention):
         if state is None:
             keys, values, valid = k, v, valid_new
         else:
-            self.check_state_type(state, "forward")
-            if state.keys.shape[:2] != k.shape[:2] or state.keys.shape[-1] != k.shape[-1] \
-                    or state.values.shape[-1] != v.shape[-1]:
-                raise ValueError(f"SoftmaxAttention: state must be the KVCache of keys (B, H, T, {k.shape[-1]}) and "
-                                 f"values (B, H, T, {v.shape[-1]}) with B, H = {tuple(k.shape[:2])}")
-            keys, values = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+            keys, values = self.with_prefix(state, k, v)
             valid = state.valid
             if valid is not None or valid_new is not None:
                 prior = valid if valid is not None else torch.ones(b, state.length, dtype=torch.bool, device=q.device)

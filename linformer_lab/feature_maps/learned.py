@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from linformer_lab.feature_maps.base import FeatureMap, KernelForm
+from linformer_lab.validation import check_at_least
 
 
 def _check_num_features(num_features: int | None, query_dim: int) -> int:
-    num_features = query_dim if num_features is None else num_features
-    if not isinstance(num_features, int) or num_features < 1:
-        raise ValueError(f"num_features must be a positive int or None (= query_dim), got {num_features!r}")
-    return num_features
+    check_at_least("num_features", num_features, 1, "rows of W; None = query_dim", allow_none=True)
+    return query_dim if num_features is None else num_features
 
 
 class T2RFeatureMap(FeatureMap):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from linformer_lab.feature_maps.base import FeatureMap
+from linformer_lab.validation import check_at_least
 
 
 def draw_gaussian_projection(
@@ -40,8 +41,7 @@ class RandomFeatureMap(FeatureMap):
 
     def __init__(self, query_dim: int, num_features: int = 256, orthogonal: bool = True, seed: int = 0):
         super().__init__(query_dim)
-        if num_features < 1:
-            raise ValueError(f"num_features must be >= 1, got {num_features}")
+        check_at_least("num_features", num_features, 1, "rows of the random projection W")
         self.num_features = num_features
         self.orthogonal = orthogonal
         self._generator = torch.Generator().manual_seed(seed)

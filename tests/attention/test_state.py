@@ -276,6 +276,22 @@ def test_packed_input_errors():
         lsh(q, q, q, cu_seqlens=torch.tensor([0, 10]))
 
 
+@pytest.mark.parametrize("backend", ["softmax", "lsh"])
+def test_forward_state_of_another_shape_is_refused(backend):
+    """A KV cache whose batch, heads, key dim or value dim differ from the new positions' is a
+    one-line error naming the backend and the expected shapes, not a torch.cat failure."""
+    attn = _build(backend, None, causal=True, d=6)
+    q, k, v = _inputs(n=5, shared_qk=backend == "lsh")  # (2, 3, 5, 6), values (2, 3, 5, 5)
+    _, state = attn(q, k, v, return_state=True)
+    fewer_heads = KVCache(state.keys[:, :2], state.values[:, :2])
+    smaller_keys = KVCache(state.keys[..., :4], state.values)
+    smaller_values = KVCache(state.keys, state.values[..., :4])
+    for bad in (fewer_heads, smaller_keys, smaller_values):
+        with pytest.raises(ValueError, match=rf"^{type(attn).__name__}: state must be the KVCache of keys "
+                                             r"\(B, H, T, 6\) and values \(B, H, T, 5\) with B, H = \(2, 3\)"):
+            attn(q, k, v, state=bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # half precision
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "linformer_lab"
 
 
 def test_every_member_exists_in_the_installed_lightning_and_jsonargparse():
-    assert compat.missing_members() == []
+    assert compat._missing() == []
     compat.check()
 
 
@@ -31,8 +31,8 @@ def test_every_member_exists_in_the_installed_lightning_and_jsonargparse():
 ])
 def test_a_removed_member_is_named_and_only_it(monkeypatch, owner, member, shown):
     monkeypatch.delattr(owner, member)
-    missing = compat.missing_members()
-    assert len(missing) == 1 and missing[0].startswith(f"{shown} ("), missing
+    missing = compat._missing()
+    assert len(missing) == 1 and missing[0][0] == "lightning" and missing[0][1].startswith(f"{shown} ("), missing
     with pytest.raises(compat.CompatError, match=re.escape(shown)) as caught:
         compat.check()
     message = str(caught.value)
@@ -84,7 +84,8 @@ def test_a_jsonargparse_member_removed_from_init_is_named_as_jsonargparse_s(monk
         del self._option_string_actions
 
     monkeypatch.setattr(jsonargparse.ArgumentParser, "__init__", init_without)
-    assert [m.split(" ")[0] for m in compat.missing_members()] == ["ArgumentParser._option_string_actions"]
+    assert [(distribution, shown.split(" ")[0]) for distribution, shown in compat._missing()] == [
+        ("jsonargparse", "ArgumentParser._option_string_actions")]
     with pytest.raises(compat.CompatError) as caught:
         compat.check()
     assert str(caught.value).startswith("jsonargparse ") and "lightning " not in str(caught.value)

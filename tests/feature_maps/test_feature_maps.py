@@ -1,6 +1,7 @@
 """Feature maps: each kernel phi(q)^T phi(k) against the kernel it claims to compute."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -24,6 +25,13 @@ def test_every_feature_map_builds_with_declared_output_dim(name):
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="query_dim=6"):
         fm(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("name", ["random_fourier", "favor", "t2r", "hedgehog"])
+@pytest.mark.parametrize("num_features", [0, -3, 2.5, True, "8"])
+def test_a_bad_num_features_is_named_in_one_line(name, num_features):
+    with pytest.raises(ValueError, match=rf"^num_features must be an integer >= 1.*, got {re.escape(repr(num_features))}$"):
+        ll.build_feature_map(name, query_dim=6, num_features=num_features)
 
 
 def test_feature_map_names_include_the_builtins():
