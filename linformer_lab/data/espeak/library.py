@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import signal
-import struct
 import threading
+from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
 import numpy as np
@@ -194,60 +193,43 @@ def synthesize_in_process(
 # So a helper process initialises eSpeak and never synthesises itself; each request is served by
 # a forked child, which starts from that pristine state, pipes the samples back and exits. The
 # helper is a separate interpreter started with subprocess (multiprocessing would re-import the
-# user's __main__) that loads only this file and numpy; single-threaded, it forks safely.
-
-_FRAME_HEADER = struct.Struct("<Q")  # length prefix of each pickled message on the pipes
-
-
-def write_frame(fd: int, obj) -> None:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_FRAME_HEADER.pack(len(payload)) + payload)
-    while view:
-        view = view[os.write(fd, view) :]
+# user's __main__) that loads only this file, numpy and the standard library; single-threaded, it
+# forks safely. Messages on the pipes are multiprocessing Connection messages (pickled objects).
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
-    parts, remaining = [], n
-    while remaining:
-        chunk = os.read(fd, min(remaining, 1 << 20))
-        if not chunk:
-            return None  # EOF before a complete message
-        parts.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(parts)
-
-
-def read_frame(fd: int):
-    header = _read_exact(fd, _FRAME_HEADER.size)
-    if header is None:
+def receive(connection: Connection):
+    """The next message on ``connection``, or ``None`` once the other end has closed its side
+    (at a message boundary or half-way through one)."""
+    try:
+        return connection.recv()
+    except (EOFError, OSError):
         return None
-    payload = _read_exact(fd, _FRAME_HEADER.unpack(header)[0])
-    return None if payload is None else pickle.loads(payload)
 
 
-def _fork_synthesis_child(close_in_child: tuple[int, ...]) -> tuple[int, int, int]:
-    """Fork a child that waits for one request, answers it and exits; ``(pid, request_write_fd,
-    answer_read_fd)``. Forked *before* the request arrives, off the request's critical path."""
-    req_r, req_w = os.pipe()
-    ans_r, ans_w = os.pipe()
+def _fork_synthesis_child(close_in_child: tuple[Connection, ...]) -> tuple[int, Connection, Connection]:
+    """Fork a child that waits for one request, answers it and exits; ``(pid, requests,
+    answers)``, the parent's ends of its two pipes. Forked *before* the request arrives, off the
+    request's critical path."""
+    req_r, req_w = Pipe(duplex=False)
+    ans_r, ans_w = Pipe(duplex=False)
     pid = os.fork()
     if pid == 0:  # child: a pristine copy of the helper's library state
         try:
-            os.close(req_w)
-            os.close(ans_r)
-            for fd in close_in_child:
-                os.close(fd)  # the helper's client pipes are not the child's business
-            request = read_frame(req_r)
+            req_w.close()
+            ans_r.close()
+            for connection in close_in_child:
+                connection.close()  # the helper's client pipes are not the child's business
+            request = receive(req_r)
             if request is not None:
                 try:
                     answer = ("ok", synthesize_in_process(*request).tobytes())
                 except BaseException as exc:  # noqa: BLE001 - reported to the client
                     answer = ("error", f"{type(exc).__name__}: {exc}")
-                write_frame(ans_w, answer)
+                ans_w.send(answer)
         finally:
             os._exit(0)
-    os.close(req_r)
-    os.close(ans_w)
+    req_r.close()
+    ans_w.close()
     return pid, req_w, ans_r
 
 
@@ -256,33 +238,35 @@ def _serve(in_fd: int = 0, out_fd: int = 1) -> None:
     # Ctrl-C reaches the whole process group; the client handles it and closes the pipe, which
     # ends this loop cleanly instead of leaving a half-written answer.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    client_requests = Connection(in_fd, writable=False)
+    client_answers = Connection(out_fd, readable=False)
     lib = initialize()
     # Selecting the base language here loads its dictionary once for every child; the helper
     # stays pristine, since the history-dependent statics change only while synthesising.
     with _lock:
         _set_voice(lib, DEFAULT_LANGUAGE)
-    child = _fork_synthesis_child((in_fd, out_fd))
+    child = _fork_synthesis_child((client_requests, client_answers))
     while True:
-        request = read_frame(in_fd)
-        pid, req_w, ans_r = child
+        request = receive(client_requests)
+        pid, requests, answers = child
         if request is None:
-            os.close(req_w)  # EOF: the waiting child exits without synthesising
-            os.close(ans_r)
+            requests.close()  # EOF: the waiting child exits without synthesising
+            answers.close()
             os.waitpid(pid, 0)
             return
-        write_frame(req_w, request)
-        os.close(req_w)
-        answer = read_frame(ans_r)
-        os.close(ans_r)
+        requests.send(request)
+        requests.close()
+        answer = receive(answers)
+        answers.close()
         if answer is None:
             _, status = os.waitpid(pid, 0)
             answer = ("error", f"synthesis child died (wait status {status})")
             pid = None
-        write_frame(out_fd, answer)
+        client_answers.send(answer)
         # Reap and pre-fork the next child after answering, while the client is busy.
         if pid is not None:
             os.waitpid(pid, 0)
-        child = _fork_synthesis_child((in_fd, out_fd))
+        child = _fork_synthesis_child((client_requests, client_answers))
 
 
 def phonemize(text: str, voice: str = DEFAULT_LANGUAGE, separator: str | None = None) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import os
 
 import torch
 import torchaudio
@@ -21,31 +21,36 @@ def num_frames(num_samples: int) -> int:
     return int(num_samples) // HOP_LENGTH + 1
 
 
-class LogMelFilterbank(torch.nn.Module):
-    """40-dim log-mel filterbank energies (settings: the package docstring).
+@functools.cache
+def _mel_spectrogram() -> torchaudio.transforms.MelSpectrogram:
+    # Built once per process (the mel filter bank). It holds only CPU buffers and starts no
+    # threads, so the copy a forked DataLoader worker inherits is safe to use there.
+    return torchaudio.transforms.MelSpectrogram(
+        sample_rate=SAMPLE_RATE,
+        n_fft=N_FFT,
+        win_length=WIN_LENGTH,
+        hop_length=HOP_LENGTH,
+        f_min=0.0,
+        f_max=SAMPLE_RATE / 2,
+        n_mels=FEATURE_DIM,
+        power=2.0,
+        center=True,
+        mel_scale="htk",
+    )
 
-    Input: waveform ``(samples,)`` or ``(batch, samples)``, float in [-1, 1), 16 kHz.
-    Output: ``(frames, 40)`` or ``(batch, frames, 40)`` float32 log energies (not normalised),
-    ``frames = samples // 160 + 1``.
+
+def compute_log_mel(waveform: torch.Tensor) -> torch.Tensor:
+    """40-dim log-mel filterbank energies (settings: the package docstring), without autograd.
+
+    Args:
+        waveform: ``(samples,)`` or ``(batch, samples)``, float in [-1, 1), 16 kHz.
+
+    Returns:
+        ``(frames, 40)`` or ``(batch, frames, 40)`` float32 log energies (not normalised),
+        ``frames = samples // 160 + 1``.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE,
-            n_fft=N_FFT,
-            win_length=WIN_LENGTH,
-            hop_length=HOP_LENGTH,
-            f_min=0.0,
-            f_max=SAMPLE_RATE / 2,
-            n_mels=FEATURE_DIM,
-            power=2.0,
-            center=True,
-            mel_scale="htk",
-        )
-
-    def forward(self, waveform: torch.Tensor) -> torch.Tensor:
-        spec = self.mel(waveform.float())  # (..., 40, frames)
+    with torch.no_grad():
+        spec = _mel_spectrogram()(waveform.float())  # (..., 40, frames)
         return torch.log(spec.clamp_min(LOG_FLOOR)).transpose(-1, -2).contiguous()
 
 
@@ -54,20 +59,6 @@ def normalize_features(features: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
     mean = features.mean(dim=0, keepdim=True)
     std = features.std(dim=0, keepdim=True, unbiased=False)
     return (features - mean) / (std + eps)
-
-
-_extractors: dict[int, LogMelFilterbank] = {}
-
-
-def compute_log_mel(waveform: torch.Tensor) -> torch.Tensor:
-    """:class:`LogMelFilterbank` features ``(frames, 40)`` of ``waveform (samples,)``, without autograd."""
-    # One module per process (the mel filter bank is built once); keyed by pid so a forked
-    # DataLoader worker does not share the parent's instance in unexpected ways.
-    pid = os.getpid()
-    if pid not in _extractors:
-        _extractors[pid] = LogMelFilterbank()
-    with torch.no_grad():
-        return _extractors[pid](waveform)
 
 
 def add_noise(waveform: torch.Tensor, snr_db: float, generator: torch.Generator) -> torch.Tensor:

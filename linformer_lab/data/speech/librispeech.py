@@ -14,9 +14,9 @@ import torchaudio
 from torch.utils.data import Dataset
 
 from linformer_lab.data import espeak
+from linformer_lab.data.errors import DataNotFoundError
 from linformer_lab.data.phonemes import UnknownPhonemeError, phonemes_to_ids
 from linformer_lab.data.speech.features import SAMPLE_RATE, compute_log_mel, normalize_features, num_frames
-from linformer_lab.validation import ConfigurationError
 
 LIBRISPEECH_LAYOUT = (
     "<root>/LibriSpeech/<subset>/<speaker>/<chapter>/<speaker>-<chapter>-<utterance>.flac and "
@@ -26,9 +26,10 @@ LIBRISPEECH_LAYOUT = (
 )
 
 
-class LibriSpeechNotFoundError(FileNotFoundError, ConfigurationError):
-    """A LibriSpeech subset is missing under the given root (a :class:`ConfigurationError` too:
-    the CLI reports it as one line before training)."""
+class LibriSpeechNotFoundError(DataNotFoundError):
+    """A LibriSpeech subset is missing under the given root (a ``FileNotFoundError`` and a
+    ``ConfigurationError`` too, as every :class:`DataNotFoundError`: the CLI reports it as one
+    line before training)."""
 
 
 def check_subset(root: Path, subset: str) -> None:
