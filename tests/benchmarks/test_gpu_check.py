@@ -289,6 +289,12 @@ def test_each_ratio_comes_from_the_round_that_timed_ours_beside_the_other():
     rows[7]["fwd_bwd_ms"] = 12.0  # ours at half fla's time where timed, but only one shape of the grid was
     vs_fla = {t[0]: t for t in gpu_check_report.targets(rows)}["causal fwd+bwd, ours ÷ fla, every grid shape"]
     assert vs_fla[4] == "met where timed"
+    vs_cu = targets["causal fwd and fwd+bwd, ours ÷ the .cu numerator, every grid shape"]
+    assert vs_cu[3:] == ["max 0.50 over 1 of 7 shapes", "met where timed"]  # 1.2 / 2.4, fwd and fwd+bwd alike
+    rows[-1]["fwd_ms"] = 0.2  # the .cu's forward faster than ours (0.3 ms): not at or below it at every shape
+    targets = {t[0]: t for t in gpu_check_report.targets(rows)}
+    assert targets["causal fwd and fwd+bwd, ours ÷ the .cu numerator, every grid shape"][3:] == [
+        "max 1.50 over 1 of 7 shapes", "NOT met"]
 
 
 def test_the_targets_are_the_issues():
