@@ -25,9 +25,10 @@ what they decide: ours beside its previous revision and SDPA over the whole grid
 applied to what this run shows), the roofline shape first; ours beside fla, longest sequences
 first, at the shapes the budget still holds (fla's first call at a new shape autotunes for
 minutes without an earlier run's Triton cache); ours beside the ``.cu`` numerator, once its build
-(started by ``gpu_check.py`` beside this part) is done. ``--dry-run`` runs the same code on the
-CPU at toy sizes in fp32, with Triton's interpreter for ours (``TRITON_INTERPRET=1``, set before
-Triton is imported).
+(started by ``gpu_check.py`` beside this part) is done, shortest sequences first (where launch costs
+weigh most: the shapes that decide whether the ``.cu`` goes) and at :data:`CU_SHAPE_S` a shape.
+``--dry-run`` runs the same code on the CPU at toy sizes in fp32, with Triton's interpreter for
+ours (``TRITON_INTERPRET=1``, set before Triton is imported).
 
     PYTHONPATH=. python3 benchmarks/paper/gpu_check.py --parts kernel --out DIR [--budget-s 200]
     uv run python benchmarks/paper/gpu_check.py --parts kernel --dry-run --out DIR
@@ -58,6 +59,10 @@ FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: (compilation; the previous revision also autotunes: 13.2 s over two widths on an H200) and 7
 #: rounds of 3 calls of each method (at most ~0.2 s each at the grid's largest shapes).
 SHAPE_S = 12
+#: Seconds planned per shape of the ``.cu`` round: two methods already compiled and built, 7 rounds
+#: of 3 calls each (the ``.cu``'s fwd+bwd ~26 ms at B2 T16384 H16 D128 on an H200: ~3 s a shape at
+#: the largest), so that what fla's round leaves covers the grid.
+CU_SHAPE_S = 5
 #: The interleaved timing rounds in the order they run: the methods each times together (those
 #: found here), and its name in the report.
 ROUNDS = {"kernel": ("ours", "ours_prev", "sdpa"), "kernel_fla": ("ours", "ours_nomap", "fla"),
@@ -381,7 +386,7 @@ def measure(device: str, budget, dry_run: bool, work: Path | None = None,
         run_round("kernel_fla", found, sorted(grid, key=lambda s: -s[1]),
                   FLA_FIRST_CALL_S[gpu_check_cache.autotune_results() > 0], ("fla",))
     if "ours" in found and (numerator := cuda_numerator(device, work, budget)):
-        run_round("kernel_cu", {**found, "cuda_old": numerator}, sorted(grid, key=lambda s: -s[1]), SHAPE_S)
+        run_round("kernel_cu", {**found, "cuda_old": numerator}, sorted(grid, key=lambda s: s[1]), CU_SHAPE_S)
     top = roofline(rows, bandwidth)
     summary = [f"kernel timings at {len([r for r in rows if r['part'] == 'kernel' and r['method'] == 'sdpa'])} shapes, "
                f"methods {', '.join(found)}"]
