@@ -59,9 +59,10 @@ FLA_FIRST_CALL_S = {False: 110, True: 25}
 #: (compilation; the previous revision also autotunes: 13.2 s over two widths on an H200) and 7
 #: rounds of 3 calls of each method (at most ~0.2 s each at the grid's largest shapes).
 SHAPE_S = 12
-#: Seconds planned per shape of the ``.cu`` round: two methods already compiled and built, 7 rounds
-#: of 3 calls each (the ``.cu``'s fwd+bwd ~26 ms at B2 T16384 H16 D128 on an H200: ~3 s a shape at
-#: the largest), so that what fla's round leaves covers the grid.
+#: Seconds planned per shape of the ``.cu`` round: two methods already compiled and built, 21 calls
+#: of each pass; estimated, not measured, from the ``.cu``'s 10.5 / 26 ms fwd / fwd+bwd at B2 T16384
+#: H16 D128 on an H200 (issue 53): about 1 s there, 2 s at the grid's largest (B4 T4096 H64 D128),
+#: so that what fla's round leaves covers the grid.
 CU_SHAPE_S = 5
 #: The interleaved timing rounds in the order they run: the methods each times together (those
 #: found here), and its name in the report.
