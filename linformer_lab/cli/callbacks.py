@@ -1,37 +1,64 @@
-"""What a fit under the CLI prints when it ends or is interrupted (its checkpoint callbacks:
-:mod:`linformer_lab.tasks.checkpointing`)."""
+"""What a fit under the CLI prints when it ends, is stopped by a signal or is interrupted (its checkpoint
+callbacks: :mod:`linformer_lab.tasks.checkpointing`)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint
+from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint, StopOnSignal
 
-#: exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it
-INTERRUPTED_EXIT_CODE = 130
+#: exit codes of a fit stopped by a signal, as a shell reports one: 128 + the signal's number
+EXIT_CODES = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 
 #: the logger of Lightning's rank_zero_info
 rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 
 
-def interrupted_message(trainer: L.Trainer) -> str:
-    """One line after Ctrl-C: the step reached, the step ``last.ckpt`` holds and the updates lost."""
+def _callback(trainer: L.Trainer, cls: type):
+    return next((c for c in trainer.callbacks if isinstance(c, cls)), None)
+
+
+def stop_cause(trainer: L.Trainer, exception: BaseException | None = None) -> str:
+    """What stopped the fit: ``"Ctrl-C"`` or ``"SIGTERM"`` (a signal to another DDP process counts as SIGTERM)."""
+    if isinstance(exception, SIGTERMException):  # before training, Lightning's own handler
+        return "SIGTERM"
+    stop = _callback(trainer, StopOnSignal)
+    received = stop.received if stop is not None else None
+    return "Ctrl-C" if received in (None, "Ctrl-C") else "SIGTERM"
+
+
+def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end: bool = False) -> str:
+    """One line after a fit ``cause`` cut short (at once, or at the end of an update by
+    :class:`StopOnSignal`, which loses nothing): the step reached, the step ``last.ckpt`` holds and
+    the updates lost."""
     step = trainer.global_step
+    said = "interrupted (Ctrl-C)" if cause == "Ctrl-C" and not at_update_end else f"stopped by {cause}"
     if trainer.state.fn != "fit":
-        return f"interrupted (Ctrl-C) during {trainer.state.fn}; it writes no checkpoint, and nothing of it was saved."
-    last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+        return f"{said} during {trainer.state.fn}; it writes no checkpoint, and nothing of it was saved."
+    last = _callback(trainer, LastCheckpoint)
     saved = last.saved_step() if last is not None else None
     if saved is None:
-        return (f"interrupted (Ctrl-C) at step {step}: no checkpoint was saved, so all {step} updates are lost "
+        return (f"{said} at step {step}: no checkpoint was saved, so all {step} updates are lost "
                 f"(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps).")
     lost = step - saved
     updates = "nothing is" if lost == 0 else "the 1 update since is" if lost == 1 else f"the {lost} updates since are"
-    return (f"interrupted (Ctrl-C) at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
+    return (f"{said} at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
             f"so {updates} lost; --ckpt_path last with the same config resumes from step {saved}.")
+
+
+def signal_stop(trainer: L.Trainer) -> tuple[str, int] | None:
+    """The line and exit code of a fit :class:`StopOnSignal` ended at the end of an update, else None."""
+    stop = _callback(trainer, StopOnSignal)
+    if stop is None or stop.stopped_at is None:
+        return None
+    cause = stop_cause(trainer)
+    return interrupted_message(trainer, cause, at_update_end=True), EXIT_CODES[cause]
 
 
 def without_interrupt_notice(record) -> bool:
@@ -52,8 +79,7 @@ def init_from_error(err: Exception, init_from: str) -> str:
 def finished_fit_lines(trainer: L.Trainer) -> list[str]:
     """What a finished fit prints last: its run folder, best checkpoint, resume point and the commands
     that use them with the config saved by the run that owns the checkpoints."""
-    best = next((c for c in trainer.callbacks if isinstance(c, BestCheckpoint)), None)
-    last = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+    best, last = _callback(trainer, BestCheckpoint), _callback(trainer, LastCheckpoint)
     if trainer.log_dir is None or last is None or last.dirpath is None:  # fast_dev_run, or checkpoints of the user's
         return []
 

@@ -22,7 +22,7 @@ from linformer_lab.tasks.checkpoint_files import (
     UnreadableCheckpointError,
     check_checkpoint,
 )
-from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint
+from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint, StopOnSignal
 
 
 @dataclass
@@ -51,12 +51,14 @@ class CheckpointSetupError(Exception):
 
 
 def default_checkpoint_callbacks(settings: CheckpointSettings, model: L.LightningModule, dirpath: str | None) -> list:
-    """The best ``save_top_k`` by the task's ``monitor`` (if any), then ``last.ckpt``, which records the best."""
+    """The best ``save_top_k`` by the task's ``monitor`` (if any), then ``last.ckpt``, which records the best,
+    and the stop at the end of an update on Ctrl-C or SIGTERM, which ``last.ckpt`` holds."""
     task = task_settings(model)
     best = [BestCheckpoint(dirpath=dirpath, monitor=task.monitor, mode=task.monitor_mode, save_top_k=settings.save_top_k,
                            # the metric names hold '/', which would make sub-directories in a file name
                            filename="best-epoch={epoch}-step={step}", auto_insert_metric_name=False)]
-    return (best if task.monitor and settings.save_top_k != 0 else []) + [LastCheckpoint(dirpath, settings.every_n_train_steps)]
+    last = LastCheckpoint(dirpath, settings.every_n_train_steps)
+    return (best if task.monitor and settings.save_top_k != 0 else []) + [last, StopOnSignal()]
 
 
 def new_run_version(root: str | Path) -> int:

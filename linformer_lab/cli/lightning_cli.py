@@ -256,9 +256,10 @@ class LinformerCLI(LightningCLI):
         except SystemExit as stop:
             if self.trainer.state.status != TrainerStatus.INTERRUPTED:
                 raise
-            # Lightning ends a Ctrl-C with exit code 1: say instead what survives, with a shell's code for SIGINT
-            sys.stderr.write(f"{callbacks.interrupted_message(self.trainer)}\n")
-            raise SystemExit(callbacks.INTERRUPTED_EXIT_CODE) from stop
+            # Lightning ends a Ctrl-C with exit code 1: say instead what survives, with a shell's code for the signal
+            cause = callbacks.stop_cause(self.trainer, stop)
+            sys.stderr.write(f"{callbacks.interrupted_message(self.trainer, cause)}\n")
+            raise SystemExit(callbacks.EXIT_CODES[cause]) from stop
         except ConfigurationError:  # refused at the start of the run (Task.setup): no folder left behind
             self._discard_run_dir()
             raise
@@ -269,6 +270,12 @@ class LinformerCLI(LightningCLI):
                 self._checkpoint_lock.close()
 
     def after_fit(self) -> None:
+        stopped = callbacks.signal_stop(self.trainer)
+        if stopped is not None:  # Ctrl-C or SIGTERM, at the end of an update: nothing lost, but not finished
+            line, code = stopped
+            if self.trainer.is_global_zero:
+                sys.stderr.write(f"{line}\n")
+            raise SystemExit(code)
         # every rank reads trainer.log_dir (a broadcast under DDP: rank 0 alone would wait forever)
         lines = callbacks.finished_fit_lines(self.trainer)
         if lines and self.trainer.is_global_zero:

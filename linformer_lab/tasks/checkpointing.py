@@ -4,6 +4,7 @@ every fit: docs/cli.md, "Checkpoints")::
     trainer = L.Trainer(max_steps=2000, callbacks=[
         BestCheckpoint("runs/copy", monitor=task.monitor, mode=task.monitor_mode),  # before LastCheckpoint
         LastCheckpoint("runs/copy"),  # last.ckpt: after every validation, at max_steps, at a stop
+        StopOnSignal(),  # Ctrl-C or SIGTERM: a stop at the end of the update, written by LastCheckpoint
     ])
     trainer.fit(task, datamodule=data, ckpt_path="last")  # again later: continues where it stopped
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import signal
+import threading
 import warnings
 
 import lightning as L
@@ -26,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import linformer_lab.compat as compat
 from linformer_lab.tasks.base import epoch_ran_to_end
 
-__all__ = ["BestCheckpoint", "LastCheckpoint"]
+__all__ = ["BestCheckpoint", "LastCheckpoint", "StopOnSignal"]
 
 
 class _ResumingCheckpoint(ModelCheckpoint):
@@ -136,3 +139,63 @@ class BestCheckpoint(_ResumingCheckpoint):
     def state_key(self) -> str:
         # ModelCheckpoint's key: the record in checkpoints written before this class still loads
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
+class StopOnSignal(L.Callback):
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption, ``kill``) during training stop the fit
+    at the end of the update under way, as ``max_time`` does: :class:`LastCheckpoint` writes
+    ``last.ckpt`` there, so no update is lost and a resume continues exactly. A second Ctrl-C stops
+    at once (``KeyboardInterrupt``: what was not yet written is lost); a second SIGTERM changes
+    nothing. Where ``min_steps`` / ``min_epochs`` overrule a stop, a signal stops at once as well.
+
+    ``received`` names the signal (``"Ctrl-C"``, ``"SIGTERM"``) once one arrived, ``stopped_at`` the
+    step the fit stopped at. Under DDP a signal to any process stops all of them at the same update
+    (one boolean reduced across processes per update). The handlers are this callback's from the
+    start of training to its end, in the main thread only (elsewhere the process's handlers hold)."""
+
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+    def __init__(self):
+        self.received: str | None = None
+        self.stopped_at: int | None = None
+        self._previous: dict = {}
+        self._says = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.received = self.stopped_at = None
+        self._says = trainer.is_global_zero
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._on_signal) for signum in self.NAMES}
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = self.NAMES[signum]
+            if self._says:  # os.write: print() may be what the signal interrupted
+                os.write(2, f"\n{self.received}: stopping at the end of this update, where last.ckpt is written"
+                         f"{'; Ctrl-C again stops at once' if signum == signal.SIGINT else ''}\n".encode())
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # before LastCheckpoint's batch end (Lightning runs checkpoint callbacks last), which then saves
+        requested = self.received is not None
+        if trainer.world_size > 1:
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if not requested or self.stopped_at is not None:
+            return
+        self.received = self.received or "a signal to another process"
+        if not compat.stop_is_allowed(trainer):
+            raise KeyboardInterrupt
+        trainer.should_stop = True
+        self.stopped_at = trainer.global_step
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()

@@ -1,11 +1,13 @@
 """What a run says while it runs and when it is stopped (issue 43, item 3): the progress bar of a
-resumed run counts only this process's batches in its rate, and Ctrl-C ends with one line
-naming the step last.ckpt holds and the updates lost, exit code 130."""
+resumed run counts only this process's batches in its rate; Ctrl-C or SIGTERM stop a fit at the end
+of the update under way, where last.ckpt is written, with one line and exit code 130 / 143; a second
+Ctrl-C (or a KeyboardInterrupt raised in the code) stops at once, naming the updates lost."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -46,6 +48,22 @@ class RecordBar(L.Callback):
                                               | {"line": tqdm.format_meter(**state)}))
 
 
+class SignalAt(L.Callback):
+    """Sends this process ``signals`` (their names) at the start of update ``step`` (1-based), while
+    the fit's own handlers hold (a test failure, not a killed test process, where they do not)."""
+
+    def __init__(self, step: int, signals: list[str], handler: str = "StopOnSignal"):
+        self.step, self.signals, self.handler = step, signals, handler
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step - 1:
+            for name in self.signals:
+                handler = signal.getsignal(getattr(signal, name))
+                owner = getattr(handler, "__self__", handler)
+                assert type(owner).__name__ == self.handler, f"{name} handler: {handler}"
+                os.kill(os.getpid(), getattr(signal, name))
+
+
 def callback(cls: type, **init_args) -> str:
     return f"--trainer.callbacks+={json.dumps({'class_path': f'{__name__}.{cls.__name__}', 'init_args': init_args})}"
 
@@ -73,6 +91,45 @@ def test_ctrl_c_is_one_line_with_the_saved_step_and_exit_130(tmp_path):
     assert signal.getsignal(signal.SIGINT) == sigint  # Lightning's SIG_IGN does not outlive the run
 
 
+@pytest.mark.parametrize("name, cause, code", [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])
+def test_a_signal_stops_at_the_end_of_the_update_with_last_ckpt_written_there(tmp_path, name, cause, code):
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    code_, out, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20",
+                               callback(SignalAt, step=5, signals=[name])])
+    assert code_ == code, err
+    last = checkpoint_dir(tmp_path) / "last.ckpt"
+    assert error_lines(err) == [f"stopped by {cause} at step 5: {last} holds step 5, so nothing is lost; "
+                                f"--ckpt_path last with the same config resumes from step 5."]
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+    assert "fit finished" not in out
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20", "--checkpoint.every_n_train_steps=2",
+                            callback(SignalAt, step=6, signals=["SIGINT", "SIGINT"])])
+    assert code == 130, err
+    last = checkpoint_dir(tmp_path) / "last.ckpt"  # update 6 never ran: step 5 reached, step 4 saved
+    assert error_lines(err) == [f"interrupted (Ctrl-C) at step 5: {last} holds step 4, so the 1 update since is lost; "
+                                f"--ckpt_path last with the same config resumes from step 4."]
+
+
+def test_a_signal_stops_at_once_where_min_steps_overrule_a_stop(tmp_path):
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20", "--trainer.min_steps=10",
+                            callback(SignalAt, step=2, signals=["SIGTERM"])])
+    assert code == 143, err
+    assert error_lines(err) == ["stopped by SIGTERM at step 2: no checkpoint was saved, so all 2 updates are lost "
+                                "(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps)."]
+
+
+def test_without_checkpoints_sigterm_stops_through_lightning_and_says_so(tmp_path):
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20", "--checkpoint.enabled=false",
+                            callback(SignalAt, step=3, signals=["SIGTERM"], handler="_HandlersCompose")])
+    assert code == 143, err
+    assert error_lines(err) == ["stopped by SIGTERM at step 3: no checkpoint was saved, so all 3 updates are lost "
+                                "(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps)."]
+
+
 def _default_ctrl_c() -> None:
     """In the child before it runs: SIGINT's default action, as a terminal's foreground job has it
     (an ignored SIGINT is inherited across exec, and Python then keeps ignoring it)."""
@@ -80,8 +137,9 @@ def _default_ctrl_c() -> None:
 
 
 @pytest.mark.slow
-def test_a_real_sigint_ends_the_process_with_130_and_one_line(tmp_path):
-    # faulthandler: a run that outlives its Ctrl-C is aborted below and shows where it stood
+@pytest.mark.parametrize("name, cause, code", [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])
+def test_a_real_signal_stops_the_process_at_an_update_end_with_nothing_lost(tmp_path, name, cause, code):
+    # faulthandler: a run that outlives its signal is aborted below and shows where it stood
     proc = cli_subprocess(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=100000",
                            "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"],
                           env={"PYTHONFAULTHANDLER": "1"}, preexec_fn=_default_ctrl_c)
@@ -90,17 +148,21 @@ def test_a_real_sigint_ends_the_process_with_130_and_one_line(tmp_path):
     while not last.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, name))
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         _, err = proc.communicate()
-        pytest.fail(f"still running 60 s after its Ctrl-C; its threads when aborted:\n{err[-6000:]}")
-    assert proc.returncode == 130, err
+        pytest.fail(f"still running 60 s after its {cause}; its threads when aborted:\n{err[-6000:]}")
+    assert proc.returncode == code, err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert re.fullmatch(r"interrupted \(Ctrl-C\) at step (\d+): .*last\.ckpt holds step (\d+), so (?:nothing is|the \d+ updates? "
-                        r"since (?:is|are)) lost; --ckpt_path last with the same config resumes from step \d+\.", lines[-1]), err
+    notice = f"{cause}: stopping at the end of this update, where last.ckpt is written"
+    assert lines[-2] == notice + ("; Ctrl-C again stops at once" if name == "SIGINT" else ""), err
+    stopped = re.fullmatch(rf"stopped by {cause} at step (\d+): (.*) holds step (\d+), so nothing is lost; "
+                           r"--ckpt_path last with the same config resumes from step \d+\.", lines[-1])
+    assert stopped and stopped[1] == stopped[3] and stopped[2] == str(last), err
+    assert torch.load(last, weights_only=True)["global_step"] == int(stopped[1])
     assert "Traceback" not in err and "graceful shutdown" not in err
 
 

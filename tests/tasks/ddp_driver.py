@@ -3,7 +3,8 @@ such jobs (tests/tasks/test_ddp*.py: :func:`run_job` starts one and waits for it
 
     torchrun ... ddp_driver.py PLAN.json
 
-``PLAN.json`` holds ``{"commands": [[ARG, ...], ...]}``: every process runs the commands in order
+``PLAN.json`` holds ``{"commands": [[ARG, ...], ...]}`` (or ``{"args": [ARG, ...], "exit_code": N}``
+for a command that should end with code N): every process runs the commands in order
 through ``linformer_lab.cli.entry.main``, as ``python cli.py ARG ...`` would, the Trainer of each finding
 the job's process group (torchrun's environment) instead of starting processes of its own. One
 job then holds a whole story (fit, stop, resume, validate, test, predict) and pays the start of
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +31,17 @@ import torch
 
 TASKS = Path(__file__).resolve().parent
 REPO = TASKS.parents[1]
+
+
+class SignalRank(L.Callback):
+    """Sends process ``rank`` SIGTERM at the start of update ``step`` (1-based): a preemption of one process."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SaveWeights(L.Callback):
@@ -134,7 +147,9 @@ def slurm_env(rank: int, tasks: int, port: int) -> dict[str, str]:
 def main(plan_path: str) -> int:
     from linformer_lab.cli.entry import main as cli_main
 
-    for args in json.loads(Path(plan_path).read_text())["commands"]:
+    for command in json.loads(Path(plan_path).read_text())["commands"]:
+        # a command is its arguments, or {"args": [...], "exit_code": N} where it should end with N
+        args, expected = (command["args"], command["exit_code"]) if isinstance(command, dict) else (command, 0)
         start = time.process_time()
         try:
             code = cli_main(list(args))
@@ -143,9 +158,9 @@ def main(plan_path: str) -> int:
         # what each command costs this process, for keeping the jobs small
         root = next((a.split("=", 1)[1] for a in args if a.startswith("--trainer.default_root_dir=")), "")
         sys.stderr.write(f"ddp_driver: {time.process_time() - start:.1f} s CPU: {args[0]} {Path(root).name}\n")
-        if code:
-            sys.stderr.write(f"ddp_driver: exit code {code} from: cli.py {' '.join(args)}\n")
-            return code
+        if code != expected:
+            sys.stderr.write(f"ddp_driver: exit code {code} (expected {expected}) from: cli.py {' '.join(args)}\n")
+            return code or 1
     return 0
 
 

@@ -51,6 +51,9 @@ TWO_PROCESSES = ("--data.batch_size=2", "--data.train_batches_per_epoch=6", "--d
                  "--data.test_batches=4")
 #: the killed run: a checkpoint every 4 updates, the last of which the kill follows
 KILLED = (f"--trainer.max_steps={TOTAL_STEPS}", f"--checkpoint.every_n_train_steps={STOP_AT}")
+#: SIGTERM to the second process alone, during update STOP_AT
+PREEMPT_RANK_1 = "--trainer.callbacks+=" + json.dumps({"class_path": "ddp_driver.SignalRank",
+                                                       "init_args": {"rank": 1, "step": STOP_AT}})
 TWO_NODES = ("--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=2")
 
 
@@ -63,10 +66,11 @@ def copy_job(tmp_path_factory) -> Path:
     """Every DDP copy run of this file: ``killed`` (the documented line, killed with SIGKILL after
     4 updates), then one job on two "nodes" of one process each: ``killed`` resumed with
     ``--ckpt_path last`` to 8 updates, ``straight`` (8 updates), ``stopped`` (stopped by
-    max_steps at 4, resumed to 8, then validate ``best``, test and predict ``last``) and ``bf16``
-    (4 updates, bf16-mixed); then the context-parallel runs (:func:`context_parallel_plan`)."""
+    max_steps at 4, resumed to 8, then validate ``best``, test and predict ``last``), ``bf16``
+    (4 updates, bf16-mixed) and ``preempted`` (SIGTERM to the second process during update 4, resumed
+    to 8); then the context-parallel runs (:func:`context_parallel_plan`)."""
     out = tmp_path_factory.mktemp("copy_ddp")
-    straight, stopped, bf16, killed = out / "straight", out / "stopped", out / "bf16", out / "killed"
+    straight, stopped, bf16, killed, preempted = (out / name for name in ("straight", "stopped", "bf16", "killed", "preempted"))
     start_and_kill_9(killed, out / "killed.log")
     total = f"--trainer.max_steps={TOTAL_STEPS}"
     plan = [
@@ -79,6 +83,8 @@ def copy_job(tmp_path_factory) -> Path:
         ["predict", *copy_args(stopped, *TWO_NODES), "--ckpt_path", "last"],
         ["fit", *copy_args(bf16, f"--trainer.max_steps={STOP_AT}", "--trainer.precision=bf16-mixed",
                            save_weights(bf16 / "weights_"), *TWO_NODES)],
+        {"args": ["fit", *copy_args(preempted, total, PREEMPT_RANK_1, *TWO_NODES)], "exit_code": 143},
+        ["fit", *copy_args(preempted, total, save_weights(preempted / "weights_"), *TWO_NODES), "--ckpt_path", "last"],
         *context_parallel_plan(out),
     ]
     port = free_port()
@@ -116,6 +122,16 @@ def test_resume_after_max_steps_stop_continues_the_uninterrupted_run(copy_job):
     assert max(metrics(stopped / "version_0", "train/loss")) == STOP_AT - 1
     assert_resumed_like_straight(straight, stopped / "version_1", range(STOP_AT, TOTAL_STEPS))
     assert_same_weights(weights(stopped / "weights_rank0.pt"), weights(straight / "weights_rank0.pt"))
+
+
+def test_sigterm_to_one_process_stops_both_at_that_update_and_resumes_the_uninterrupted_run(copy_job):
+    preempted, straight = copy_job / "preempted", copy_job / "straight"
+    assert max(metrics(preempted / "version_0", "train/loss")) == STOP_AT - 1
+    assert_resumed_like_straight(straight, preempted / "version_1", range(STOP_AT, TOTAL_STEPS))
+    assert_same_weights(weights(preempted / "weights_rank0.pt"), weights(straight / "weights_rank0.pt"))
+    last = preempted / "version_0" / "checkpoints" / "last.ckpt"
+    said = f"stopped by SIGTERM at step {STOP_AT}: {last} holds step {STOP_AT}, so nothing is lost;"
+    assert said in (copy_job / "process0.log").read_text()  # rank 0, which had no signal, says it
 
 
 def test_evaluation_best_and_predictions_equal_one_process(copy_job):

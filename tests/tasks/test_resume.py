@@ -14,6 +14,7 @@ Why the weights can be identical (not just close):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -119,19 +120,25 @@ def test_sigkill_and_resume_gives_identical_weights(tmp_path, backend):
 
 class StopAtStep(Callback):
     """Stops training after update ``step`` the way Lightning's Timer (max_time) does: by setting
-    ``should_stop`` at the end of the batch, which also runs a validation there."""
+    ``should_stop`` at the end of the batch, which also runs a validation there; or by sending this
+    process ``signal`` (its name) during the update, for the CLI's StopOnSignal to stop there."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, signal: str | None = None):
+        self.step, self.signal = step, signal
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.signal and trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), getattr(signal, self.signal))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
+        if not self.signal and trainer.global_step == self.step:
             trainer.should_stop = True
 
 
-def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
-    """A run stopped between validations (max_time, a callback setting should_stop) writes
-    last.ckpt at the stop's batch and again after the validation the stop runs, which it records.
+@pytest.mark.parametrize("how, exit_code", [(None, 0), ("SIGTERM", 143), ("SIGINT", 130)])
+def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path, how, exit_code):
+    """A run stopped between validations (max_time, a callback setting should_stop, Ctrl-C or SIGTERM)
+    writes last.ckpt at the stop's batch and again after the validation the stop runs, which it records.
     Resumed, every update logs under its own step with the uninterrupted run's loss there; with
     Lightning 2.6 alone the rest of the epoch was skipped (validation at epoch ends here)."""
     stop_at = 5  # epochs of 3 batches, validation at each epoch end: step 5 is mid-epoch
@@ -139,9 +146,9 @@ def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path):
     straight = tmp_path / "straight"
     assert run_cli(["fit", *tiny_copy_args(straight, "linear", *common)])[0] == 0
     stopped = tmp_path / "stopped"
-    stop = f'[{{"class_path": "test_resume.StopAtStep", "init_args": {{"step": {stop_at}}}}}]'
+    stop = json.dumps([{"class_path": "test_resume.StopAtStep", "init_args": {"step": stop_at, "signal": how}}])
     code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, f"--trainer.callbacks={stop}")])
-    assert code == 0, err
+    assert code == exit_code, err
     ckpt = torch.load(checkpoint_dir(stopped) / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == stop_at
     assert any(r["step"] == stop_at - 1 and "val/loss" in r for r in read_metrics(stopped / "version_0"))
