@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from linformer_lab.data.sampling import EpochSampler, SplitLoaders, process_share
+from linformer_lab.data.sampling import EpochSampler, SplitLoaders, process_share, worker_options
 from linformer_lab.validation import check_at_least
 
 PAD = 0
@@ -162,5 +162,5 @@ class CopyDataModule(SplitLoaders, L.LightningDataModule):
                              "test": (TEST, self.test_batches)}[split]
         sampler = BatchKeySampler(batches, split_id, *process_share(self))
         # batch_size=None: the dataset already returns whole batches, the loader only fetches them.
-        return cls(self.dataset, sampler=sampler, batch_size=None, num_workers=self.num_workers,
-                   persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available())
+        return cls(self.dataset, sampler=sampler, batch_size=None, pin_memory=torch.cuda.is_available(),
+                   **worker_options(self.num_workers))

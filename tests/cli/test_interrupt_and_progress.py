@@ -21,6 +21,8 @@ from conftest import checkpoint_dir, cli_subprocess, run_cli, tiny_copy_args
 from test_cli_startup import error_lines
 from tqdm import tqdm
 
+from linformer_lab.tasks.checkpointing import StopOnSignal
+
 
 class InterruptAt(L.Callback):
     """Raises KeyboardInterrupt (what Ctrl-C raises) at the end of update ``step``."""
@@ -122,6 +124,19 @@ def test_a_signal_stops_at_once_where_min_steps_overrule_a_stop(tmp_path):
                                 "(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps)."]
 
 
+def test_a_forked_process_leaves_the_signal_to_the_one_that_set_the_handler():
+    """A DataLoader worker forked during the fit inherits StopOnSignal's handler (a terminal's Ctrl-C
+    reaches it too): there the handler does nothing, where the default would end the worker."""
+    stop = StopOnSignal()
+    stop._owner, stop._training = os.getpid() + 1, True
+    stop._on_signal(signal.SIGINT, None)
+    stop._on_signal(signal.SIGTERM, None)
+    assert stop.received is None
+    stop._owner = os.getpid()
+    stop._on_signal(signal.SIGTERM, None)
+    assert stop.received == "SIGTERM"
+
+
 def test_without_checkpoints_sigterm_stops_through_lightning_and_says_so(tmp_path):
     code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=20", "--checkpoint.enabled=false",
                             callback(SignalAt, step=3, signals=["SIGTERM"], handler="_HandlersCompose")])
@@ -139,16 +154,20 @@ def _default_ctrl_c() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, cause, code", [("SIGINT", "Ctrl-C", 130), ("SIGTERM", "SIGTERM", 143)])
 def test_a_real_signal_stops_the_process_at_an_update_end_with_nothing_lost(tmp_path, name, cause, code):
+    """The signal goes to the whole process group, as a terminal's Ctrl-C or a scheduler's SIGTERM
+    does: the DataLoader workers (the validation's, started before training, and the training's)
+    get it too, and must not take the run down with them."""
     # faulthandler: a run that outlives its signal is aborted below and shows where it stood
     proc = cli_subprocess(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=100000",
-                           "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000"],
-                          env={"PYTHONFAULTHANDLER": "1"}, preexec_fn=_default_ctrl_c)
+                           "--checkpoint.every_n_train_steps=1", "--data.train_batches_per_epoch=100000",
+                           "--data.num_workers=1", "--trainer.num_sanity_val_steps=1"],
+                          env={"PYTHONFAULTHANDLER": "1"}, preexec_fn=_default_ctrl_c, start_new_session=True)
     last = checkpoint_dir(tmp_path) / "last.ckpt"
     deadline = time.monotonic() + 120
     while not last.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(0.5)
-    proc.send_signal(getattr(signal, name))
+    os.killpg(proc.pid, getattr(signal, name))
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

@@ -9,7 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from linformer_lab.data.phonemes import NUM_PHONEMES
-from linformer_lab.data.sampling import SplitLoaders, process_share
+from linformer_lab.data.sampling import SplitLoaders, process_share, worker_options
 from linformer_lab.data.speech.batching import ItemLists, LengthBucketBatchSampler, collate_speech
 from linformer_lab.data.speech.features import FEATURE_DIM
 from linformer_lab.data.speech.librispeech import LibriSpeechCorpus, check_subset
@@ -125,7 +125,6 @@ class SpeechDataModule(SplitLoaders, L.LightningDataModule):
             sampler=sampler,
             batch_size=None,
             collate_fn=collate_speech,
-            num_workers=hp.num_workers,
             pin_memory=hp.pin_memory,
-            persistent_workers=hp.num_workers > 0,
+            **worker_options(hp.num_workers),
         )
