@@ -148,6 +148,7 @@ class StopOnSignal(L.Callback):
     at once (``KeyboardInterrupt``: what was not yet written is lost); a second SIGTERM changes
     nothing. Where ``min_steps`` / ``min_epochs`` overrule a stop, a signal stops at once as well.
 
+    With ``accumulate_grad_batches`` the stop waits for the update's last batch.
     ``received`` names the signal (``"Ctrl-C"``, ``"SIGTERM"``) once one arrived, ``stopped_at`` the
     step the fit stopped at. Under DDP a signal to any process stops all of them at the same update
     (one boolean reduced across processes per update). The handlers are set in the main thread
@@ -190,7 +191,11 @@ class StopOnSignal(L.Callback):
                          f"{'; Ctrl-C again stops at once' if signum == signal.SIGINT else ''}\n".encode())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # before LastCheckpoint's batch end (Lightning runs checkpoint callbacks last), which then saves
+        # before LastCheckpoint's batch end (Lightning runs checkpoint callbacks last), which then saves;
+        # at an optimizer step only: a checkpoint does not hold the gradients accumulated so far
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.current.ready % trainer.accumulate_grad_batches and not progress.is_last_batch:
+            return
         requested = self.received is not None
         if trainer.world_size > 1:
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)

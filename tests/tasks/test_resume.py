@@ -160,6 +160,36 @@ def test_run_stopped_off_the_validation_grid_resumes_at_its_own_step(tmp_path, h
     assert_resumed_like_straight(straight, stopped / "version_1", range(stop_at, TOTAL_STEPS))
 
 
+def test_a_signal_during_gradient_accumulation_stops_at_the_optimizer_step(tmp_path):
+    """With two batches an update, SIGTERM during batch 3 (the first half of update 2) stops after
+    batch 4, at update 2: a checkpoint holds no accumulated gradients. Resumed, the run ends with
+    the uninterrupted run's weights."""
+    common = ["--trainer.max_steps=4", "--trainer.accumulate_grad_batches=2", "--data.train_batches_per_epoch=4"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_cli(["fit", *tiny_copy_args(straight, "linear", *common)])[0] == 0
+    stop = json.dumps([{"class_path": "test_resume.SignalAtBatch", "init_args": {"batch": 3}}])
+    code, _, err = run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, f"--trainer.callbacks={stop}")])
+    assert code == 143, err
+    assert torch.load(checkpoint_dir(stopped) / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert run_cli(["fit", *tiny_copy_args(stopped, "linear", *common, "--ckpt_path", "last")])[0] == 0
+    final, want = (torch.load(checkpoint_dir(root) / "last.ckpt", weights_only=True)["state_dict"]
+                   for root in (stopped, straight))
+    for name in want:
+        assert torch.allclose(final[name], want[name], atol=1e-6, rtol=0), name
+
+
+class SignalAtBatch(Callback):
+    """Sends this process SIGTERM at the start of training batch ``batch`` (1-based, counted over the run)."""
+
+    def __init__(self, batch: int):
+        self.batch, self.seen = batch, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen += 1
+        if self.seen == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 @pytest.mark.slow
 def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
     """`--trainer.max_time` (docs/cli.md): the run stops wherever its clock runs out; resumed to a few
