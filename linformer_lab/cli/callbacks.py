@@ -26,7 +26,7 @@ def _callback(trainer: L.Trainer, cls: type):
 
 def stop_cause(trainer: L.Trainer, exception: BaseException | None = None) -> str:
     """What stopped the fit: ``"Ctrl-C"`` or ``"SIGTERM"`` (a signal to another DDP process counts as SIGTERM)."""
-    if isinstance(exception, SIGTERMException):  # before training, Lightning's own handler
+    if isinstance(exception, SIGTERMException):  # Lightning's own handler: before training, or without StopOnSignal
         return "SIGTERM"
     stop = _callback(trainer, StopOnSignal)
     received = stop.received if stop is not None else None
