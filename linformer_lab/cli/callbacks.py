@@ -3,9 +3,11 @@ callbacks: :mod:`linformer_lab.tasks.checkpointing`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -40,7 +42,7 @@ def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end
     step = trainer.global_step
     said = "interrupted (Ctrl-C)" if cause == "Ctrl-C" and not at_update_end else f"stopped by {cause}"
     if trainer.state.fn != "fit":
-        return f"{said} during {trainer.state.fn}; it writes no checkpoint, and nothing of it was saved."
+        return f"{said} during {trainer.state.fn.value}; it writes no checkpoint, and nothing of it was saved."
     last = _callback(trainer, LastCheckpoint)
     saved = last.saved_step() if last is not None else None
     if saved is None:
@@ -59,6 +61,21 @@ def signal_stop(trainer: L.Trainer) -> tuple[str, int] | None:
         return None
     cause = stop_cause(trainer)
     return interrupted_message(trainer, cause, at_update_end=True), EXIT_CODES[cause]
+
+
+@contextlib.contextmanager
+def sigterm_stops_prediction():
+    """SIGTERM ends ``trainer.predict`` where it arrives, as it ends validation and testing: Lightning's
+    prediction loop only records it and runs on to the end."""
+    def stop(signum, frame):
+        raise SIGTERMException
+
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def without_interrupt_notice(record) -> bool:

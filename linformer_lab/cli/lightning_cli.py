@@ -289,7 +289,9 @@ class LinformerCLI(LightningCLI):
             self._stop(f"{type(datamodule).__name__} has no predict split (predict_dataloader), nor has "
                        f"{type(model).__name__}; give the data module one (linformer_lab.data.sampling."
                        f"PredictsOnTestSplit predicts on the test split)")
-        predictions = self.trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=True, **kwargs)
+        with callbacks.sigterm_stops_prediction():
+            predictions = self.trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=True,
+                                               **kwargs)
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
         name = "predictions.pt" if self.trainer.world_size == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
         log_dir.mkdir(parents=True, exist_ok=True)

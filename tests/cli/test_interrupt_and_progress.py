@@ -66,6 +66,19 @@ class SignalAt(L.Callback):
                 os.kill(os.getpid(), getattr(signal, name))
 
 
+class SignalAtEvaluation(L.Callback):
+    """Sends this process ``signal`` (its name) at the first batch of validate, test or predict."""
+
+    def __init__(self, signal: str):
+        self.signal = signal
+
+    def _send(self, *args) -> None:
+        if args[-1] == 0 or args[-2] == 0:  # batch_idx, with or without dataloader_idx after it
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _send
+
+
 def callback(cls: type, **init_args) -> str:
     return f"--trainer.callbacks+={json.dumps({'class_path': f'{__name__}.{cls.__name__}', 'init_args': init_args})}"
 
@@ -122,6 +135,17 @@ def test_a_signal_stops_at_once_where_min_steps_overrule_a_stop(tmp_path):
     assert code == 143, err
     assert error_lines(err) == ["stopped by SIGTERM at step 2: no checkpoint was saved, so all 2 updates are lost "
                                 "(last.ckpt is written at every validation, and every --checkpoint.every_n_train_steps)."]
+
+
+@pytest.mark.parametrize("command", ["validate", "test", "predict"])
+@pytest.mark.parametrize("name, said, code", [("SIGINT", "interrupted (Ctrl-C)", 130), ("SIGTERM", "stopped by SIGTERM", 143)])
+def test_a_signal_ends_an_evaluation_at_once_with_one_line(tmp_path, command, name, said, code):
+    # Lightning's prediction loop alone ignores SIGTERM, and runs to its end
+    code_, out, err = run_cli([command, *tiny_copy_args(tmp_path, "linear", "--data.val_batches=5", "--data.test_batches=5"),
+                               callback(SignalAtEvaluation, signal=name)])
+    assert code_ == code, err
+    assert error_lines(err) == [f"{said} during {command}; it writes no checkpoint, and nothing of it was saved."]
+    assert "saved" not in out
 
 
 def test_a_forked_process_leaves_the_signal_to_the_one_that_set_the_handler():
