@@ -35,6 +35,7 @@ from linformer_lab.registry import ATTENTION, FEATURE_MAPS, PluginError
 from linformer_lab.tasks.base import Task
 from linformer_lab.tasks.callbacks import RunTimeEstimate, StepsProgressBar
 from linformer_lab.tasks.checkpoint_files import CheckpointMismatchError, read_checkpoint
+from linformer_lab.tasks.checkpointing import DivergedError
 from linformer_lab.validation import ConfigurationError
 
 #: Data-module attributes linked to the model argument of the same name (jsonargparse skips a link
@@ -263,6 +264,10 @@ class LinformerCLI(LightningCLI):
         except ConfigurationError:  # refused at the start of the run (Task.setup): no folder left behind
             self._discard_run_dir()
             raise
+        except DivergedError as err:  # the run's folder stays: its last.ckpt holds the last finite weights
+            if self.trainer.is_global_zero:
+                sys.stderr.write(f"error: {err}\n")
+            raise SystemExit(1) from err
         finally:  # the checkpoint directory is free for the next run (also one in this process)
             signal.signal(signal.SIGINT, sigint)
             callbacks.rank_zero_log.removeFilter(callbacks.without_interrupt_notice)
