@@ -21,6 +21,7 @@ from linformer_lab.tasks.checkpoint_files import (
     CheckpointNotFoundError,
     UnreadableCheckpointError,
     check_checkpoint,
+    check_resumable,
 )
 from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint, StopOnSignal
 
@@ -110,7 +111,9 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
     if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
     if ckpt_path not in ("last", "best"):
-        check_checkpoint(str(ckpt_path), model)
+        ckpt = check_checkpoint(str(ckpt_path), model)
+        if fitting:
+            check_resumable(str(ckpt_path), model, ckpt)
         return str(ckpt_path)
     where, candidates, mismatches = dirpath or root, last_checkpoints(root, dirpath), []
     if not candidates and (ckpt_path == "best" or not fitting):
@@ -125,6 +128,8 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
             mismatches.append(str(err))
             continue
         if ckpt_path == "last":
+            if fitting:
+                check_resumable(str(last), model, ckpt)
             return str(last)
         recorded = _best_from_last(ckpt)
         if recorded is None:
@@ -137,7 +142,9 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
             raise CheckpointNotFoundError(
                 f"--ckpt_path best: {last} records {recorded} as the best checkpoint, but that file is gone and "
                 f"{last.parent} has none of its name. Pass a file, or use --ckpt_path last.")
-        check_checkpoint(str(best), model)
+        best_ckpt = check_checkpoint(str(best), model)
+        if fitting:
+            check_resumable(str(best), model, best_ckpt)
         return str(best)
     if not candidates:
         return None

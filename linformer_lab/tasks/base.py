@@ -34,6 +34,9 @@ class Task(L.LightningModule):
     * ``hparams_free_to_change``: hyper-parameters that may differ between a checkpoint and the
       configuration that loads it (optimisation and decoding settings); every other one must
       match, or the CLI refuses the checkpoint with the differences named.
+    * ``hparams_of_the_optimizer``: those of them that a fit resumed from a checkpoint takes from
+      the optimizer and learning-rate schedule it restores: there the configuration must match
+      too (it would be ignored), and ``--model.init_from`` starts a new run that uses them.
 
     ``epoch_metrics``: ``(logged name, attribute)`` pairs of epoch-level training metrics, each a
     torchmetrics ``Metric`` that ``training_step`` updates and does not log. The base logs each
@@ -53,6 +56,7 @@ class Task(L.LightningModule):
     monitor: str | None = None
     monitor_mode: str = "min"
     hparams_free_to_change: tuple[str, ...] = ()
+    hparams_of_the_optimizer: tuple[str, ...] = ()
     epoch_metrics: tuple[tuple[str, str], ...] = ()
 
     #: True while the running epoch's metric sums miss batches run before a resume
@@ -313,10 +317,11 @@ class TaskSettings(NamedTuple):
     monitor: str | None
     monitor_mode: str
     hparams_free_to_change: tuple[str, ...]
+    hparams_of_the_optimizer: tuple[str, ...]
 
 
 def task_settings(model: L.LightningModule) -> TaskSettings:
     """The :class:`TaskSettings` of any LightningModule: a :class:`Task`'s declared values, or the
     defaults above for other modules."""
     cls = model if isinstance(model, Task) else Task
-    return TaskSettings(cls.monitor, cls.monitor_mode, tuple(cls.hparams_free_to_change))
+    return TaskSettings(cls.monitor, cls.monitor_mode, tuple(cls.hparams_free_to_change), tuple(cls.hparams_of_the_optimizer))

@@ -34,6 +34,7 @@ class CheckpointNotFoundError(CheckpointMismatchError): ...  # no such file, or 
 class UnreadableCheckpointError(CheckpointMismatchError): ...  # a directory, truncated, corrupt
 class UnsafeCheckpointError(UnreadableCheckpointError): ...  # holds pickled objects: loading would run code
 class OptimizerStateMismatchError(CheckpointMismatchError): ...  # saved for parameters in another order
+class OptimizerSettingsMismatchError(CheckpointMismatchError): ...  # a resumed fit would ignore configured settings
 class OtherTaskCheckpointError(CheckpointMismatchError): ...
 class OtherAttentionCheckpointError(CheckpointMismatchError): ...
 class OtherShapeCheckpointError(CheckpointMismatchError): ...  # architecture or weight shapes differ
@@ -124,6 +125,19 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
                 f"{parameters[index][0]}: state {tuple(saved.shape)}, parameter {tuple(parameters[index][1].shape)}), so it "
                 f"cannot resume; start a new run from its weights with --model.init_from {path}.")
     return ckpt
+
+
+def check_resumable(path: str, model: L.LightningModule, ckpt: dict) -> None:
+    """For a fit resumed from ``ckpt``: the optimizer and learning-rate schedule it restores set the
+    task's ``hparams_of_the_optimizer``, so an :class:`OptimizerSettingsMismatchError` where the
+    configuration holds others (they would be ignored without a word)."""
+    keys = task_settings(model).hparams_of_the_optimizer
+    differ = differing_hparams(ckpt.get("hyper_parameters") or {}, {k: v for k, v in model.hparams.items() if k in keys}, ())
+    if differ:
+        raise OptimizerSettingsMismatchError(
+            f"checkpoint {path}: a fit resumed from it continues its optimizer and learning-rate schedule, which set "
+            f"{'; '.join(differ.values())}, so the configuration's would be ignored. Resume with the checkpoint's values "
+            f"(its run's saved config), or start a new run from its weights with these: --model.init_from {path}.")
 
 
 def checkpoint_task(ckpt: dict, path: Path):

@@ -74,12 +74,12 @@ class LastCheckpoint(_ResumingCheckpoint):
         sums = [p.detach().sum(dtype=torch.float32) for p in trainer.lightning_module.parameters()]
         if sums and not torch.stack(sums).sum().isfinite():
             kept, path = self.saved_step(), os.path.join(self.dirpath, "last.ckpt")
+            remedy = "a smaller learning rate (--model.lr) or gradient clipping (--trainer.gradient_clip_val)"
             raise DivergedError(
                 f"training diverged: the weights hold NaN or inf at step {trainer.global_step}, so last.ckpt was not "
-                + (f"written; {path} keeps step {kept}, the last finite weights: resume from it (--ckpt_path last) "
-                   f"with a smaller learning rate (--model.lr) or gradient clipping (--trainer.gradient_clip_val)"
-                   if kept is not None else "written, nor any before it: start again with a smaller learning rate "
-                   "(--model.lr) or gradient clipping (--trainer.gradient_clip_val)"))
+                + (f"written; {path} keeps step {kept}, the last finite weights: start a new run from them with "
+                   f"--model.init_from {path} and {remedy}" if kept is not None
+                   else f"written, nor any before it: start again with {remedy}"))
         self.last_model_path = os.path.join(self.dirpath, "last.ckpt")  # set first: it is part of the state saved
         trainer.save_checkpoint(self.last_model_path, self.save_weights_only)
         self._saved_at = trainer.global_step

@@ -88,6 +88,7 @@ class CopyTask(Task):
     hparams_free_to_change = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "dropout", "segment_length",
                               "detach_state", "init_from", "distill_steps", "distill_lr",
                               "decoupled_weight_decay", "clip_per_parameter", "score_separator", "context_parallel")
+    hparams_of_the_optimizer = ("lr", "lr_decay_steps", "lr_decay_factor", "weight_decay", "decoupled_weight_decay")
 
     def __init__(
         self,

@@ -99,6 +99,7 @@ class ImageGenerationTask(GraphedTraining, ImagePrediction, Task):
                               "step_weights", "predict_num_samples", "predict_batch_size", "output_dir", "png_scale",
                               "segment_length", "detach_state", "compile", "cuda_graph", "decoder",
                               "init_from", "distill_steps", "distill_lr", "context_parallel")
+    hparams_of_the_optimizer = ("lr", "weight_decay")  # the schedule's shape comes from the configuration
 
     def __init__(
         self,

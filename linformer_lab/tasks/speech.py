@@ -79,6 +79,7 @@ class SpeechRecognitionTask(Task):
         "optimizer", "lr", "weight_decay", "lr_factor", "lr_patience", "min_lr", "dropout", "beam_width",
         "lstm_packed", "warmup_steps", "packed",
     )
+    hparams_of_the_optimizer = ("lr", "weight_decay", "lr_factor", "lr_patience", "min_lr")
 
     def __init__(
         self,

@@ -423,7 +423,8 @@ def test_task_settings_come_from_the_declared_base():
     settings = task_settings(task)
     assert (settings.monitor, settings.monitor_mode) == ("val/loss", "min")
     assert settings.hparams_free_to_change == tuple(CopyTask.hparams_free_to_change) and "lr" in settings.hparams_free_to_change
-    assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, ())
+    assert set(settings.hparams_of_the_optimizer) <= set(settings.hparams_free_to_change)
+    assert task_settings(L.LightningModule()) == (Task.monitor, Task.monitor_mode, (), ())
     assert task.hparams["attention"] == {"backend": "linear", "feature_map": None, "feature_map_kwargs": {}, "kwargs": {}}
 
 

@@ -218,7 +218,8 @@ def test_a_diverged_run_ends_with_one_line_and_keeps_its_last_finite_checkpoint(
     if kept is None:
         assert not last.exists() and "start again with a smaller learning rate" in lines[0]
         return
-    assert f"{last} keeps step {kept}, the last finite weights: resume from it (--ckpt_path last)" in lines[0]
+    assert f"{last} keeps step {kept}, the last finite weights: start a new run from them with --model.init_from {last}" \
+        in lines[0]
     saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == kept and all(t.isfinite().all() for t in saved["state_dict"].values())
 

@@ -221,11 +221,36 @@ def test_fit_from_a_best_checkpoint_is_a_new_run(tmp_path):
     assert code == 0, err
     original = snapshot(checkpoint_dir(tmp_path))
     (best,) = checkpoint_dir(tmp_path).glob("best-*.ckpt")
-    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=6", "--model.lr=0.5",
-                            "--ckpt_path", str(best)])
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=6", "--ckpt_path", str(best)])
     assert code == 0, err
     assert snapshot(checkpoint_dir(tmp_path)) == original
     assert (checkpoint_dir(tmp_path, 1) / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("setting", ["--model.lr=0.5", "--model.lr_decay_steps=2", "--model.weight_decay=0.1"])
+def test_a_resumed_fit_refuses_optimizer_settings_it_would_ignore(tmp_path, setting):
+    """A fit resumed from a checkpoint restores its optimizer and schedule, which hold the learning rate
+    and decay: a configuration that differs there is refused (Lightning alone trains on with the
+    checkpoint's values, without a word); --model.init_from starts a new run with the new ones, and an
+    evaluation takes the checkpoint with any."""
+    assert run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=3"])[0] == 0
+    last = checkpoint_dir(tmp_path) / "last.ckpt"
+    key, value = setting[len("--model."):].split("=")
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path), "--trainer.max_steps=6", setting, "--ckpt_path", "last"])
+    assert code == 2, err
+    saved = torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"][key]
+    assert err.splitlines()[0] == (
+        f"error: checkpoint {last}: a fit resumed from it continues its optimizer and learning-rate schedule, which "
+        f"set {key}: checkpoint {saved!r}, configuration {type(saved)(value)!r}, "
+        f"so the configuration's would be ignored. Resume with the checkpoint's values (its run's saved config), "
+        f"or start a new run from its weights with these: --model.init_from {last}.")
+    assert run_cli(["validate", *tiny_copy_args(tmp_path), setting, "--ckpt_path", "last"])[0] == 0
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path / "new"), "--trainer.max_steps=2", setting,
+                            f"--model.init_from={last}"])
+    assert code == 0, err
+    if key in ("lr", "weight_decay"):
+        groups = torch.load(checkpoint_dir(tmp_path / "new") / "last.ckpt", weights_only=True)["optimizer_states"][0]
+        assert groups["param_groups"][0][key] == float(value)
 
 
 def test_unreadable_newest_last_checkpoint_stops_instead_of_falling_back(tmp_path):
