@@ -3,20 +3,15 @@ callbacks: :mod:`linformer_lab.tasks.checkpointing`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import threading
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint, StopOnSignal
-
-#: exit codes of a fit stopped by a signal, as a shell reports one: 128 + the signal's number
-EXIT_CODES = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 
 #: the logger of Lightning's rank_zero_info
 rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -26,13 +21,16 @@ def _callback(trainer: L.Trainer, cls: type):
     return next((c for c in trainer.callbacks if isinstance(c, cls)), None)
 
 
-def stop_cause(trainer: L.Trainer, exception: BaseException | None = None) -> str:
-    """What stopped the fit: ``"Ctrl-C"`` or ``"SIGTERM"`` (a signal to another DDP process counts as SIGTERM)."""
-    if isinstance(exception, SIGTERMException):  # Lightning's own handler: before training, or without StopOnSignal
-        return "SIGTERM"
+def stop_line(trainer: L.Trainer, exception: BaseException | None = None) -> tuple[str, int] | None:
+    """The line and exit code (128 + the signal's number, as a shell reports it) of a run that ``exception``
+    ended at once (Ctrl-C, or SIGTERM through Lightning's own handler), or without one, that
+    :class:`StopOnSignal` stopped at the end of an update (None where it did not)."""
     stop = _callback(trainer, StopOnSignal)
-    received = stop.received if stop is not None else None
-    return "Ctrl-C" if received in (None, "Ctrl-C") else "SIGTERM"
+    if exception is None and (stop is None or stop.stopped_at is None):
+        return None
+    sigterm = isinstance(exception, SIGTERMException) or (stop is not None and stop.received not in (None, "Ctrl-C"))
+    cause = "SIGTERM" if sigterm else "Ctrl-C"
+    return interrupted_message(trainer, cause, exception is None), 128 + (signal.SIGTERM if sigterm else signal.SIGINT)
 
 
 def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end: bool = False) -> str:
@@ -52,30 +50,6 @@ def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end
     updates = "nothing is" if lost == 0 else "the 1 update since is" if lost == 1 else f"the {lost} updates since are"
     return (f"{said} at step {step}: {os.path.join(last.dirpath, 'last.ckpt')} holds step {saved}, "
             f"so {updates} lost; --ckpt_path last with the same config resumes from step {saved}.")
-
-
-def signal_stop(trainer: L.Trainer) -> tuple[str, int] | None:
-    """The line and exit code of a fit :class:`StopOnSignal` ended at the end of an update, else None."""
-    stop = _callback(trainer, StopOnSignal)
-    if stop is None or stop.stopped_at is None:
-        return None
-    cause = stop_cause(trainer)
-    return interrupted_message(trainer, cause, at_update_end=True), EXIT_CODES[cause]
-
-
-@contextlib.contextmanager
-def sigterm_stops_prediction():
-    """SIGTERM ends ``trainer.predict`` where it arrives, as it ends validation and testing: Lightning's
-    prediction loop only records it and runs on to the end."""
-    def stop(signum, frame):
-        raise SIGTERMException
-
-    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def without_interrupt_notice(record) -> bool:

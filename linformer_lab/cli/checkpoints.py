@@ -19,9 +19,9 @@ from linformer_lab.tasks.base import task_settings
 from linformer_lab.tasks.checkpoint_files import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    OptimizerSettingsMismatchError,
     UnreadableCheckpointError,
     check_checkpoint,
-    check_resumable,
 )
 from linformer_lab.tasks.checkpointing import BestCheckpoint, LastCheckpoint, StopOnSignal
 
@@ -111,9 +111,7 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
     if ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
     if ckpt_path not in ("last", "best"):
-        ckpt = check_checkpoint(str(ckpt_path), model)
-        if fitting:
-            check_resumable(str(ckpt_path), model, ckpt)
+        check_checkpoint(str(ckpt_path), model, resuming=fitting)
         return str(ckpt_path)
     where, candidates, mismatches = dirpath or root, last_checkpoints(root, dirpath), []
     if not candidates and (ckpt_path == "best" or not fitting):
@@ -121,15 +119,13 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
                                       f"or pass a file.")
     for last in candidates:
         try:
-            ckpt = check_checkpoint(str(last), model)
-        except (UnreadableCheckpointError, CheckpointNotFoundError):
-            raise
+            ckpt = check_checkpoint(str(last), model, resuming=fitting and ckpt_path == "last")
+        except (UnreadableCheckpointError, CheckpointNotFoundError, OptimizerSettingsMismatchError):
+            raise  # the newest run of this model: not one to look past
         except CheckpointMismatchError as err:  # another model's run: look further back
             mismatches.append(str(err))
             continue
         if ckpt_path == "last":
-            if fitting:
-                check_resumable(str(last), model, ckpt)
             return str(last)
         recorded = _best_from_last(ckpt)
         if recorded is None:
@@ -142,9 +138,7 @@ def resolve_checkpoint_path(ckpt_path: str, model: L.LightningModule, root: str 
             raise CheckpointNotFoundError(
                 f"--ckpt_path best: {last} records {recorded} as the best checkpoint, but that file is gone and "
                 f"{last.parent} has none of its name. Pass a file, or use --ckpt_path last.")
-        best_ckpt = check_checkpoint(str(best), model)
-        if fitting:
-            check_resumable(str(best), model, best_ckpt)
+        check_checkpoint(str(best), model, resuming=fitting)
         return str(best)
     if not candidates:
         return None

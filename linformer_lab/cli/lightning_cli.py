@@ -23,6 +23,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -258,9 +259,9 @@ class LinformerCLI(LightningCLI):
             if self.trainer.state.status != TrainerStatus.INTERRUPTED:
                 raise
             # Lightning ends a Ctrl-C with exit code 1: say instead what survives, with a shell's code for the signal
-            cause = callbacks.stop_cause(self.trainer, stop)
-            sys.stderr.write(f"{callbacks.interrupted_message(self.trainer, cause)}\n")
-            raise SystemExit(callbacks.EXIT_CODES[cause]) from stop
+            line, code = callbacks.stop_line(self.trainer, stop)
+            sys.stderr.write(f"{line}\n")
+            raise SystemExit(code) from stop
         except ConfigurationError:  # refused at the start of the run (Task.setup): no folder left behind
             self._discard_run_dir()
             raise
@@ -275,12 +276,11 @@ class LinformerCLI(LightningCLI):
                 self._checkpoint_lock.close()
 
     def after_fit(self) -> None:
-        stopped = callbacks.signal_stop(self.trainer)
+        stopped = callbacks.stop_line(self.trainer)
         if stopped is not None:  # Ctrl-C or SIGTERM, at the end of an update: nothing lost, but not finished
-            line, code = stopped
             if self.trainer.is_global_zero:
-                sys.stderr.write(f"{line}\n")
-            raise SystemExit(code)
+                sys.stderr.write(f"{stopped[0]}\n")
+            raise SystemExit(stopped[1])
         # every rank reads trainer.log_dir (a broadcast under DDP: rank 0 alone would wait forever)
         lines = callbacks.finished_fit_lines(self.trainer)
         if lines and self.trainer.is_global_zero:
@@ -294,14 +294,21 @@ class LinformerCLI(LightningCLI):
             self._stop(f"{type(datamodule).__name__} has no predict split (predict_dataloader), nor has "
                        f"{type(model).__name__}; give the data module one (linformer_lab.data.sampling."
                        f"PredictsOnTestSplit predicts on the test split)")
-        with callbacks.sigterm_stops_prediction():
+        previous = signal.signal(signal.SIGTERM, _raise_sigterm)  # Lightning's prediction loop would run on to its end
+        try:
             predictions = self.trainer.predict(model, datamodule=datamodule, ckpt_path=ckpt_path, return_predictions=True,
                                                **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         log_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
         name = "predictions.pt" if self.trainer.world_size == 1 else f"predictions_rank{self.trainer.global_rank}.pt"
         log_dir.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, log_dir / name)
         print(f"saved {len(predictions or [])} batches of predictions to {log_dir / name}")
+
+
+def _raise_sigterm(signum, frame):
+    raise SIGTERMException  # as validation and testing end on SIGTERM
 
 
 def run_lightning_cli(argv: list[str]) -> int:

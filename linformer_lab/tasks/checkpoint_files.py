@@ -89,10 +89,11 @@ def _unreadable(path: str, err: Exception) -> UnreadableCheckpointError:
         f"directory.")
 
 
-def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = None) -> dict:
+def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = None, resuming: bool = False) -> dict:
     """The checkpoint at ``path``, loaded, or a :class:`CheckpointMismatchError` unless it fits
     ``model``: the same task class (``_class_path``), hyper-parameters (but the task's
-    ``hparams_free_to_change``), state_dict keys and shapes, and optimizer state order."""
+    ``hparams_free_to_change``; for a fit ``resuming`` from it, not its ``hparams_of_the_optimizer``:
+    :func:`check_resumable`), state_dict keys and shapes, and optimizer state order."""
     ckpt = load_checkpoint_header(path) if ckpt is None else ckpt
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"
     saved_class = (ckpt.get("hyper_parameters") or {}).get("_class_path")
@@ -124,6 +125,8 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
                 f"checkpoint {path}: its optimizer state does not line up with the model's parameters (position {index}, "
                 f"{parameters[index][0]}: state {tuple(saved.shape)}, parameter {tuple(parameters[index][1].shape)}), so it "
                 f"cannot resume; start a new run from its weights with --model.init_from {path}.")
+    if resuming:
+        check_resumable(path, model, ckpt)
     return ckpt
 
 
