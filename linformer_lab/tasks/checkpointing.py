@@ -169,11 +169,12 @@ class StopOnSignal(L.Callback):
     With ``accumulate_grad_batches`` the stop waits for the update's last batch.
     ``received`` names the signal (``"Ctrl-C"``, ``"SIGTERM"``) once one arrived, ``stopped_at`` the
     step the fit stopped at. Under DDP a signal to any process stops all of them at the same update
-    (one boolean reduced across processes per update). The handlers are set in the main thread
-    only: SIGINT's for the whole fit (Ctrl-C before training starts, in the sanity check, stops at
-    once), SIGTERM's (in place of Lightning's) from the start of training. DataLoader workers forked
-    meanwhile inherit them and ignore both signals (a terminal's Ctrl-C reaches them too): the
-    process that set them decides, and shuts its workers down when it stops."""
+    (one boolean reduced across processes per update). The handlers are set in the main thread, after
+    Lightning has noted the process's own (its teardown puts those back), and not for a signal the
+    process ignores (a background job's Ctrl-C): SIGINT's from the sanity check (a Ctrl-C there
+    stops at once), SIGTERM's, in place of Lightning's, from the start of training. DataLoader
+    workers forked meanwhile inherit them and ignore both signals (a terminal's Ctrl-C reaches them
+    too): the process that set them decides, and shuts its workers down when it stops."""
 
     NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
@@ -184,18 +185,22 @@ class StopOnSignal(L.Callback):
         self._owner: int | None = None  # the process that set the handlers
         self._training, self._says = False, True
 
-    def _handle(self, signum) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+    def _handle(self, *signums) -> None:
+        for signum in signums:
+            if (signum not in self._previous and threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signum) is not signal.SIG_IGN):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.received = self.stopped_at = None
         self._owner, self._says = os.getpid(), trainer.is_global_zero
-        self._handle(signal.SIGINT)  # before any DataLoader worker is forked (the sanity check's)
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._handle(signal.SIGINT)  # before the sanity check forks its DataLoader workers
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._training = True
-        self._handle(signal.SIGTERM)  # after Lightning's, which would end the fit in the stop's validation
+        self._handle(signal.SIGINT, signal.SIGTERM)  # SIGTERM's in place of Lightning's, which would end the stop's validation
 
     def _on_signal(self, signum, frame) -> None:
         if os.getpid() != self._owner:  # a DataLoader worker
@@ -225,18 +230,13 @@ class StopOnSignal(L.Callback):
         trainer.should_stop = True
         self.stopped_at = trainer.global_step
 
-    def _restore(self, *signums) -> None:
-        for signum in signums:
-            if signum in self._previous:
-                signal.signal(signum, self._previous.pop(signum))
+    def _restore(self) -> None:
+        self._training = False
+        while self._previous:
+            signal.signal(*self._previous.popitem())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._training = False
-        self._restore(signal.SIGTERM)
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        self._restore(signal.SIGINT)
+        self._restore()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._training = False
-        self._restore(signal.SIGTERM, signal.SIGINT)
+        self._restore()
