@@ -46,13 +46,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(autouse=True)
 def _isolated_test():
-    """Every test starts from torch's seed 0 and leaves Ctrl-C's handler as it found it, whatever ran
-    before it in its process (``pytest -n 2`` deals tests to workers in an order of its own): a test
-    that draws from the global generator gets the same numbers, and Lightning's SIG_IGN after an
-    interrupt (a Trainer run directly) does not outlive its test, where every child process would
-    inherit it and ignore a real Ctrl-C."""
+    """Every test starts from torch's seed 0 and with Ctrl-C's handler of a terminal's foreground job,
+    and leaves that handler as it found it, whatever ran before it in its process (``pytest -n 2``
+    deals tests to workers in an order of its own) and however pytest was started (a background
+    job ignores Ctrl-C): a test that draws from the global generator gets the same numbers, and
+    Lightning's SIG_IGN after an interrupt (a Trainer run directly) does not outlive its test, where
+    every child process would inherit it and ignore a real Ctrl-C."""
     torch.manual_seed(0)
     sigint = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, sigint)
 

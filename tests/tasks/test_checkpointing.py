@@ -63,7 +63,6 @@ class Seen(L.Callback):
 def test_stop_on_signal_holds_the_handlers_while_training_and_gives_them_back(tmp_path, error):
     """In training the handlers are StopOnSignal's; after the fit, ended or failed, the process has its
     own again (Lightning puts back what it noted at its start: the callback sets its handlers after that)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (conftest restores the test's)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     stop, seen = StopOnSignal(), Seen(error)
     if error is None:
