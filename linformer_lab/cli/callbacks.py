@@ -30,10 +30,10 @@ def stop_line(trainer: L.Trainer, exception: BaseException | None = None) -> tup
         return None
     sigterm = isinstance(exception, SIGTERMException) or (stop is not None and stop.received not in (None, "Ctrl-C"))
     cause = "SIGTERM" if sigterm else "Ctrl-C"
-    return interrupted_message(trainer, cause, exception is None), 128 + (signal.SIGTERM if sigterm else signal.SIGINT)
+    return _interrupted_message(trainer, cause, exception is None), 128 + (signal.SIGTERM if sigterm else signal.SIGINT)
 
 
-def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end: bool = False) -> str:
+def _interrupted_message(trainer: L.Trainer, cause: str, at_update_end: bool) -> str:
     """One line after a fit ``cause`` cut short (at once, or at the end of an update by
     :class:`StopOnSignal`, which loses nothing): the step reached, the step ``last.ckpt`` holds and
     the updates lost."""
@@ -53,7 +53,7 @@ def interrupted_message(trainer: L.Trainer, cause: str = "Ctrl-C", at_update_end
 
 
 def without_interrupt_notice(record) -> bool:
-    """Logging filter: drops Lightning's "Detected KeyboardInterrupt", which :func:`interrupted_message` replaces."""
+    """Logging filter: drops Lightning's "Detected KeyboardInterrupt", which :func:`stop_line` replaces."""
     return "Detected KeyboardInterrupt" not in str(record.msg)
 
 
