@@ -70,10 +70,11 @@ class SignalAtEvaluation(L.Callback):
     """Sends this process ``signal`` (its name) at the first batch of validate, test or predict."""
 
     def __init__(self, signal: str):
-        self.signal = signal
+        self.signal, self.sent = signal, False
 
     def _send(self, *args) -> None:
-        if args[-1] == 0 or args[-2] == 0:  # batch_idx, with or without dataloader_idx after it
+        if not self.sent:
+            self.sent = True
             os.kill(os.getpid(), getattr(signal, self.signal))
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _send
