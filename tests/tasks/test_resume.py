@@ -178,6 +178,40 @@ def test_a_signal_during_gradient_accumulation_stops_at_the_optimizer_step(tmp_p
         assert torch.allclose(final[name], want[name], atol=1e-6, rtol=0), name
 
 
+class PoisonAtStep(Callback):
+    """Sets one weight to NaN at the end of update ``step``: a run that diverged there."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("diverged_at, found_at, kept", [(4, 4, 3), (1, 2, None)])
+def test_a_diverged_run_ends_with_one_line_and_keeps_its_last_finite_checkpoint(tmp_path, diverged_at, found_at, kept):
+    """last.ckpt is written every 2 updates and after each validation (every 3): the first of those after
+    the divergence finds it, and keeps the one before."""
+    poison = json.dumps([{"class_path": "test_resume.PoisonAtStep", "init_args": {"step": diverged_at}}])
+    code, _, err = run_cli(["fit", *tiny_copy_args(tmp_path, "linear", "--trainer.max_steps=8",
+                                                   "--checkpoint.every_n_train_steps=2", f"--trainer.callbacks={poison}")])
+    assert code == 1, err
+    last = checkpoint_dir(tmp_path) / "last.ckpt"
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    said = f"error: training diverged: the weights hold NaN or inf at step {found_at}, so last.ckpt was not written"
+    assert len(lines) == 1 and "Traceback" not in err and lines[0].startswith(said), err
+    assert (tmp_path / "version_0" / "config.yaml").is_file()  # the run's folder stays
+    if kept is None:
+        assert not last.exists() and "start again with a smaller learning rate" in lines[0]
+        return
+    assert f"{last} keeps step {kept}, the last finite weights: start a new run from them with --model.init_from {last}" \
+        in lines[0]
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == kept and all(t.isfinite().all() for t in saved["state_dict"].values())
+
+
 @pytest.mark.slow
 def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
     """`--trainer.max_time` (docs/cli.md): the run stops wherever its clock runs out; resumed to a few
