@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -80,6 +81,9 @@ def save_pretrained(task: torch.nn.Module, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors writes its file readable by its owner alone (0600): give it the mode the umask gives
+    # the config, so that an export shared on a cluster is readable wherever its config is
+    shutil.copymode(folder / CONFIG_NAME, folder / WEIGHTS_NAME)
     return folder
 
 

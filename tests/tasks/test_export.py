@@ -124,6 +124,21 @@ def exported(tmp_path):
     return folder
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_the_weights_are_as_readable_as_the_config(tmp_path, umask):
+    """safetensors writes its file for its owner alone: an export shared on a cluster had a
+    config others could read and weights they could not."""
+    import os
+
+    previous = os.umask(umask)
+    try:
+        CopyTask(attention="linear", **COPY).save_pretrained(tmp_path)
+    finally:
+        os.umask(previous)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in (CONFIG_NAME, WEIGHTS_NAME)}
+    assert modes == {CONFIG_NAME: 0o666 & ~umask, WEIGHTS_NAME: 0o666 & ~umask}
+
+
 def _edit_config(folder, **changes) -> None:
     config = json.loads((folder / CONFIG_NAME).read_text())
     for key, value in changes.items():
