@@ -1,14 +1,15 @@
 """Runs' curves: the training and validation metrics a fit logs (``metrics.csv``) drawn into one PNG
 by matplotlib's Agg backend, for a machine without a browser: ``python cli.py plot RUN ...`` or
 ``linformer_lab.plot_runs([RUN, ...], "curves.png")``; no torch, no Lightning. A RUN is a run root
-(``logs/NAME``: its ``version_N/metrics.csv`` in numeric order, so a resumed fit continues the
-curve it resumes) or one ``version_N`` folder.
+(``logs/NAME``: its newest fit, whose ``version_N/metrics.csv`` files are read in numeric order, so
+a resumed fit continues the curve it resumes) or one ``version_N`` folder.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,18 +30,46 @@ def metrics_files(run: str | Path) -> list[Path]:
     return sorted(versions, key=lambda p: int(p.parent.name.split("_", 1)[1]))
 
 
-def metric_rows(run: str | Path) -> Iterator[dict[str, str]]:
-    """Every row of a run's :func:`metrics_files`, as CSV strings."""
-    for path in metrics_files(run):
+def metric_rows(run: str | Path, files: list[Path] | None = None) -> Iterator[dict[str, str]]:
+    """Every row of ``files`` (default: the run's :func:`metrics_files`), as CSV strings."""
+    for path in metrics_files(run) if files is None else files:
         with open(path, newline="") as f:
             yield from csv.DictReader(f)
 
 
+def _saved_config(version: Path) -> dict[str, str]:
+    """The top-level ``key: value`` lines of the ``config.yaml`` LightningCLI saved in a version folder."""
+    path = version / "config.yaml"
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return {key: value.strip() for key, value in re.findall(r"^(\w+):(.*)$", text, re.MULTILINE)}
+
+
+def fits(run: str | Path) -> list[list[Path]]:
+    """The fits logged under ``run``, oldest first, each as the ``metrics.csv`` of its versions.
+
+    A run root gathers every command run with its config: a version whose saved config has
+    ``ckpt_path: null`` starts a fit, one that resumes (``--ckpt_path``) continues the fit before
+    it, and an evaluation's (validate, test, predict: its config has Lightning's ``verbose`` or
+    ``return_predictions``) is no fit: its ``val/`` values at step 0 are not a fit's first update.
+    A version without a saved config continues the fit before it."""
+    found: list[list[Path]] = []
+    for path in metrics_files(run):
+        config = _saved_config(path.parent)
+        if "verbose" in config or "return_predictions" in config:
+            continue
+        if not found or config.get("ckpt_path") in ("null", "~", ""):
+            found.append([])
+        found[-1].append(path)
+    return found
+
+
 def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
-    """``{"train/bits_per_dim": {update: value}, ...}``: a run's ``train/`` and ``val/`` metrics by
-    update (the logged ``step`` + 1), the last value logged at an update winning."""
+    """``{"train/bits_per_dim": {update: value}, ...}``: the ``train/`` and ``val/`` metrics of the
+    run's newest fit (:func:`fits`) by update (the logged ``step`` + 1), the last value logged at an
+    update winning."""
     curves: dict[str, dict[int, float]] = {}
-    for row in metric_rows(run):
+    newest = fits(run)[-1:] or [[]]
+    for row in metric_rows(run, newest[0]):
         if not row.get("step"):
             continue
         for name, value in row.items():
@@ -61,10 +90,14 @@ def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = No
             raise PlotError(f"{run}: no such run folder (a run root such as logs/NAME, or one of its version_N)")
         if not metrics_files(path):
             raise PlotError(f"{run}: no metrics.csv in it or in its version_N folders (fit writes them)")
+        if not fits(path):
+            raise PlotError(f"{run}: holds evaluations only (validate, test, predict), no fit: no curves to draw")
         found = run_curves(path)
         if not found:
             raise PlotError(f"{run}: its metrics.csv holds no train/ or val/ values yet")
-        resolved = path.resolve()  # the legend's name: with the run root's for a version_N
+        resolved, logged = path.resolve(), fits(path)  # the legend's name: with the run root's for a version_N
+        if len(logged) > 1:  # several fits under one root: the newest is drawn, named by its first version
+            resolved = logged[-1][0].parent.resolve()
         name = f"{resolved.parent.name}/{resolved.name}" if resolved.name.startswith("version_") else resolved.name
         curves[name if name not in curves else str(run)] = found
     metrics = sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("val/")}) or \
@@ -80,8 +113,10 @@ def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = No
             colour = f"C{index % 10}"
             for split, style in SPLITS.items():
                 points = found.get(f"{split}/{metric}")
-                if points:
-                    ax.plot(list(points), list(points.values()), color=colour, label=f"{name} ({split})", **style)
+                if points:  # a lone point (a run shorter than its logging interval) needs a marker to be seen
+                    lone = {"marker": "o", "markersize": 3} if len(points) == 1 else {}
+                    ax.plot(list(points), list(points.values()), color=colour, label=f"{name} ({split})",
+                            **{**style, **lone})
         ax.set_xlabel("update")
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO, run_cli, tiny_mnist_args
 
-from linformer_lab.tasks.curves import metrics_files, run_curves
+from linformer_lab.tasks.curves import fits, metrics_files, plot_runs, run_curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -185,3 +185,70 @@ def test_plot_runs_from_python_draws_what_the_cli_draws(tmp_path):
     assert code == 0 and out.startswith(f"wrote {tmp_path / 'cli.png'}: {', '.join(metrics)} of 1 run ({names[0]})")
     assert (tmp_path / "py.png").read_bytes()[:8] == PNG_SIGNATURE
     assert (tmp_path / "py.png").stat().st_size == (tmp_path / "cli.png").stat().st_size
+
+
+def fake_version(root: Path, version: int, rows: str, config: str) -> None:
+    """``root/version_N`` with ``metrics.csv`` rows (epoch,step,train/loss,val/loss) and a saved
+    config holding the top-level lines ``config`` (what LightningCLI writes for each subcommand)."""
+    folder = root / f"version_{version}"
+    folder.mkdir(parents=True)
+    (folder / "metrics.csv").write_text("epoch,step,train/loss,val/loss\n" + rows)
+    (folder / "config.yaml").write_text("seed_everything: 0\ntrainer:\n  max_steps: 4\n" + config)
+
+
+def test_a_run_root_draws_its_newest_fit_and_no_evaluation(tmp_path):
+    """A run root gathers every command run with its config. An evaluation's ``val/`` value (logged
+    at step 0) was drawn as the fit's first update, and two separate fits were drawn as one curve,
+    the later's values overwriting the earlier's where both logged."""
+    root = tmp_path / "logs" / "copy_linear"
+    fake_version(root, 0, "0,1,2.0,\n0,1,,1.9\n0,3,1.5,\n0,3,,1.4\n", "ckpt_path: null\n")
+    fake_version(root, 1, "0,0,,1.4\n", "ckpt_path: best\nverbose: true\n")  # validate
+    fake_version(root, 2, "0,0,,1.41\n", "ckpt_path: best\nverbose: true\n")  # test's columns are test/
+    fake_version(root, 3, "0,5,1.2,\n0,5,,1.1\n", "ckpt_path: last\n")  # the fit resumed
+    fake_version(root, 4, "", "ckpt_path: best\nreturn_predictions: null\n")  # predict
+    assert [[p.parent.name for p in fit] for fit in fits(root)] == [["version_0", "version_3"]]
+    assert run_curves(root) == {"train/loss": {2: 2.0, 4: 1.5, 6: 1.2}, "val/loss": {2: 1.9, 4: 1.4, 6: 1.1}}
+    fake_version(root, 5, "0,1,3.0,\n", "ckpt_path: null\n")  # a new fit, not a continuation
+    assert [[p.parent.name for p in fit] for fit in fits(root)] == [["version_0", "version_3"], ["version_5"]]
+    assert run_curves(root) == {"train/loss": {2: 3.0}}
+    output = tmp_path / "c.png"
+    code, out, err = run_cli(["plot", str(root), "-o", str(output)])
+    assert (code, err) == (0, "")
+    assert out == f"wrote {output}: loss of 1 run (copy_linear/version_5)\n"  # which fit was drawn
+    code, _, err = run_cli(["plot", str(root / "version_4"), "-o", str(output)])
+    assert (code, err) == (2, f"error: {root / 'version_4'}: holds evaluations only (validate, test, predict), "
+                              f"no fit: no curves to draw\n")
+
+
+def test_a_lone_point_is_drawn_with_a_marker(tmp_path, monkeypatch):
+    """A fit shorter than its logging interval logs one training value: a line without a marker
+    through one point draws nothing."""
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    run = fake_run(tmp_path / "run", "0,49,2.0,\n0,29,,1.9\n0,59,,1.5\n")
+    plot_runs([run], tmp_path / "c.png")
+    lines = {line.get_label(): line for line in drawn[0].axes[0].get_lines()}
+    assert lines["run (train)"].get_marker() == "o" and len(lines["run (train)"].get_xdata()) == 1
+    assert lines["run (val)"].get_marker() == "o"
+
+
+@pytest.mark.slow
+def test_the_cli_leaves_what_a_run_root_is_read_by(two_runs, tmp_path):
+    """The saved configs through the real CLI: validate and predict are told from fits, a resume
+    continues its fit, a new fit starts another (the configs above are modelled on these)."""
+    import shutil
+
+    root = tmp_path / "mnist_cpu_linear"
+    shutil.copytree(two_runs["linear"].root, root)
+    args = tiny_mnist_args(root)
+    for command in (["validate", *args, "--ckpt_path", "best"],
+                    ["predict", *args, "--ckpt_path", "best", "--trainer.limit_predict_batches=1", "--data.batch_size=1"],
+                    ["fit", *args, "--ckpt_path", "last", "--trainer.max_steps=6"],
+                    ["fit", *args, "--trainer.max_steps=2"]):
+        code, _, err = run_cli(command)
+        assert code == 0, f"{command[0]}: {err}"
+    assert [[p.parent.name for p in fit] for fit in fits(root)] == [["version_0", "version_3"], ["version_4"]]
+    assert list(run_curves(root)["val/bits_per_dim"]) == [2]
+    assert list(run_curves(root / "version_0")["val/bits_per_dim"]) == [2, 4]
