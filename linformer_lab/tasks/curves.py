@@ -21,13 +21,18 @@ class PlotError(Exception):
     """A run that cannot be drawn: the one line ``cli.py plot`` prints."""
 
 
+def _versions(run: Path) -> list[Path]:
+    """A run folder itself when it holds a ``metrics.csv``, else its ``version_N`` folders in numeric
+    order (version_10 after version_9)."""
+    if (run / "metrics.csv").is_file():
+        return [run]
+    versions = [p for p in run.glob("version_*") if p.is_dir() and p.name.split("_", 1)[1].isdigit()]
+    return sorted(versions, key=lambda p: int(p.name.split("_", 1)[1]))
+
+
 def metrics_files(run: str | Path) -> list[Path]:
     """A run folder's ``metrics.csv``, else its ``version_*/metrics.csv`` in numeric order."""
-    run = Path(run)
-    if (run / "metrics.csv").is_file():
-        return [run / "metrics.csv"]
-    versions = [p for p in run.glob("version_*/metrics.csv") if p.parent.name.split("_", 1)[1].isdigit()]
-    return sorted(versions, key=lambda p: int(p.parent.name.split("_", 1)[1]))
+    return [folder / "metrics.csv" for folder in _versions(Path(run)) if (folder / "metrics.csv").is_file()]
 
 
 def metric_rows(run: str | Path, files: list[Path] | None = None) -> Iterator[dict[str, str]]:
@@ -53,14 +58,15 @@ def fits(run: str | Path) -> list[list[Path]]:
     ``return_predictions``) is no fit: its ``val/`` values at step 0 are not a fit's first update.
     A version without a saved config continues the fit before it."""
     found: list[list[Path]] = []
-    for path in metrics_files(run):
-        config = _saved_config(path.parent)
+    for folder in _versions(Path(run)):  # a fit that logged nothing yet still ends the fit before it
+        config = _saved_config(folder)
         if "verbose" in config or "return_predictions" in config:
             continue
         if not found or config.get("ckpt_path") in ("null", "~", ""):
             found.append([])
-        found[-1].append(path)
-    return found
+        if (folder / "metrics.csv").is_file():
+            found[-1].append(folder / "metrics.csv")
+    return [fit for fit in found if fit]
 
 
 def run_curves(run: str | Path) -> dict[str, dict[int, float]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,6 +212,12 @@ def test_a_run_root_draws_its_newest_fit_and_no_evaluation(tmp_path):
     fake_version(root, 5, "0,1,3.0,\n", "ckpt_path: null\n")  # a new fit, not a continuation
     assert [[p.parent.name for p in fit] for fit in fits(root)] == [["version_0", "version_3"], ["version_5"]]
     assert run_curves(root) == {"train/loss": {2: 3.0}}
+    (root / "version_6").mkdir()  # a new fit that has logged nothing yet: the one before is not the newest
+    (root / "version_6" / "config.yaml").write_text("ckpt_path: null\n")
+    fake_version(root, 7, "0,9,0.5,\n", "ckpt_path: last\n")  # ... and its resume
+    assert [[p.parent.name for p in fit] for fit in fits(root)][1:] == [["version_5"], ["version_7"]]
+    shutil.rmtree(root / "version_6")
+    shutil.rmtree(root / "version_7")
     output = tmp_path / "c.png"
     code, out, err = run_cli(["plot", str(root), "-o", str(output)])
     assert (code, err) == (0, "")
@@ -238,8 +245,6 @@ def test_a_lone_point_is_drawn_with_a_marker(tmp_path, monkeypatch):
 def test_the_cli_leaves_what_a_run_root_is_read_by(two_runs, tmp_path):
     """The saved configs through the real CLI: validate and predict are told from fits, a resume
     continues its fit, a new fit starts another (the configs above are modelled on these)."""
-    import shutil
-
     root = tmp_path / "mnist_cpu_linear"
     shutil.copytree(two_runs["linear"].root, root)
     args = tiny_mnist_args(root)
