@@ -78,7 +78,10 @@ def finished_fit_lines(trainer: L.Trainer) -> list[str]:
         relative = os.path.relpath(path)
         return str(path) if relative.startswith("..") else relative
 
-    lines = [f"fit finished at step {trainer.global_step}: run folder {shown(trainer.log_dir)}"]
+    owner = Path(last.dirpath).parent  # a resumed fit logs into a new version_N, its checkpoints stay the run's
+    resumed = (owner / "config.yaml").is_file() and owner.resolve() != Path(trainer.log_dir).resolve()
+    run = f"{shown(owner)} (this fit's logs: {shown(trainer.log_dir)})" if resumed else shown(trainer.log_dir)
+    lines = [f"fit finished at step {trainer.global_step}: run folder {run}"]
     keyword = "last"
     if best is not None and best.best_model_path:
         score = best.best_model_score
@@ -86,8 +89,7 @@ def finished_fit_lines(trainer: L.Trainer) -> list[str]:
                      f"{f' ({best.monitor} {float(score):.4f})' if score is not None else ''}")
         keyword = "best"
     lines.append(f"  resume point    {shown(os.path.join(last.dirpath, 'last.ckpt'))}")
-    owner = Path(last.dirpath).parent / "config.yaml"
-    config = shown(owner if owner.is_file() else Path(trainer.log_dir) / "config.yaml")
+    config = shown(owner / "config.yaml" if (owner / "config.yaml").is_file() else Path(trainer.log_dir) / "config.yaml")
     lines.append(f"next: python cli.py test --config {config} --ckpt_path {keyword}")
     lines.append(f"      python cli.py predict --config {config} --ckpt_path {keyword}")
     return lines

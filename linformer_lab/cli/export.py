@@ -78,8 +78,10 @@ def source_checkpoint(source: Path, which: str) -> Path:
     # a root or run folder (runs keep checkpoints/last.ckpt), or a folder holding last.ckpt itself (--checkpoint.dirpath)
     runs = checkpoints.last_checkpoints(source) or checkpoints.last_checkpoints(source, str(source))
     if not runs:
-        raise ExportError(f"{source} holds no checkpoints/last.ckpt of a run; pass a run folder (logs/NAME/version_N), "
-                          f"a root of runs or a checkpoint file")
+        logged = " (a resumed fit writes into the checkpoints/ of the run it resumes, an evaluation writes none)" \
+            if (source / "config.yaml").is_file() else ""
+        raise ExportError(f"{source} holds no checkpoints/last.ckpt of a run{logged}; pass a run folder "
+                          f"(logs/NAME/version_N), a root of runs or a checkpoint file")
     task = checkpoint_task(load_checkpoint_header(str(runs[0])), runs[0])
     return Path(checkpoints.resolve_checkpoint_path(which, task, source, dirpath=str(runs[0].parent), fitting=False))
 

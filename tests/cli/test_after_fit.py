@@ -40,7 +40,8 @@ def test_a_resumed_fit_names_the_config_of_the_run_it_continued(tmp_path):
     assert code == 0, err
     code, out, err = run_cli(["fit", *tiny_copy_args(tmp_path, "linear", "--trainer.max_steps=6", "--ckpt_path=last")])
     assert code == 0, err
-    assert f"fit finished at step 6: run folder {tmp_path / 'version_1'}" in out
+    # the run folder is the one export and --config take (a user exported version_1 and was refused)
+    assert f"fit finished at step 6: run folder {tmp_path / 'version_0'} (this fit's logs: {tmp_path / 'version_1'})" in out
     config = str(tmp_path / "version_0" / "config.yaml")  # version_1 logged the resume; the checkpoints are version_0's
     assert [c[:3] for c in printed_commands(out)] == [["test", "--config", config], ["predict", "--config", config]]
 

@@ -129,7 +129,11 @@ def test_refusals_are_one_line(workdir, tmp_path):
     bare = tmp_path / "bare.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {}}, bare)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "resumed").mkdir()  # a resumed fit's version_N: its config and logs, the checkpoints elsewhere
+    (tmp_path / "resumed" / "config.yaml").write_text("ckpt_path: last\n")
     cases = {
+        ("export", str(tmp_path / "resumed")): "holds no checkpoints/last.ckpt of a run (a resumed fit writes into "
+                                               "the checkpoints/ of the run it resumes, an evaluation writes none)",
         ("export", str(tmp_path / "nowhere")): "nowhere does not exist; pass a run folder",
         ("export", str(tmp_path / "empty")): "holds no checkpoints/last.ckpt of a run",
         ("export", str(run), "--output", str(run)): "holds other files (checkpoints, ",
