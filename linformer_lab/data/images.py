@@ -79,6 +79,9 @@ class ShuffleSampler(EpochSampler):
     def __iter__(self):
         return iter(self.share()[self.start_batch() * self.batch_size:])
 
+    def layout(self) -> dict:
+        return {"batch_size": self.batch_size, "seed": self.seed, "images": self.n}
+
 
 class _ImageDataModule(SplitLoaders, L.LightningDataModule):
     """Shared part: subclasses implement ``_load() -> dict split -> (images uint8 (N, C, H, W), labels int64 (N,))``."""

@@ -147,6 +147,12 @@ class EpochSampler(DistributedSampler):
         """First batch of the current epoch: 0, or where a resumed epoch left off."""
         return min(self.resume_batch, self.num_batches) if self.epoch == self.resume_epoch else 0
 
+    def layout(self) -> dict:
+        """The settings, besides the epoch and the process count, that decide which samples the
+        epoch's ``i``-th batch holds: a checkpoint's position in an epoch (its batches done) names the
+        same samples only under the same ones. None here (a batch made from its index alone)."""
+        return {}
+
 
 def padded_share(items: list, num_replicas: int, rank: int) -> list:
     """``items[rank::num_replicas]`` after repeating the first items of the list until its length
@@ -165,8 +171,10 @@ class ResumableLoader(DataLoader):
     the first ``iter()`` of a resumed run. Set ``loader.datamodule``: its trainer tells which epoch
     runs and how many batches the fit loop has finished in it. Under DDP rank 0's state is the
     checkpoint's, which holds for every rank (their shares have as many batches). A checkpoint
-    written by another number of processes continues only from an epoch's end (the shares of the
-    epoch in progress would differ); mid-epoch it is refused with a :class:`ConfigurationError`.
+    written by another number of processes, or under another :meth:`EpochSampler.layout` (batch
+    size, seed, data size), continues only from an epoch's end (the batches of the epoch in progress
+    would differ, so its position there would skip or repeat samples); mid-epoch it is refused with
+    a :class:`ConfigurationError`.
     """
 
     @property
@@ -186,25 +194,42 @@ class ResumableLoader(DataLoader):
     def state_dict(self) -> dict:
         sampler = self.epoch_sampler
         trainer = getattr(self.datamodule, "trainer", None)
+        layout = {"world_size": sampler.num_replicas, "layout": sampler.layout()}
         if trainer is None:
-            return {"epoch": sampler.epoch, "batches_done": 0, "world_size": sampler.num_replicas, "epoch_done": False}
+            return {"epoch": sampler.epoch, "batches_done": 0, "epoch_done": False, **layout}
         # `processed`: the training steps finished in this epoch (the one saved at
         # on_train_batch_end included), the fit loop's next batch_idx after a restart; the
         # loader's own count is ahead by Lightning's prefetching. The trainer's epoch, not the
         # sampler's, which may have moved on (the speech sampler advances as an iteration starts).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": trainer.current_epoch, "batches_done": done, "world_size": sampler.num_replicas,
-                "epoch_done": done >= sampler.num_batches}
+        # the epoch's batches as the fit loop runs them (limit_train_batches cuts an epoch short)
+        batches = min(sampler.num_batches, trainer.num_training_batches)
+        return {"epoch": trainer.current_epoch, "batches_done": done, "epoch_done": done >= batches,
+                "epoch_batches": batches, **layout}
 
     def load_state_dict(self, state: dict) -> None:
         sampler = self.epoch_sampler
         epoch, done = state["epoch"], state["batches_done"]
-        saved = int(state.get("world_size", 1))  # checkpoints from before this key: one process
-        if saved != sampler.num_replicas and done > 0:
+        # checkpoints from before these keys: one process, the layout unknown (taken as unchanged)
+        saved = {"processes": int(state.get("world_size", 1)), **state.get("layout", {})}
+        running = {"processes": sampler.num_replicas, **sampler.layout()}
+        changed = [key for key in running if key in saved and saved[key] != running[key]]
+        if changed and done > 0:
             if not state.get("epoch_done", False):
-                raise ConfigurationError(
-                    f"cannot resume: the checkpoint was written by {saved} process(es) in the middle of an epoch and "
-                    f"this run has {sampler.num_replicas}; resume with {saved} (trainer.devices x trainer.num_nodes), "
-                    f"or from a checkpoint written at an epoch's end")
-            epoch, done = epoch + 1, 0  # its count of batches was of the other shares
+                raise ConfigurationError(_mid_epoch_refusal(changed, saved, running, state))
+            epoch, done = epoch + 1, 0  # its count of batches was of other batches
         sampler.resume(epoch, done)
+
+
+def _mid_epoch_refusal(changed: list[str], saved: dict, running: dict, state: dict) -> str:
+    """The one line that refuses a checkpoint written mid-epoch under settings this run has changed."""
+    def setting(key, value):
+        return f"{value} process(es)" if key == "processes" else f"{key} {value}"
+
+    then = ", ".join(setting(key, saved[key]) for key in changed)
+    now = ", ".join(setting(key, running[key]) for key in changed)
+    left = f" ({state['epoch_batches'] - state['batches_done']} more batches)" if "epoch_batches" in state else ""
+    where = " (trainer.devices x trainer.num_nodes)" if "processes" in changed else ""
+    return (f"cannot resume: the checkpoint was written by {then} in the middle of an epoch and this run has {now}: "
+            f"the epoch's batches differ, so its position there would skip or repeat samples; resume with "
+            f"{then}{where} until the epoch ends{left}, then with {now}, or from a checkpoint written at an epoch's end")

@@ -128,6 +128,34 @@ def test_resume_with_another_process_count():
     assert (sampler.epoch, sampler.start_batch()) == (3, 2)
 
 
+@pytest.mark.parametrize("make, changed, refusal", [
+    (lambda **kw: ShuffleSampler(12, **{"batch_size": 2, **kw}), {"batch_size": 3}, "batch_size 2 .* this run has batch_size 3"),
+    (lambda **kw: ShuffleSampler(12, **{"batch_size": 2, **kw}), {"seed": 1}, "seed 0 .* this run has seed 1"),
+    (lambda **kw: LengthBucketBatchSampler(lengths(n=40), **{"batch_size": 4, **kw}), {"batch_size": 2},
+     "batch_size 4 .* this run has batch_size 2"),
+    (lambda **kw: LengthBucketBatchSampler(lengths(n=40), **{"batch_size": 4, **kw}), {"max_frames_per_batch": 500},
+     "max_frames_per_batch None .* this run has max_frames_per_batch 500"),
+], ids=["images-batch_size", "images-seed", "speech-batch_size", "speech-max_frames"])
+def test_resume_under_another_batch_layout(make, changed, refusal):
+    """A mid-epoch position counts batches: under another batch size (or seed, or frame bound) it
+    named other samples, and the resumed epoch skipped or repeated some without a word."""
+    saved = ResumableLoader(range(100), sampler=make(), batch_size=None).state_dict()
+    mid_epoch = {**saved, "epoch": 3, "batches_done": 2, "epoch_done": False, "epoch_batches": 5}
+    sampler = make(**changed)
+    loader = ResumableLoader(range(100), sampler=sampler, batch_size=None)
+    with pytest.raises(ConfigurationError, match=f"written by {refusal}.*until the epoch ends \\(3 more batches\\)"):
+        loader.load_state_dict(mid_epoch)
+    loader.load_state_dict({**mid_epoch, "epoch_done": True})  # an epoch's end: the next epoch, whole
+    assert (sampler.epoch, sampler.start_batch()) == (4, 0)
+    same = make()
+    ResumableLoader(range(100), sampler=same, batch_size=None).load_state_dict(mid_epoch)
+    assert (same.epoch, same.start_batch()) == (3, 2)
+    unknown = make(**changed)  # a checkpoint from before the layout was recorded: taken as unchanged
+    ResumableLoader(range(100), sampler=unknown, batch_size=None).load_state_dict(
+        {key: value for key, value in mid_epoch.items() if key != "layout"})
+    assert (unknown.epoch, unknown.start_batch()) == (3, 2)
+
+
 @pytest.mark.slow
 def test_max_steps_stop_at_an_epoch_end_resumes_with_the_next_epoch(tmp_path):
     """Lightning tells a run restarted at an epoch's end that one more epoch has begun than the

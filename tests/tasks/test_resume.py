@@ -232,3 +232,29 @@ def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
                    for root in (timed, straight))
     for name in want:
         assert torch.allclose(final[name], want[name], atol=1e-6, rtol=0), name
+
+
+@pytest.mark.slow
+def test_another_batch_size_resumes_from_an_epoch_end_and_is_refused_mid_epoch(tmp_path):
+    """``--data.batch_size`` changed on resume: the saved position (batches done in the epoch)
+    named other images, and the resumed epoch skipped or repeated some without a word. Mid-epoch
+    the CLI now refuses it in one line, leaving no run folder; from an epoch's end (4 updates an
+    epoch here) the next epoch starts whole at the new size."""
+    from conftest import tiny_mnist_args
+
+    code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=2")])
+    assert code == 0, err
+    code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=6", "--data.batch_size=2"),
+                            "--ckpt_path", "last"])
+    refusal = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(refusal) == 1, err[-3000:]
+    assert ("written by batch_size 4 in the middle of an epoch and this run has batch_size 2" in refusal[0]
+            and "until the epoch ends (2 more batches)" in refusal[0]), refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0"]
+    code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=4"), "--ckpt_path", "last"])
+    assert code == 0, err
+    code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=6", "--data.batch_size=2"),
+                            "--ckpt_path", "last"])
+    assert code == 0, err
+    steps = [(row["epoch"], row["step"]) for row in read_metrics(tmp_path / "version_2") if "train/bits_per_dim" in row]
+    assert steps == [(1, 4), (1, 5)]
