@@ -6,6 +6,7 @@ tracking, every hyper-parameter compared).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import lightning as L
@@ -168,8 +169,11 @@ class Task(L.LightningModule):
             return
         for name, attribute in self.epoch_metrics:
             if not self.epoch_sums_incomplete:
-                # compute() sums over processes; every rank then logs the same value
-                self.log(name, getattr(self, attribute).compute(), on_step=False, on_epoch=True)
+                with warnings.catch_warnings():
+                    # resumed at an epoch's end, the sums are the checkpoint's: no update() ran in this process
+                    warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
+                    value = getattr(self, attribute).compute()  # summed over processes: every rank logs the same
+                self.log(name, value, on_step=False, on_epoch=True)
             getattr(self, attribute).reset()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
