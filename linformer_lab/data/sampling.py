@@ -194,9 +194,9 @@ class ResumableLoader(DataLoader):
     def state_dict(self) -> dict:
         sampler = self.epoch_sampler
         trainer = getattr(self.datamodule, "trainer", None)
-        layout = {"world_size": sampler.num_replicas, "layout": sampler.layout()}
+        batching = {"world_size": sampler.num_replicas, "layout": sampler.layout()}
         if trainer is None:
-            return {"epoch": sampler.epoch, "batches_done": 0, "epoch_done": False, **layout}
+            return {"epoch": sampler.epoch, "batches_done": 0, "epoch_done": False, **batching}
         # `processed`: the training steps finished in this epoch (the one saved at
         # on_train_batch_end included), the fit loop's next batch_idx after a restart; the
         # loader's own count is ahead by Lightning's prefetching. The trainer's epoch, not the
@@ -205,7 +205,7 @@ class ResumableLoader(DataLoader):
         # the epoch's batches as the fit loop runs them (limit_train_batches cuts an epoch short)
         batches = min(sampler.num_batches, trainer.num_training_batches)
         return {"epoch": trainer.current_epoch, "batches_done": done, "epoch_done": done >= batches,
-                "epoch_batches": batches, **layout}
+                "epoch_batches": batches, **batching}
 
     def load_state_dict(self, state: dict) -> None:
         sampler = self.epoch_sampler

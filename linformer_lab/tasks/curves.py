@@ -35,11 +35,15 @@ def metrics_files(run: str | Path) -> list[Path]:
     return [folder / "metrics.csv" for folder in _versions(Path(run)) if (folder / "metrics.csv").is_file()]
 
 
-def metric_rows(run: str | Path, files: list[Path] | None = None) -> Iterator[dict[str, str]]:
-    """Every row of ``files`` (default: the run's :func:`metrics_files`), as CSV strings."""
-    for path in metrics_files(run) if files is None else files:
+def _rows(files: list[Path]) -> Iterator[dict[str, str]]:
+    for path in files:
         with open(path, newline="") as f:
             yield from csv.DictReader(f)
+
+
+def metric_rows(run: str | Path) -> Iterator[dict[str, str]]:
+    """Every row of a run's :func:`metrics_files`, as CSV strings."""
+    yield from _rows(metrics_files(run))
 
 
 def _saved_config(version: Path) -> dict[str, str]:
@@ -69,13 +73,12 @@ def fits(run: str | Path) -> list[list[Path]]:
     return [fit for fit in found if fit]
 
 
-def run_curves(run: str | Path) -> dict[str, dict[int, float]]:
-    """``{"train/bits_per_dim": {update: value}, ...}``: the ``train/`` and ``val/`` metrics of the
-    run's newest fit (:func:`fits`) by update (the logged ``step`` + 1), the last value logged at an
-    update winning."""
+def run_curves(run: str | Path, fit: list[Path] | None = None) -> dict[str, dict[int, float]]:
+    """``{"train/bits_per_dim": {update: value}, ...}``: the ``train/`` and ``val/`` metrics of
+    ``fit`` (default: the run's newest, :func:`fits`) by update (the logged ``step`` + 1), the last
+    value logged at an update winning."""
     curves: dict[str, dict[int, float]] = {}
-    newest = fits(run)[-1:] or [[]]
-    for row in metric_rows(run, newest[0]):
+    for row in _rows((fits(run) or [[]])[-1] if fit is None else fit):
         if not row.get("step"):
             continue
         for name, value in row.items():
@@ -96,14 +99,15 @@ def plot_runs(runs: list[str | Path], output: str | Path, title: str | None = No
             raise PlotError(f"{run}: no such run folder (a run root such as logs/NAME, or one of its version_N)")
         if not metrics_files(path):
             raise PlotError(f"{run}: no metrics.csv in it or in its version_N folders (fit writes them)")
-        if not fits(path):
+        logged = fits(path)
+        if not logged:
             raise PlotError(f"{run}: holds evaluations only (validate, test, predict), no fit: no curves to draw")
-        found = run_curves(path)
+        found = run_curves(path, logged[-1])
         if not found:
             raise PlotError(f"{run}: its metrics.csv holds no train/ or val/ values yet")
-        resolved, logged = path.resolve(), fits(path)  # the legend's name: with the run root's for a version_N
-        if len(logged) > 1:  # several fits under one root: the newest is drawn, named by its first version
-            resolved = logged[-1][0].parent.resolve()
+        # the legend's name: with the run root's for a version_N; of several fits under one root, the
+        # newest is drawn, named by its first version
+        resolved = (logged[-1][0].parent if len(logged) > 1 else path).resolve()
         name = f"{resolved.parent.name}/{resolved.name}" if resolved.name.startswith("version_") else resolved.name
         curves[name if name not in curves else str(run)] = found
     metrics = sorted({n.split("/", 1)[1] for found in curves.values() for n in found if n.startswith("val/")}) or \

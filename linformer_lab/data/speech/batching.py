@@ -176,6 +176,7 @@ class LengthBucketBatchSampler(EpochSampler):
         return {"batch_size": self.batch_size, "max_frames_per_batch": self.max_frames, "bucket_pool_batches": self.pool_batches,
                 "seed": self.seed, "utterances": len(self.lengths)}
 
+
 class ItemLists(Dataset):
     """``dataset[[i, j, ...]]`` -> ``[dataset[i], dataset[j], ...]``: the items of one batch, fetched
     by a DataLoader with ``batch_size=None`` whose sampler yields lists of indices (a
