@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args
+from conftest import REPO, checkpoint_dir, cli_subprocess, read_metrics, run_cli, tiny_copy_args, tiny_mnist_args
 from lightning.pytorch.callbacks import Callback
 
 TOTAL_STEPS = 8
@@ -238,10 +238,8 @@ def test_max_time_stop_resumes_like_an_uninterrupted_run(tmp_path):
 def test_another_batch_size_resumes_from_an_epoch_end_and_is_refused_mid_epoch(tmp_path):
     """``--data.batch_size`` changed on resume: the saved position (batches done in the epoch)
     named other images, and the resumed epoch skipped or repeated some without a word. Mid-epoch
-    the CLI now refuses it in one line, leaving no run folder; from an epoch's end (4 updates an
+    the CLI refuses it in one line, leaving no run folder; from an epoch's end (4 updates an
     epoch here) the next epoch starts whole at the new size."""
-    from conftest import tiny_mnist_args
-
     code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=2")])
     assert code == 0, err
     code, _, err = run_cli(["fit", *tiny_mnist_args(tmp_path, "--trainer.max_steps=6", "--data.batch_size=2"),
