@@ -9,7 +9,9 @@ storage, which is wrong or too exact in three places where an NVIDIA GPU's tenso
   tensor cores read only tf32's 10 (the low 13 bits are ignored, a truncation); here they are
   truncated. ``"tf32x3"`` splits each operand into a tf32 part (rounded to nearest) and a tf32
   remainder and adds the three products that matter, as Triton compiles it; ``"ieee"`` stays exact;
-* fp32 -> bf16 casts drop the low 16 bits: the GPU rounds to nearest even; here it does.
+* fp32 -> bf16 casts drop the low 16 bits: the GPU rounds to nearest even; here it does;
+* ``tl.maximum`` / ``tl.minimum`` (``propagate_nan`` NONE, the default) are numpy's, which return a
+  NaN operand: the GPU's ``max.f32`` / ``min.f32`` return the other one; here they do.
 
 :func:`gpu_arithmetic` patches the interpreter's builder for the length of a ``with`` block;
 the ``gpu_arithmetic`` fixture of ``test_triton_chunk.py`` wraps a test in it.
@@ -67,7 +69,7 @@ def _dot(a: np.ndarray, b: np.ndarray, precision: str) -> np.ndarray:
 
 @contextlib.contextmanager
 def gpu_arithmetic():
-    """Within the block, the interpreter's products and fp32 -> bf16 casts are a GPU's (above)."""
+    """Within the block, the interpreter's products, fp32 -> bf16 casts and max / min are a GPU's (above)."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -85,8 +87,19 @@ def gpu_arithmetic():
             return interpreter.TensorHandle(fp32_to_bf16(src.data), tl.bfloat16)
         return stock_cast(self, src, dst_type)
 
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    def create_maxnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmax)
+
+    def create_minnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmin)
+
+    patched = {"create_dot": create_dot, "cast_impl": cast_impl, "create_maxnumf": create_maxnumf,
+               "create_minnumf": create_minnumf}
+    stock = {name: getattr(builder, name) for name in patched}
+    for name, method in patched.items():
+        setattr(builder, name, method)
     try:
         yield
     finally:
-        builder.create_dot, builder.cast_impl = stock_dot, stock_cast
+        for name, method in stock.items():
+            setattr(builder, name, method)

@@ -132,7 +132,7 @@ INLINE void sweep(int64_t t0, int64_t t1, bool reverse, const T* a, int64_t ld_a
     V result = accumulate ? acc[0] + load<T, B>(ot) : acc[0];
     if (kDerivative) {
       const V p = load<T, B>(pt), one = V{} + T(1);
-      result *= p < one ? p : one;
+      result *= p >= one ? one : p;  // min(phi, 1), a NaN phi kept
     }
     store<T, B>(ot, result);
   }
@@ -262,7 +262,8 @@ INLINE void elu_plus_one(const T* x, int64_t count, T* out) {
       // x is the block's first touch of q or k (read from memory at long rows): asked for ahead as the passes do
       __builtin_prefetch(x + i + kAheadBytes / sizeof(T), 0, 3);
       const V v = load<T, B>(x + i), zero = V{};
-      store<T, B>(out + i, exp_nonpositive<B>(v < zero ? v : zero) + (v > zero ? v : zero));
+      // max(x, 0) as "x <= 0 ? 0 : x", so that a NaN x gives a NaN phi, as in the reference
+      store<T, B>(out + i, exp_nonpositive<B>(v < zero ? v : zero) + (v <= zero ? zero : v));
     }
   } else {
     for (int64_t i = 0; i < count; ++i) out[i] = x[i] > 0 ? x[i] + 1 : std::exp(x[i]);

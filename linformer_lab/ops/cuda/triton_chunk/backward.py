@@ -145,7 +145,7 @@ def superchunk_dq(
         dq = dot_fp32_exact(bmat, k, dq, PREC, PARTS)
         if ELU:
             q = feature_rows(Q, b, h, start, tt, ck, tmask, kmask, sq_b, sq_h, sq_t, sq_d, tiny, ELU)
-            dq = dq * tl.minimum(q.to(tl.float32), 1.0)
+            dq = dq * tl.minimum(q.to(tl.float32), 1.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept
         tl.store(DQ + base_offset(b, h, start, sdq_b, sdq_h, sdq_t) + tt[:, None] * sdq_t + ck[None, :] * sdq_d,
                  dq.to(DQ.dtype.element_ty), mask=kq_mask)
         state = dot_inputs(tl.trans(k), v, state, PREC)
@@ -180,7 +180,7 @@ def dk_walk(Q, K, V, DO, DEN, R, DSN, DZN, DH, DHZ, DK, DS0, DZ0, i_k, b, h, row
         dk = dot_fp32_exact(tl.trans(bmat), q, dk, PREC, PARTS)
         if ELU:
             k = feature_rows(K, b, h, start, tt, ck, tmask, kmask, sk_b, sk_h, sk_t, sk_d, tiny, ELU)
-            dk = dk * tl.minimum(k.to(tl.float32), 1.0)
+            dk = dk * tl.minimum(k.to(tl.float32), 1.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept
         tl.store(DK + base_offset(b, h, start, sdk_b, sdk_h, sdk_t) + tt[:, None] * sdk_t + ck[None, :] * sdk_d,
                  dk.to(DK.dtype.element_ty), mask=kq_mask)
         dstate = dot_exact_fp32(tl.trans(q), do.to(tl.float32) / den[:, None], dstate, PREC, PARTS)

@@ -50,9 +50,11 @@ import triton.language as tl
 @triton.jit
 def elu_plus_one(x, mask, tiny, DT: tl.constexpr):
     """phi = elu + 1 in fp32, rounded to DT: x + 1 for x > 0, exp(x) otherwise (no cancellation
-    of (exp(x) - 1) + 1), at least ``tiny`` so that half-precision phi stays > 0; 0 off the mask."""
+    of (exp(x) - 1) + 1), at least ``tiny`` so that half-precision phi stays > 0; 0 off the mask. A
+    NaN stays a NaN (the GPU's max would return ``tiny``): the reference's outputs hold it too."""
     x = x.to(tl.float32)
-    return tl.where(mask, tl.maximum(tl.where(x > 0, x + 1.0, tl.exp(x)), tiny), 0.0).to(DT)
+    phi = tl.maximum(tl.where(x > 0, x + 1.0, tl.exp(x)), tiny, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(mask, phi, 0.0).to(DT)
 
 
 @triton.jit

@@ -20,9 +20,11 @@ def linear_attention_step(
     q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + c, mask=cmask, other=0.0)
     k = tl.load(K + b.to(tl.int64) * sk_b + h * sk_h + c, mask=cmask, other=0.0)
     v = tl.load(V + b.to(tl.int64) * sv_b + h * sv_h + m, mask=mmask, other=0.0).to(tl.float32)
-    if ELU:  # rounded to the input dtype, as the feature map's own output is, then widened
-        q = tl.where(cmask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q.to(tl.float32))), tiny), 0.0).to(Q.dtype.element_ty)
-        k = tl.where(cmask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k.to(tl.float32))), tiny), 0.0).to(K.dtype.element_ty)
+    if ELU:  # rounded to the input dtype, as the feature map's own output is, then widened; a NaN kept
+        q = tl.where(cmask, tl.maximum(tl.where(q > 0, q + 1.0, tl.exp(q.to(tl.float32))), tiny,
+                                       propagate_nan=tl.PropagateNan.ALL), 0.0).to(Q.dtype.element_ty)
+        k = tl.where(cmask, tl.maximum(tl.where(k > 0, k + 1.0, tl.exp(k.to(tl.float32))), tiny,
+                                       propagate_nan=tl.PropagateNan.ALL), 0.0).to(K.dtype.element_ty)
     q, k = q.to(tl.float32), k.to(tl.float32)
     base = JOINT + row.to(tl.int64) * (C * (M + 1))
     offsets = c[:, None] * (M + 1) + m[None, :]
