@@ -1,7 +1,7 @@
 """Triton's interpreter made to do a GPU's arithmetic, for tests only.
 
-The stock interpreter (``TRITON_INTERPRET=1``) runs ``tl.dot`` as a numpy matmul of the operands'
-storage, which is wrong or too exact in three places where an NVIDIA GPU's tensor cores are not:
+The stock interpreter (``TRITON_INTERPRET=1``) computes in numpy (``tl.dot`` as a matmul of the
+operands' storage), which differs from an NVIDIA GPU in four places:
 
 * bf16 operands are stored as ``uint16`` bit patterns and multiplied as integers: here they are
   decoded to the fp32 values they stand for;
@@ -14,7 +14,7 @@ storage, which is wrong or too exact in three places where an NVIDIA GPU's tenso
   NaN operand: the GPU's ``max.f32`` / ``min.f32`` return the other one; here they do.
 
 :func:`gpu_arithmetic` patches the interpreter's builder for the length of a ``with`` block;
-the ``gpu_arithmetic`` fixture of ``test_triton_chunk.py`` wraps a test in it.
+the ``gpu_arithmetic`` fixtures of ``test_triton_chunk.py`` and ``test_nan_propagation.py`` wrap a test in it.
 """
 
 from __future__ import annotations
