@@ -67,6 +67,27 @@ def test_kernel_equals_the_pytorch_window_step(lsh_isa, shape, n_hashes, causal,
         torch.testing.assert_close(a, b, **TOLERANCE[dtype], msg=lambda text, name=name: f"{name}: {text}")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_nan_query_reaches_the_outputs_it_reaches_in_the_pytorch_window_step(lsh_isa, causal):
+    """The kernel's row maximum passed over a NaN score: a row of NaN scores looked like one that
+    sees nothing (lse -inf, zeros), and lsh attention gave the token its own value, a finite output."""
+    inputs = list(_window_inputs(1, 2, 2, 32, 32, 32, 1, torch.float32, False))
+    inputs[0][0, 1, 0, 5, 3] = float("nan")  # one query of the second head
+    grad_out = torch.randn(*inputs[2].shape[:-1], 32)
+    grad_lse = torch.randn(inputs[3].shape)
+    got = _run(kernels.lsh_window, *inputs, causal, grad_out, grad_lse)
+    want = _run(lsh.window_attention_torch, *inputs, causal, grad_out, grad_lse)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        same = torch.equal(_nan_rows(a), _nan_rows(b))
+        assert same, f"{name}: NaN at {_nan_rows(a).nonzero().tolist()}, the step's at {_nan_rows(b).nonzero().tolist()}"
+    assert torch.isnan(want[0]).any()
+
+
+def _nan_rows(t: torch.Tensor) -> torch.Tensor:
+    """The slots of a window result holding a NaN: over the last dim of out, dq, dk, dv (5-d), lse as it is."""
+    return torch.isnan(t).any(-1) if t.dim() == 5 else torch.isnan(t)
+
+
 def test_rows_that_see_nothing_get_minus_infinity_zeros_and_no_gradient(lsh_extension):
     """Causal position 0 in a window of its own (every key masked): lse -inf, a zero output,
     zero gradients, however large the incoming gradient of its normaliser."""

@@ -162,8 +162,12 @@ INLINE void forward_block(const T* __restrict__ q, const T* __restrict__ k, cons
       const bool hidden = (key_position32[j] == position) | (causal & (key_position32[j] > position));
       pi[j] = hidden ? -std::numeric_limits<T>::infinity() : pi[j] + key_padding[j];
     }
-    const T top = row_max(pi, W);
+    T top = row_max(pi, W);
     for (int64_t m = 0; m < M; ++m) oi[m] = 0;
+    // the maximum passes over NaN scores (a NaN query): where nothing else is visible, the row goes
+    // on with a NaN maximum, so that its output is NaN, as in the reference, not "nothing visible"
+    if (std::isinf(top) && std::any_of(pi, pi + W, [](T x) { return std::isnan(x); }))
+      top = std::numeric_limits<T>::quiet_NaN();
     if (std::isinf(top)) {  // nothing visible: -inf normaliser, zero weights
       lse[row] = top;
       for (int64_t j = 0; j < W; ++j) pi[j] = 0;
