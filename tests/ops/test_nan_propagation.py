@@ -1,8 +1,9 @@
-"""A NaN in q or k reaches exactly the outputs and gradients it reaches in a float64 reference,
-through every kernel that computes phi = elu + 1 itself: the C++ CPU attention (its vector
-selects took a NaN for 0, so phi(NaN) was 1) and the Triton kernels on a GPU's arithmetic (its
-max/min return the operand that is not NaN, so phi(NaN) was the clamp's smallest normal). A kernel
-that turns a NaN into a number hides a diverging model from every check that looks for one.
+"""A NaN in q or k reaches the outputs and gradients it reaches in a float64 reference (exactly
+those; for a chunked kernel's gradients, at least those), through every kernel that computes
+phi = elu + 1 itself: the C++ CPU attention (its vector selects took a NaN for 0, so phi(NaN) was
+1) and the Triton kernels on a GPU's arithmetic (its max/min return the operand that is not NaN,
+so phi(NaN) was the clamp's smallest normal). A kernel that turns a NaN into a number hides a
+diverging model from every check that looks for one.
 
 The reference is the recurrence (eq. 16-20) written out in float64, whose autograd reaches exactly
 what each output depends on; the O(N^2) form's masked products would turn 0 * NaN into NaN in
@@ -16,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from test_causal_cpu_attention import EPS, fused, inputs, results
 
-# (position, column) of the NaN in q or in k of a (1, 2, 40, 8) input: row 2 of a head, and row 21,
-# past the C++ kernel's first block and in the Triton kernel's second chunk of 16
+# (tensor, row) of the NaN in q or k of a (1, 2, 40, 8) input, column 3 of the second head: row 2,
+# and row 21, in the Triton kernel's second chunk of 16
 PLACES = [("q", 2), ("k", 2), ("q", 21), ("k", 21)]
 
 
