@@ -2,7 +2,7 @@
 
     uv run python benchmarks/dev/cpu_defaults.py
 
-1. ``CPU_MATMUL_MIN_ROWS`` (``models/generation.py``): ``phi(q)^T [S | Z]`` of one fast RNN step
+1. ``CPU_MATMUL_MIN_ROWS`` (``models/generation/dynamic_step.py``): ``phi(q)^T [S | Z]`` of one fast RNN step
    as a broadcast product + sum against a batched matmul, H = 8, C = 32, M + 1 = 33, batch
    1 ... 256, with one and two intra-op threads.
 2. The feed-forward in row blocks: the MNIST model's feed-forward (256 -> 1024 -> GELU -> 256)

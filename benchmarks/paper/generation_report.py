@@ -151,7 +151,7 @@ def markdown(rows, extra, args, header_lines) -> str:
     if len(args.step_weights) > 1:
         out += ["", "## Step weight formats at batch 1 (`generate(step_weights=...)`)", "",
                 "`model`: the model's fp32 weights (exact); `bfloat16`: a bf16 copy; `int8`: weight-only int8 with "
-                "per-output-channel scales (see linformer_lab/models/generation.py). The lossy formats change the "
+                "per-output-channel scales (see linformer_lab/models/generation/weights.py). The lossy formats change the "
                 "samples slightly; their cost in bits/dim is in step_weights_quality_*.md. softmax (recompute) "
                 "always uses the model's weights.", ""]
         out += formats_table(rows, args.datasets, args.step_weights)

@@ -1,4 +1,4 @@
-"""The command line (linformer_lab/cli.py): configs, plugins, checkpoints, log dirs, precision."""
+"""The command line (linformer_lab/cli/): configs, plugins, checkpoints, log dirs, precision."""
 
 from __future__ import annotations
 
