@@ -98,8 +98,9 @@ def check_checkpoint(path: str, model: L.LightningModule, ckpt: dict | None = No
     want_class = f"{type(model).__module__}.{type(model).__qualname__}"
     saved_class = (ckpt.get("hyper_parameters") or {}).get("_class_path")
     saved_config = next((d / "config.yaml" for d in Path(path).resolve().parents[:3] if (d / "config.yaml").is_file()), None)
-    hint = (f" Evaluate with the configuration it was trained with: --config {saved_config} (its run's saved config)."
-            if saved_config else " Evaluate with the configuration it was trained with (a run saves it as config.yaml "
+    verb = "Resume" if resuming else "Evaluate"
+    hint = (f" {verb} with the configuration it was trained with: --config {saved_config} (its run's saved config)."
+            if saved_config else f" {verb} with the configuration it was trained with (a run saves it as config.yaml "
                                  "in its version_N folder).")
     if saved_class is not None and saved_class != want_class:
         raise OtherTaskCheckpointError(f"checkpoint {path} belongs to another task: it was written by {saved_class}, but "

@@ -142,6 +142,10 @@ def test_each_mismatch_has_its_own_class(trained, tmp_path):
         with pytest.raises(error, match=said) as caught:
             check_checkpoint(last, model)
         assert isinstance(caught.value, CheckpointMismatchError) and "\n" not in str(caught.value)
+        assert "Evaluate with the configuration it was trained with" in str(caught.value)
+    # a fit resuming from it is told to resume, not to evaluate, with the run's saved config
+    with pytest.raises(OtherShapeCheckpointError, match="Resume with the configuration it was trained with"):
+        check_checkpoint(last, cases[1][0], resuming=True)
     corrupt = tmp_path / "half.ckpt"
     corrupt.write_bytes(Path(last).read_bytes()[:2000])
     with pytest.raises(UnreadableCheckpointError, match="truncated, corrupt"):
