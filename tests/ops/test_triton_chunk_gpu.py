@@ -48,8 +48,9 @@ def _sass_and_resources(cubin: bytes, tmp_path: Path) -> tuple[str, str]:
 
 #: Compiles the kernels for a GPU in a fresh interpreter (the compiler needs the real
 #: triton.language, which an earlier import under TRITON_INTERPRET=1 replaced) and writes the cubins:
-#: argv capability, C = M, out dir, then a dtype and packed (0 or 1) per build, into out/DTYPE-PACKED;
-#: the chunk the op takes by default at that width.
+#: argv capability, C = M, out dir, then a dtype and packed (0 or 1) per build, into out/DTYPE-PACKED
+#: (with each kernel's shared memory in bytes, which only the compiler's metadata holds); the chunk the
+#: op takes by default at that width.
 _COMPILE = """
 import sys, torch
 from pathlib import Path
@@ -61,15 +62,19 @@ for build in sys.argv[4:]:
     chunk = op.default_chunk(width, width, dtype)
     for name, kernel in launch.compile_for(capability, dtype, width, width, chunk, varlen=varlen).items():
         (out / build / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
+        (out / build / f"{name}.shared").write_text(str(kernel.metadata.shared))
 """
 #: every Triton kernel, the graph decoder's step included: one added to launch.KERNELS is compiled and checked here
 KERNEL_NAMES = set(launch.KERNELS)
 #: (dtype, packed) of the Hopper builds: the training dtype, fp16 packed, fp32
 HOPPER_BUILDS = [("bfloat16", False), ("float16", True), ("float32", False)]
+#: The most shared memory one Hopper program may take (227 KiB, opted into): a kernel that asks for
+#: more compiles but fails at its first launch on the GPU (Triton's OutOfResources).
+HOPPER_SHARED_BYTES = 227 * 1024
 
 
 def _compile(tmp_path: Path, capability: str, width: int, builds: list[tuple[str, bool]]) -> dict:
-    """{(dtype, packed): {kernel: (SASS, stack bytes)}} of every kernel compiled for ``capability``
+    """{(dtype, packed): {kernel: (SASS, stack bytes, shared bytes)}} of every kernel compiled for ``capability``
     at C = M = width, all builds in one child process (its start costs as much as a build)."""
     if not _tool("cuobjdump").exists():
         pytest.skip("this Triton wheel carries no cuobjdump")
@@ -85,7 +90,8 @@ def _compile(tmp_path: Path, capability: str, width: int, builds: list[tuple[str
         result[build] = {}
         for kernel in sorted(KERNEL_NAMES):
             sass, resources = _sass_and_resources((tmp_path / name / f"{kernel}.cubin").read_bytes(), tmp_path)
-            result[build][kernel] = (sass, int(re.search(r"STACK:(\d+)", resources).group(1)))
+            shared = int((tmp_path / name / f"{kernel}.shared").read_text())
+            result[build][kernel] = (sass, int(re.search(r"STACK:(\d+)", resources).group(1)), shared)
     return result
 
 
@@ -101,9 +107,11 @@ def test_kernels_compile_for_hopper(hopper_kernels, dtype, varlen):
     """Every kernel compiles for sm_90 at C = M = 128 with the op's default chunk; in bf16 (the
     training dtype) nothing spills to local memory and the walks run on Hopper's warpgroup
     tensor-core instructions (HGMMA). fp16 and fp32 keep fp32-exact tf32 products, which may
-    spill a little at this width: compiled, their stack printed (-s)."""
-    for name, (sass, stack) in hopper_kernels[dtype, varlen].items():
-        print(f"{dtype} {name}: stack {stack} bytes, HGMMA {'HGMMA' in sass}")
+    spill a little at this width: compiled, their stack printed (-s). In every dtype each kernel's
+    shared memory fits one Hopper program, so that its first launch cannot fail for it."""
+    for name, (sass, stack, shared) in hopper_kernels[dtype, varlen].items():
+        print(f"{dtype} {name}: stack {stack} bytes, shared {shared} bytes, HGMMA {'HGMMA' in sass}")
+        assert shared <= HOPPER_SHARED_BYTES, f"{name}: {shared} bytes of shared memory"
         if dtype != "bfloat16":
             continue
         assert stack == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: local memory ({stack} bytes)"
