@@ -218,8 +218,9 @@ CANDIDATES: dict[str, list[Candidate]] = {
     # kernel for the maps it knows (its accepts(feature_map, q, k, v) says which).
     "causal_attention": [
         Candidate("triton", "Triton chunk kernel, elu and the normaliser fused (ops/cuda/triton_chunk)",
-                  "CUDA tensors, v float32, float16 or bfloat16, Triton and compute capability >= 8.0 (the elu "
-                  "map runs inside the kernel; other maps, and elu with key_lengths, are applied first)",
+                  "CUDA tensors, v float32, float16 or bfloat16, the map's features and the values at most 256, "
+                  "Triton and compute capability >= 8.0 (the elu map runs inside the kernel; other maps, and elu "
+                  "with key_lengths, are applied first)",
                   _late(triton_backend, "accepts"), _late(triton_chunk, "is_available"),
                   _late(triton_backend, "causal_attention")),
         Candidate("cpp", "C++ recurrence, the normaliser fused, and elu (ops/cpu/causal_recurrence.cpp)",

@@ -54,6 +54,29 @@ def test_fused_step_reads_strided_views_and_refuses_float64():
         _LinearBuffers(backend, 2, 3, 4, torch.float64, torch.device("cpu"), fused=True)
 
 
+class _CudaState:
+    """What ``step.runs_for`` reads of an fp32 CUDA ``[S | Z]`` state of ``shape`` (no GPU needed)."""
+
+    device, dtype = torch.device("cuda", 0), torch.float32
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+
+    def is_contiguous(self):
+        return True
+
+
+@pytest.mark.parametrize("c, m, runs", [(32, 32, True), (256, 256, True), (561, 32, False), (32, 300, False)])
+def test_the_fused_step_runs_for_states_up_to_the_kernels_widest(monkeypatch, c, m, runs):
+    """One program of the step kernel holds a whole C x M state: wider than ``op.MAX_WIDTH`` (a
+    second-order map's 561 features at D = 32) the graph decoder keeps the PyTorch step."""
+    from linformer_lab.ops.cuda import triton_chunk
+    from linformer_lab.ops.cuda.triton_chunk import step
+
+    monkeypatch.setattr(triton_chunk, "is_available", lambda: True)
+    assert step.runs_for(_CudaState(2, 4, c, m + 1)) == runs
+
+
 class _Operations(TorchDispatchMode):
     """Counts the operations that compute something (views and metadata left out)."""
 

@@ -304,11 +304,67 @@ def _bad(**changes):
     (_bad(chunk_size=48), "chunk_size must be one of"),
     (_bad(cu_seqlens=torch.tensor([0.0, 8.0])), "cu_seqlens must be"),
     (_bad(initial_state=(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4))), "initial_state must be"),
-], ids=["dims", "qk", "v", "dtype", "feature_map", "chunk", "cu_seqlens", "state"])
+    (_bad(q=torch.randn(1, 2, 8, 257), k=torch.randn(1, 2, 8, 257)), "must each be at most 256"),
+    (_bad(v=torch.randn(1, 2, 8, 257)), "must each be at most 256"),
+], ids=["dims", "qk", "v", "dtype", "feature_map", "chunk", "cu_seqlens", "state", "features", "values"])
 def test_bad_input_is_one_line(args, message):
     with pytest.raises(ValueError, match=message) as info:
         chunk_linear_attention(**args)
     assert "\n" not in str(info.value)
+
+
+class _OnCuda:
+    """What ``backend.accepts`` reads of a CUDA tensor of ``shape`` (no GPU needed)."""
+
+    device, dtype = torch.device("cuda", 0), torch.bfloat16
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+
+    def dim(self):
+        return len(self.shape)
+
+    def numel(self):
+        return self.shape.numel()
+
+
+@pytest.mark.parametrize("feature_map, d, m, accepted", [
+    ("elu", 64, 64, True), ("elu", 256, 256, True), ("elu", 320, 64, False), ("elu", 64, 320, False),
+    ("favor", 64, 64, True),             # 256 features
+    ("random_fourier", 64, 64, False),   # 512 features
+    ("poly2", 16, 16, True),             # 153 features
+    ("poly2", 64, 64, False), ("taylor", 64, 64, False), ("rebased", 32, 32, False),  # 2,145, 2,145, 528
+])
+def test_the_kernel_takes_features_and_values_up_to_its_widest(feature_map, d, m, accepted):
+    """The GPU candidate takes a map's features and the values up to ``op.MAX_WIDTH`` wide, the
+    widest whose kernels fit a GPU's shared memory (``test_triton_chunk_gpu.py`` compiles and
+    checks); a wider map (the second-order ones at usual head sizes, random_fourier) would not
+    launch, and goes to the op's next candidate."""
+    from linformer_lab.feature_maps import build_feature_map
+    from linformer_lab.ops.cuda.triton_chunk import backend, op
+
+    phi_map = build_feature_map(feature_map, query_dim=d)
+    assert (max(phi_map.output_dim, m) <= op.MAX_WIDTH) == accepted
+    assert backend.accepts(phi_map, _OnCuda(2, 4, 64, d), _OnCuda(2, 4, 64, d), _OnCuda(2, 4, 64, m)) == accepted
+
+
+@pytest.mark.slow
+def test_fp32_elu_over_128_features_is_mapped_before_the_kernels(device, monkeypatch):
+    """In fp32, elu inside the forward kernel at more than ``FUSED_ELU_FP32_MAX_WIDTH`` features would
+    outgrow a GPU's shared memory: PyTorch maps q and k first and the kernels take them as mapped,
+    with the same outputs and gradients as the definition; at 128 features it stays fused."""
+    from linformer_lab.ops.cuda.triton_chunk import op
+
+    taken = []
+    run = op.chunk_linear_attention_fwd
+    monkeypatch.setattr(op, "chunk_linear_attention_fwd", lambda *args: taken.append(args[6]) or run(*args))
+    wide = op.FUSED_ELU_FP32_MAX_WIDTH + 8
+    q, k, v = inputs(1, 1, 18, wide, 4, torch.float32, device=device)
+    compare(lambda *x: chunk_linear_attention(*x, chunk_size=16), lambda *x: naive(*x)[0], (q, k, v), torch.float32,
+            "fp32 elu, wide")
+    q, k, v = inputs(1, 1, 18, op.FUSED_ELU_FP32_MAX_WIDTH, 4, torch.float32, device=device)
+    chunk_linear_attention(q, k, v, chunk_size=16)
+    assert list(dict.fromkeys(taken)) == ["none", "elu"]  # (the op's autograd calls it again below itself)
 
 
 def test_bad_cu_seqlens_values_and_cpu_without_interpreter(monkeypatch):

@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 
 from triton_accuracy import assert_as_exact_as_the_pytorch_form  # noqa: E402
 
-from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, launch  # noqa: E402
+from linformer_lab.ops.cuda.triton_chunk import chunk_linear_attention, launch, op  # noqa: E402
 from linformer_lab.ops.linear_attention import causal_linear_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,43 +47,56 @@ def _sass_and_resources(cubin: bytes, tmp_path: Path) -> tuple[str, str]:
 
 
 #: Compiles the kernels for a GPU in a fresh interpreter (the compiler needs the real
-#: triton.language, which an earlier import under TRITON_INTERPRET=1 replaced) and writes the cubins:
-#: argv capability, C = M, out dir, then a dtype and packed (0 or 1) per build, into out/DTYPE-PACKED
-#: (with each kernel's shared memory in bytes, which only the compiler's metadata holds); the chunk the
-#: op takes by default at that width.
+#: triton.language, which an earlier import under TRITON_INTERPRET=1 replaced) and writes the cubins
+#: of each build named in argv after the out dir, CAPABILITY-DTYPE-PACKED-ELU-WIDTH (packed and elu
+#: 0 or 1, C = M = width), into out/BUILD, with each kernel's shared memory in bytes, which only the
+#: compiler's metadata holds; the chunk the op takes by default at that width.
 _COMPILE = """
 import sys, torch
 from pathlib import Path
 from linformer_lab.ops.cuda.triton_chunk import launch, op
-capability, width, out = tuple(map(int, sys.argv[1].split("."))), int(sys.argv[2]), Path(sys.argv[3])
-for build in sys.argv[4:]:
-    dtype, varlen = getattr(torch, build.split("-")[0]), build.endswith("-1")
+out = Path(sys.argv[1])
+for build in sys.argv[2:]:
+    capability, dtype, varlen, elu, width = build.split("-")
+    capability, dtype, width = tuple(map(int, capability.split("."))), getattr(torch, dtype), int(width)
     (out / build).mkdir()
     chunk = op.default_chunk(width, width, dtype)
-    for name, kernel in launch.compile_for(capability, dtype, width, width, chunk, varlen=varlen).items():
+    kernels = launch.compile_for(capability, dtype, width, width, chunk, varlen=varlen == "1", elu=elu == "1")
+    for name, kernel in kernels.items():
         (out / build / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         (out / build / f"{name}.shared").write_text(str(kernel.metadata.shared))
 """
 #: every Triton kernel, the graph decoder's step included: one added to launch.KERNELS is compiled and checked here
 KERNEL_NAMES = set(launch.KERNELS)
-#: (dtype, packed) of the Hopper builds: the training dtype, fp16 packed, fp32
-HOPPER_BUILDS = [("bfloat16", False), ("float16", True), ("float32", False)]
+#: (capability, dtype, packed, elu fused, C = M) of the Hopper builds: the training dtype, fp16 packed, fp32
+HOPPER_BUILDS = [("9.0", "bfloat16", False, True, 128), ("9.0", "float16", True, True, 128),
+                 ("9.0", "float32", False, True, 128)]
 #: The most shared memory one Hopper program may take (227 KiB, opted into): a kernel that asks for
 #: more compiles but fails at its first launch on the GPU (Triton's OutOfResources).
 HOPPER_SHARED_BYTES = 227 * 1024
+#: The builds at the widest the op takes (``op.MAX_WIDTH``; fp32 with elu fused up to
+#: ``op.FUSED_ELU_FP32_MAX_WIDTH``, mapped first above it) for compute capability 8.6, whose programs
+#: have the least shared memory of the GPUs the kernels run on (8.6 and 8.9: 99 KiB)
+WIDEST_BUILDS = [("8.6", "bfloat16", False, True, op.MAX_WIDTH), ("8.6", "float16", False, True, op.MAX_WIDTH),
+                 ("8.6", "float32", False, False, op.MAX_WIDTH),
+                 ("8.6", "float32", False, True, op.FUSED_ELU_FP32_MAX_WIDTH)]
+SMALLEST_SHARED_BYTES = 99 * 1024
 
 
-def _compile(tmp_path: Path, capability: str, width: int, builds: list[tuple[str, bool]]) -> dict:
-    """{(dtype, packed): {kernel: (SASS, stack bytes, shared bytes)}} of every kernel compiled for ``capability``
-    at C = M = width, all builds in one child process (its start costs as much as a build)."""
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """{build: {kernel: (SASS, stack bytes, shared bytes)}} of every kernel of every build of
+    :data:`HOPPER_BUILDS` and :data:`WIDEST_BUILDS`, all in one child process (its start costs as
+    much as a build)."""
     if not _tool("cuobjdump").exists():
         pytest.skip("this Triton wheel carries no cuobjdump")
     if torch.cuda.is_available():
         pytest.skip("a check for machines without a GPU: on a GPU the kernels compile for it when they run")
+    tmp_path = tmp_path_factory.mktemp("compiled")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    names = [f"{dtype}-{int(varlen)}" for dtype, varlen in builds]
-    subprocess.run([sys.executable, "-c", _COMPILE, capability, str(width), str(tmp_path), *names],
-                   env=env, check=True, cwd=REPO, timeout=600)
+    builds = HOPPER_BUILDS + WIDEST_BUILDS
+    names = ["-".join(str(int(x)) if isinstance(x, bool) else str(x) for x in build) for build in builds]
+    subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path), *names], env=env, check=True, cwd=REPO, timeout=900)
     result = {}
     for build, name in zip(builds, names):
         assert {p.stem for p in (tmp_path / name).glob("*.cubin")} == KERNEL_NAMES
@@ -95,21 +108,16 @@ def _compile(tmp_path: Path, capability: str, width: int, builds: list[tuple[str
     return result
 
 
-@pytest.fixture(scope="module")
-def hopper_kernels(tmp_path_factory) -> dict:
-    """Every kernel of every :data:`HOPPER_BUILDS` compiled for sm_90 at C = M = 128."""
-    return _compile(tmp_path_factory.mktemp("hopper"), "9.0", 128, HOPPER_BUILDS)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, varlen", HOPPER_BUILDS, ids=["bf16", "fp16-packed", "fp32"])
-def test_kernels_compile_for_hopper(hopper_kernels, dtype, varlen):
+@pytest.mark.parametrize("build", HOPPER_BUILDS, ids=["bf16", "fp16-packed", "fp32"])
+def test_kernels_compile_for_hopper(compiled, build):
     """Every kernel compiles for sm_90 at C = M = 128 with the op's default chunk; in bf16 (the
     training dtype) nothing spills to local memory and the walks run on Hopper's warpgroup
     tensor-core instructions (HGMMA). fp16 and fp32 keep fp32-exact tf32 products, which may
     spill a little at this width: compiled, their stack printed (-s). In every dtype each kernel's
     shared memory fits one Hopper program, so that its first launch cannot fail for it."""
-    for name, (sass, stack, shared) in hopper_kernels[dtype, varlen].items():
+    dtype = build[1]
+    for name, (sass, stack, shared) in compiled[build].items():
         print(f"{dtype} {name}: stack {stack} bytes, shared {shared} bytes, HGMMA {'HGMMA' in sass}")
         assert shared <= HOPPER_SHARED_BYTES, f"{name}: {shared} bytes of shared memory"
         if dtype != "bfloat16":
@@ -117,6 +125,17 @@ def test_kernels_compile_for_hopper(hopper_kernels, dtype, varlen):
         assert stack == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: local memory ({stack} bytes)"
         if name in ("superchunk_forward", "superchunk_dk_dv", "superchunk_deltas"):
             assert "HGMMA" in sass, f"{name}: no warpgroup tensor-core instruction in the SASS"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", WIDEST_BUILDS, ids=["bf16", "fp16", "fp32-mapped", "fp32-elu"])
+def test_the_widest_kernels_fit_the_smallest_gpu(compiled, build):
+    """At the widest features and values the op gives the kernels, each kernel's shared memory fits
+    a program of the GPUs with the least of it (compute capability 8.6 and 8.9), so that no first
+    launch fails for it; wider maps go to the PyTorch candidate (``test_triton_chunk.py``)."""
+    for name, (_, stack, shared) in compiled[build].items():
+        print(f"{build[1]} C = M = {build[4]}, elu {build[3]}: {name}: shared {shared} bytes, stack {stack} bytes")
+        assert shared <= SMALLEST_SHARED_BYTES, f"{name}: {shared} bytes of shared memory at C = M = {build[4]}"
 
 
 def _reference(q, k, v, eps=1e-6):

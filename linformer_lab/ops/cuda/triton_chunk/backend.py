@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from linformer_lab.ops.cuda.triton_chunk.op import chunk_linear_attention
+from linformer_lab.ops.cuda.triton_chunk.op import MAX_WIDTH, chunk_linear_attention
 from linformer_lab.ops.linear_attention import computed_in, joint_state, mask_keys
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,10 +23,12 @@ def fuses(feature_map) -> bool:
 
 def accepts(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """CUDA tensors on one device, v float32, float16 or bfloat16 (q and k are cast to it), self
-    attention of one length, something to compute (whether the kernels run on this machine is the
-    candidate's ``available``: ``triton_chunk.is_available``)."""
+    attention of one length, something to compute, the map's features and the values at most
+    :data:`~.op.MAX_WIDTH` wide (whether the kernels run on this machine is the candidate's
+    ``available``: ``triton_chunk.is_available``)."""
     return (q.device.type == "cuda" and k.device == q.device and v.device == q.device and v.dtype in _DTYPES
-            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0)
+            and q.dim() == 4 and q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and v.numel() > 0
+            and max(feature_map.output_dim, v.shape[-1]) <= MAX_WIDTH)
 
 
 def causal_attention(feature_map, q, k, v, key_lengths=None, eps=1e-6, dot_product=None, initial_state=None,

@@ -14,10 +14,20 @@ import torch
 from torch import Tensor
 
 from linformer_lab.ops import custom_ops
+from linformer_lab.ops.linear_attention import elu_plus_one
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FEATURE_MAPS = ("elu", None)
 _CHUNKS = (16, 32, 64, 128)
+#: The widest features C and values M the kernels take: at 256 (and the default chunk) every kernel
+#: fits the shared memory of the smallest GPU they run on, 99 KiB a program at compute capability 8.6
+#: and 8.9 (at most 80 KiB; ``tests/ops/test_triton_chunk_gpu.py`` compiles and checks). Wider ones
+#: would not launch (C = 1,024 takes 230 KiB, C = 2,048 460 KiB): the ``causal_attention`` op gives
+#: wider feature maps (the second-order ones, random_fourier's 512 features) to its PyTorch candidate.
+MAX_WIDTH = 256
+#: In fp32 the elu map applied inside the forward kernel takes 129 KiB at C = 256: above this many
+#: features PyTorch applies it first and the kernels take the mapped inputs (49 KiB).
+FUSED_ELU_FP32_MAX_WIDTH = 128
 
 
 def default_chunk(c: int, m: int, dtype: torch.dtype) -> int:
@@ -184,6 +194,10 @@ def _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_fir
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{name}: q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_WIDTH:
+        raise ValueError(f"{name}: feature dim {q.shape[-1]} and value dim {v.shape[-1]} must each be at most "
+                         f"{MAX_WIDTH} (wider kernels exceed a GPU's shared memory); wider inputs take the PyTorch "
+                         f"form, linformer_lab.ops.linear_attention.causal_linear_attention")
     if feature_map not in _FEATURE_MAPS:
         raise ValueError(f"{name}: feature_map must be 'elu' (applied in the kernel) or None (inputs already "
                          f"feature-mapped); got {feature_map!r}")
@@ -214,7 +228,8 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
     Args:
         q, k: ``(B, H, T, C)`` (``head_first=False``: ``(B, T, H, C)``); float32, float16 or
             bfloat16, all three inputs one dtype, on a CUDA device (on CPU only under
-            ``TRITON_INTERPRET=1``, fp32/fp16). Any strides: views are read in place.
+            ``TRITON_INTERPRET=1``, fp32/fp16). Any strides: views are read in place. C and M at
+            most :data:`MAX_WIDTH`.
         v: ``(B, H, T, M)`` (or ``(B, T, H, M)``).
         feature_map: ``"elu"``: phi = elu + 1 (eq. 7) applied inside the kernels; None: q and k
             are already feature-mapped (non-negative); any other map is applied by the caller.
@@ -235,6 +250,8 @@ def chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, feature_map: str 
         with ``return_final_state``. Differentiable in q, k, v and the initial state.
     """
     _check(q, k, v, feature_map, initial_state, cu_seqlens, chunk_size, head_first)
+    if feature_map == "elu" and q.dtype == torch.float32 and q.shape[-1] > FUSED_ELU_FP32_MAX_WIDTH:
+        q, k, feature_map = elu_plus_one(q), elu_plus_one(k), None
     s0, z0 = initial_state if initial_state is not None else (None, None)
     chunk_size = chunk_size or default_chunk(q.shape[-1], v.shape[-1], v.dtype)
     out, _, s_n, z_n, _, _, _ = chunk_linear_attention_fwd(q, k, v, s0, z0, cu_seqlens, feature_map or "none",

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from linformer_lab.ops import custom_ops
+from linformer_lab.ops.cuda.triton_chunk.op import MAX_WIDTH
 
 
 def _step(q: Tensor, k: Tensor, v: Tensor, joint: Tensor, feature_map: str, eps: float) -> Tensor:
@@ -48,9 +49,10 @@ linear_attention_step_ = custom_ops.define(
 
 
 def runs_for(joint: Tensor) -> bool:
-    """Where the kernel runs: a CUDA GPU with Triton, for an fp32 contiguous joint state (a
-    float64 model keeps float64 state, which the kernel does not hold)."""
+    """Where the kernel runs: a CUDA GPU with Triton, for an fp32 contiguous joint state ``(B, H, C,
+    M + 1)`` (a float64 model keeps float64 state, which the kernel does not hold) whose C and M are
+    at most :data:`~.op.MAX_WIDTH` (one program holds the whole C x M state)."""
     from linformer_lab.ops.cuda import triton_chunk
 
     return (joint.dtype == torch.float32 and joint.is_contiguous() and joint.device.type == "cuda"
-            and triton_chunk.is_available())
+            and max(joint.shape[-2], joint.shape[-1] - 1) <= MAX_WIDTH and triton_chunk.is_available())
