@@ -267,16 +267,21 @@ def test_every_map_through_the_triton_chunk_kernel(name):
     """The GPU candidate of the causal attention op (``ops/cuda/triton_chunk/backend.py``), which fuses
     elu alone and applies any other map before its kernels: outputs, the final state and the gradients
     of q, k, v and the map's weights equal the op's PyTorch reference (under Triton's interpreter on a
-    machine without a GPU)."""
+    machine without a GPU). A map wider than the kernels take (random_fourier's 512 features) is refused
+    in one line: the op gives it to its PyTorch candidate (``tests/ops/test_triton_chunk.py``)."""
     device = _triton_device()
     if device is None:
         pytest.skip("needs Triton")
-    from linformer_lab.ops.cuda.triton_chunk import backend
+    from linformer_lab.ops.cuda.triton_chunk import backend, op
 
     attention = _attention(name, d=4, dtype=torch.float32).to(device)
     assert not backend.fuses(attention.feature_map)
     # one row of 21 positions: two chunks of the interpreter's 16, each program run in Python
     q, k, v = (t[:1, :1].to(device).requires_grad_() for t in _inputs(torch.float32, d=4, n=21))
+    if attention.feature_map.output_dim > op.MAX_WIDTH:
+        with pytest.raises(ValueError, match=f"must each be at most {op.MAX_WIDTH}"):
+            backend.causal_attention(attention.feature_map, q, k, v)
+        return
     results = []
     for run in (backend.causal_attention, kernels.fallback("causal_attention").run):
         out, state = run(attention.feature_map, q, k, v, None, attention.eps, attention.causal_dot_product, None, True)
