@@ -22,8 +22,9 @@ _CHUNKS = (16, 32, 64, 128)
 #: The widest features C and values M the kernels take: at 256 (and the default chunk) every kernel
 #: fits the shared memory of the smallest GPU they run on, 99 KiB a program at compute capability 8.6
 #: and 8.9 (at most 80 KiB; ``tests/ops/test_triton_chunk_gpu.py`` compiles and checks). Wider ones
-#: would not launch (C = 1,024 takes 230 KiB, C = 2,048 460 KiB): the ``causal_attention`` op gives
-#: wider feature maps (the second-order ones, random_fourier's 512 features) to its PyTorch candidate.
+#: need more than some GPUs have (bf16 for sm_90: C = 512 116 KiB, C = 1,024 230 KiB, C = 2,048 460 KiB):
+#: the ``causal_attention`` op gives wider feature maps (the second-order ones from D = 32,
+#: random_fourier's 512 features) to its PyTorch candidate.
 MAX_WIDTH = 256
 #: In fp32 the elu map applied inside the forward kernel takes 129 KiB at C = 256: above this many
 #: features PyTorch applies it first and the kernels take the mapped inputs (49 KiB).
