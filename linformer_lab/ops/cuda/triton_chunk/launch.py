@@ -87,7 +87,7 @@ def cdiv(a: int, b: int) -> int:
 
 def pow2(n: int) -> int:
     """The tile covering n: a power of two, at least 16 (the smallest ``tl.dot`` side). Whole
-    widths are read by one program (a map of 512 features too: random_fourier's)."""
+    widths are read by one program (up to ``op.MAX_WIDTH``)."""
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
