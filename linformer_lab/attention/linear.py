@@ -42,8 +42,9 @@ class LinearAttention(Attention):
         gpu_kernels: force the GPU kernels (``linear_cuda`` is this layer with it): causal eq.
             9-12 on the Triton chunk kernel (:mod:`linformer_lab.ops.cuda.triton_chunk`: elu map
             and normaliser fused, packed sequences in one launch) where Triton runs (compute
-            capability >= 8.0), else the numerator on the CUDA C++ kernel of :mod:`linformer_lab.ops.cuda`
-            (compiled on first use; also 7.x), else the PyTorch candidates. Non-causal attention
+            capability >= 8.0; features and values at most 256 wide), else the numerator on the
+            CUDA C++ kernel of :mod:`linformer_lab.ops.cuda` (compiled on first use; also 7.x; at
+            most 256 wide too), else the PyTorch candidates. Non-causal attention
             and RNN steps are matmuls already (cuBLAS). Built anywhere, runs on CUDA tensors only
             (:meth:`check_device` lets a task refuse a CPU run before its first batch).
 
